@@ -1,0 +1,147 @@
+"""Device capabilities as plain, validated data (JSON in, JSON out)."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from importlib import resources
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = ["DTYPE_NAMES", "FEATURE_NAMES", "DeviceCapabilities", "load_profile", "profile_names"]
+
+#: Dtype names a device may list in ``DeviceCapabilities.dtypes``.
+DTYPE_NAMES = frozenset(
+    {"fp64", "fp32", "tf32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2",
+     "fp8_e4m3fnuz", "fp8_e5m2fnuz", "fp6", "fp4_e2m1", "int8", "int4"}
+)
+
+#: Feature flags a device may list in ``DeviceCapabilities.features``.
+FEATURE_NAMES = frozenset({"tensor_cores", "unified_memory", "async_alloc", "managed_memory"})
+
+
+class DeviceCapabilities(BaseModel):
+    """What one device can do, as explicit numbers instead of magic constants.
+
+    Launch configurations are checked against these fields, and kernels are
+    chosen from them. Profiles of real GPUs load with :func:`load_profile`,
+    so that logic can be tested without the hardware.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    vendor: str = Field(description="'cpu', 'nvidia', 'amd', ...")
+    name: str
+    arch: str = Field(description="'sm_90', 'gfx942', 'x86_64-avx512', ...")
+    compute_units: int = Field(gt=0, description="SMs, CUs or CPU cores")
+    simd_width: int = Field(gt=0, description="warp 32, wavefront 64, or CPU vector lanes (fp32)")
+    max_threads_per_block: int = Field(gt=0)
+    max_threads_per_cu: int = Field(gt=0)
+    max_block_dims: tuple[int, int, int]
+    max_grid_dims: tuple[int, int, int]
+    shared_mem_per_block: int = Field(ge=0, description="bytes usable without opt-in")
+    shared_mem_per_block_optin: int = Field(ge=0, description="bytes after opt-in; 0 reads as shared_mem_per_block")
+    shared_mem_per_cu: int = Field(ge=0)
+    registers_per_block: int = Field(ge=0)
+    registers_per_cu: int = Field(ge=0)
+    l2_bytes: int = Field(ge=0)
+    memory_total: int = Field(ge=0, description="bytes")
+    memory_free: int | None = Field(default=None, ge=0, description="bytes, when known at query time")
+    memory_bandwidth_gbps: float | None = Field(default=None, gt=0)
+    peak_fp16_tflops: float | None = Field(default=None, gt=0)
+    dtypes: frozenset[str]
+    features: frozenset[str] = frozenset()
+    allocation_granularity: int = Field(default=256, gt=0, description="suggested allocation rounding, bytes")
+
+    @field_validator("dtypes")
+    @classmethod
+    def _known_dtypes(cls, value: frozenset[str]) -> frozenset[str]:
+        unknown = set(value) - DTYPE_NAMES
+        if unknown:
+            raise ValueError(f"unknown dtype names {sorted(unknown)}; known: {sorted(DTYPE_NAMES)}")
+        return value
+
+    @field_validator("features")
+    @classmethod
+    def _known_features(cls, value: frozenset[str]) -> frozenset[str]:
+        unknown = set(value) - FEATURE_NAMES
+        if unknown:
+            raise ValueError(f"unknown feature flags {sorted(unknown)}; known: {sorted(FEATURE_NAMES)}")
+        return value
+
+    @model_validator(mode="after")
+    def _optin_defaults_to_static(self) -> DeviceCapabilities:
+        if self.shared_mem_per_block_optin == 0:
+            object.__setattr__(self, "shared_mem_per_block_optin", self.shared_mem_per_block)
+        return self
+
+    def supports_dtype(self, name: str) -> bool:
+        """Whether ``name`` (e.g. ``'bf16'``) is in :attr:`dtypes`."""
+        return name in self.dtypes
+
+    def has(self, feature: str) -> bool:
+        """Whether ``feature`` (e.g. ``'tensor_cores'``) is in :attr:`features`."""
+        return feature in self.features
+
+    def to_json(self) -> str:
+        """Serialise to JSON; :meth:`from_json` reads it back equal."""
+        return self.model_dump_json()
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> DeviceCapabilities:
+        """Parse JSON written by :meth:`to_json`."""
+        return cls.model_validate_json(text)
+
+
+@cache
+def _raw_profiles() -> dict[str, dict[str, Any]]:
+    text = resources.files("hal_core.profiles").joinpath("device-profiles.json").read_text()
+    return {entry["name"]: entry for entry in json.loads(text)}
+
+
+def profile_names() -> list[str]:
+    """Names of the saved GPU capability profiles shipped with hal-core."""
+    return sorted(_raw_profiles())
+
+
+def load_profile(name: str) -> DeviceCapabilities:
+    """Capabilities of a real GPU from its saved profile, e.g. ``'NVIDIA H200'``.
+
+    Matches the exact name first, then a unique case-insensitive substring
+    (``'h200'``, ``'mi300x'``). Raises ``LookupError`` naming the choices.
+    """
+    profiles = _raw_profiles()
+    entry = profiles.get(name)
+    if entry is None:
+        matches = [key for key in profiles if name.lower() in key.lower()]
+        if len(matches) != 1:
+            raise LookupError(
+                f"no unique device profile matches {name!r}; choose one of {profile_names()}"
+            )
+        entry = profiles[matches[0]]
+    features = {"tensor_cores"} if entry.get("peak_fp16_tensor_tflops") else set()
+    dtypes = set(entry["dtypes"]) | {"fp32"}
+    return DeviceCapabilities(
+        vendor=entry["vendor"],
+        name=entry["name"],
+        arch=entry["arch"],
+        compute_units=entry["compute_units"],
+        simd_width=entry["simd_width"],
+        max_threads_per_block=entry["max_threads_per_block"],
+        max_threads_per_cu=entry["max_threads_per_cu"],
+        max_block_dims=tuple(entry["max_block_dims"]),
+        max_grid_dims=tuple(entry["max_grid_dims"]),
+        shared_mem_per_block=entry["shared_mem_per_block"],
+        shared_mem_per_block_optin=entry["shared_mem_per_block_optin"],
+        shared_mem_per_cu=entry["shared_mem_per_cu"],
+        registers_per_block=entry["regs_per_block"],
+        registers_per_cu=entry["regs_per_cu"],
+        l2_bytes=entry["l2_bytes"],
+        memory_total=entry["memory_bytes"],
+        memory_bandwidth_gbps=entry["memory_bandwidth_gbps"],
+        peak_fp16_tflops=entry["peak_fp16_tensor_tflops"],
+        dtypes=frozenset(dtypes),
+        features=frozenset(features | {"async_alloc", "managed_memory"}),
+        allocation_granularity=512 if entry["vendor"] == "nvidia" else 4096,
+    )

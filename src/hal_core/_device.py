@@ -1,0 +1,65 @@
+"""The device handle: one device, its streams, memory and launcher."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from ._capabilities import DeviceCapabilities
+from ._launch import KernelLauncher
+from ._memory import Allocator
+from ._stream import Event, Stream
+
+__all__ = ["DeviceHandle"]
+
+
+class DeviceHandle(ABC):
+    """One device of a backend.
+
+    Creating a handle is cheap; contexts and pools are made on first use.
+    """
+
+    @property
+    @abstractmethod
+    def index(self) -> int:
+        raise NotImplementedError("The 'index' property must be implemented.")
+
+    @property
+    @abstractmethod
+    def capabilities(self) -> DeviceCapabilities:
+        raise NotImplementedError("The 'capabilities' property must be implemented.")
+
+    @property
+    @abstractmethod
+    def default_stream(self) -> Stream:
+        raise NotImplementedError("The 'default_stream' property must be implemented.")
+
+    @abstractmethod
+    def create_stream(self) -> Stream:
+        """A new stream, ordered independently of the others."""
+        raise NotImplementedError("The 'create_stream' method must be implemented.")
+
+    @abstractmethod
+    def create_event(self, *, timing: bool = True) -> Event:
+        """A new event; ``timing=False`` may be cheaper where timing is not needed."""
+        raise NotImplementedError("The 'create_event' method must be implemented.")
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block until all work on every stream of this device has completed.
+
+        Prefer events; this is for teardown and benchmarks.
+        """
+        raise NotImplementedError("The 'synchronize' method must be implemented.")
+
+    @property
+    @abstractmethod
+    def allocator(self) -> Allocator:
+        raise NotImplementedError("The 'allocator' property must be implemented.")
+
+    @property
+    @abstractmethod
+    def launcher(self) -> KernelLauncher:
+        raise NotImplementedError("The 'launcher' property must be implemented.")
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.index}: {self.capabilities.name}>"

@@ -1,0 +1,324 @@
+// Paged-attention decode kernels (one query token per sequence).
+//
+// Defines: HAL_DTYPE (0 f32, 1 f16, 2 bf16), HAL_HEAD_SIZE, HAL_GQA (query
+// heads handled by one CTA; 1, 2, 4 or 8), optional HAL_NUM_THREADS (128) and
+// HAL_UNROLL (4, tokens per thread per chunk).  See README.md for launch rules.
+#include "hal_common.cuh"
+
+#ifndef HAL_NUM_THREADS
+#define HAL_NUM_THREADS 128
+#endif
+#ifndef HAL_UNROLL
+#define HAL_UNROLL 4
+#endif
+
+namespace pa {
+
+constexpr int HS = HAL_HEAD_SIZE;
+constexpr int GQA = HAL_GQA;
+constexpr int NT = HAL_NUM_THREADS;
+constexpr int WARP = HAL_WARP_SIZE;
+constexpr int NWARPS = NT / WARP;
+constexpr int EPV = HAL_EPV;
+constexpr int NVEC = HS / EPV;  // 16-byte vectors per K/V row
+
+constexpr int NVEC_P2 = NVEC <= 1 ? 1 : NVEC <= 2 ? 2 : NVEC <= 4 ? 4 : NVEC <= 8 ? 8
+                      : NVEC <= 16 ? 16 : NVEC <= 32 ? 32 : NVEC <= 64 ? 64 : 128;
+// Lanes sharing one token row, vectors per lane, token slots per warp / CTA.
+constexpr int LPT = NVEC_P2 < WARP ? NVEC_P2 : WARP;
+constexpr int VPL = (NVEC + LPT - 1) / LPT;
+constexpr int SPW = WARP / LPT;
+constexpr int SLOTS = NWARPS * SPW;
+constexpr int CHUNK = SLOTS * HAL_UNROLL;  // tokens per softmax step
+constexpr int REG = VPL * EPV;             // floats per lane per row
+
+static_assert(HS % EPV == 0, "head size must fill whole 16-byte vectors");
+static_assert(NT % WARP == 0, "HAL_NUM_THREADS must be a multiple of the warp size");
+static_assert(GQA >= 1 && GQA <= 8, "HAL_GQA must be in 1..8");
+
+// Attention of query heads [head0, head0 + n_valid) of sequence s over tokens
+// [t0, t1).  Leaves the unnormalised output in s_out and the running max and
+// exp-sum per head in s_m / s_l (all in shared memory).
+HAL_DEVICE void attend(const hal_t* HAL_RESTRICT query, const hal_t* HAL_RESTRICT key_cache,
+                       const hal_t* HAL_RESTRICT value_cache, const int* HAL_RESTRICT block_table,
+                       float scale, int s, int num_heads, int num_kv_heads, int kv_head, int head0,
+                       int n_valid, int block_size, int t0, int t1, float (*s_logit)[CHUNK],
+                       float* s_m, float* s_l, float* s_alpha, float (*s_out)[HS]) {
+    const int tid = threadIdx.x;
+    const int lane = tid % WARP;
+    const int warp = tid / WARP;
+    const int vec = lane % LPT;
+    const int slot = warp * SPW + lane / LPT;
+
+    // This lane's slice of the (pre-scaled) queries.
+    float qf[GQA][REG];
+#pragma unroll
+    for (int g = 0; g < GQA; ++g) {
+#pragma unroll
+        for (int j = 0; j < VPL; ++j) {
+            const int vi = vec + j * LPT;
+            if (g < n_valid && vi < NVEC) {
+                const hal_t* p = query + ((hal_i64)s * num_heads + head0 + g) * HS + vi * EPV;
+                hal_unpack16(hal_load16(p), &qf[g][j * EPV]);
+#pragma unroll
+                for (int e = 0; e < EPV; ++e) qf[g][j * EPV + e] *= scale;
+            } else {
+#pragma unroll
+                for (int e = 0; e < EPV; ++e) qf[g][j * EPV + e] = 0.f;
+            }
+        }
+    }
+    float acc[GQA][REG];
+#pragma unroll
+    for (int g = 0; g < GQA; ++g)
+#pragma unroll
+        for (int e = 0; e < REG; ++e) acc[g][e] = 0.f;
+
+    if (tid < GQA) {
+        s_m[tid] = HAL_NEG_INF;
+        s_l[tid] = 0.f;
+    }
+
+    for (int c0 = t0; c0 < t1; c0 += CHUNK) {
+        hal_i64 row[HAL_UNROLL];
+        bool ok[HAL_UNROLL];
+#pragma unroll
+        for (int u = 0; u < HAL_UNROLL; ++u) {
+            const int t = c0 + u * SLOTS + slot;
+            ok[u] = t < t1;
+            row[u] = 0;
+            if (ok[u]) {
+                const hal_i64 phys = block_table[t / block_size];
+                row[u] = ((phys * num_kv_heads + kv_head) * block_size + t % block_size) * HS;
+            }
+        }
+        hal_vec16 kv[HAL_UNROLL][VPL];
+#pragma unroll
+        for (int u = 0; u < HAL_UNROLL; ++u)
+#pragma unroll
+            for (int j = 0; j < VPL; ++j) {
+                const int vi = vec + j * LPT;
+                kv[u][j] = ok[u] && vi < NVEC ? hal_load16(key_cache + row[u] + vi * EPV)
+                                              : make_uint4(0u, 0u, 0u, 0u);
+            }
+        // Logits: partial dot products, then a sum over the LPT lanes of a row.
+#pragma unroll
+        for (int u = 0; u < HAL_UNROLL; ++u) {
+            float kf[REG];
+#pragma unroll
+            for (int j = 0; j < VPL; ++j) hal_unpack16(kv[u][j], &kf[j * EPV]);
+#pragma unroll
+            for (int g = 0; g < GQA; ++g) {
+                float dot = 0.f;
+#pragma unroll
+                for (int e = 0; e < REG; ++e) dot += qf[g][e] * kf[e];
+#pragma unroll
+                for (int m = LPT / 2; m > 0; m >>= 1) dot += hal_shfl_xor(dot, m);
+                if (vec == 0) s_logit[g][u * SLOTS + slot] = ok[u] ? dot : HAL_NEG_INF;
+            }
+        }
+        // Issue the V loads before the softmax step so they overlap it.
+#pragma unroll
+        for (int u = 0; u < HAL_UNROLL; ++u)
+#pragma unroll
+            for (int j = 0; j < VPL; ++j) {
+                const int vi = vec + j * LPT;
+                kv[u][j] = ok[u] && vi < NVEC ? hal_load16(value_cache + row[u] + vi * EPV)
+                                              : make_uint4(0u, 0u, 0u, 0u);
+            }
+        hal_barrier();
+
+        // Online softmax update, one warp per head.
+        for (int g = warp; g < GQA; g += NWARPS) {
+            float mx = HAL_NEG_INF;
+            for (int i = lane; i < CHUNK; i += WARP) mx = fmaxf(mx, s_logit[g][i]);
+            mx = hal_warp_max(mx);
+            const float m_old = s_m[g];
+            const float m_new = fmaxf(m_old, mx);  // finite: each chunk has a valid token
+            float sum = 0.f;
+            for (int i = lane; i < CHUNK; i += WARP) {
+                const float p = expf(s_logit[g][i] - m_new);
+                s_logit[g][i] = p;
+                sum += p;
+            }
+            sum = hal_warp_sum(sum);
+            if (lane == 0) {
+                const float alpha = expf(m_old - m_new);
+                s_alpha[g] = alpha;
+                s_l[g] = s_l[g] * alpha + sum;
+                s_m[g] = m_new;
+            }
+        }
+        hal_barrier();
+
+#pragma unroll
+        for (int g = 0; g < GQA; ++g) {
+            const float a = s_alpha[g];
+#pragma unroll
+            for (int e = 0; e < REG; ++e) acc[g][e] *= a;
+        }
+#pragma unroll
+        for (int u = 0; u < HAL_UNROLL; ++u) {
+            float vf[REG];
+#pragma unroll
+            for (int j = 0; j < VPL; ++j) hal_unpack16(kv[u][j], &vf[j * EPV]);
+#pragma unroll
+            for (int g = 0; g < GQA; ++g) {
+                const float p = s_logit[g][u * SLOTS + slot];
+#pragma unroll
+                for (int e = 0; e < REG; ++e) acc[g][e] += p * vf[e];
+            }
+        }
+        hal_barrier();
+    }
+
+    // Sum the token slots: first inside each warp, then across warps.
+#pragma unroll
+    for (int g = 0; g < GQA; ++g)
+#pragma unroll
+        for (int e = 0; e < REG; ++e)
+#pragma unroll
+            for (int m = LPT; m < WARP; m <<= 1) acc[g][e] += hal_shfl_xor(acc[g][e], m);
+    for (int w = 0; w < NWARPS; ++w) {
+        if (warp == w && lane < LPT) {
+#pragma unroll
+            for (int g = 0; g < GQA; ++g)
+#pragma unroll
+                for (int j = 0; j < VPL; ++j) {
+                    const int vi = vec + j * LPT;
+                    if (vi < NVEC) {
+#pragma unroll
+                        for (int e = 0; e < EPV; ++e) {
+                            float& o = s_out[g][vi * EPV + e];
+                            o = (w == 0 ? 0.f : o) + acc[g][j * EPV + e];
+                        }
+                    }
+                }
+        }
+        hal_barrier();
+    }
+}
+
+// Maps blockIdx.x to (kv head, first query head, number of valid heads).
+HAL_DEVICE void head_tile(int num_heads, int num_kv_heads, int* kv_head, int* head0, int* n_valid) {
+    const int group = num_heads / num_kv_heads;
+    const int tiles = (group + GQA - 1) / GQA;
+    const int tile = blockIdx.x % tiles;
+    *kv_head = blockIdx.x / tiles;
+    *head0 = *kv_head * group + tile * GQA;
+    const int left = group - tile * GQA;
+    *n_valid = left < GQA ? left : GQA;
+}
+
+}  // namespace pa
+
+// Single pass: one CTA covers the whole sequence and writes the final output.
+HAL_GLOBAL void HAL_LAUNCH_BOUNDS(HAL_NUM_THREADS)
+hal_paged_attention(hal_t* HAL_RESTRICT out, const hal_t* HAL_RESTRICT query,
+                    const hal_t* HAL_RESTRICT key_cache, const hal_t* HAL_RESTRICT value_cache,
+                    const int* HAL_RESTRICT block_tables, const int* HAL_RESTRICT seq_lens,
+                    float scale, int num_heads, int num_kv_heads, int block_size,
+                    int max_blocks_per_seq) {
+    using namespace pa;
+    __shared__ float s_logit[GQA][CHUNK];
+    __shared__ float s_out[GQA][HS];
+    __shared__ float s_m[GQA], s_l[GQA], s_alpha[GQA];
+    const int s = blockIdx.y;
+    int kv_head, head0, n_valid;
+    head_tile(num_heads, num_kv_heads, &kv_head, &head0, &n_valid);
+    const int seq_len = seq_lens[s];
+    attend(query, key_cache, value_cache, block_tables + (hal_i64)s * max_blocks_per_seq, scale,
+           s, num_heads, num_kv_heads, kv_head, head0, n_valid, block_size, 0, seq_len, s_logit,
+           s_m, s_l, s_alpha, s_out);
+    for (int i = threadIdx.x; i < n_valid * HS; i += NT) {
+        const int g = i / HS, d = i % HS;
+        const float l = s_l[g];
+        const float v = seq_len > 0 && l > 0.f ? s_out[g][d] / l : 0.f;
+        out[((hal_i64)s * num_heads + head0 + g) * HS + d] = hal_from_float(v);
+    }
+}
+
+// Split-KV: CTA (x, s, p) covers tokens [p * partition_size, (p + 1) * partition_size)
+// and writes unnormalised fp32 partial outputs plus max logit and exp-sum.
+// Partitions starting at or beyond seq_lens[s] write nothing.
+HAL_GLOBAL void HAL_LAUNCH_BOUNDS(HAL_NUM_THREADS)
+hal_paged_attention_split(float* HAL_RESTRICT tmp_out, float* HAL_RESTRICT max_logits,
+                          float* HAL_RESTRICT exp_sums, const hal_t* HAL_RESTRICT query,
+                          const hal_t* HAL_RESTRICT key_cache, const hal_t* HAL_RESTRICT value_cache,
+                          const int* HAL_RESTRICT block_tables, const int* HAL_RESTRICT seq_lens,
+                          float scale, int num_heads, int num_kv_heads, int block_size,
+                          int max_blocks_per_seq, int partition_size, int max_partitions) {
+    using namespace pa;
+    __shared__ float s_logit[GQA][CHUNK];
+    __shared__ float s_out[GQA][HS];
+    __shared__ float s_m[GQA], s_l[GQA], s_alpha[GQA];
+    const int s = blockIdx.y;
+    const int p = blockIdx.z;
+    const int seq_len = seq_lens[s];
+    const int t0 = p * partition_size;
+    if (t0 >= seq_len) return;
+    const int t1 = seq_len - t0 < partition_size ? seq_len : t0 + partition_size;
+    int kv_head, head0, n_valid;
+    head_tile(num_heads, num_kv_heads, &kv_head, &head0, &n_valid);
+    attend(query, key_cache, value_cache, block_tables + (hal_i64)s * max_blocks_per_seq, scale,
+           s, num_heads, num_kv_heads, kv_head, head0, n_valid, block_size, t0, t1, s_logit,
+           s_m, s_l, s_alpha, s_out);
+    for (int i = threadIdx.x; i < n_valid * HS; i += NT) {
+        const int g = i / HS, d = i % HS;
+        const hal_i64 sp = ((hal_i64)s * num_heads + head0 + g) * max_partitions + p;
+        tmp_out[sp * HS + d] = s_out[g][d];
+        if (d == 0) {
+            max_logits[sp] = s_m[g];
+            exp_sums[sp] = s_l[g];
+        }
+    }
+}
+
+// Merges the partitions of hal_paged_attention_split with log-sum-exp.
+// Grid (num_heads, num_seqs), HAL_NUM_THREADS threads.
+HAL_GLOBAL void HAL_LAUNCH_BOUNDS(HAL_NUM_THREADS)
+hal_paged_attention_reduce(hal_t* HAL_RESTRICT out, const float* HAL_RESTRICT tmp_out,
+                           const float* HAL_RESTRICT max_logits, const float* HAL_RESTRICT exp_sums,
+                           const int* HAL_RESTRICT seq_lens, int num_heads, int partition_size,
+                           int max_partitions) {
+    using namespace pa;
+    __shared__ float s_red[NWARPS];
+    const int h = blockIdx.x, s = blockIdx.y;
+    const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
+    const hal_i64 sh = (hal_i64)s * num_heads + h;
+    hal_t* o = out + sh * HS;
+    const int seq_len = seq_lens[s];
+    int np = (seq_len + partition_size - 1) / partition_size;
+    np = np < max_partitions ? np : max_partitions;
+    if (np <= 0) {
+        for (int d = tid; d < HS; d += NT) o[d] = hal_from_float(0.f);
+        return;
+    }
+    const float* ml = max_logits + sh * max_partitions;
+    const float* es = exp_sums + sh * max_partitions;
+
+    float mx = HAL_NEG_INF;
+    for (int p = tid; p < np; p += NT) mx = fmaxf(mx, ml[p]);
+    mx = hal_warp_max(mx);
+    if (lane == 0) s_red[warp] = mx;
+    hal_barrier();
+    mx = s_red[0];
+    for (int w = 1; w < NWARPS; ++w) mx = fmaxf(mx, s_red[w]);
+    hal_barrier();
+
+    float den = 0.f;
+    for (int p = tid; p < np; p += NT) den += expf(ml[p] - mx) * es[p];
+    den = hal_warp_sum(den);
+    if (lane == 0) s_red[warp] = den;
+    hal_barrier();
+    den = 0.f;
+    for (int w = 0; w < NWARPS; ++w) den += s_red[w];
+    const float inv = den > 0.f ? 1.f / den : 0.f;
+
+    const float* part = tmp_out + sh * max_partitions * HS;
+    for (int d = tid; d < HS; d += NT) {
+        float num = 0.f;
+        for (int p = 0; p < np; ++p) num += expf(ml[p] - mx) * part[(hal_i64)p * HS + d];
+        o[d] = hal_from_float(num * inv);
+    }
+}

@@ -1,0 +1,88 @@
+"""``write_kv_cache``: scatter new keys and values into the paged cache.
+
+``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` go to
+``key_cache``/``value_cache`` ``[num_blocks, num_kv_heads, block_size, head_size]``
+at ``slot_mapping[i] = block * block_size + offset`` (int32 or int64);
+a negative slot skips that token. Slots must be distinct.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from .. import _env
+from .._arrays import dtype_name, numpy_dtype
+from .._errors import ArgumentTypeError
+from ._checks import check_array, fail
+from ._spec import OpSpec
+from .paged_attention import attention_dtypes
+
+__all__ = ["WriteKVCache"]
+
+
+class WriteKVCache(OpSpec):
+    name = "write_kv_cache"
+    array_args = ("key", "value", "key_cache", "value_cache", "slot_mapping")
+    inplace_args = ("key_cache", "value_cache")
+
+    def validate(self, args: dict[str, Any], to_numpy: Callable[[Any], np.ndarray]) -> None:
+        k, v, kc, vc, slots = (args[n] for n in self.array_args)
+        kdt = check_array("key", k, layout="[num_tokens, num_kv_heads, head_size]", ndim=3, dtypes=attention_dtypes)
+        check_array("value", v, layout="[num_tokens, num_kv_heads, head_size]", ndim=3, dtypes=(kdt,))
+        cdt = check_array("key_cache", kc, layout="[num_blocks, num_kv_heads, block_size, head_size]",
+                          ndim=4, dtypes=attention_dtypes)
+        check_array("value_cache", vc, layout="[num_blocks, num_kv_heads, block_size, head_size]",
+                    ndim=4, dtypes=(cdt,))
+        if cdt != kdt:
+            raise ArgumentTypeError(f"argument 'key': expected dtype {cdt} (the cache's), got {kdt}")
+        check_array("slot_mapping", slots, layout="[num_tokens]", ndim=1, dtypes=("int32", "int64"))
+        if tuple(v.shape) != tuple(k.shape):
+            raise fail("value", f"the shape of key {tuple(k.shape)}", f"shape {tuple(v.shape)}")
+        if tuple(vc.shape) != tuple(kc.shape):
+            raise fail("value_cache", f"the shape of key_cache {tuple(kc.shape)}", f"shape {tuple(vc.shape)}")
+        num_tokens, num_kv_heads, head_size = k.shape
+        if (kc.shape[1], kc.shape[3]) != (num_kv_heads, head_size):
+            raise fail("key_cache", f"num_kv_heads={num_kv_heads} and head_size={head_size} (the key's)",
+                       f"shape {tuple(kc.shape)}")
+        if slots.shape[0] != num_tokens:
+            raise fail("slot_mapping", f"shape ({num_tokens},) (num_tokens)", f"shape {tuple(slots.shape)}")
+        if _env.check_indices() and num_tokens:
+            capacity = kc.shape[0] * kc.shape[2]
+            host = to_numpy(slots)
+            used = host[host >= 0]
+            if (used >= capacity).any():
+                i = int(np.flatnonzero(host >= capacity)[0])
+                raise fail("slot_mapping", f"slots < num_blocks * block_size = {capacity} (or negative to skip)",
+                           f"slot_mapping[{i}] = {int(host[i])}")
+            if np.unique(used).size != used.size:
+                raise fail("slot_mapping", "distinct non-negative slots", "a slot used twice")
+
+    def output_shape(self, args: Mapping[str, Any]) -> None:
+        return None
+
+    def output_dtype(self, args: Mapping[str, Any]) -> np.dtype:
+        return numpy_dtype(dtype_name(args["key_cache"]))
+
+    def is_empty(self, args: Mapping[str, Any]) -> bool:
+        return int(np.prod(args["key"].shape)) == 0
+
+    def flops(self, args: Mapping[str, Any]) -> int:
+        return 0
+
+    def nbytes(self, args: Mapping[str, Any]) -> int:
+        k = args["key"]
+        return 4 * int(np.prod(k.shape)) * k.dtype.itemsize
+
+    def reference(self, args: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+        kc = np.asarray(args["key_cache"]).astype(np.float64)
+        vc = np.asarray(args["value_cache"]).astype(np.float64)
+        slots = np.asarray(args["slot_mapping"]).astype(np.int64)
+        keep = slots >= 0
+        block_size = kc.shape[2]
+        blocks, offsets = slots[keep] // block_size, slots[keep] % block_size
+        kc[blocks, :, offsets] = np.asarray(args["key"]).astype(np.float64)[keep]
+        vc[blocks, :, offsets] = np.asarray(args["value"]).astype(np.float64)[keep]
+        return kc, vc

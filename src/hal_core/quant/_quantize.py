@@ -1,0 +1,77 @@
+"""Quantising float weights and activations (the formats in :mod:`hal_core.quant`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._weight import QuantizedWeight, pack_int4
+
+__all__ = ["quantize", "quantize_activations"]
+
+
+def quantize(
+    w: Any,
+    *,
+    bits: int = 4,
+    group_size: int = 128,
+    symmetric: bool = True,
+    scale_dtype: Any = np.float16,
+) -> QuantizedWeight:
+    """Quantise float weights ``w [K, N]`` group-wise along K (host numpy in, host numpy out).
+
+    Symmetric: ``s = max|w| / (2**(bits-1) - 1)``, ``z = 2**(bits-1)``.
+    Asymmetric: ``s = (max - min) / (2**bits - 1)``, ``z = round(-min / s)``.
+    Codes are ``clip(round(w / s) + z, 0, 2**bits - 1)``; scales are rounded
+    to ``scale_dtype`` first, so :meth:`QuantizedWeight.dequantize` is exact
+    with respect to the stored values.
+    """
+    if bits not in (4, 8):
+        raise ValueError(f"argument 'bits': expected 4 or 8, got {bits!r}")
+    w = np.asarray(w)
+    if w.ndim != 2:
+        raise ValueError(f"argument 'w': expected 2 dimensions [K, N], got shape {w.shape}")
+    k, n = w.shape
+    if group_size <= 0 or k % group_size:
+        raise ValueError(f"argument 'group_size': expected a positive divisor of K={k}, got {group_size}")
+    if bits == 4 and k % 8:
+        raise ValueError(f"argument 'w': int4 packing needs K divisible by 8, got K={k}")
+    w64 = w.astype(np.float64).reshape(k // group_size, group_size, n)
+    if not np.isfinite(w64).all():
+        raise ValueError("argument 'w': weights must be finite")
+    qmax = (1 << bits) - 1
+    if symmetric:
+        zero = 1 << (bits - 1)
+        scale = np.abs(w64).max(axis=1) / (zero - 1)
+        zeros = None
+    else:
+        lo, hi = np.minimum(w64.min(axis=1), 0.0), np.maximum(w64.max(axis=1), 0.0)
+        scale = (hi - lo) / qmax
+    scale = np.where(scale > 0, scale, 1.0).astype(scale_dtype)
+    if not np.isfinite(scale).all() or (scale == 0).any():
+        raise ValueError(f"argument 'scale_dtype': {np.dtype(scale_dtype)} cannot represent these scales; "
+                         "use np.float32")
+    s64 = scale.astype(np.float64)
+    if symmetric:
+        z64: Any = float(zero)
+    else:
+        zeros = np.clip(np.rint(-lo / s64), 0, qmax).astype(np.uint8)
+        z64 = zeros.astype(np.float64)[:, None, :]
+    codes = np.clip(np.rint(w64 / s64[:, None, :]) + z64, 0, qmax).astype(np.uint8).reshape(k, n)
+    qweight = pack_int4(codes) if bits == 4 else codes
+    return QuantizedWeight(qweight=qweight, scales=scale, zeros=zeros, bits=bits,
+                           group_size=group_size, shape=(k, n))
+
+
+def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-token int8 quantisation used by W8A8: ``(xq int8 [M, K], sx float32 [M])``.
+
+    ``sx[m] = max|x[m]| / 127`` (1 for an all-zero row) and
+    ``xq = rint(x / sx)`` (round half to even), so ``x ~ xq * sx``.
+    """
+    x32 = np.asarray(x).astype(np.float32)
+    amax = np.abs(x32).max(axis=1) if x32.shape[1] else np.zeros(x32.shape[0], np.float32)
+    sx = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
+    xq = np.clip(np.rint(x32 / sx[:, None]), -127, 127).astype(np.int8)
+    return xq, sx
