@@ -19,7 +19,10 @@ Dim3 = tuple[int, int, int]
 
 
 def _dim3(value: int | Sequence[int], what: str) -> Dim3:
-    dims = (value,) if isinstance(value, int) else tuple(value)
+    try:
+        dims = (value,) if isinstance(value, int) else tuple(value)
+    except TypeError:
+        raise LaunchConfigError(f"{what} must be 1 to 3 integers, got {value!r}") from None
     if not 1 <= len(dims) <= 3 or not all(isinstance(d, int) for d in dims):
         raise LaunchConfigError(f"{what} must be 1 to 3 integers, got {value!r}")
     if any(d < 1 for d in dims):

@@ -3,24 +3,198 @@
 :func:`import_arrays` is called by the ops front door before validation.
 It returns the arguments in the backend's own array type and a function
 that turns results back into the caller's kind of array.
+
+The rules (docs/engine-guide.md, "Interop"):
+
+- Nothing is ever copied. A foreign array becomes a *view* of the same
+  memory (``numpy.from_dlpack`` for host memory; ``cupy.from_dlpack`` or a
+  backend's own ``from_dlpack`` for device memory); the data pointer is
+  checked after the conversion, so a library that would copy is refused.
+- Strides are kept: a non-contiguous tensor stays non-contiguous, and the
+  op's validation then names it, instead of a silent contiguous copy.
+- Device memory handed to a host backend (or any memory the backend cannot
+  address) is an :class:`~hal_core.ArgumentError` naming the argument.
+- bf16 has no DLPack route into numpy or CuPy; it travels as 16-bit
+  integer storage (a view) and is viewed back as ml_dtypes' bfloat16 on the
+  host, or carried as a ``TaggedArray(uint16, 'bf16')`` on CuPy devices.
+- A call given any torch tensor returns torch tensors (views of the
+  result; ``out=`` returns the caller's own ``out`` tensor). Other inputs
+  get the backend's native arrays back.
+- ``torch`` is imported only when a torch tensor was passed in.
 """
 
 from __future__ import annotations
 
+import importlib
+import sys
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._arrays import BFLOAT16, TaggedArray, device_of
+from ._errors import ArgumentError, ArgumentTypeError
 
 if TYPE_CHECKING:
     from ._backend import Backend
     from .ops import OpSpec
 
-__all__ = ["import_arrays"]
+__all__ = ["import_arrays", "is_torch_tensor", "to_native"]
+
+_DEVICE_KINDS = ("cuda", "rocm", "cuda_managed")
 
 
 def _identity(value: Any) -> Any:
     return value
 
 
+def is_torch_tensor(value: Any) -> bool:
+    """Whether ``value`` is a torch tensor, decided without importing torch."""
+    module = type(value).__module__
+    return (module == "torch" or module.startswith("torch.")) and hasattr(value, "data_ptr")
+
+
 def import_arrays(spec: OpSpec, args: dict[str, Any], backend: Backend) -> tuple[dict[str, Any], Callable[[Any], Any]]:
     """Arguments as native arrays (no copy), plus the converter for the result."""
-    return args, _identity
+    from .quant import QuantizedWeight
+
+    converted = dict(args)
+    saw_torch = False
+    for name, value in args.items():
+        if isinstance(value, QuantizedWeight):
+            arrays = {}
+            for field, array in value.arrays().items():
+                saw_torch |= is_torch_tensor(array)
+                arrays[field] = to_native(array, backend, f"{name}.{field}")
+            if any(arrays[f] is not a for f, a in value.arrays().items()):
+                converted[name] = replace(value, **arrays)
+        elif name in spec.array_args and value is not None:
+            saw_torch |= is_torch_tensor(value)
+            converted[name] = to_native(value, backend, name)
+    if not saw_torch:
+        return converted, _identity
+    out_native, out_torch = converted.get("out"), args.get("out")
+
+    def restore(result: Any) -> Any:
+        if result is None:
+            return None
+        if out_native is not None and result is out_native and is_torch_tensor(out_torch):
+            return out_torch
+        return _to_torch(result)
+
+    return converted, restore
+
+
+def to_native(value: Any, backend: Backend, name: str = "array") -> Any:
+    """``value`` as an array of ``backend``'s memory domain (or numpy), sharing its memory.
+
+    Native arrays pass through. Raises :class:`~hal_core.ArgumentError`
+    naming ``name`` when the memory is on a device ``backend`` cannot use,
+    or when the conversion would copy.
+    """
+    if is_torch_tensor(value):
+        return _from_torch(value, backend, name)
+    if isinstance(value, (np.ndarray, TaggedArray)) or backend.owns(value):
+        return value
+    if hasattr(value, "__dlpack__") and hasattr(value, "__dlpack_device__"):
+        kind, index = device_of(value)
+        if kind in ("cpu", "cuda_host"):
+            try:
+                array = np.from_dlpack(value)
+            except (BufferError, TypeError, RuntimeError) as exc:
+                raise ArgumentTypeError(f"argument {name!r}: cannot view this {type(value).__name__} "
+                                        f"through DLPack ({exc})") from exc
+            return _checked(array, value, name)
+        return _checked(_device_import(value, backend, name, kind, index), value, name)
+    if hasattr(value, "__cuda_array_interface__"):
+        return _checked(_device_import(value, backend, name, "cuda", -1), value, name)
+    return value  # not an array: the op's validation names it
+
+
+# -- torch --------------------------------------------------------------------
+
+
+def _from_torch(tensor: Any, backend: Backend, name: str) -> Any:
+    import torch
+
+    if tensor.requires_grad:
+        tensor = tensor.detach()  # a view: autograd is not hal's business
+    bf16 = tensor.dtype == torch.bfloat16
+    storage = tensor.view(torch.int16) if bf16 else tensor  # same bits, same strides
+    kind = tensor.device.type
+    if kind == "cpu":
+        try:
+            array = np.from_dlpack(storage)
+        except (BufferError, TypeError, RuntimeError) as exc:
+            raise ArgumentTypeError(f"argument {name!r}: torch dtype {tensor.dtype} has no numpy view ({exc})") from exc
+        return _checked(array.view(BFLOAT16) if bf16 else array, tensor, name)
+    if kind != "cuda":  # torch reports ROCm devices as 'cuda' too
+        raise ArgumentError(
+            f"argument {name!r} is a torch tensor on {tensor.device}, which no hal backend addresses; "
+            f"move it with tensor.cpu() or tensor.cuda()"
+        )
+    array = _device_import(storage, backend, name, "cuda", tensor.device.index or 0)
+    if bf16:
+        array = TaggedArray(array.view("uint16"), "bf16")
+    return _checked(array, tensor, name)
+
+
+def _to_torch(result: Any) -> Any:
+    import torch
+
+    if isinstance(result, TaggedArray):
+        if result.hal_dtype != "bf16":
+            raise ArgumentTypeError(f"cannot return a {result.hal_dtype} result as a torch tensor")
+        return torch.from_dlpack(result.storage.view("int16")).view(torch.bfloat16)
+    if isinstance(result, np.ndarray):
+        if result.dtype == BFLOAT16:
+            return torch.from_numpy(result.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(result)
+    return torch.from_dlpack(result)
+
+
+# -- device memory ------------------------------------------------------------
+
+
+def _device_import(value: Any, backend: Backend, name: str, kind: str, index: int) -> Any:
+    """A zero-copy device array for ``backend``, or an ArgumentError if it cannot address ``value``."""
+    where = f"{kind}:{index}" if index >= 0 else kind
+    if kind not in _DEVICE_KINDS or backend.owns(np.empty(0)):
+        raise ArgumentError(
+            f"argument {name!r} lives on {where}, but backend {backend.name!r} works on host memory; "
+            f"copy it to the host first (e.g. tensor.cpu()) or use the backend of that device"
+        )
+    hook = getattr(backend, "from_dlpack", None)  # a backend may bring its own zero-copy import
+    if callable(hook):
+        return hook(value)
+    cupy = sys.modules.get("cupy") or importlib.import_module("cupy")
+    if hasattr(value, "__dlpack__"):
+        return cupy.from_dlpack(value)
+    return cupy.asarray(value)  # __cuda_array_interface__: a view, never a copy
+
+
+def _pointer(array: Any) -> int | None:
+    """The address of an array's first element, where the library tells it."""
+    if isinstance(array, TaggedArray):
+        array = array.storage
+    if is_torch_tensor(array):
+        return int(array.data_ptr())
+    interface = getattr(array, "__array_interface__", None) or getattr(array, "__cuda_array_interface__", None)
+    if isinstance(interface, dict):
+        return int(interface["data"][0])
+    data = getattr(array, "data", None)
+    ptr = getattr(data, "ptr", None)
+    return int(ptr) if isinstance(ptr, int) else None
+
+
+def _checked(native: Any, original: Any, name: str) -> Any:
+    """``native`` after making sure it shares ``original``'s memory."""
+    size = getattr(native, "size", 1)
+    a, b = _pointer(native), _pointer(original)
+    if size and a is not None and b is not None and a != b:
+        raise ArgumentError(
+            f"argument {name!r}: bringing this {type(original).__name__} in would copy it; "
+            f"pass an array of the backend's memory domain or one that exports DLPack without a copy"
+        )
+    return native

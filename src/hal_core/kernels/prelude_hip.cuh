@@ -15,6 +15,9 @@
 #if HAL_WARP_SIZE != 32 && HAL_WARP_SIZE != 64
 #error "HAL_WARP_SIZE must be 32 or 64"
 #endif
+#if defined(__AMDGCN_WAVEFRONT_SIZE) && __AMDGCN_WAVEFRONT_SIZE != HAL_WARP_SIZE
+#error "HAL_WARP_SIZE does not match the target's wavefront size"
+#endif
 
 #define HAL_DEVICE __device__ __forceinline__
 #define HAL_GLOBAL extern "C" __global__

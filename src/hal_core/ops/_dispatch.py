@@ -161,7 +161,7 @@ class Ops:
         spec, backend = call.spec, self._backend
         cpu = cpu_backend()
         on_host = call.host_arrays or backend.owns(np.empty(0))
-        host_args = call.args if on_host else spec.map_arrays(call.args, self._to_numpy)
+        host_args = dict(call.args) if on_host else spec.map_arrays(call.args, self._to_numpy)
         if "out" in host_args:
             host_args["out"] = None
         host_call = OpCall(spec=spec, args=host_args, backend=cpu or backend, host_arrays=False)

@@ -1,11 +1,22 @@
 """Group-wise weight quantisation: formats, packing, and (de)quantisation.
 
-See :class:`QuantizedWeight` for the storage layout.
+See :class:`QuantizedWeight` for the storage layout; :func:`from_gptq` and
+:func:`from_awq` import checkpoint tensors.
 """
 
 from __future__ import annotations
 
 from ._quantize import quantize, quantize_activations
 from ._weight import QuantizedWeight, pack_int4, unpack_int4
+from .awq import from_awq
+from .gptq import from_gptq
 
-__all__ = ["QuantizedWeight", "pack_int4", "quantize", "quantize_activations", "unpack_int4"]
+__all__ = [
+    "QuantizedWeight",
+    "from_awq",
+    "from_gptq",
+    "pack_int4",
+    "quantize",
+    "quantize_activations",
+    "unpack_int4",
+]

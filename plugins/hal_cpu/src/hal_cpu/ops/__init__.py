@@ -1,0 +1,24 @@
+"""The CPU implementations of hal's ops, registered with :func:`register_ops`.
+
+One module per op, named like hal_core's op modules. Every implementation
+is vectorised numpy: a Python loop runs at most over a few chunks bounded
+by a memory budget, never per token, head or block.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from . import paged_attention, quantized_gemm, write_kv_cache
+
+if TYPE_CHECKING:
+    from hal_core.ops import OpRegistry
+
+__all__ = ["paged_attention", "quantized_gemm", "register_ops", "write_kv_cache"]
+
+
+def register_ops(registry: OpRegistry) -> None:
+    """Register the numpy implementation of every op (priority 0; they support every valid call)."""
+    registry.register("paged_attention", paged_attention.paged_attention, name="cpu.paged_attention")
+    registry.register("write_kv_cache", write_kv_cache.write_kv_cache, name="cpu.write_kv_cache")
+    registry.register("quantized_gemm", quantized_gemm.quantized_gemm, name="cpu.quantized_gemm")

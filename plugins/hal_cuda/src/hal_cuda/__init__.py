@@ -1,0 +1,16 @@
+"""hal-cuda: the CUDA backend of hal, on CuPy.
+
+Engine code does not import this package; ``hal_core.get_backend()`` finds it
+through the ``hal`` entry point. Importing it imports no CuPy and touches no
+driver: availability is probed with ctypes (see ``hal_cuda._probe``).
+"""
+
+from __future__ import annotations
+
+from ._backend import CudaBackend
+from ._device import CudaDevice
+from ._probe import ProbeResult, probe
+from ._version import __version__
+from ._warmup import precompile
+
+__all__ = ["CudaBackend", "CudaDevice", "ProbeResult", "__version__", "precompile", "probe"]

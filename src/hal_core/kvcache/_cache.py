@@ -1,0 +1,285 @@
+"""The paged key and value caches of every layer on one device, and a step's index arrays."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .._arrays import numpy_dtype
+from ._blocks import BlockTable, ForkCopy
+
+if TYPE_CHECKING:
+    from .._backend import Backend
+    from .._memory import DeviceBuffer
+
+__all__ = ["CacheConfig", "KVCacheUsage", "PagedKVCache", "StepInputs"]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Shape of the cache: ``num_layers`` pairs of ``[num_blocks, num_kv_heads, block_size, head_size]``."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int = 16
+    dtype: str = "fp16"  #: hal dtype name: 'fp32', 'fp16' or 'bf16'
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_size", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"CacheConfig.{name} must be an int >= 1, got {value!r}")
+        if self.dtype not in ("fp32", "fp16", "bf16"):
+            raise ValueError(f"CacheConfig.dtype must be 'fp32', 'fp16' or 'bf16', got {self.dtype!r}")
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        """The numpy dtype of the caches (bf16 as ml_dtypes' bfloat16)."""
+        return numpy_dtype(self.dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one cache (K or V of one layer)."""
+        return self.num_kv_heads * self.block_size * self.head_size * self.np_dtype.itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block costs over all layers, keys and values."""
+        return 2 * self.num_layers * self.block_bytes
+
+
+@dataclass(frozen=True)
+class KVCacheUsage:
+    """Blocks and bytes of a :class:`PagedKVCache` at one moment."""
+
+    total_blocks: int
+    used_blocks: int
+    free_blocks: int
+    shared_blocks: int
+    sequences: int
+    tokens: int
+    bytes_allocated: int  #: device bytes held by the caches (rounded to the allocator's granularity)
+    bytes_used: int  #: bytes of the blocks in use
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """The index arrays of one step, on the cache's device, one row per new token.
+
+    Row ``i`` is a new token of sequence ``seq_ids[row_seq[i]]`` at position
+    ``positions[i]``: ``slot_mapping[i]`` is where :func:`write_kv_cache` puts
+    its key and value, and ``block_tables[i]`` / ``seq_lens[i] = positions[i] + 1``
+    are what :func:`paged_attention` reads for its query (causal by
+    construction). In a pure decode step (one token per sequence) rows
+    and sequences coincide.
+    """
+
+    seq_ids: tuple[Hashable, ...]
+    slot_mapping: Any  #: int64 [num_tokens], device
+    block_tables: Any  #: int32 [num_tokens, max_blocks], device
+    seq_lens: Any  #: int32 [num_tokens], device
+    positions: np.ndarray  #: int64 [num_tokens], host
+    row_seq: np.ndarray  #: int64 [num_tokens], host: the index into ``seq_ids`` of each row
+    last_rows: np.ndarray  #: int64 [len(seq_ids)], host: each sequence's last new row (-1 if none)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+
+class PagedKVCache:
+    """Key and value caches of ``config.num_layers`` layers on one device, in blocks.
+
+    Size it with ``num_blocks`` or with ``gpu_memory_utilization``, the
+    fraction of the device's free memory (total memory when free is not
+    known) the caches may take. Memory comes from the device's
+    :class:`~hal_core.Allocator`, one buffer per cache; :meth:`close` (or
+    leaving a ``with`` block) gives it back.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        config: CacheConfig,
+        *,
+        num_blocks: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        device: int = 0,
+    ) -> None:
+        if (num_blocks is None) == (gpu_memory_utilization is None):
+            raise ValueError("give exactly one of num_blocks and gpu_memory_utilization")
+        self.backend = backend
+        self.config = config
+        self.device_index = device
+        handle = backend.device(device)
+        allocator = handle.allocator
+        if num_blocks is None:
+            num_blocks = self.blocks_for_memory(
+                config, handle.capabilities.memory_free, handle.capabilities.memory_total,
+                gpu_memory_utilization, allocator.granularity,  # type: ignore[arg-type]
+            )
+        if num_blocks <= 0:
+            raise ValueError(f"the KV cache needs at least one block, got num_blocks={num_blocks}")
+        self.blocks = BlockTable(num_blocks, config.block_size)
+        shape = (num_blocks, config.num_kv_heads, config.block_size, config.head_size)
+        dtype = config.np_dtype
+        nbytes = num_blocks * config.block_bytes
+        self._buffers: list[DeviceBuffer] = []
+        self.key_caches: list[Any] = []
+        self.value_caches: list[Any] = []
+        try:
+            for _ in range(config.num_layers):
+                for caches in (self.key_caches, self.value_caches):
+                    buffer = allocator.allocate(allocator.round_up(nbytes))
+                    self._buffers.append(buffer)
+                    array = buffer.as_array(shape, dtype)
+                    array[...] = 0
+                    caches.append(array)
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def blocks_for_memory(
+        config: CacheConfig, memory_free: int | None, memory_total: int, fraction: float, granularity: int
+    ) -> int:
+        """How many blocks fit in ``fraction`` of free (else total) memory, each cache rounded to ``granularity``."""
+        if not 0 < fraction <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction!r}")
+        budget = int((memory_total if memory_free is None else memory_free) * fraction)
+        per_cache = budget // (2 * config.num_layers) // granularity * granularity
+        return per_cache // config.block_bytes
+
+    # -- properties ---------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self.blocks.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def layer(self, index: int) -> tuple[Any, Any]:
+        """``(key_cache, value_cache)`` of layer ``index``."""
+        return self.key_caches[index], self.value_caches[index]
+
+    def usage(self) -> KVCacheUsage:
+        b = self.blocks.usage()
+        return KVCacheUsage(
+            total_blocks=b.total, used_blocks=b.used, free_blocks=b.free, shared_blocks=b.shared,
+            sequences=b.sequences, tokens=b.tokens,
+            bytes_allocated=sum(buf.nbytes for buf in self._buffers),
+            bytes_used=b.used * self.config.bytes_per_block,
+        )
+
+    # -- sequences ------------------------------------------------------------
+
+    def add(self, seq_id: Hashable, num_tokens: int = 0) -> None:
+        """Start a sequence with room for ``num_tokens`` tokens (usually 0: tokens come with steps)."""
+        self.blocks.add(seq_id, num_tokens)
+
+    def extend(self, seq_id: Hashable, num_tokens: int) -> np.ndarray:
+        """Grow a sequence; return the new tokens' slots (host int64)."""
+        return self.blocks.extend(seq_id, num_tokens)
+
+    def fork(self, parent: Hashable, child: Hashable) -> ForkCopy | None:
+        """Start ``child`` sharing ``parent``'s full blocks; its partial last block is copied on the device."""
+        copy = self.blocks.fork(parent, child)
+        if copy is not None:
+            for caches in (self.key_caches, self.value_caches):
+                for cache in caches:
+                    cache[copy.dst] = cache[copy.src]
+        return copy
+
+    def free(self, seq_id: Hashable) -> None:
+        """End a sequence; its unshared blocks return to the free list."""
+        self.blocks.free(seq_id)
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self.blocks
+
+    # -- step inputs ----------------------------------------------------------
+
+    def prepare_step(self, new_tokens: Mapping[Hashable, int], *, max_blocks: int | None = None) -> StepInputs:
+        """Grow each sequence by its count of new tokens (all or nothing) and build the step's arrays.
+
+        Raises :class:`~hal_core.OutOfBlocksError` with every sequence unchanged
+        when the blocks do not suffice. ``max_blocks`` pads the block tables
+        to a fixed width (default: the longest table in the step).
+        """
+        slots = self.blocks.extend_many(new_tokens)
+        seq_ids = tuple(new_tokens)
+        lengths = [self.blocks.length(s) for s in seq_ids]
+        counts = [int(new_tokens[s]) for s in seq_ids]
+        row_seq = np.repeat(np.arange(len(seq_ids), dtype=np.int64), counts)
+        positions = np.concatenate(
+            [np.arange(n - c, n, dtype=np.int64) for n, c in zip(lengths, counts, strict=True)]
+        ) if seq_ids else np.zeros(0, np.int64)
+        tables = self._table_rows(seq_ids, max_blocks)
+        ends = np.cumsum(counts) - 1
+        last_rows = np.where(np.asarray(counts) > 0, ends, -1).astype(np.int64)
+        mapping = np.concatenate([slots[s] for s in seq_ids]) if seq_ids else np.zeros(0, np.int64)
+        return StepInputs(
+            seq_ids=seq_ids,
+            slot_mapping=self._device(mapping.astype(np.int64)),
+            block_tables=self._device(tables[row_seq]),
+            seq_lens=self._device((positions + 1).astype(np.int32)),
+            positions=positions,
+            row_seq=row_seq,
+            last_rows=last_rows,
+        )
+
+    def block_tables(self, seq_ids: Sequence[Hashable], *, max_blocks: int | None = None) -> Any:
+        """int32 ``[len(seq_ids), max_blocks]`` block tables on the device (unused entries 0)."""
+        return self._device(self._table_rows(tuple(seq_ids), max_blocks))
+
+    def seq_lens(self, seq_ids: Sequence[Hashable]) -> Any:
+        """int32 ``[len(seq_ids)]`` lengths on the device."""
+        return self._device(np.asarray([self.blocks.length(s) for s in seq_ids], dtype=np.int32))
+
+    def slot_mapping(self, seq_id: Hashable, start: int = 0, stop: int | None = None) -> Any:
+        """int64 slots of tokens ``start .. stop - 1`` of one sequence, on the device."""
+        return self._device(self.blocks.slots(seq_id, start, stop))
+
+    # -- lifetime -------------------------------------------------------------
+
+    def close(self) -> None:
+        """Give the caches' memory back to the allocator; the cache is unusable afterwards."""
+        self.key_caches, self.value_caches = [], []
+        for buffer in self._buffers:
+            buffer.free()
+        self._buffers = []
+
+    def __enter__(self) -> PagedKVCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        u = self.usage()
+        c = self.config
+        return (f"<PagedKVCache {c.num_layers} layers x {c.num_kv_heads} kv heads x {c.head_size} {c.dtype}, "
+                f"{u.used_blocks}/{u.total_blocks} blocks of {c.block_size} used, {len(self.blocks)} sequences>")
+
+    # -- internals --------------------------------------------------------------
+
+    def _table_rows(self, seq_ids: tuple[Hashable, ...], max_blocks: int | None) -> np.ndarray:
+        tables = [self.blocks.blocks(s) for s in seq_ids]
+        width = max((len(t) for t in tables), default=0)
+        if max_blocks is not None:
+            if max_blocks < width:
+                raise ValueError(f"max_blocks={max_blocks} is below the longest block table ({width} blocks)")
+            width = max_blocks
+        rows = np.zeros((len(tables), max(width, 1)), dtype=np.int32)
+        for i, table in enumerate(tables):
+            rows[i, : len(table)] = table
+        return rows
+
+    def _device(self, array: np.ndarray) -> Any:
+        return self.backend.asarray(array, self.device_index)

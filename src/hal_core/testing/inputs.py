@@ -1,0 +1,136 @@
+"""Random op inputs (host numpy) and helpers to move them into a backend's memory domain.
+
+Inputs are drawn so results are O(1), which is what the tolerance table
+assumes. Block tables assign distinct blocks in random order and fill the
+entries past each sequence's last block with garbage (possibly out of
+range), which the op must never read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .._arrays import numpy_dtype
+from ..ops import OPS
+from ..quant import QuantizedWeight, quantize
+from .tolerances import tolerance
+
+__all__ = [
+    "assert_close",
+    "paged_attention_inputs",
+    "quantized_gemm_inputs",
+    "to_backend",
+    "write_kv_cache_inputs",
+]
+
+
+def paged_attention_inputs(
+    rng: np.random.Generator,
+    *,
+    seq_lens: Sequence[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    dtype: str,
+    spare_blocks: int = 2,
+) -> dict[str, Any]:
+    """Host arguments of ``paged_attention`` for these sequence lengths."""
+    lens = np.asarray(seq_lens, dtype=np.int32).reshape(-1)
+    num_seqs = lens.size
+    needed = -(-lens.astype(np.int64) // block_size)
+    max_blocks = int(needed.max(initial=0)) + int(rng.integers(0, 3))
+    num_blocks = max(1, int(needed.sum()) + spare_blocks)
+    order = rng.permutation(num_blocks)
+    tables = rng.integers(-3, num_blocks + 3, size=(num_seqs, max(1, max_blocks))).astype(np.int32)
+    starts = np.concatenate([[0], np.cumsum(needed)])
+    for s in range(num_seqs):  # test-input construction, not a kernel
+        tables[s, : needed[s]] = order[starts[s] : starts[s + 1]]
+    np_dtype = numpy_dtype(dtype)
+    cache_shape = (num_blocks, num_kv_heads, block_size, head_size)
+    return {
+        "query": rng.standard_normal((num_seqs, num_heads, head_size)).astype(np_dtype),
+        "key_cache": rng.standard_normal(cache_shape).astype(np_dtype),
+        "value_cache": rng.standard_normal(cache_shape).astype(np_dtype),
+        "block_tables": tables,
+        "seq_lens": lens,
+        "scale": float(1.0 / np.sqrt(head_size)),
+    }
+
+
+def write_kv_cache_inputs(
+    rng: np.random.Generator,
+    *,
+    num_tokens: int,
+    num_blocks: int,
+    num_kv_heads: int,
+    block_size: int,
+    head_size: int,
+    dtype: str,
+    skip_fraction: float = 0.25,
+) -> dict[str, Any]:
+    """Host arguments of ``write_kv_cache``: distinct slots, some negative (skipped)."""
+    capacity = num_blocks * block_size
+    if num_tokens > capacity:
+        raise ValueError(f"num_tokens={num_tokens} exceeds the cache's {capacity} slots")
+    slots = rng.permutation(capacity)[:num_tokens].astype(np.int64)
+    slots[rng.random(num_tokens) < skip_fraction] = -1
+    np_dtype = numpy_dtype(dtype)
+    token_shape = (num_tokens, num_kv_heads, head_size)
+    cache_shape = (num_blocks, num_kv_heads, block_size, head_size)
+    return {
+        "key": rng.standard_normal(token_shape).astype(np_dtype),
+        "value": rng.standard_normal(token_shape).astype(np_dtype),
+        "key_cache": rng.standard_normal(cache_shape).astype(np_dtype),
+        "value_cache": rng.standard_normal(cache_shape).astype(np_dtype),
+        "slot_mapping": slots.astype(np.int32 if rng.random() < 0.5 else np.int64),
+    }
+
+
+def quantized_gemm_inputs(
+    rng: np.random.Generator,
+    *,
+    m: int,
+    k: int,
+    n: int,
+    bits: int,
+    group_size: int,
+    symmetric: bool,
+    dtype: str,
+    act_order: bool = False,
+) -> dict[str, Any]:
+    """Host arguments of ``quantized_gemm``: ``x`` in [-1, 1], weights ~ N(0, 1/K), quantised."""
+    x = rng.uniform(-1.0, 1.0, size=(m, k)).astype(numpy_dtype(dtype))
+    weight = rng.standard_normal((k, n)) / np.sqrt(k)
+    qweight: QuantizedWeight = quantize(weight, bits=bits, group_size=group_size, symmetric=symmetric)
+    if act_order:
+        g_idx = rng.permutation(np.arange(k) // group_size).astype(np.int32)
+        qweight = QuantizedWeight(qweight.qweight, qweight.scales, qweight.zeros, qweight.bits,
+                                  qweight.group_size, qweight.shape, g_idx=g_idx)
+    return {"x": x, "qweight": qweight}
+
+
+def to_backend(backend: Any, op: str, args: dict[str, Any]) -> dict[str, Any]:
+    """``args`` of ``op`` with every array (quantized weights included) moved by ``backend.asarray``."""
+    return OPS[op].map_arrays(args, backend.asarray)
+
+
+def assert_close(actual: Any, expected: np.ndarray, *, kind: str, dtype: str, what: str = "result") -> None:
+    """Assert ``actual`` (host numpy) matches the float64 ``expected`` within the tolerance table."""
+    atol, rtol = tolerance(kind, dtype)
+    got = np.asarray(actual).astype(np.float64)
+    assert got.shape == expected.shape, f"{what}: shape {got.shape}, expected {expected.shape}"
+    assert np.isfinite(got).all(), f"{what}: non-finite values"
+    error = np.abs(got - expected)
+    bound = atol + rtol * np.abs(expected)
+    if not (error <= bound).all():
+        worst = np.unravel_index(int(np.argmax(error - bound)), error.shape)
+        raise AssertionError(
+            f"{what} ({dtype}, {kind}: atol={atol}, rtol={rtol}) differs from the float64 reference: "
+            f"max abs error {error.max():.3g}; worst at {tuple(int(i) for i in worst)}: "
+            f"got {got[worst]:.6g}, expected {expected[worst]:.6g}; "
+            f"{int((error > bound).sum())} of {error.size} elements out of tolerance"
+        )

@@ -1,0 +1,1 @@
+"""Tiny kernels the contract suite launches: one per kernel language."""

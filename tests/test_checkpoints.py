@@ -1,0 +1,209 @@
+"""Importing GPTQ and AWQ checkpoint tensors: exact dequantisation and quantized_gemm against float64."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hal_core.quant import QuantizedWeight, from_awq, from_gptq
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+# -- an independent packer: plain Python integers, one value at a time -------------------------
+
+
+def pack_along_rows(codes: np.ndarray, bits: int) -> np.ndarray:
+    """GPTQ qweight: int32 [K*bits/32, N]; row p*r + j sits at bits b*j of word [r, n]."""
+    per = 32 // bits
+    k, n = codes.shape
+    out = np.zeros((k // per, n), dtype=np.int64)
+    for r in range(k // per):
+        for c in range(n):
+            word = 0
+            for j in range(per):
+                word |= int(codes[per * r + j, c]) << (bits * j)
+            out[r, c] = word
+    return out.astype(np.uint32).view(np.int32)
+
+
+def pack_along_cols(values: np.ndarray, bits: int, order: list[int] | None = None) -> np.ndarray:
+    """qzeros (and AWQ qweight): int32 [R, C*bits/32]; slot j of word [r, c] holds column p*c + order[j]."""
+    per = 32 // bits
+    order = order or list(range(per))
+    rows, cols = values.shape
+    out = np.zeros((rows, cols // per), dtype=np.int64)
+    for r in range(rows):
+        for c in range(cols // per):
+            word = 0
+            for j in range(per):
+                word |= (int(values[r, per * c + order[j]]) & ((1 << bits) - 1)) << (bits * j)
+            out[r, c] = word
+    return out.astype(np.uint32).view(np.int32)
+
+
+def expected_weights(codes: np.ndarray, zeros: np.ndarray, scales: np.ndarray, g_idx: np.ndarray) -> np.ndarray:
+    return (codes.astype(np.float64) - zeros[g_idx].astype(np.float64)) * scales[g_idx].astype(np.float64)
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture(params=["cpu", "reference"])
+def backend(request: pytest.FixtureRequest):
+    """The real CPU backend, and a host backend without kernels (the float64 reference path)."""
+    if request.param == "cpu":
+        return request.getfixturevalue("cpu")
+    from halfakes import HostBackend
+
+    return HostBackend()
+
+
+def act_order_g_idx(rng: np.random.Generator, k: int, group_size: int) -> np.ndarray:
+    """GPTQ act-order: rows quantised in permuted order, group i // G for the i-th row processed."""
+    perm = rng.permutation(k)
+    g_idx = np.empty(k, dtype=np.int32)
+    g_idx[perm] = np.arange(k) // group_size
+    return g_idx
+
+
+# -- GPTQ ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
+@pytest.mark.parametrize("act_order", [False, True], ids=["groups", "act-order"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gptq_dequantizes_exactly(rng: np.random.Generator, fmt: str, act_order: bool, bits: int) -> None:
+    """GPTQ v1 (zero - 1 stored) and v2 tensors, with and without g_idx, give (q - z) * s exactly."""
+    k, n, g = 128, 64, 32
+    qmax = (1 << bits) - 1
+    codes = rng.integers(0, qmax + 1, size=(k, n))
+    low = 1 if fmt == "gptq" else 0  # v1 cannot store a true zero of 0
+    zeros = rng.integers(low, qmax + 1, size=(k // g, n))
+    scales = (rng.random((k // g, n)) * 0.1 + 0.01).astype(np.float16)
+    g_idx = act_order_g_idx(rng, k, g) if act_order else np.arange(k, dtype=np.int32) // g
+    stored = zeros - 1 if fmt == "gptq" else zeros
+    qw = from_gptq(pack_along_rows(codes, bits), pack_along_cols(stored, bits), scales,
+                   g_idx, bits=bits, checkpoint_format=fmt)
+    assert isinstance(qw, QuantizedWeight)
+    assert (qw.shape, qw.group_size, qw.bits) == ((k, n), g, bits)
+    assert (qw.g_idx is not None) == act_order  # a trivial g_idx is dropped
+    np.testing.assert_array_equal(qw.codes(), codes)
+    np.testing.assert_array_equal(qw.dequantize(np.float64), expected_weights(codes, zeros, scales, g_idx))
+
+
+def test_gptq_v1_reads_nibble_15_as_zero_point_16(rng: np.random.Generator) -> None:
+    """v1 stores z - 1, so a stored 15 is a true zero point of 16 (uint8 holds it)."""
+    k, n = 32, 8  # one group
+    codes = rng.integers(0, 16, size=(k, n))
+    zeros = np.full((1, n), 16)
+    scales = np.ones((1, n), np.float16)
+    qw = from_gptq(pack_along_rows(codes, 4), pack_along_cols(zeros - 1, 4), scales)
+    np.testing.assert_array_equal(qw.zeros, zeros)
+    np.testing.assert_array_equal(qw.dequantize(), codes - 16.0)
+
+
+def test_gptq_symmetric_checkpoint_stores_no_zero_points(rng: np.random.Generator) -> None:
+    """A sym=True v1 layer (every stored zero 7) becomes hal's symmetric format; symmetric=False keeps zeros."""
+    k, n, g = 64, 16, 16
+    codes = rng.integers(0, 16, size=(k, n))
+    stored = np.full((k // g, n), 7)
+    scales = rng.random((k // g, n)).astype(np.float32)
+    args = (pack_along_rows(codes, 4), pack_along_cols(stored, 4), scales)
+    qw = from_gptq(*args)
+    assert qw.symmetric and qw.zeros is None
+    kept = from_gptq(*args, symmetric=False)
+    np.testing.assert_array_equal(kept.zeros, np.full((k // g, n), 8))
+    np.testing.assert_array_equal(qw.dequantize(), kept.dequantize())
+    with pytest.raises(ValueError, match="not all 8"):
+        from_gptq(*args, checkpoint_format="gptq_v2", symmetric=True)
+
+
+def test_gptq_accepts_torch_tensors(rng: np.random.Generator) -> None:
+    """torch tensors (int32 words, fp16/bf16 scales) import like numpy arrays (an offline copy)."""
+    torch = pytest.importorskip("torch")
+    k, n, g = 64, 16, 32
+    codes = rng.integers(0, 16, size=(k, n))
+    zeros = rng.integers(1, 16, size=(k // g, n))
+    scales = (rng.random((k // g, n)) + 0.5).astype(np.float32)
+    g_idx = act_order_g_idx(rng, k, g)
+    qweight, qzeros = pack_along_rows(codes, 4), pack_along_cols(zeros - 1, 4)
+    for dtype in (torch.float16, torch.bfloat16):
+        ts = torch.from_numpy(scales).to(dtype)
+        qw = from_gptq(torch.from_numpy(qweight), torch.from_numpy(qzeros), ts, torch.from_numpy(g_idx))
+        want = expected_weights(codes, zeros, ts.float().numpy(), g_idx)
+        np.testing.assert_array_equal(qw.dequantize(), want)
+
+
+def test_gptq_bad_tensors_name_the_argument() -> None:
+    """Wrong dtypes, shapes, formats and g_idx values raise errors naming the argument."""
+    qweight = np.zeros((8, 16), np.int32)  # K = 64
+    qzeros = np.zeros((2, 2), np.int32)
+    scales = np.ones((2, 16), np.float16)
+    with pytest.raises(ValueError, match="checkpoint_format"):
+        from_gptq(qweight, qzeros, scales, checkpoint_format="gptq_v3")
+    with pytest.raises(TypeError, match="'qweight'"):
+        from_gptq(qweight.astype(np.float32), qzeros, scales)
+    with pytest.raises(ValueError, match="'qzeros'"):
+        from_gptq(qweight, np.zeros((2, 3), np.int32), scales)
+    with pytest.raises(ValueError, match="'scales'"):
+        from_gptq(qweight, qzeros, np.ones((3, 16), np.float16))
+    with pytest.raises(ValueError, match="'g_idx'"):
+        from_gptq(qweight, qzeros, scales, np.full(64, 2, np.int32))
+    with pytest.raises(ValueError, match="'bits'"):
+        from_gptq(qweight, qzeros, scales, bits=3)
+
+
+# -- AWQ ----------------------------------------------------------------------------------------
+
+
+def test_awq_dequantizes_exactly(rng: np.random.Generator) -> None:
+    """AWQ's interleaved nibble order [0,2,4,6,1,3,5,7] in qweight and qzeros unpacks to (q - z) * s."""
+    k, n, g = 128, 64, 64
+    codes = rng.integers(0, 16, size=(k, n))
+    zeros = rng.integers(0, 16, size=(k // g, n))
+    scales = (rng.random((k // g, n)) * 0.1 + 0.01).astype(np.float16)
+    qw = from_awq(pack_along_cols(codes, 4, AWQ_ORDER), pack_along_cols(zeros, 4, AWQ_ORDER), scales)
+    assert (qw.shape, qw.group_size, qw.g_idx) == ((k, n), g, None)
+    np.testing.assert_array_equal(qw.codes(), codes)
+    np.testing.assert_array_equal(qw.dequantize(), expected_weights(codes, zeros, scales, np.arange(k) // g))
+
+
+def test_awq_order_matters(rng: np.random.Generator) -> None:
+    """Reading AWQ words in plain order would be wrong: the import must undo the interleave."""
+    codes = np.tile(np.arange(8), (8, 1))  # column c holds code c
+    qw = from_awq(pack_along_cols(codes, 4, AWQ_ORDER), np.full((1, 1), 0x88888888 - 2**32, np.int32),
+                  np.ones((1, 8), np.float16))
+    np.testing.assert_array_equal(qw.codes(), codes)
+    assert qw.symmetric  # every zero point 8
+
+
+# -- through the op -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("kind", ["gptq-act-order", "gptq-v2", "awq"])
+def test_imported_weights_through_quantized_gemm(backend, rng: np.random.Generator, kind: str, dtype) -> None:
+    """quantized_gemm with imported GPTQ/AWQ weights matches x @ ((q - z) * s) in float64."""
+    k, n, g, m = 256, 96, 64, 5
+    codes = rng.integers(0, 16, size=(k, n))
+    zeros = rng.integers(1, 16, size=(k // g, n))
+    scales = (rng.random((k // g, n)) * 0.02 + 0.005).astype(np.float16)
+    g_idx = np.arange(k) // g
+    if kind == "awq":
+        qw = from_awq(pack_along_cols(codes, 4, AWQ_ORDER), pack_along_cols(zeros, 4, AWQ_ORDER), scales)
+    elif kind == "gptq-v2":
+        qw = from_gptq(pack_along_rows(codes, 4), pack_along_cols(zeros, 4), scales, checkpoint_format="gptq_v2")
+    else:
+        g_idx = act_order_g_idx(rng, k, g)
+        qw = from_gptq(pack_along_rows(codes, 4), pack_along_cols(zeros - 1, 4), scales, g_idx)
+    x = rng.standard_normal((m, k)).astype(dtype)
+    want = x.astype(np.float64) @ expected_weights(codes, zeros, scales, g_idx)
+    got = backend.ops.quantized_gemm(x, qw)
+    assert got.dtype == dtype
+    tol = 1e-4 if dtype == np.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol * np.abs(want).max())

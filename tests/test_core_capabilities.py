@@ -1,0 +1,122 @@
+"""DeviceCapabilities as data; saved GPU profiles; launch configs and grids checked against them."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+import hal_core
+from hal_core import DeviceCapabilities, LaunchConfig, LaunchConfigError, grid_for, load_profile, profile_names
+
+H200, RTX4060, MI300X = "H200", "RTX 4060", "MI300X"
+
+
+@pytest.mark.parametrize("name", profile_names())
+def test_every_saved_profile_loads_and_round_trips_json(name: str) -> None:
+    """Each shipped profile loads, validates and survives a JSON round trip unchanged."""
+    caps = load_profile(name)
+    assert caps.name == name
+    assert caps.compute_units > 0 and caps.memory_total > 0
+    assert DeviceCapabilities.from_json(caps.to_json()) == caps
+
+
+def test_profiles_cover_both_vendors() -> None:
+    """The shipped profiles include NVIDIA and AMD GPUs (warp 32 and wavefront 64)."""
+    caps = [load_profile(n) for n in profile_names()]
+    assert {c.vendor for c in caps} >= {"nvidia", "amd"}
+    assert {c.simd_width for c in caps} >= {32, 64}
+
+
+def test_profile_lookup_by_unique_substring_and_error() -> None:
+    """load_profile matches a unique case-insensitive substring and otherwise names the choices."""
+    assert "H200" in load_profile("h200").name
+    with pytest.raises(LookupError, match="choose one of"):
+        load_profile("no such gpu")
+
+
+def test_capabilities_are_frozen_and_validated() -> None:
+    """Capabilities reject unknown dtypes and fields, and cannot be changed after creation."""
+    caps = load_profile(H200)
+    with pytest.raises(ValidationError):
+        caps.compute_units = 1  # type: ignore[misc]
+    data = caps.model_dump()
+    with pytest.raises(ValidationError, match="unknown dtype"):
+        DeviceCapabilities(**{**data, "dtypes": {"fp32", "fp13"}})
+    with pytest.raises(ValidationError):
+        DeviceCapabilities(**{**data, "warp_size": 32})
+    assert caps.supports_dtype("bf16") and caps.has("tensor_cores")
+
+
+def test_optin_shared_memory_defaults_to_static() -> None:
+    """shared_mem_per_block_optin of 0 reads as shared_mem_per_block."""
+    data = load_profile(H200).model_dump()
+    caps = DeviceCapabilities(**{**data, "shared_mem_per_block_optin": 0})
+    assert caps.shared_mem_per_block_optin == caps.shared_mem_per_block
+
+
+def test_launch_config_is_frozen_hashable_and_normalised() -> None:
+    """LaunchConfig stores 3-tuples, is hashable and equal by value, and cannot be changed."""
+    config = LaunchConfig(grid=128, block=(256,), shared_mem=1024)
+    assert config.grid == (128, 1, 1) and config.block == (256, 1, 1)
+    assert {config, LaunchConfig((128, 1, 1), (256, 1, 1), 1024)} == {config}
+    assert config.threads_per_block == 256 and config.num_blocks == 128
+    with pytest.raises(AttributeError):
+        config.grid = (1, 1, 1)  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("grid", "block", "shared_mem"),
+    [(0, 1, 0), ((1, 2, 3, 4), 1, 0), (1, (32, -1), 0), (1, 32, -5), (1.5, 32, 0)],
+    ids=["zero-grid", "four-dims", "negative-block", "negative-smem", "float-grid"],
+)
+def test_launch_config_rejects_malformed_values(grid, block, shared_mem) -> None:
+    """Malformed grids, blocks or shared memory raise LaunchConfigError at construction."""
+    with pytest.raises(LaunchConfigError):
+        LaunchConfig(grid=grid, block=block, shared_mem=shared_mem)
+
+
+@pytest.mark.parametrize(
+    ("profile", "config", "limit"),
+    [
+        (H200, LaunchConfig(1, 2048), "max_threads_per_block"),
+        (RTX4060, LaunchConfig(1, (1, 1, 128)), "max_block_dims[2]"),
+        (MI300X, LaunchConfig((1, 70000, 1), 64), "max_grid_dims[1]"),
+        (H200, LaunchConfig(1, 128, shared_mem=10**6), "shared_mem_per_block_optin"),
+        (MI300X, LaunchConfig(1, 64, shared_mem=65537), "shared_mem_per_block_optin"),
+    ],
+    ids=["h200-threads", "rtx4060-block-z", "mi300x-grid-y", "h200-smem", "mi300x-smem"],
+)
+def test_launch_config_validate_names_the_limit(profile: str, config: LaunchConfig, limit: str) -> None:
+    """validate() raises LaunchConfigError naming the device limit and the device."""
+    caps = load_profile(profile)
+    with pytest.raises(LaunchConfigError) as info:
+        config.validate(caps)
+    assert limit in str(info.value) and caps.name in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("profile", [H200, RTX4060, MI300X])
+def test_launch_config_within_limits_passes(profile: str) -> None:
+    """A config at the device's limits validates."""
+    caps = load_profile(profile)
+    LaunchConfig(caps.max_grid_dims[0], caps.max_threads_per_block, caps.shared_mem_per_block_optin).validate(caps)
+
+
+@pytest.mark.parametrize("profile", [H200, RTX4060, MI300X])
+def test_grid_for_is_derived_from_compute_units(profile: str) -> None:
+    """grid_for covers small work exactly and caps large work at enough blocks to fill every compute unit."""
+    caps = load_profile(profile)
+    assert grid_for(caps, 0, 256) == 0
+    assert grid_for(caps, 1000, 256) == 4
+    resident = caps.max_threads_per_cu // 256
+    assert grid_for(caps, 10**9, 256) == caps.compute_units * resident
+    assert grid_for(caps, 10**9, 256, blocks_per_cu=1) == caps.compute_units
+    with pytest.raises(LaunchConfigError, match="threads_per_block"):
+        grid_for(caps, 10, caps.max_threads_per_block + 1)
+
+
+def test_profiles_differ_where_hardware_does() -> None:
+    """Different GPUs give different grids for the same work (no hard-coded constants)."""
+    grids = {name: grid_for(load_profile(name), 10**9, 256) for name in (H200, RTX4060, MI300X)}
+    assert len(set(grids.values())) == 3
+    assert hal_core.load_profile(H200).compute_units == 132

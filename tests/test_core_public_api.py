@@ -1,0 +1,33 @@
+"""The public face of hal_core: ``__all__`` lists exactly the public names."""
+
+from __future__ import annotations
+import __future__
+
+import types
+
+import hal_core
+
+
+def test_all_equals_public_names() -> None:
+    """Every public attribute of hal_core is in __all__ and every name in __all__ exists (httpx's test)."""
+    public = {
+        name for name, value in vars(hal_core).items()
+        if not name.startswith("_") and not isinstance(value, (types.ModuleType, __future__._Feature))
+    }
+    assert set(hal_core.__all__) == public | {"__version__"}
+    assert len(hal_core.__all__) == len(set(hal_core.__all__))
+
+
+def test_public_names_come_from_hal_core() -> None:
+    """Public classes and functions report hal_core as their home, not a private module's consumer."""
+    for name in hal_core.__all__:
+        value = getattr(hal_core, name)
+        module = getattr(value, "__module__", "hal_core") or "hal_core"
+        assert module.startswith(("hal_core", "pluggy", "typing")), (name, module)
+
+
+def test_version_is_a_string_and_api_version_a_pair() -> None:
+    """__version__ is a version string and API_VERSION a (major, minor) tuple of ints."""
+    assert isinstance(hal_core.__version__, str) and hal_core.__version__.count(".") >= 1
+    major, minor = hal_core.API_VERSION
+    assert isinstance(major, int) and isinstance(minor, int)

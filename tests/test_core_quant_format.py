@@ -1,0 +1,142 @@
+"""The quantisation formats: int4 packing, (de)quantisation error bounds, W8A8 activations."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from hal_core.ops import OPS
+from hal_core.quant import QuantizedWeight, pack_int4, quantize, quantize_activations, unpack_int4
+
+codes = st.integers(1, 8).flatmap(
+    lambda rows: st.integers(1, 12).flatmap(
+        lambda cols: hnp.arrays(np.uint8, (8 * rows, cols), elements=st.integers(0, 15))
+    )
+)
+
+
+@given(codes)
+def test_pack_unpack_round_trip(q: np.ndarray) -> None:
+    """unpack_int4(pack_int4(q)) == q for every code matrix with K divisible by 8."""
+    packed = pack_int4(q)
+    assert packed.dtype == np.uint32 and packed.shape == (q.shape[0] // 8, q.shape[1])
+    np.testing.assert_array_equal(unpack_int4(packed), q)
+
+
+def test_pack_layout_is_little_nibble_first() -> None:
+    """Bits 4j..4j+3 of word [r, n] hold code q[8r + j, n]."""
+    q = np.arange(8, dtype=np.uint8).reshape(8, 1)
+    assert int(pack_int4(q)[0, 0]) == 0x76543210
+
+
+@pytest.mark.parametrize(
+    ("codes", "match"),
+    [(np.zeros((7, 2), np.uint8), "divisible by 8"), (np.full((8, 1), 16), "0..15"), (np.full((8, 1), -1), "0..15")],
+    ids=["k-not-multiple-of-8", "code-too-large", "code-negative"],
+)
+def test_pack_rejects_bad_codes(codes: np.ndarray, match: str) -> None:
+    """pack_int4 refuses shapes and values the format cannot hold."""
+    with pytest.raises(ValueError, match=match):
+        pack_int4(codes)
+
+
+weights = st.tuples(st.sampled_from([32, 64, 128]), st.integers(1, 3), st.integers(1, 9), st.integers(0, 2**32 - 1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(weights, st.sampled_from([4, 8]), st.booleans())
+def test_quantize_dequantize_error_is_bounded(params, bits: int, symmetric: bool) -> None:
+    """|w - dequantize(quantize(w))| <= half a step, per group and column (float32 scales)."""
+    group, groups, n, seed = params
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((group * groups, n)) * rng.uniform(0.01, 10)
+    qw = quantize(w, bits=bits, group_size=group, symmetric=symmetric, scale_dtype=np.float32)
+    assert qw.shape == w.shape and qw.bits == bits and qw.symmetric is symmetric
+    step = np.repeat(qw.scales.astype(np.float64), group, axis=0)
+    err = np.abs(qw.dequantize() - w)
+    bound = step * 0.5 * (1 + 1e-5) + 1e-12
+    assert (err <= bound).all(), f"seed={seed} max excess {(err - bound).max()}"
+
+
+def test_dequantize_is_exact_on_stored_values() -> None:
+    """dequantize() is (q - z) * s of the stored codes, zeros and scales, computed in float64."""
+    rng = np.random.default_rng(7)
+    qw = quantize(rng.standard_normal((64, 5)), bits=4, group_size=32, symmetric=False)
+    q = qw.codes().astype(np.float64)
+    z = np.repeat(qw.zeros.astype(np.float64), 32, axis=0)
+    s = np.repeat(qw.scales.astype(np.float64), 32, axis=0)
+    np.testing.assert_array_equal(qw.dequantize(), (q - z) * s)
+
+
+def test_symmetric_zero_point_is_implicit() -> None:
+    """Symmetric weights store no zeros; the zero point is 8 for int4 and 128 for int8."""
+    w = np.linspace(-1, 1, 64 * 2).reshape(64, 2)
+    assert quantize(w, bits=4, group_size=64).zeros is None
+    assert quantize(w, bits=4, group_size=64).default_zero == 8
+    assert quantize(w, bits=8, group_size=64).default_zero == 128
+
+
+def test_act_order_g_idx_selects_groups() -> None:
+    """With g_idx, each row k uses group g_idx[k] for its scale and zero."""
+    rng = np.random.default_rng(3)
+    qw = quantize(rng.standard_normal((64, 4)), group_size=32)
+    g_idx = np.r_[np.ones(32), np.zeros(32)].astype(np.int32)
+    permuted = QuantizedWeight(qweight=qw.qweight, scales=qw.scales, zeros=None, bits=4, group_size=32,
+                               shape=qw.shape, g_idx=g_idx)
+    codes = qw.codes().astype(np.float64)
+    expected = (codes - 8) * qw.scales.astype(np.float64)[g_idx]
+    np.testing.assert_array_equal(permuted.dequantize(), expected)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"bits": 3}, "bits"), ({"group_size": 48}, "group_size"), ({"group_size": 0}, "group_size")],
+    ids=["bits-3", "group-not-divisor", "group-zero"],
+)
+def test_quantize_rejects_bad_arguments(kwargs: dict, match: str) -> None:
+    """quantize() names the argument it refuses."""
+    with pytest.raises(ValueError, match=match):
+        quantize(np.ones((64, 4)), **kwargs)
+
+
+def test_quantized_weight_validates_shapes() -> None:
+    """QuantizedWeight refuses arrays whose shapes disagree with its logical shape."""
+    qw = quantize(np.ones((64, 4)), group_size=32)
+    with pytest.raises(ValueError, match="scales must have shape"):
+        QuantizedWeight(qweight=qw.qweight, scales=qw.scales[:1], zeros=None, bits=4, group_size=32, shape=(64, 4))
+
+
+@settings(max_examples=50, deadline=None)
+@given(hnp.arrays(np.float32, st.tuples(st.integers(1, 6), st.integers(1, 40)),
+                  elements=st.floats(-1e4, 1e4, width=32)))
+def test_activation_quantization_error_is_half_a_step(x: np.ndarray) -> None:
+    """Per-token int8: |x - xq * sx| <= sx / 2 per row, with |xq| <= 127."""
+    xq, sx = quantize_activations(x)
+    assert xq.dtype == np.int8 and sx.dtype == np.float32 and sx.shape == (x.shape[0],)
+    assert np.abs(xq.astype(np.int32)).max() <= 127
+    err = np.abs(x.astype(np.float64) - xq.astype(np.float64) * sx[:, None])
+    assert (err <= sx[:, None].astype(np.float64) * (0.5 + 1e-5)).all()
+
+
+def test_worked_example_of_the_docs() -> None:
+    """The numbers quoted in docs/quantization.md's worked example are what the code produces."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "quantization.md").read_text()
+    w = np.array([[0.7], [-0.35], [0.1], [0.0], [-0.7], [0.35], [0.2], [-0.1]])
+    qw = quantize(w, bits=4, group_size=8)
+    assert float(qw.scales[0, 0]) == 0.0999755859375 and "0.0999755859375" in doc
+    assert qw.codes().ravel().tolist() == [15, 4, 9, 8, 1, 12, 10, 7]
+    assert hex(int(qw.qweight[0, 0])) == "0x7ac1894f" and "0x7ac1894f" in doc
+    x = np.array([[1, 0, 0, 0, 0, 0, 1, 0]], np.float16)
+    assert round(float((x.astype(np.float64) @ qw.dequantize())[0, 0]), 5) == 0.89978
+    asym = quantize(w, bits=4, group_size=8, symmetric=False)
+    assert int(asym.zeros[0, 0]) == 8 and hex(int(asym.qweight[0, 0])) == "0x7ac0894f" and "0x7ac0894f" in doc
+    q8 = quantize(w, bits=8, group_size=8)
+    assert q8.codes().ravel().tolist() == [255, 65, 146, 128, 1, 191, 164, 110]
+    x8 = np.array([[0.5, 0, 0, 0, 0, 0, -0.25, 0]], np.float16)
+    y = OPS["quantized_gemm"].reference({"x": x8, "qweight": q8})
+    assert round(float(y[0, 0]), 6) == 0.300026 and "0.300026" in doc
