@@ -21,7 +21,6 @@ import pytest
 from halfakes import HAL_VARS
 
 import hal_core
-from hal_core.ops import _dispatch
 
 HERE = Path(__file__).resolve().parent
 
@@ -69,10 +68,8 @@ def clean_hal(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for var in HAL_VARS:
         monkeypatch.delenv(var, raising=False)
     hal_core.reset()
-    _dispatch._logged.clear()
     yield
     hal_core.reset()
-    _dispatch._logged.clear()
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 import numpy as np
 
 from ._device import DeviceHandle
-from ._version import API_VERSION
 
 if TYPE_CHECKING:
     from .ops import OpRegistry, Ops
@@ -36,8 +35,9 @@ class Backend(ABC):
 
     name: ClassVar[str]
     priority: ClassVar[int]
-    #: The HAL API version this backend was written against.
-    api_version: ClassVar[tuple[int, int]] = API_VERSION
+    #: The HAL API version this class was written against; None defers to the
+    #: version its plugin declares through ``hal_api_version``.
+    api_version: ClassVar[tuple[int, int] | None] = None
 
     @classmethod
     @abstractmethod

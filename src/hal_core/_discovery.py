@@ -79,10 +79,12 @@ def reset() -> None:
     """Forget discovered plugins and bound backends (tests; after installing a plugin)."""
     global _state
     from . import _selection
+    from .ops import _dispatch
 
     with _lock:
         _state = None
         _selection.forget_bound()
+        _dispatch.forget_logged_fallbacks()
 
 
 def _compatible(version: Any) -> str:
@@ -117,7 +119,8 @@ def _check_backend_class(cls: Any) -> str:
         return f"backend class {cls.__qualname__} sets no 'name' string"
     if not isinstance(priority, int) or isinstance(priority, bool):
         return f"backend class {cls.__qualname__} sets no integer 'priority'"
-    problem = _compatible(getattr(cls, "api_version", None))
+    version = getattr(cls, "api_version", None)
+    problem = _compatible(version) if version is not None else ""
     return f"backend {name!r} {problem}" if problem else ""
 
 

@@ -4,11 +4,11 @@ A plugin is a module named by an entry point in the ``hal`` group. It
 declares the HAL API version it was written for and the backend classes it
 provides::
 
-    from hal_core import API_VERSION, hookimpl
+    from hal_core import hookimpl
 
     @hookimpl
     def hal_api_version():
-        return API_VERSION
+        return (1, 0)  # the version this plugin was written against, not hal_core.API_VERSION
 
     @hookimpl
     def hal_backends():

@@ -40,6 +40,12 @@ _logged: set[tuple[str, str, str]] = set()
 _logged_lock = threading.Lock()
 
 
+def forget_logged_fallbacks() -> None:
+    """Log each fallback again from now on (called by ``hal_core.reset``)."""
+    with _logged_lock:
+        _logged.clear()
+
+
 def _log_once(backend: str, op: str, reason: str) -> None:
     key = (backend, op, reason)
     with _logged_lock:

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-from hal_core import API_VERSION, hookimpl
+from hal_core import hookimpl
 
 from ._backend import CpuBackend
 
-__all__ = ["hal_api_version", "hal_backends"]
+__all__ = ["HAL_API_VERSION", "hal_api_version", "hal_backends"]
+
+#: The HAL API version this plugin was written against (a literal: hal-core checks it).
+HAL_API_VERSION = (1, 0)
 
 
 @hookimpl
 def hal_api_version() -> tuple[int, int]:
     """The HAL API version this plugin implements."""
-    return API_VERSION
+    return HAL_API_VERSION
 
 
 @hookimpl

@@ -1,22 +1,15 @@
-"""The ``hal`` command: ``hal info`` shows what was found and why; ``hal demo`` runs a checked decode loop.
-
-``hal info --json`` prints one JSON document whose keys are documented in
-docs/environment.md. ``python -m hal_core`` is the same command.
-"""
+"""``hal demo``: a few decode steps over a paged KV cache, each op checked against its reference."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,129 +20,9 @@ from hal_core._arrays import numpy_dtype
 from hal_core.ops import OPS
 from hal_core.quant import QuantizedWeight, quantize
 
-__all__ = ["collect_info", "main", "run_demo"]
-
-#: HAL_* variables hal-core reads (plugins may read more; every set HAL_* variable is shown).
-CORE_VARIABLES = ("HAL_BACKEND", "HAL_FORCE_CPU", "HAL_STRICT", "HAL_DISABLE_PLUGINS", "HAL_CHECK_INDICES")
-
 #: The kind of each op in the tolerance table of hal_core.testing.tolerances.
 _TOLERANCE_KIND = {"quantized_gemm": "gemm", "paged_attention": "attention", "write_kv_cache": "copy"}
 _DTYPES = ("bf16", "fp16", "fp32")
-
-
-# -- hal info -------------------------------------------------------------
-
-
-def collect_info() -> dict[str, Any]:
-    """Everything ``hal info`` reports, as JSON-ready data (the ``--json`` document)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        plugins = [asdict(record) for record in hal_core.list_plugins()]
-        try:
-            chosen = hal_core.get_backend()
-            selected: dict[str, Any] = {"backend": chosen.name, "error": None}
-        except HalError as exc:
-            selected = {"backend": None, "error": {"type": type(exc).__name__, "message": str(exc)}}
-        devices: dict[str, list[dict[str, Any]]] = {}
-        device_errors: dict[str, str] = {}
-        for info in hal_core.list_backends():
-            if not (info.available and info.selectable):
-                continue
-            try:
-                backend = hal_core.get_backend(info.name)
-                devices[info.name] = [
-                    {"index": d.index, "capabilities": d.capabilities.model_dump(mode="json")}
-                    for d in backend.devices()
-                ]
-            except HalError as exc:
-                device_errors[info.name] = str(exc)
-        backends = [asdict(info) for info in hal_core.list_backends()]
-    for caps in (c["capabilities"] for ds in devices.values() for c in ds):
-        for key in ("dtypes", "features"):
-            caps[key] = sorted(caps[key])
-    env_names = sorted(set(CORE_VARIABLES) | {k for k in os.environ if k.startswith("HAL_")})
-    return {
-        "hal_core": {
-            "version": hal_core.__version__,
-            "api_version": list(hal_core.API_VERSION),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-        },
-        "environment": {name: os.environ.get(name) for name in env_names},
-        "plugins": plugins,
-        "backends": backends,
-        "selected": selected,
-        "devices": devices,
-        "device_errors": device_errors,
-        "warnings": [str(w.message) for w in caught],
-    }
-
-
-def _print_info(info: dict[str, Any]) -> None:
-    core = info["hal_core"]
-    print(f"hal-core {core['version']} (HAL API {'.'.join(map(str, core['api_version']))}), "
-          f"Python {core['python']} on {core['platform']}")
-    set_vars = {k: v for k, v in info["environment"].items() if v is not None}
-    print("environment: " + (", ".join(f"{k}={v}" for k, v in set_vars.items()) or "no HAL_* variable set"))
-
-    print("\nplugins (entry-point group 'hal'):")
-    if not info["plugins"]:
-        print("  none found; install one, e.g. `pip install hal-cpu`")
-    for p in info["plugins"]:
-        line = f"  {p['name']:<12} {p['status']:<9} {p['distribution']} {p['version']}  ({p['value']})"
-        if p["backends"]:
-            line += f"  backends: {', '.join(p['backends'])}"
-        print(line)
-        if p["reason"]:
-            print(f"  {'':<12} why: {p['reason']}")
-
-    print("\nbackends (highest priority first):")
-    if not info["backends"]:
-        print("  none")
-    for b in info["backends"]:
-        state = "available" if b["available"] else "unavailable"
-        if b["loaded"]:
-            state += ", loaded"
-        print(f"  {b['name']:<12} priority {b['priority']:<5} {state:<22} {b['distribution']} {b['version']}")
-        if b["reason"]:
-            print(f"  {'':<12} why: {b['reason']}")
-        if b["remedy"]:
-            print(f"  {'':<12} fix: {b['remedy']}")
-
-    selected = info["selected"]
-    if selected["backend"]:
-        print(f"\nselected: {selected['backend']}  (what hal_core.get_backend() returns here)")
-    else:
-        print(f"\nselected: none; get_backend() raises {selected['error']['type']}: {selected['error']['message']}")
-
-    for name, devices in info["devices"].items():
-        tag = " (selected)" if name == selected["backend"] else ""
-        print(f"\ndevices of {name}{tag}:")
-        for device in devices:
-            caps = device["capabilities"]
-            print(f"  [{device['index']}] {caps['name']} ({caps['vendor']}, {caps['arch']})")
-            for key, value in caps.items():
-                if key in ("name", "vendor", "arch") or value is None:
-                    continue
-                shown = ", ".join(value) if isinstance(value, list) and value and isinstance(value[0], str) else value
-                print(f"      {key:<28} {shown}")
-    for name, error in info["device_errors"].items():
-        print(f"\ndevices of {name}: could not bind: {error}")
-    for message in info["warnings"]:
-        print(f"\nwarning: {message}")
-
-
-def _cmd_info(args: argparse.Namespace) -> int:
-    info = collect_info()
-    if args.json:
-        json.dump(info, sys.stdout, indent=2, sort_keys=False)
-        print()
-    else:
-        _print_info(info)
-    return 0
-
-
-# -- hal demo -------------------------------------------------------------
 
 
 @dataclass
@@ -368,55 +241,3 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return 1
     print("all results within tolerance of the float64 reference")
     return 0
-
-
-# -- entry point ----------------------------------------------------------
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``hal``."""
-    parser = argparse.ArgumentParser(prog="hal", description=__doc__.splitlines()[0])
-    parser.add_argument("--version", action="version",
-                        version=f"hal-core {hal_core.__version__} (HAL API {'.'.join(map(str, hal_core.API_VERSION))})")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="log hal's decisions (-vv: debug)")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    info = commands.add_parser("info", help="plugins, backends, the selected backend and device capabilities")
-    info.add_argument("--json", action="store_true", help="print one JSON document (keys in docs/environment.md)")
-    info.set_defaults(func=_cmd_info)
-
-    demo = commands.add_parser("demo", help="decode steps over a paged KV cache, checked against the reference")
-    demo.add_argument("--backend", help="backend name (default: HAL_BACKEND, else the best available)")
-    demo.add_argument("--seqs", type=int, default=8, help="sequences in the batch (default 8)")
-    demo.add_argument("--max-len", type=int, default=512, help="longest prompt, tokens (default 512)")
-    demo.add_argument("--heads", type=int, default=16, help="query heads (default 16)")
-    demo.add_argument("--kv-heads", type=int, default=4, help="key/value heads, dividing --heads (default 4)")
-    demo.add_argument("--head-size", type=int, default=128, help="default 128")
-    demo.add_argument("--block-size", type=int, default=16, help="tokens per cache block (default 16)")
-    demo.add_argument("--dtype", choices=_DTYPES, default="fp16", help="default fp16")
-    demo.add_argument("--steps", type=int, default=4, help="decode steps (default 4)")
-    demo.add_argument("--hidden", type=int, default=2048, help="model width (default 2048)")
-    demo.add_argument("--group-size", type=int, default=128, help="int4 quantisation group (default 128)")
-    demo.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh one, printed)")
-    demo.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
-    demo.set_defaults(func=_cmd_demo)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``hal`` with ``argv`` (default: the command line); return the exit code."""
-    args = build_parser().parse_args(argv)
-    if args.verbose:
-        import logging
-
-        logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO,
-                            format="%(levelname)s %(name)s: %(message)s")
-    try:
-        return int(args.func(args))
-    except BrokenPipeError:  # e.g. `hal info --json | head`: stop quietly, like other commands
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

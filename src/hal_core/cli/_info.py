@@ -1,0 +1,127 @@
+"""``hal info``: plugins, backends, the selected backend and device capabilities."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import warnings
+from dataclasses import asdict
+from typing import Any
+
+import hal_core
+from hal_core import HalError
+
+#: HAL_* variables hal-core reads (plugins may read more; every set HAL_* variable is shown).
+CORE_VARIABLES = ("HAL_BACKEND", "HAL_FORCE_CPU", "HAL_STRICT", "HAL_DISABLE_PLUGINS", "HAL_CHECK_INDICES")
+
+
+def collect_info() -> dict[str, Any]:
+    """Everything ``hal info`` reports, as JSON-ready data (the ``--json`` document)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plugins = [asdict(record) for record in hal_core.list_plugins()]
+        try:
+            chosen = hal_core.get_backend()
+            selected: dict[str, Any] = {"backend": chosen.name, "error": None}
+        except HalError as exc:
+            selected = {"backend": None, "error": {"type": type(exc).__name__, "message": str(exc)}}
+        devices: dict[str, list[dict[str, Any]]] = {}
+        device_errors: dict[str, str] = {}
+        for info in hal_core.list_backends():
+            if not (info.available and info.selectable):
+                continue
+            try:
+                backend = hal_core.get_backend(info.name)
+                devices[info.name] = [
+                    {"index": d.index, "capabilities": d.capabilities.model_dump(mode="json")}
+                    for d in backend.devices()
+                ]
+            except HalError as exc:
+                device_errors[info.name] = str(exc)
+        backends = [asdict(info) for info in hal_core.list_backends()]
+    for caps in (c["capabilities"] for ds in devices.values() for c in ds):
+        for key in ("dtypes", "features"):
+            caps[key] = sorted(caps[key])
+    env_names = sorted(set(CORE_VARIABLES) | {k for k in os.environ if k.startswith("HAL_")})
+    return {
+        "hal_core": {
+            "version": hal_core.__version__,
+            "api_version": list(hal_core.API_VERSION),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
+        "environment": {name: os.environ.get(name) for name in env_names},
+        "plugins": plugins,
+        "backends": backends,
+        "selected": selected,
+        "devices": devices,
+        "device_errors": device_errors,
+        "warnings": [str(w.message) for w in caught],
+    }
+
+
+def _print_info(info: dict[str, Any]) -> None:
+    core = info["hal_core"]
+    print(f"hal-core {core['version']} (HAL API {'.'.join(map(str, core['api_version']))}), "
+          f"Python {core['python']} on {core['platform']}")
+    set_vars = {k: v for k, v in info["environment"].items() if v is not None}
+    print("environment: " + (", ".join(f"{k}={v}" for k, v in set_vars.items()) or "no HAL_* variable set"))
+
+    print("\nplugins (entry-point group 'hal'):")
+    if not info["plugins"]:
+        print("  none found; install one, e.g. `pip install hal-cpu`")
+    for p in info["plugins"]:
+        line = f"  {p['name']:<12} {p['status']:<9} {p['distribution']} {p['version']}  ({p['value']})"
+        if p["backends"]:
+            line += f"  backends: {', '.join(p['backends'])}"
+        print(line)
+        if p["reason"]:
+            print(f"  {'':<12} why: {p['reason']}")
+
+    print("\nbackends (highest priority first):")
+    if not info["backends"]:
+        print("  none")
+    for b in info["backends"]:
+        state = "available" if b["available"] else "unavailable"
+        if b["loaded"]:
+            state += ", loaded"
+        print(f"  {b['name']:<12} priority {b['priority']:<5} {state:<22} {b['distribution']} {b['version']}")
+        if b["reason"]:
+            print(f"  {'':<12} why: {b['reason']}")
+        if b["remedy"]:
+            print(f"  {'':<12} fix: {b['remedy']}")
+
+    selected = info["selected"]
+    if selected["backend"]:
+        print(f"\nselected: {selected['backend']}  (what hal_core.get_backend() returns here)")
+    else:
+        print(f"\nselected: none; get_backend() raises {selected['error']['type']}: {selected['error']['message']}")
+
+    for name, devices in info["devices"].items():
+        tag = " (selected)" if name == selected["backend"] else ""
+        print(f"\ndevices of {name}{tag}:")
+        for device in devices:
+            caps = device["capabilities"]
+            print(f"  [{device['index']}] {caps['name']} ({caps['vendor']}, {caps['arch']})")
+            for key, value in caps.items():
+                if key in ("name", "vendor", "arch") or value is None:
+                    continue
+                shown = ", ".join(value) if isinstance(value, list) and value and isinstance(value[0], str) else value
+                print(f"      {key:<28} {shown}")
+    for name, error in info["device_errors"].items():
+        print(f"\ndevices of {name}: could not bind: {error}")
+    for message in info["warnings"]:
+        print(f"\nwarning: {message}")
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    info = collect_info()
+    if args.json:
+        json.dump(info, sys.stdout, indent=2, sort_keys=False)
+        print()
+    else:
+        _print_info(info)
+    return 0
