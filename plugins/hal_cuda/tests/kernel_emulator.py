@@ -265,9 +265,9 @@ class Kernel:
         xf = _floats(_ptr(x), self.defines["HAL_DTYPE"])
         assert grid == (xf.shape[0], 1, 1) and _i32(k) == xf.shape[1]
         amax = np.abs(xf).max(axis=1)
-        inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
-        _ptr(sx, np.float32)[...] = amax / np.float32(127)
-        _ptr(xq, np.int8)[...] = np.clip(np.rint(xf * inv[:, None]), -127, 127).astype(np.int8)
+        scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
+        _ptr(sx, np.float32)[...] = scale
+        _ptr(xq, np.int8)[...] = np.clip(np.rint(xf / scale[:, None]), -127, 127).astype(np.int8)
 
     def hal_f32_to_dtype(self, grid: Any, block: Any, out: Any, ws: Any, count: Any) -> None:
         assert isinstance(count, np.int64)

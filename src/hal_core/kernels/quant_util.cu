@@ -82,9 +82,10 @@ hal_w8_dequant(hal_t* HAL_RESTRICT w, const hal_u8* HAL_RESTRICT qweight,
     }
 }
 
-// Per-row symmetric int8 quantisation: sx[m] = max|x[m, :]| / 127,
-// xq[m, k] = clamp(rint(x[m, k] * (127 / max|x[m, :]|)), -127, 127)
-// (round half to even); an all-zero row gives sx = 0 and xq = 0.
+// Per-row symmetric int8 quantisation, bit for bit as hal_core.quant.quantize_activations:
+// sx[m] = max|x[m, :]| / 127 (1 for an all-zero row), xq[m, k] = clamp(rint(x[m, k] / sx[m]), -127, 127)
+// (round half to even). A true division, not a multiplication by 127 / max: the two round
+// differently when x / sx lies next to a half.
 // Grid (M), block HAL_UTIL_THREADS.
 HAL_GLOBAL void HAL_LAUNCH_BOUNDS(HAL_UTIL_THREADS)
 hal_w8a8_quantize_rows(hal_i8* HAL_RESTRICT xq, float* HAL_RESTRICT sx,
@@ -101,10 +102,10 @@ hal_w8a8_quantize_rows(hal_i8* HAL_RESTRICT xq, float* HAL_RESTRICT sx,
     hal_barrier();
     amax = s_red[0];
     for (int w = 1; w < NWARPS; ++w) amax = fmaxf(amax, s_red[w]);
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    if (tid == 0) sx[blockIdx.x] = amax / 127.f;
+    const float scale = amax > 0.f ? amax / 127.f : 1.f;
+    if (tid == 0) sx[blockIdx.x] = scale;
     for (int k = tid; k < K; k += HAL_UTIL_THREADS) {
-        const float q = fminf(fmaxf(rintf(hal_to_float(xr[k]) * inv), -127.f), 127.f);
+        const float q = fminf(fmaxf(rintf(hal_to_float(xr[k]) / scale), -127.f), 127.f);
         qr[k] = static_cast<hal_i8>(static_cast<int>(q));
     }
 }

@@ -1,0 +1,46 @@
+// Host entry points for paged_attention.cu: one extern "C" launcher per kernel
+// (grid and block as 3-element arrays, then the kernel's parameters in order)
+// and the static shared memory the kernels declare, for the host rule check.
+#include "prelude_host.cuh"
+#include "paged_attention.cu"
+
+extern "C" int launch_hal_paged_attention(const unsigned* grid, const unsigned* block, void* out,
+                                          const void* query, const void* key_cache,
+                                          const void* value_cache, const int* block_tables,
+                                          const int* seq_lens, float scale, int num_heads,
+                                          int num_kv_heads, int block_size, int max_blocks_per_seq) {
+    return hal_host::launch_lambda(grid, block, [=] {
+        hal_paged_attention((hal_t*)out, (const hal_t*)query, (const hal_t*)key_cache,
+                            (const hal_t*)value_cache, block_tables, seq_lens, scale, num_heads,
+                            num_kv_heads, block_size, max_blocks_per_seq);
+    });
+}
+
+extern "C" int launch_hal_paged_attention_split(
+    const unsigned* grid, const unsigned* block, float* tmp_out, float* max_logits, float* exp_sums,
+    const void* query, const void* key_cache, const void* value_cache, const int* block_tables,
+    const int* seq_lens, float scale, int num_heads, int num_kv_heads, int block_size,
+    int max_blocks_per_seq, int partition_size, int max_partitions) {
+    return hal_host::launch_lambda(grid, block, [=] {
+        hal_paged_attention_split(tmp_out, max_logits, exp_sums, (const hal_t*)query,
+                                  (const hal_t*)key_cache, (const hal_t*)value_cache, block_tables,
+                                  seq_lens, scale, num_heads, num_kv_heads, block_size,
+                                  max_blocks_per_seq, partition_size, max_partitions);
+    });
+}
+
+extern "C" int launch_hal_paged_attention_reduce(const unsigned* grid, const unsigned* block,
+                                                 void* out, const float* tmp_out,
+                                                 const float* max_logits, const float* exp_sums,
+                                                 const int* seq_lens, int num_heads,
+                                                 int partition_size, int max_partitions) {
+    return hal_host::launch_lambda(grid, block, [=] {
+        hal_paged_attention_reduce((hal_t*)out, tmp_out, max_logits, exp_sums, seq_lens, num_heads,
+                                   partition_size, max_partitions);
+    });
+}
+
+// s_logit + s_out + s_m/s_l/s_alpha of the attention kernels.
+extern "C" int static_shared_bytes() {
+    return (int)sizeof(float) * (pa::GQA * pa::CHUNK + pa::GQA * pa::HS + 3 * pa::GQA);
+}

@@ -1,0 +1,14 @@
+// Host entry point for write_kv_cache.cu (grid and block as 3-element arrays,
+// then the kernel's parameters in order).
+#include "prelude_host.cuh"
+#include "write_kv_cache.cu"
+
+extern "C" int launch_hal_write_kv_cache(const unsigned* grid, const unsigned* block,
+                                         const void* key, const void* value, void* key_cache,
+                                         void* value_cache, const void* slot_mapping,
+                                         int num_kv_heads, int block_size, int row_bytes) {
+    return hal_host::launch_lambda(grid, block, [=] {
+        hal_write_kv_cache(key, value, key_cache, value_cache, (const hal_slot_t*)slot_mapping,
+                           num_kv_heads, block_size, row_bytes);
+    });
+}
