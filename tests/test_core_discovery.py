@@ -351,3 +351,75 @@ def test_plugin_record_names_distribution_and_version(make_plugin) -> None:
     assert (record.distribution, record.version, record.backends) == ("hal-named-plugin", "3.1.4", ["named"])
     info = next(b for b in hal_core.list_backends() if b.name == "named")
     assert (info.distribution, info.version, info.plugin) == ("hal-named-plugin", "3.1.4", "named")
+
+
+JUNK_EXTRAS = '''
+from hal_core import API_VERSION, hookimpl
+
+
+@hookimpl
+def hal_api_version():
+    return API_VERSION
+
+
+@hookimpl
+def hal_extra_ops(backend):
+    return ["not an OpImpl"]
+'''
+
+
+def test_junk_extra_ops_never_break_another_backend(make_plugin, cpu, caplog) -> None:
+    """hal_extra_ops returning something that is not an OpImpl is ignored with a warning; cpu still binds."""
+    make_plugin("junk", JUNK_EXTRAS)
+    hal_core.reset()
+    with caplog.at_level(logging.WARNING, logger="hal"):
+        backend = hal_core.get_backend("cpu")
+    assert backend.name == "cpu"
+    assert any("hal_extra_ops" in r.getMessage() and "ignored" in r.getMessage() for r in caplog.records)
+
+
+def test_two_entry_points_with_one_name_reject_the_second_with_the_reason(make_plugin) -> None:
+    """Two distributions registering the same entry-point name: the second is rejected, naming the first."""
+    make_plugin("twin", module="hal_twin_a", distribution="hal-twin-a", backend="twin_a")
+    make_plugin("twin", module="hal_twin_b", distribution="hal-twin-b", backend="twin_b")
+    records = [p for p in hal_core.list_plugins() if p.name == "twin"]
+    assert [r.status for r in records] == ["loaded", "rejected"]
+    assert "already taken" in records[1].reason and records[0].value in records[1].reason
+
+
+SLOW_INIT = '''
+import time
+from hal_core import API_VERSION, hookimpl
+from halfakes import HostBackend
+
+
+class SlowBackend(HostBackend):
+    name = "slow"
+    priority = 5
+
+    def __init__(self):
+        time.sleep(0.3)
+
+
+@hookimpl
+def hal_api_version():
+    return API_VERSION
+
+
+@hookimpl
+def hal_backends():
+    return [SlowBackend]
+'''
+
+
+def test_reset_during_binding_does_not_deadlock(make_plugin) -> None:
+    """reset() from one thread while another binds a backend: both finish (the locks never cross)."""
+    make_plugin("slow", SLOW_INIT)
+    hal_core.list_backends()
+    binder = threading.Thread(target=hal_core.get_backend, args=("slow",), daemon=True)
+    resetter = threading.Thread(target=hal_core.reset, daemon=True)
+    binder.start()
+    resetter.start()
+    binder.join(timeout=30)
+    resetter.join(timeout=30)
+    assert not binder.is_alive() and not resetter.is_alive(), "get_backend and reset deadlocked"

@@ -110,3 +110,69 @@ def test_force_cpu_does_not_touch_the_cpu_backend_itself(cpu, monkeypatch) -> No
     monkeypatch.setenv("HAL_FORCE_CPU", "1")
     x, qw, ref = _args(8)
     np.testing.assert_allclose(cpu.ops.quantized_gemm(x, qw), ref, rtol=1e-4, atol=1e-4)
+
+
+FAILING = '''
+from hal_core import API_VERSION, KernelCompileError, hookimpl
+from halfakes import HostBackend, touch
+
+
+def gemm(call):
+    touch("{marker}")
+    raise KernelCompileError("hal_w4a16_gemm", "error: expected a ';'", ("-arch=sm_90",))
+
+
+def broken_supports(call):
+    raise RuntimeError("supports is broken")
+
+
+class FailingBackend(HostBackend):
+    name = "failing"
+    priority = 5
+
+    def register_ops(self, registry):
+        registry.register("quantized_gemm", gemm, priority=10, name="failing-gemm")
+        registry.register("quantized_gemm", gemm, priority=20, supports=broken_supports, name="broken-supports")
+
+
+@hookimpl
+def hal_api_version():
+    return API_VERSION
+
+
+@hookimpl
+def hal_backends():
+    return [FailingBackend]
+'''
+
+
+def test_compile_failure_and_raising_supports_fall_back_correctly(make_plugin, caplog) -> None:
+    """A KernelCompileError or a raising supports() runs the call on the CPU path, with both reasons logged."""
+    plugin = make_plugin("failing", FAILING)
+    x, qw, ref = _args(8)
+    out = np.full((8, 32), 7.0, np.float32)
+    with caplog.at_level(logging.WARNING, logger="hal"):
+        result = hal_core.get_backend("failing").ops.quantized_gemm(x, qw, out=out)
+    assert result is out
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+    assert plugin.ran() == 1
+    message = " ".join(r.getMessage() for r in caplog.records)
+    assert "failed to compile" in message and "supports() raised RuntimeError" in message
+
+
+def test_compile_failure_under_strict_raises_fallback_error(make_plugin, monkeypatch) -> None:
+    """HAL_STRICT=1: a kernel that fails to compile is a FallbackError naming the kernel, out untouched."""
+    make_plugin("failing", FAILING)
+    monkeypatch.setenv("HAL_STRICT", "1")
+    x, qw, _ = _args(8)
+    out = np.full((8, 32), 7.0, np.float32)
+    with pytest.raises(FallbackError, match="hal_w4a16_gemm"):
+        hal_core.get_backend("failing").ops.quantized_gemm(x, qw, out=out)
+    assert (out == 7.0).all()
+
+
+def test_non_array_argument_is_a_type_error_naming_it(cpu) -> None:
+    """A list where an array is expected is an ArgumentTypeError naming the argument."""
+    x, qw, _ = _args(4)
+    with pytest.raises(hal_core.ArgumentTypeError, match="'x'"):
+        cpu.ops.quantized_gemm(x.tolist(), qw)

@@ -83,8 +83,9 @@ def reset() -> None:
 
     with _lock:
         _state = None
-        _selection.forget_bound()
-        _dispatch.forget_logged_fallbacks()
+    # Outside the discovery lock: binding takes the selection lock, then this one.
+    _selection.forget_bound()
+    _dispatch.forget_logged_fallbacks()
 
 
 def _compatible(version: Any) -> str:
@@ -215,6 +216,16 @@ def _discover() -> _State:
         if (ep.name, ep.value) in seen:  # the same distribution visible twice on sys.path
             continue
         seen.add((ep.name, ep.value))
+        clash = next((p for p in plugins if p.name == ep.name and p.status == "loaded"), None)
+        if clash is not None:
+            dist = getattr(ep, "dist", None)
+            plugins.append(PluginRecord(
+                name=ep.name, value=ep.value, distribution=dist.metadata["Name"] if dist else "?",
+                version=dist.version if dist else "?", status="rejected",
+                reason=(f"entry point name {ep.name!r} is already taken by {clash.value!r} "
+                        f"({clash.distribution}); uninstall one, or disable it with HAL_DISABLE_PLUGINS"),
+            ))
+            continue
         record, entries = _load_plugin(manager, ep)
         plugins.append(record)
         backends.extend(entries)
@@ -224,13 +235,20 @@ def _discover() -> _State:
 
 def extra_op_impls(backend: Backend) -> list[Any]:
     """Op implementations that plugins add to ``backend`` through ``hal_extra_ops``."""
+    from .ops import OPS, OpImpl
+
     state = discover()
     impls: list[Any] = []
     for hookimpl in state.manager.hook.hal_extra_ops.get_hookimpls():
-        try:
-            impls.extend(hookimpl.function(backend=backend) or ())
-        except Exception as exc:  # one plugin's extras never break another's backend
-            log.warning("hal: %s hal_extra_ops raised %s: %s; its extra ops are ignored",
-                        hookimpl.plugin_name, type(exc).__name__, exc)
+        try:  # one plugin's extras never break another's backend
+            offered = list(hookimpl.function(backend=backend) or ())
+            bad = [item for item in offered if not (isinstance(item, OpImpl) and item.op in OPS)]
+            if bad:
+                raise TypeError(f"expected OpImpl objects of known ops {sorted(OPS)}, got {bad[0]!r}")
+        except Exception as exc:
+            log.warning("hal: %s hal_extra_ops for backend %r failed (%s: %s); its extra ops are ignored",
+                        hookimpl.plugin_name, backend.name, type(exc).__name__, exc)
             log.debug("hal: traceback", exc_info=exc)
+            continue
+        impls.extend(offered)
     return impls

@@ -37,7 +37,9 @@ class Stream(ABC):
 
     Work on one stream runs in order; across streams, order only through
     :meth:`wait_event`. A stream may be used as a context manager that
-    makes it current for the ops run inside.
+    makes it current; device backends (CUDA) enqueue ops on the current
+    stream, while host backends may run ops eagerly on the calling thread,
+    so synchronize a stream before an op reads what a launch on it wrote.
     """
 
     @abstractmethod

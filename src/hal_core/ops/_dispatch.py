@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import _env
 from .._arrays import device_of
-from .._errors import ArgumentError, FallbackError
+from .._errors import ArgumentError, ArgumentTypeError, FallbackError, KernelCompileError
 from ..quant import QuantizedWeight
 from ._registry import OpRegistry
 from ._spec import OpCall, OpSpec
@@ -113,6 +113,12 @@ class Ops:
     def _prepare(self, spec: OpSpec, args: dict[str, Any]) -> OpCall:
         backend = self._backend
         devices = {name: device_of(value) for name, value in spec.iter_arrays(args)}
+        for name, (kind, _) in devices.items():
+            if kind == "unknown":
+                raise ArgumentTypeError(
+                    f"argument {name!r}: expected an array (numpy, CuPy, torch, or any DLPack or "
+                    f"__cuda_array_interface__ array), got {type(args.get(name, spec)).__name__}"
+                )
         kinds = set(devices.values())
         if len(kinds) > 1:
             listing = ", ".join(f"{n} on {k}:{i}" for n, (k, i) in devices.items())
@@ -140,9 +146,17 @@ class Ops:
             return self._run_on_cpu(call)
         reasons = []
         for impl in self.registry.implementations(call.op):
-            verdict = impl.supports(call)
+            try:
+                verdict = impl.supports(call)
+            except Exception as exc:  # a plugin bug must not cost the caller a correct result
+                log.debug("hal: %s supports() raised", impl.name, exc_info=exc)
+                verdict = f"supports() raised {type(exc).__name__}: {exc}"
             if verdict is True:
-                return self._finish(call, impl.fn(call))
+                try:
+                    return self._finish(call, impl.fn(call))
+                except KernelCompileError as exc:  # compiles happen before any launch writes `out`
+                    log.debug("hal: %s failed to compile", impl.name, exc_info=exc)
+                    verdict = f"kernel {exc.name!r} failed to compile (see the debug log for the compiler output)"
             reasons.append(f"{impl.name}: {verdict if isinstance(verdict, str) else 'unsupported'}")
         reason = "; ".join(reasons) or "no implementation registered"
         if _env.strict():

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import dtype_name, numpy_dtype
+from .. import _env
+from .._arrays import dtype_name, is_c_contiguous, numpy_dtype
 from .._errors import ArgumentTypeError
 from ..quant import QuantizedWeight, quantize_activations
 from ._checks import check_array, fail
@@ -59,6 +60,8 @@ class QuantizedGemm(OpSpec):
             want = expected.get(name)
             if want and dtype_name(value) != want:
                 raise ArgumentTypeError(f"argument 'qweight.{name}': expected dtype {want}, got {dtype_name(value)}")
+            if not is_c_contiguous(value):
+                raise fail(f"qweight.{name}", "a C-contiguous array", f"strides {getattr(value, 'strides', '?')}")
         if dtype_name(qw.scales) not in ("fp16", "fp32", "bf16"):
             raise ArgumentTypeError(f"argument 'qweight.scales': expected dtype fp16, bf16 or fp32, "
                                     f"got {dtype_name(qw.scales)}")
@@ -67,6 +70,13 @@ class QuantizedGemm(OpSpec):
             check_array("out", out, layout="[M, N]", ndim=2, dtypes=(xdt,))
             if tuple(out.shape) != (x.shape[0], n):
                 raise fail("out", f"shape {(x.shape[0], n)}", f"shape {tuple(out.shape)}")
+        if qw.g_idx is not None and _env.check_indices() and k:
+            groups = to_numpy(qw.g_idx)
+            bad = (groups < 0) | (groups >= k // qw.group_size)
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise fail("qweight.g_idx", f"group indices in [0, {k // qw.group_size})",
+                           f"g_idx[{i}] = {int(groups[i])}")
 
     def output_shape(self, args: Mapping[str, Any]) -> tuple[int, ...]:
         return (args["x"].shape[0], args["qweight"].shape[1])
