@@ -164,6 +164,37 @@ def test_plain_dlpack_arrays_come_in_without_a_copy(backend) -> None:
     assert restore(result) is result
 
 
+class CopyingDLPack(HostDLPack):
+    """A producer that can only export a copy: it refuses copy=False, as DLPack 1.0 asks."""
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        if copy is False:
+            raise BufferError("this producer can only export a copy")
+        return self._array.copy().__dlpack__()
+
+
+class LegacyDLPack(HostDLPack):
+    """A producer older than DLPack 1.0: ``__dlpack__(stream=None)`` only."""
+
+    def __dlpack__(self, stream=None):
+        return self._array.__dlpack__()
+
+
+@pytest.mark.skipif(np.lib.NumpyVersion(np.__version__) < "2.1.0", reason="numpy < 2.1 cannot ask for copy=False")
+def test_dlpack_producer_that_would_copy_is_refused(backend) -> None:
+    """A host DLPack producer is asked for a view (copy=False); one that could only copy is an error."""
+    x = CopyingDLPack(np.ones((2, 64), np.float32))
+    with pytest.raises(ArgumentTypeError, match=r"'x': cannot view .* without a copy"):
+        backend.ops.quantized_gemm(x, quantize(np.ones((64, 8)), group_size=32))
+
+
+def test_legacy_dlpack_producer_comes_in_without_a_copy(backend) -> None:
+    """A producer that takes no copy keyword (DLPack before 1.0) is still viewed, not copied."""
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    native, _ = import_arrays(OPS["quantized_gemm"], dict(x=LegacyDLPack(x), qweight=None, out=None), backend)
+    assert ptr(native["x"]) == ptr(x)
+
+
 def test_device_memory_on_a_host_backend_is_an_error(backend) -> None:
     """A CUDA array (by DLPack device or __cuda_array_interface__) on a host backend names the argument."""
     fake_cuda = HostDLPack(np.zeros((2, 64), np.float32), device=(2, 0))

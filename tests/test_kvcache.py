@@ -136,6 +136,22 @@ def test_out_of_blocks_leaves_the_cache_unchanged(cpu) -> None:
     assert "b2" not in cache
 
 
+def test_step_too_wide_for_max_blocks_leaves_the_cache_unchanged(cpu) -> None:
+    """A step whose block tables would pass max_blocks raises ValueError and grows no sequence."""
+    cache = PagedKVCache(cpu, CacheConfig(1, 1, 64, block_size=16, dtype="fp16"), num_blocks=8)
+    cache.add("a")
+    cache.add("b")
+    cache.prepare_step({"a": 3, "b": 1})
+    free = cache.usage().free_blocks
+    with pytest.raises(ValueError, match="max_blocks=2"):
+        cache.prepare_step({"b": 1, "a": 40}, max_blocks=2)
+    assert (cache.blocks.length("a"), cache.blocks.length("b")) == (3, 1)
+    assert cache.usage().free_blocks == free
+    cache.blocks.check()
+    step = cache.prepare_step({"a": 29, "b": 1}, max_blocks=2)  # exactly two blocks: fits
+    assert cpu.to_numpy(step.block_tables).shape == (30, 2)
+
+
 def test_step_arrays_are_device_arrays_of_the_op_dtypes(cpu) -> None:
     """slot_mapping is int64, block_tables and seq_lens int32, in the backend's memory, padded as asked."""
     cache = PagedKVCache(cpu, CacheConfig(1, 1, 64, block_size=4, dtype="fp32"), num_blocks=8)

@@ -6,10 +6,15 @@ that turns results back into the caller's kind of array.
 
 The rules (docs/engine-guide.md, "Interop"):
 
-- Nothing is ever copied. A foreign array becomes a *view* of the same
-  memory (``numpy.from_dlpack`` for host memory; ``cupy.from_dlpack`` or a
-  backend's own ``from_dlpack`` for device memory); the data pointer is
-  checked after the conversion, so a library that would copy is refused.
+- Nothing is copied. A foreign array becomes a *view* of the same memory
+  (``numpy.from_dlpack`` for host memory; ``cupy.from_dlpack`` or a
+  backend's own ``from_dlpack`` for device memory). On numpy >= 2.1 host
+  imports ask the producer for ``copy=False``, so one that could only copy
+  raises instead. Where both sides expose a data pointer (numpy, torch,
+  CuPy, anything with ``__array_interface__`` / ``__cuda_array_interface__``)
+  the pointers are compared after the conversion, so a copy is refused;
+  for a producer exposing no pointer the check cannot run, and hal relies
+  on DLPack sharing memory (with ``copy=False`` where numpy supports it).
 - Strides are kept: a non-contiguous tensor stays non-contiguous, and the
   op's validation then names it, instead of a silent contiguous copy.
 - Device memory handed to a host backend (or any memory the backend cannot
@@ -43,6 +48,8 @@ if TYPE_CHECKING:
 __all__ = ["import_arrays", "is_torch_tensor", "to_native"]
 
 _DEVICE_KINDS = ("cuda", "rocm", "cuda_managed")
+#: numpy.from_dlpack takes ``copy=`` (and passes it to the producer) from numpy 2.1.
+_DLPACK_COPY_KEYWORD = np.lib.NumpyVersion(np.__version__) >= "2.1.0"
 
 
 def _identity(value: Any) -> Any:
@@ -101,15 +108,25 @@ def to_native(value: Any, backend: Backend, name: str = "array") -> Any:
         kind, index = device_of(value)
         if kind in ("cpu", "cuda_host"):
             try:
-                array = np.from_dlpack(value)
+                array = _host_from_dlpack(value)
             except (BufferError, TypeError, RuntimeError) as exc:
                 raise ArgumentTypeError(f"argument {name!r}: cannot view this {type(value).__name__} "
-                                        f"through DLPack ({exc})") from exc
+                                        f"through DLPack without a copy ({exc})") from exc
             return _checked(array, value, name)
         return _checked(_device_import(value, backend, name, kind, index), value, name)
     if hasattr(value, "__cuda_array_interface__"):
         return _checked(_device_import(value, backend, name, "cuda", -1), value, name)
     return value  # not an array: the op's validation names it
+
+
+def _host_from_dlpack(value: Any) -> np.ndarray:
+    """A numpy view of a host DLPack producer, asking it not to copy where numpy can say so."""
+    if _DLPACK_COPY_KEYWORD:
+        try:
+            return np.from_dlpack(value, copy=False)
+        except TypeError:
+            pass  # a producer older than DLPack 1.0 takes no copy keyword; its export is a view
+    return np.from_dlpack(value)
 
 
 # -- torch --------------------------------------------------------------------
@@ -125,7 +142,7 @@ def _from_torch(tensor: Any, backend: Backend, name: str) -> Any:
     kind = tensor.device.type
     if kind == "cpu":
         try:
-            array = np.from_dlpack(storage)
+            array = _host_from_dlpack(storage)
         except (BufferError, TypeError, RuntimeError) as exc:
             raise ArgumentTypeError(f"argument {name!r}: torch dtype {tensor.dtype} has no numpy view ({exc})") from exc
         return _checked(array.view(BFLOAT16) if bf16 else array, tensor, name)
@@ -189,7 +206,11 @@ def _pointer(array: Any) -> int | None:
 
 
 def _checked(native: Any, original: Any, name: str) -> Any:
-    """``native`` after making sure it shares ``original``'s memory."""
+    """``native`` after making sure it shares ``original``'s memory.
+
+    The check needs both data pointers; where ``original`` (or a backend's
+    own import) exposes none, it cannot run and ``native`` is returned as is.
+    """
     size = getattr(native, "size", 1)
     a, b = _pointer(native), _pointer(original)
     if size and a is not None and b is not None and a != b:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
+import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -55,31 +58,114 @@ def test_stream_runs_work_in_order_and_query_reflects_progress(device: Any) -> N
 
 
 def test_wait_event_blocks_the_waiting_stream_only(device: Any) -> None:
-    """A stream waiting on another's event runs later work only after that event."""
+    """A stream waiting on another's event runs later work only after that event.
+
+    The first stream is blocked by a gate that opens only once the second
+    stream's worker has reached the wait, so work after a wait that does
+    nothing would run (and log) while the first stream is still blocked.
+    """
+    first, second = device.create_stream(), device.create_stream()
+    gate, reached = threading.Event(), threading.Event()
+    log: list[str] = []
+    first.submit(gate.wait)
+    first.submit(lambda: log.append("first"))
+    marker = first.record_event()
+    second.submit(reached.set)
+    second.wait_event(marker)
+    second.submit(lambda: log.append("second"))
+    done = second.record_event()
+    reached.wait()
+    assert not done.query() and not marker.query()
+    other = device.create_stream()  # streams that do not wait are not held up
+    other.submit(lambda: log.append("other"))
+    other.synchronize()
+    gate.set()
+    done.synchronize()
+    assert marker.query()
+    assert log == ["other", "first", "second"]
+
+
+def test_wait_event_orders_launches_across_streams(device: Any) -> None:
+    """A launch queued after wait_event sees what a gated launch on the other stream wrote."""
+    kernel = device.launcher.load(KernelSource("gate.py", GATE_KERNEL, ("gated_fill", "copy")))
     first, second = device.create_stream(), device.create_stream()
     gate = threading.Event()
-    first.submit(gate.wait)
-    marker = first.record_event()
-    second.wait_event(marker)
+    src, dst = np.zeros(8, np.float32), np.zeros(8, np.float32)
+    config = LaunchConfig(grid=(1,), block=(8,))
+    device.launcher.launch(kernel["gated_fill"], config, (gate, src, np.float32(3.0)), first)
+    second.wait_event(first.record_event())
+    device.launcher.launch(kernel["copy"], config, (src, dst), second)
     done = second.record_event()
     assert not done.query()
     gate.set()
     done.synchronize()
-    assert marker.query()
+    np.testing.assert_array_equal(dst, 3.0)
+
+
+GATE_KERNEL = '''
+def gated_fill(ctx, gate, out, value):
+    gate.wait()
+    out[ctx.global_ids] = value
+
+def copy(ctx, src, dst):
+    dst[ctx.global_ids] = src[ctx.global_ids]
+'''
 
 
 def test_event_timing_measures_queued_work(device: Any) -> None:
-    """elapsed_ms spans the work between the two events."""
-    import time
+    """elapsed_ms spans the work between the two events: the end is stamped after the gated work ran.
 
+    An ordering check, not a timed one: the start event completed before the
+    host read ``after_start``, and the end event runs after ``gate.set()``, so
+    ``elapsed_ms`` is at least the host's time between the two, whatever it is.
+    """
     stream = device.create_stream()
+    gate = threading.Event()
     start = stream.record_event()
-    stream.submit(lambda: time.sleep(0.02))
+    stream.submit(gate.wait)
     end = stream.record_event()
+    start.synchronize()
+    after_start = time.perf_counter_ns()
+    assert not end.query(), "the end event waits for the gated work"
+    before_set = time.perf_counter_ns()
+    gate.set()
     end.synchronize()
-    assert start.elapsed_ms(end) >= 15.0
+    assert start.elapsed_ms(end) >= (before_set - after_start) / 1e6
     with pytest.raises(RuntimeError, match="never recorded"):
         device.create_event().elapsed_ms(end)
+
+
+def test_dropped_streams_are_released_with_their_workers(device: Any) -> None:
+    """The device holds its streams weakly: a dropped stream is collected and its worker thread ends."""
+    before = len(device._queues)
+    streams = [device.create_stream() for _ in range(3)]
+    for stream in streams:
+        stream.submit(lambda: None)
+    device.synchronize()
+    refs = [weakref.ref(stream) for stream in streams]
+    workers = [stream._work.thread for stream in streams]
+    del streams, stream
+    gc.collect()
+    assert all(ref() is None for ref in refs), "the device must not keep dropped streams alive"
+    for worker in workers:
+        worker.join()  # returns once the closed queue's worker has exited (it would hang before the fix)
+    gc.collect()
+    assert len(device._queues) == before
+
+
+def test_device_synchronize_waits_for_dropped_streams_work(device: Any) -> None:
+    """Work queued on a stream that was then dropped still runs, and device.synchronize waits for it."""
+    gate = threading.Event()
+    ran: list[int] = []
+    stream = device.create_stream()
+    stream.submit(gate.wait)
+    stream.submit(lambda: ran.append(1))
+    del stream
+    gc.collect()
+    assert not ran
+    gate.set()
+    device.synchronize()
+    assert ran == [1]
 
 
 def test_stream_reraises_work_errors_on_synchronize(device: Any) -> None:
@@ -136,6 +222,26 @@ def test_buffer_view_bounds() -> None:
     buffer.free()
     with pytest.raises(ValueError, match="freed"):
         buffer.as_array((1,), np.uint8)
+
+
+def test_buffer_views_keep_the_buffer_alive() -> None:
+    """A view outlives its dropped buffer: its block is not handed out again while the view lives."""
+    allocator = CpuAllocator()
+    buffer = allocator.allocate(256)
+    view = buffer.as_array((64,), np.float32)
+    view[...] = 1.0
+    del buffer
+    gc.collect()
+    assert allocator.stats().in_use == 256, "the view's block is still in use"
+    other = allocator.allocate(256)  # same size class: would reuse a released block
+    fresh = other.as_array((64,), np.float32)
+    assert not np.shares_memory(view, fresh)
+    fresh[...] = 2.0
+    assert (view == 1.0).all()
+    del view
+    gc.collect()
+    assert allocator.stats().in_use == 256, "the last view gone, its buffer returned to the allocator"
+    other.free()
 
 
 GRID_KERNEL = '''

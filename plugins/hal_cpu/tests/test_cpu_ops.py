@@ -56,3 +56,32 @@ def test_w8a8_large_groups_use_exact_accumulation(rng: np.random.Generator) -> N
     args = quantized_gemm_inputs(rng, m=3, k=1024, n=4, bits=8, group_size=1024, symmetric=False, dtype="fp32")
     got = quantized_gemm._w8a8(args["x"], args["qweight"])
     np.testing.assert_allclose(got, OPS["quantized_gemm"].reference(args), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("w8a8_first", [True, False], ids=["w8a8-first", "dequantize-first"])
+def test_dequant_cache_keeps_float_weights_and_centered_codes_apart(rng: np.random.Generator,
+                                                                    w8a8_first: bool) -> None:
+    """One int8 weight's float32 weight and its centred codes are cached apart, in either order."""
+    quantized_gemm.clear_dequant_cache()
+    args = quantized_gemm_inputs(rng, m=3, k=128, n=8, bits=8, group_size=64, symmetric=False, dtype="fp32")
+    x, qweight = args["x"], args["qweight"]
+    expected_y, expected_w = OPS["quantized_gemm"].reference(args), qweight.dequantize(np.float64)
+    for step in ("w8a8", "float32") if w8a8_first else ("float32", "w8a8"):
+        for _ in range(2):  # the second round reads the cache
+            if step == "w8a8":
+                np.testing.assert_allclose(quantized_gemm._w8a8(x, qweight), expected_y, rtol=1e-5, atol=1e-6)
+            else:
+                np.testing.assert_allclose(quantized_gemm.dequantize_float32(qweight), expected_w, rtol=1e-6)
+
+
+def test_dequant_cache_collection_while_locked_does_not_deadlock(rng: np.random.Generator) -> None:
+    """A weight collected while the cache's lock is held (a GC inside put) only queues its entry's removal."""
+    quantized_gemm.clear_dequant_cache()
+    qweight = quantized_gemm_inputs(rng, m=1, k=64, n=8, bits=4, group_size=32, symmetric=True,
+                                    dtype="fp32")["qweight"]
+    quantized_gemm.dequantize_float32(qweight)
+    cache = quantized_gemm._cache
+    with cache._lock:  # the weakref callback must not take this (non-reentrant) lock
+        del qweight
+        gc.collect()
+    assert cache.nbytes == 0

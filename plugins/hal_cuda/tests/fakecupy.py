@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from typing import Any, ClassVar
 
 _addresses = itertools.count(0x7F0000000000, 512)
+UINT64_MAX = 2**64 - 1
 
 
 class OutOfMemoryError(MemoryError):
@@ -100,6 +101,46 @@ class MemoryPool:
         self.limit = int(size or 0)
 
 
+class MemoryAsyncPool:
+    """CuPy 14's async pool over the device's one shared mempool (``FakeCupy.mempool``).
+
+    As in CuPy, the limit is the mempool's release threshold, UINT64_MAX when
+    set to 0, and every constructor sets it (from ``CUPY_GPU_MEMORY_LIMIT``:
+    ``FakeCupy.env_limit``); used bytes count every pool on the mempool.
+    """
+
+    def __init__(self, pool_handles: Any = "current") -> None:
+        self.shared = FakeCupy.current.mempool
+        self.fail_next = 0
+        self.freed_all = 0
+        self.set_limit(size=FakeCupy.current.env_limit)
+
+    def malloc(self, size: int) -> MemoryPointer:
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            raise OutOfMemoryError(size, 0)
+        if self.shared.used + size > self.shared.threshold:
+            raise OutOfMemoryError(size, self.shared.used, self.shared.threshold)
+        pointer = MemoryPointer(Memory(size), 0)
+        self.shared.used += size
+        return pointer
+
+    def free_all_blocks(self, stream: Any = None) -> None:
+        self.freed_all += 1
+
+    def used_bytes(self) -> int:
+        return self.shared.used
+
+    def total_bytes(self) -> int:
+        return self.shared.used
+
+    def get_limit(self) -> int:
+        return self.shared.threshold
+
+    def set_limit(self, size: int | None = None, fraction: float | None = None) -> None:
+        self.shared.threshold = int(size or 0) or UINT64_MAX
+
+
 class _Context:
     def __enter__(self) -> Any:
         return self
@@ -109,16 +150,26 @@ class _Context:
 
 
 class Device(_Context):
+    """Makes its index current inside ``with`` (``runtime.getDevice()`` answers it)."""
+
     def __init__(self, index: int = 0) -> None:
         self.id = index
+
+    def __enter__(self) -> Device:
+        FakeCupy.current.devices.append(self.id)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        FakeCupy.current.devices.pop()
 
     def synchronize(self) -> None:
         return None
 
 
 class _BaseStream(_Context):
-    def __init__(self, ptr: int = 0) -> None:
+    def __init__(self, ptr: int = 0, device_id: int = -1) -> None:
         self.ptr = ptr
+        self.device_id = device_id
         self.done = True
         self.waited: list[Any] = []
 
@@ -137,8 +188,13 @@ class Stream(_BaseStream):
 
     @classmethod
     def from_external(cls, obj: Any) -> ExternalStream:
-        value = obj.__cuda_stream__()
-        return ExternalStream(value[1])
+        """As CuPy 14: calls the ``__cuda_stream__()`` method; the device is the current one."""
+        version, ptr = obj.__cuda_stream__()
+        if version != 0:
+            raise ValueError(f"unsupported __cuda_stream__ version {version}")
+        stream = ExternalStream(ptr, FakeCupy.current.devices[-1])
+        stream.foreign = obj
+        return stream
 
 
 Stream.null = _BaseStream(0)  # type: ignore[assignment]
@@ -146,7 +202,7 @@ Stream.null = _BaseStream(0)  # type: ignore[assignment]
 
 class ExternalStream(_BaseStream):
     def __init__(self, ptr: int, device_id: int = -1) -> None:
-        super().__init__(ptr)
+        super().__init__(ptr, device_id)
 
 
 class RawKernel:
@@ -202,6 +258,9 @@ class FakeCupy:
         self.gpu = FakeGPU(total, managed_fails)
         self.default_pool = MemoryPool()
         self.occupancy = 4
+        self.mempool = SimpleNamespace(threshold=UINT64_MAX, used=0)  # the device's current CUDA mempool
+        self.env_limit = 0  # CUPY_GPU_MEMORY_LIMIT, in bytes (0: unset)
+        self.devices = [0]  # the current device is the last
         gpu = self.gpu
 
         def malloc_managed(size: int) -> MemoryPointer:
@@ -218,12 +277,12 @@ class FakeCupy:
             stream=SimpleNamespace(_BaseStream=_BaseStream),
             get_current_stream=lambda: current_stream,
             MemoryPool=MemoryPool,
-            MemoryAsyncPool=MemoryPool,
+            MemoryAsyncPool=MemoryAsyncPool,
             MemoryPointer=MemoryPointer,
             malloc_managed=malloc_managed,
             memory=SimpleNamespace(OutOfMemoryError=OutOfMemoryError, Memory=Memory),
             runtime=SimpleNamespace(CUDARuntimeError=CUDARuntimeError, memGetInfo=lambda: (gpu.free, gpu.total),
-                                    getDevice=lambda: 0),
+                                    getDevice=lambda: self.devices[-1]),
             compiler=SimpleNamespace(CompileException=CompileException),
             driver=SimpleNamespace(CUDADriverError=CUDADriverError,
                                    occupancyMaxActiveBlocksPerMultiprocessor=lambda f, t, s: self.occupancy),

@@ -91,6 +91,20 @@ def test_paged_attention_split_kv(be: Any, rng: np.random.Generator, dtype: str,
     assert run_attention(be, case, dtype) < TOL[dtype]
 
 
+@pytest.mark.parametrize("heads", [8, 12, 32], ids=lambda h: f"heads{h}")
+@pytest.mark.parametrize("dtype", list(NP_DTYPES))
+def test_paged_attention_split_kv_gqa_tiles(be: Any, rng: np.random.Generator, dtype: str, heads: int) -> None:
+    """Split + reduce over query groups of 4, 6 (one tile of 8, partly masked) and 16 (two tiles) per KV head."""
+    group = heads // 2
+    tile = cat.paged_attention_gqa_tile(group)
+    assert -(-group // tile) == (2 if group == 16 else 1) and (group % tile != 0) == (group == 6)
+    cus = be.device(0).capabilities.compute_units
+    assert cat.choose_paged_attention_variant(1, 2, 8192, cus, num_heads=heads) == "split"
+    case = attention_case(rng, num_seqs=1, heads=heads, kv_heads=2, head_size=128, block=16, seq_lens=[8192],
+                          dtype=dtype)
+    assert run_attention(be, case, dtype) < TOL[dtype]
+
+
 def test_paged_attention_single_pass_long(be: Any, rng: np.random.Generator) -> None:
     """Many sequences of a few partitions take the single-pass kernel over > 512 tokens."""
     cus = be.device(0).capabilities.compute_units
@@ -118,11 +132,16 @@ def test_paged_attention_returns_new_array_on_device(be: Any, rng: np.random.Gen
 # -- write_kv_cache -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("head_size", [128, 80, 36], ids=lambda h: f"hs{h}")
+#: Row bytes for 2-byte dtypes: 256 and 160 (16-byte copies), 72 (8), 68 (4), 66 (2); fp32 doubles them.
+WRITE_KV_HEAD_SIZES = [128, 80, 36, 34, 33]
+
+
+@pytest.mark.parametrize("head_size", WRITE_KV_HEAD_SIZES, ids=lambda h: f"hs{h}")
 @pytest.mark.parametrize("slot_dtype", [np.int32, np.int64], ids=["slot32", "slot64"])
 @pytest.mark.parametrize("dtype", list(NP_DTYPES))
 def test_write_kv_cache(be: Any, rng: np.random.Generator, dtype: str, slot_dtype: Any, head_size: int) -> None:
-    """Rows land exactly at their slots (negative slots skipped), for every vector width the kernel picks."""
+    """Rows land exactly at their slots (negative slots skipped), for every vector width the kernel picks
+    (16, 8, 4 and 2 bytes with fp16/bf16)."""
     dt = NP_DTYPES[dtype]
     num_blocks, kv_heads, block, tokens = 6, 2, 16, 40
     key = rng.standard_normal((tokens, kv_heads, head_size)).astype(dt)

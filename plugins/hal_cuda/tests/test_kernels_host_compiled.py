@@ -243,7 +243,7 @@ class KVWriteCase:
     head_size: int
     block_size: int
     num_tokens: int
-    misaligned: bool = False  # key starts 1 byte past a 16-byte boundary
+    misaligned: bool = False  # key starts 2 bytes (one fp16 element) past a 16-byte boundary
 
     @property
     def id(self) -> str:
@@ -257,14 +257,14 @@ KV_WRITE_CASES = [
     KVWriteCase("bf16", "int32", 3, 36, 8, 7),  # 72-byte rows: 8-byte copies
     KVWriteCase("fp32", "int64", 2, 3, 8, 5),  # 12-byte rows: 4-byte copies
     KVWriteCase("fp16", "int32", 1, 5, 32, 6),  # 10-byte rows: 2-byte copies
-    KVWriteCase("fp16", "int64", 2, 64, 16, 5, misaligned=True),  # 1-byte copies
+    KVWriteCase("fp16", "int64", 2, 64, 16, 5, misaligned=True),  # 128-byte rows, key 2 bytes off: 2-byte copies
 ]
 
 
 def _misaligned_copy(a: np.ndarray) -> np.ndarray:
-    """``a`` copied to an address 1 byte past a 16-byte boundary."""
+    """``a`` copied to an address one element (2 bytes for fp16) past a 16-byte boundary, as a sliced view."""
     buf = np.empty(a.nbytes + 32, np.uint8)
-    start = (-buf.ctypes.data) % 16 + 1
+    start = (-buf.ctypes.data) % 16 + a.itemsize
     out = buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
     out[...] = a
     return out

@@ -79,6 +79,12 @@ def test_quant_gemm_plans_fit(caps: Any, m: int, k: int, n: int, bits: int) -> N
     assert plan.grid[0] * 4 * caps.simd_width >= n
 
 
+def test_quant_gemm_plan_refuses_k0(caps: Any) -> None:
+    """K = 0 has no K group to split (the op answers it with zeros before planning)."""
+    with pytest.raises(ValueError, match="K > 0"):
+        cat.quant_gemm_launch(4, 1, 128, 0, 128, caps.compute_units, caps.simd_width)
+
+
 def test_grid_stride_grids(caps: Any) -> None:
     """Grid-stride kernels: grid from SM count x resident blocks, never above the work."""
     blocks = max(1, caps.max_threads_per_cu // 256)

@@ -161,3 +161,30 @@ def test_offload_in_place(backend: Any, rng: np.random.Generator, monkeypatch: p
                                          slot_mapping=np.array([4, 9], np.int64)), host_arrays=True)
     np.testing.assert_array_equal(cache[0, 0, 4], key[0, 0])
     np.testing.assert_array_equal(vcache[0, 0, 9], key[1, 0])
+
+
+@pytest.mark.parametrize("m", [3, 40], ids=["fused", "dequant"])
+@pytest.mark.parametrize("bits", [4, 8], ids=["W4A16", "W8A8"])
+def test_quantized_gemm_k0_is_zeros_without_launch(backend: Any, bits: int, m: int) -> None:
+    """K = 0 (an empty sum): zeros of [M, N], written into a given out, and no kernel launched."""
+    qw = quantize(np.zeros((0, 128), np.float32), bits=bits, group_size=64)
+    out = np.full((m, 128), np.nan, np.float16)
+    result, dev_args = run("quantized_gemm", backend, dict(x=np.zeros((m, 0), np.float16), qweight=qw, out=out))
+    assert result is dev_args["out"] and emu.LAUNCHED == []
+    np.testing.assert_array_equal(host(result), np.zeros((m, 128), np.float16))
+
+
+def test_write_kv_cache_refuses_an_odd_address(backend: Any, rng: np.random.Generator) -> None:
+    """The kernel copies units of 2 bytes or more: an fp16 key at an odd address goes to the CPU path."""
+    from hal_cuda.ops import OPS as CUDA_OPS
+
+    key = rng.standard_normal((2, 1, 64)).astype(np.float16)
+    raw = np.zeros(key.nbytes + 1, np.uint8).view(emu.DevArray)
+    odd = raw[1:].view(np.float16).reshape(key.shape)
+    odd[...] = key
+    cache = emu.dev(np.zeros((1, 1, 16, 64), np.float16))
+    args = dict(key=odd, value=emu.dev(key), key_cache=cache, value_cache=emu.dev(np.zeros_like(cache)),
+                slot_mapping=emu.dev(np.array([1, 2], np.int64)))
+    call = OpCall(spec=OPS["write_kv_cache"], args=args, backend=backend, host_arrays=False)
+    impl = next(o for o in CUDA_OPS if o.op == "write_kv_cache")
+    assert impl.supports(call) == "argument 'key' is not 2-byte aligned (a sliced view?); pass a fresh array"

@@ -86,6 +86,38 @@ def test_async_without_pool_support_is_caching(fake_cupy: Any) -> None:
     assert CupyAllocator(0, "async").policy is AllocationPolicy.ASYNC
 
 
+def test_async_limit_is_the_shared_release_threshold(fake_cupy: Any) -> None:
+    """The async pool's "no limit" (UINT64_MAX) reads as None; set_limit sets the process-wide release
+    threshold and set_limit(None) restores the value the pool was made with, not UINT64_MAX blindly."""
+    import fakecupy
+
+    alloc = CupyAllocator(0, "async")
+    assert alloc.stats().limit is None and alloc.pool.get_limit() == fakecupy.UINT64_MAX
+    alloc.set_limit(1000)
+    assert alloc.stats().limit == 1024 and fake_cupy.mempool.threshold == 1024
+    other = CupyAllocator(0, "async")
+    other.set_limit(2048)
+    assert alloc.stats().limit == 2048  # one threshold for the process
+    other.allocate(512)
+    assert alloc.stats().in_use == 512  # pool-wide bytes: the other allocator's count here too
+    alloc.set_limit(None)
+    assert other.stats().limit is None and fake_cupy.mempool.threshold == fakecupy.UINT64_MAX
+
+
+def test_async_limit_restores_the_environment_value(fake_cupy: Any) -> None:
+    """With CUPY_GPU_MEMORY_LIMIT set when the pool is made, set_limit(None) goes back to it."""
+    fake_cupy.env_limit = 1 << 30
+    alloc = CupyAllocator(0, "async")
+    assert alloc.stats().limit == 1 << 30
+    alloc.set_limit(4096)
+    assert alloc.stats().limit == 4096
+    with pytest.raises(DeviceOutOfMemoryError):
+        alloc.allocate(8192)
+    alloc.set_limit(None)
+    assert alloc.stats().limit == 1 << 30
+    assert alloc.allocate(8192).nbytes == 8192
+
+
 def test_host_policy_refused(fake_cupy: Any) -> None:
     with pytest.raises(ValueError, match="host"):
         CupyAllocator(0, AllocationPolicy.HOST)
@@ -185,14 +217,27 @@ def test_foreign_streams_are_wrapped(fake_cupy: Any) -> None:
 
 
 def test_foreign_streams_without_from_external(fake_cupy: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """CuPy 13 has no Stream.from_external: the handle goes through ExternalStream."""
+    """CuPy 13 has no Stream.from_external: the handle goes through ExternalStream, with the device."""
     monkeypatch.setattr(fake_cupy.cuda.Stream, "from_external", None, raising=False)
-    assert native_stream(TorchLikeStream(), 0).ptr == 0xABC0
+    native = native_stream(TorchLikeStream(), 1)
+    assert (native.ptr, native.device_id) == (0xABC0, 1)
+
+
+class AttributeStream:
+    """Older producers expose the tuple as an attribute."""
+
+    __cuda_stream__ = (0, 77)
 
 
 def test_stream_protocol_attribute_form() -> None:
-    """Older producers expose the tuple as an attribute."""
-    class AttributeStream:
-        __cuda_stream__ = (0, 77)
-
     assert stream_handle(AttributeStream()) == 77
+
+
+@pytest.mark.parametrize("producer", [TorchLikeStream(), AttributeStream()], ids=["method", "attribute"])
+def test_foreign_stream_takes_the_given_device(fake_cupy: Any, producer: Any) -> None:
+    """Stream.from_external records the current device: the wrap makes device_index current for it,
+    whichever form of __cuda_stream__ the producer has; the CuPy stream keeps the producer alive."""
+    native = CudaStream.wrap(producer, 1).native
+    assert (native.ptr, native.device_id) == (stream_handle(producer), 1)
+    assert native.foreign.producer is producer
+    assert fake_cupy.devices == [0]  # the current device is restored

@@ -1,6 +1,7 @@
 // Scatter of new key/value rows into the paged KV cache.
 //
-// The copy is dtype-agnostic (rows are moved as bytes).  Defines:
+// The copy is dtype-agnostic (rows are moved in units of 16, 8, 4 or 2
+// bytes; elements are at least 2 bytes).  Defines:
 // HAL_SLOT_INT64 (1: slot_mapping is int64, 0: int32; default 1),
 // optional HAL_NUM_THREADS (default 128).  See README.md.
 #include "hal_common.cuh"
@@ -57,7 +58,9 @@ hal_write_kv_cache(const void* HAL_RESTRICT key, const void* HAL_RESTRICT value,
     const char* v = static_cast<const char*>(value);
     char* kc = static_cast<char*>(key_cache);
     char* vc = static_cast<char*>(value_cache);
-    // Widest unit that divides the row and all four base addresses.
+    // Widest unit that divides the row and all four base addresses.  Every
+    // dtype is at least 2 bytes and the host passes element-aligned arrays
+    // (it checks), so 2 bytes always divides them.
     const unsigned long long align =
         (unsigned long long)row_bytes | (unsigned long long)k | (unsigned long long)v |
         (unsigned long long)kc | (unsigned long long)vc;
@@ -67,8 +70,6 @@ hal_write_kv_cache(const void* HAL_RESTRICT key, const void* HAL_RESTRICT value,
         kvw::copy_rows<hal_vec8>(k, v, kc, vc, token, block, offset, num_kv_heads, block_size, row_bytes);
     else if ((align & 3) == 0)
         kvw::copy_rows<hal_u32>(k, v, kc, vc, token, block, offset, num_kv_heads, block_size, row_bytes);
-    else if ((align & 1) == 0)
-        kvw::copy_rows<hal_u16>(k, v, kc, vc, token, block, offset, num_kv_heads, block_size, row_bytes);
     else
-        kvw::copy_rows<hal_u8>(k, v, kc, vc, token, block, offset, num_kv_heads, block_size, row_bytes);
+        kvw::copy_rows<hal_u16>(k, v, kc, vc, token, block, offset, num_kv_heads, block_size, row_bytes);
 }

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._arrays import numpy_dtype
-from ._blocks import BlockTable, ForkCopy
+from ._blocks import BlockTable, ForkCopy, _ceil_div, _check_count
 
 if TYPE_CHECKING:
     from .._backend import Backend
@@ -210,8 +210,14 @@ class PagedKVCache:
 
         Raises :class:`~hal_core.OutOfBlocksError` with every sequence unchanged
         when the blocks do not suffice. ``max_blocks`` pads the block tables
-        to a fixed width (default: the longest table in the step).
+        to a fixed width (default: the longest table in the step); a step
+        that would need wider tables raises ValueError, also changing nothing.
         """
+        if max_blocks is not None:  # checked before growing anything
+            for seq_id, n in new_tokens.items():
+                _check_count(n)
+                width = _ceil_div(self.blocks.length(seq_id) + int(n), self.block_size)
+                _check_width(max_blocks, width)
         slots = self.blocks.extend_many(new_tokens)
         seq_ids = tuple(new_tokens)
         lengths = [self.blocks.length(s) for s in seq_ids]
@@ -273,8 +279,7 @@ class PagedKVCache:
         tables = [self.blocks.blocks(s) for s in seq_ids]
         width = max((len(t) for t in tables), default=0)
         if max_blocks is not None:
-            if max_blocks < width:
-                raise ValueError(f"max_blocks={max_blocks} is below the longest block table ({width} blocks)")
+            _check_width(max_blocks, width)
             width = max_blocks
         rows = np.zeros((len(tables), max(width, 1)), dtype=np.int32)
         for i, table in enumerate(tables):
@@ -283,3 +288,8 @@ class PagedKVCache:
 
     def _device(self, array: np.ndarray) -> Any:
         return self.backend.asarray(array, self.device_index)
+
+
+def _check_width(max_blocks: int, width: int) -> None:
+    if max_blocks < width:
+        raise ValueError(f"max_blocks={max_blocks} is below the longest block table ({width} blocks)")

@@ -1,9 +1,13 @@
 """Random op inputs (host numpy) and helpers to move them into a backend's memory domain.
 
 Inputs are drawn so results are O(1), which is what the tolerance table
-assumes. Block tables assign distinct blocks in random order and fill the
-entries past each sequence's last block with garbage (possibly out of
-range), which the op must never read.
+assumes. Memory an op must not read holds poison, so a backend that reads
+it (even masked, since ``NaN * 0`` and ``NaN + -inf`` are NaN) fails:
+block tables assign distinct blocks in random order and fill the entries
+past each sequence's last block with garbage (-1, ``num_blocks + 5`` or
+another block); every cache slot no sequence uses (past a length in its
+last block, or in a block no sequence holds) is NaN; and the cache slots
+``write_kv_cache`` does not write are NaN too, which must survive as they are.
 """
 
 from __future__ import annotations
@@ -45,16 +49,25 @@ def paged_attention_inputs(
     max_blocks = int(needed.max(initial=0)) + int(rng.integers(0, 3))
     num_blocks = max(1, int(needed.sum()) + spare_blocks)
     order = rng.permutation(num_blocks)
-    tables = rng.integers(-3, num_blocks + 3, size=(num_seqs, max(1, max_blocks))).astype(np.int32)
-    starts = np.concatenate([[0], np.cumsum(needed)])
-    for s in range(num_seqs):  # test-input construction, not a kernel
-        tables[s, : needed[s]] = order[starts[s] : starts[s + 1]]
+    shape = (num_seqs, max(1, max_blocks))
+    garbage = np.stack([np.full(shape, -1), np.full(shape, num_blocks + 5), rng.integers(0, num_blocks, shape)])
+    tables = np.take_along_axis(garbage, rng.integers(0, 3, (1, *shape)), axis=0)[0].astype(np.int32)
     np_dtype = numpy_dtype(dtype)
     cache_shape = (num_blocks, num_kv_heads, block_size, head_size)
+    key_cache = rng.standard_normal(cache_shape).astype(np_dtype)
+    value_cache = rng.standard_normal(cache_shape).astype(np_dtype)
+    unused = np.ones((num_blocks, block_size), dtype=bool)  # slots no sequence reads
+    starts = np.concatenate([[0], np.cumsum(needed)])
+    for s in range(num_seqs):  # test-input construction, not a kernel
+        blocks = order[starts[s] : starts[s + 1]]
+        tables[s, : needed[s]] = blocks
+        unused.reshape(-1)[(blocks[:, None] * block_size + np.arange(block_size)).reshape(-1)[: lens[s]]] = False
+    for cache in (key_cache, value_cache):
+        cache.transpose(0, 2, 1, 3)[unused] = np.nan
     return {
         "query": rng.standard_normal((num_seqs, num_heads, head_size)).astype(np_dtype),
-        "key_cache": rng.standard_normal(cache_shape).astype(np_dtype),
-        "value_cache": rng.standard_normal(cache_shape).astype(np_dtype),
+        "key_cache": key_cache,
+        "value_cache": value_cache,
         "block_tables": tables,
         "seq_lens": lens,
         "scale": float(1.0 / np.sqrt(head_size)),
@@ -72,7 +85,7 @@ def write_kv_cache_inputs(
     dtype: str,
     skip_fraction: float = 0.25,
 ) -> dict[str, Any]:
-    """Host arguments of ``write_kv_cache``: distinct slots, some negative (skipped)."""
+    """Host arguments of ``write_kv_cache``: distinct slots, some negative (skipped); unwritten slots NaN."""
     capacity = num_blocks * block_size
     if num_tokens > capacity:
         raise ValueError(f"num_tokens={num_tokens} exceeds the cache's {capacity} slots")
@@ -81,11 +94,17 @@ def write_kv_cache_inputs(
     np_dtype = numpy_dtype(dtype)
     token_shape = (num_tokens, num_kv_heads, head_size)
     cache_shape = (num_blocks, num_kv_heads, block_size, head_size)
+    key_cache = rng.standard_normal(cache_shape).astype(np_dtype)
+    value_cache = rng.standard_normal(cache_shape).astype(np_dtype)
+    unwritten = np.ones(capacity, dtype=bool)
+    unwritten[slots[slots >= 0]] = False
+    for cache in (key_cache, value_cache):
+        cache.transpose(0, 2, 1, 3)[unwritten.reshape(num_blocks, block_size)] = np.nan
     return {
         "key": rng.standard_normal(token_shape).astype(np_dtype),
         "value": rng.standard_normal(token_shape).astype(np_dtype),
-        "key_cache": rng.standard_normal(cache_shape).astype(np_dtype),
-        "value_cache": rng.standard_normal(cache_shape).astype(np_dtype),
+        "key_cache": key_cache,
+        "value_cache": value_cache,
         "slot_mapping": slots.astype(np.int32 if rng.random() < 0.5 else np.int64),
     }
 
@@ -119,11 +138,18 @@ def to_backend(backend: Any, op: str, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def assert_close(actual: Any, expected: np.ndarray, *, kind: str, dtype: str, what: str = "result") -> None:
-    """Assert ``actual`` (host numpy) matches the float64 ``expected`` within the tolerance table."""
+    """Assert ``actual`` (host numpy) matches the float64 ``expected`` within the tolerance table.
+
+    Where ``expected`` is NaN (poison an op must leave as it is) ``actual``
+    must be NaN too; everywhere else it must be finite.
+    """
     atol, rtol = tolerance(kind, dtype)
     got = np.asarray(actual).astype(np.float64)
     assert got.shape == expected.shape, f"{what}: shape {got.shape}, expected {expected.shape}"
-    assert np.isfinite(got).all(), f"{what}: non-finite values"
+    nan = np.isnan(expected)
+    assert np.isnan(got[nan]).all(), f"{what}: {int((~np.isnan(got[nan])).sum())} NaN values were overwritten"
+    assert np.isfinite(got[~nan]).all(), f"{what}: non-finite values"
+    got, expected = np.where(nan, 0.0, got), np.where(nan, 0.0, expected)
     error = np.abs(got - expected)
     bound = atol + rtol * np.abs(expected)
     if not (error <= bound).all():

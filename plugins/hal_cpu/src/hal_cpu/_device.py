@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import threading
+import weakref
 from functools import cached_property
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from hal_core import DeviceCapabilities, DeviceHandle
 
 from ._launcher import CpuLauncher
 from ._memory import CpuAllocator
-from ._stream import CpuEvent, CpuStream
+from ._stream import CpuEvent, CpuStream, _WorkQueue
 
 __all__ = ["CpuDevice", "host_capabilities"]
 
@@ -151,7 +152,9 @@ class CpuDevice(DeviceHandle):
     def __init__(self, index: int = 0) -> None:
         self._index = index
         self._lock = threading.Lock()
-        self._streams: list[CpuStream] = []
+        # the work queues of the streams, held weakly: a dropped stream is collected and its worker ends
+        # once it has run what was queued (the running worker keeps its queue, so synchronize sees it)
+        self._queues: weakref.WeakSet[_WorkQueue] = weakref.WeakSet()
         self._local = threading.local()
 
     @property
@@ -175,17 +178,18 @@ class CpuDevice(DeviceHandle):
     def create_stream(self) -> CpuStream:
         stream = CpuStream(self)
         with self._lock:
-            self._streams.append(stream)
+            self._queues.add(stream._work)
         return stream
 
     def create_event(self, *, timing: bool = True) -> CpuEvent:
         return CpuEvent(self, timing=timing)
 
     def synchronize(self) -> None:
+        """Wait for the work queued so far on every stream of this device, dropped streams included."""
         with self._lock:
-            streams = list(self._streams)
-        for stream in streams:
-            stream.synchronize()
+            queues = list(self._queues)  # a snapshot: streams made meanwhile are not waited on
+        for queue in queues:
+            queue.synchronize()
 
     @cached_property
     def allocator(self) -> CpuAllocator:

@@ -29,11 +29,31 @@ def _aligned_bytes(nbytes: int, alignment: int) -> np.ndarray:
     return raw[offset:offset + nbytes]
 
 
+class _Pin:
+    """The owner numpy sees behind an :meth:`CpuBuffer.as_array` view: keeps the buffer and its block alive.
+
+    A view's ``base`` chain ends here, so while any view lives its buffer is
+    not collected, and garbage collection never returns memory a view uses
+    to the allocator's cache.
+    """
+
+    __slots__ = ("__array_interface__", "block", "buffer")
+
+    def __init__(self, buffer: CpuBuffer, block: np.ndarray) -> None:
+        self.buffer = buffer
+        self.block = block  # even after an explicit free(), the memory stays mapped while a view lives
+        self.__array_interface__ = block.__array_interface__
+
+
 class CpuBuffer(DeviceBuffer):
     """A block of host memory from a :class:`CpuAllocator`.
 
-    Views from :meth:`as_array` share the memory; after :meth:`free` the
-    block may be handed out again, so views must not outlive the buffer.
+    Views from :meth:`as_array` share the memory and keep the buffer alive:
+    it returns to the allocator when it is freed explicitly (:meth:`free`,
+    leaving a ``with`` block) or when neither the buffer nor any view is
+    referenced any more. After an explicit :meth:`free` the block may be
+    handed out again while old views still see it (as on CUDA), so do not
+    use views after freeing their buffer.
     """
 
     def __init__(self, allocator: CpuAllocator, block: np.ndarray, requested: int) -> None:
@@ -69,7 +89,7 @@ class CpuBuffer(DeviceBuffer):
         needed = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if needed > self._requested:
             raise ValueError(f"shape {shape} of {dtype} needs {needed} bytes; the buffer holds {self._requested}")
-        return self._block[:needed].view(dtype).reshape(shape)
+        return np.asarray(_Pin(self, self._block))[:needed].view(dtype).reshape(shape)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown: the allocator may already be gone

@@ -30,7 +30,11 @@ __all__ = ["CpuEvent", "CpuStream"]
 
 
 class _WorkQueue:
-    """The state a stream shares with its worker thread (the thread holds no stream reference)."""
+    """The state a stream shares with its worker thread (the thread holds no stream reference).
+
+    A stream that is dropped is collected; its finalizer closes the queue,
+    and the worker runs what is left, then exits.
+    """
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
@@ -69,6 +73,15 @@ class _WorkQueue:
                 with self.cond:
                     self.pending -= 1
                     self.cond.notify_all()
+
+    def synchronize(self) -> None:
+        """Wait until everything submitted so far has run; re-raise (once) the first error it raised."""
+        with self.cond:
+            while self.pending:
+                self.cond.wait()
+            error, self.error = self.error, None
+        if error is not None:
+            raise error
 
     def close(self) -> None:
         with self.cond:
@@ -111,13 +124,7 @@ class CpuStream(Stream):
             return self._work.pending == 0
 
     def synchronize(self) -> None:
-        work = self._work
-        with work.cond:
-            while work.pending:
-                work.cond.wait()
-            error, work.error = work.error, None
-        if error is not None:
-            raise error
+        self._work.synchronize()
 
     def close(self) -> None:
         """Let the worker thread finish queued work and exit; the stream accepts no more work."""

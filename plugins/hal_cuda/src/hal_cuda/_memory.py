@@ -4,7 +4,10 @@
   and limit count exactly the buffers handed out here (arrays the ops
   create come from CuPy's default pool).
 - ``async``: a ``MemoryAsyncPool`` (stream-ordered ``cudaMallocAsync``), where
-  the device reports memory-pool support.
+  the device reports memory-pool support. It draws from the device's current
+  CUDA mempool, shared by the whole process: its statistics count every
+  allocation from that mempool, and its limit is the mempool's release
+  threshold (a soft, process-wide limit CuPy checks before growing the pool).
 - ``managed``: a pool of unified memory that falls back to device memory
   when the device has no managed memory, when a request exceeds the bytes
   the device has free (never asking for more, see the device notes), or
@@ -36,6 +39,13 @@ __all__ = ["CupyAllocator", "CupyBuffer", "is_out_of_memory"]
 log = logging.getLogger("hal")
 
 _CUDA_ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
+#: A limit at or above this means none: CuPy's MemoryAsyncPool stores "no limit" as UINT64_MAX.
+_NO_LIMIT = 2**63
+
+
+def _limit_or_none(limit: int) -> int | None:
+    """A pool's ``get_limit()`` as AllocatorStats.limit: 0 and UINT64_MAX-like values are no limit."""
+    return None if limit <= 0 or limit >= _NO_LIMIT else limit
 
 
 def is_out_of_memory(exc: BaseException, cp: Any) -> bool:
@@ -123,6 +133,7 @@ class CupyAllocator(Allocator):
         self._peak = 0
         self._live = 0
         self._pool: Any = None
+        self._initial_limit = 0  # the pool's limit once made; set_limit(None) restores it
 
     # -- pool ---------------------------------------------------------------
 
@@ -133,11 +144,14 @@ class CupyAllocator(Allocator):
             cp = cupy()
             with cp.cuda.Device(self._device_index):
                 if self._policy is AllocationPolicy.CACHING:
-                    self._pool = cp.cuda.MemoryPool()
+                    pool = cp.cuda.MemoryPool()
                 elif self._policy is AllocationPolicy.ASYNC:
-                    self._pool = cp.cuda.MemoryAsyncPool()
+                    pool = cp.cuda.MemoryAsyncPool()
                 else:
-                    self._pool = cp.cuda.MemoryPool(self._managed_or_device)
+                    pool = cp.cuda.MemoryPool(self._managed_or_device)
+                # CUPY_GPU_MEMORY_LIMIT's value, or none (0; UINT64_MAX for the async pool)
+                self._initial_limit = int(pool.get_limit())
+                self._pool = pool
         return self._pool
 
     def _managed_or_device(self, nbytes: int) -> Any:
@@ -203,15 +217,25 @@ class CupyAllocator(Allocator):
         with self._lock:
             self._peak = max(self._peak, used)
             return AllocatorStats(in_use=used, peak=self._peak, reserved=reserved, allocations=self._live,
-                                  limit=limit or None)
+                                  limit=_limit_or_none(limit))
 
     def empty_cache(self) -> None:
         with cupy().cuda.Device(self._device_index):
             self.pool.free_all_blocks()
 
     def set_limit(self, nbytes: int | None) -> None:
-        """Cap the pool at ``nbytes`` (rounded up to the granularity); None lifts the cap."""
+        """Cap the pool at ``nbytes`` (rounded up to the granularity); None restores the limit the pool
+        was made with (none, unless ``CUPY_GPU_MEMORY_LIMIT`` set one).
+
+        For the async policy this sets the release threshold of the device's shared mempool: a soft
+        limit, for the whole process (see docs/cuda.md).
+        """
         if nbytes is not None and nbytes < 0:
             raise ValueError(f"limit must be >= 0 or None, got {nbytes}")
+        pool = self.pool
+        if nbytes is None:
+            size = 0 if _limit_or_none(self._initial_limit) is None else self._initial_limit
+        else:
+            size = self.round_up(nbytes)
         with cupy().cuda.Device(self._device_index):
-            self.pool.set_limit(size=0 if nbytes is None else self.round_up(nbytes))
+            pool.set_limit(size=size)

@@ -313,8 +313,8 @@ def quant_gemm_launch(
     When ksplit > 1 the kernel atomically adds into a zero-filled fp32
     workspace ``ws [M, N]`` and ``hal_f32_to_dtype`` writes ``out``.
     """
-    if n % 4 or k % group_size or group_size not in QGEMM_GROUP_SIZES:
-        raise ValueError("need N % 4 == 0 and K % group_size == 0 with a supported group size")
+    if k <= 0 or n % 4 or k % group_size or group_size not in QGEMM_GROUP_SIZES:
+        raise ValueError("need K > 0, N % 4 == 0 and K % group_size == 0 with a supported group size")
     kernel_m_tile = quant_gemm_m_tile(m)
     n_tiles = -(-n // (4 * warp_size))
     m_chunks = -(-m // kernel_m_tile)

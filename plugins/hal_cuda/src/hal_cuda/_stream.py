@@ -32,6 +32,23 @@ def stream_handle(obj: Any) -> int:
     return int(value)
 
 
+class _Protocol:
+    """A stream producer seen through ``__cuda_stream__`` as the method CuPy's ``Stream.from_external`` calls.
+
+    ``stream_handle`` reads the handle (method, attribute or bare int); the
+    producer is kept, so the CuPy stream holds it alive.
+    """
+
+    __slots__ = ("handle", "producer")
+
+    def __init__(self, producer: Any) -> None:
+        self.producer = producer
+        self.handle = stream_handle(producer)
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
 def native_stream(stream: Any, device_index: int) -> Any:
     """A ``cupy.cuda.Stream`` for ``stream``: a hal Stream, a CuPy stream, a foreign stream, or None (current)."""
     cp = cupy()
@@ -48,9 +65,11 @@ def native_stream(stream: Any, device_index: int) -> Any:
         return stream
     if hasattr(stream, "__cuda_stream__"):
         from_external = getattr(cp.cuda.Stream, "from_external", None)
-        if from_external is not None:  # CuPy >= 14 speaks the protocol itself
-            return from_external(stream)
-        return cp.cuda.ExternalStream(stream_handle(stream), device_index)
+        if from_external is None:  # CuPy 13
+            return cp.cuda.ExternalStream(stream_handle(stream), device_index)
+        # CuPy >= 14 records the current device as the stream's, and calls __cuda_stream__()
+        with cp.cuda.Device(device_index):
+            return from_external(_Protocol(stream))
     raise TypeError(f"expected a hal Stream, a cupy.cuda.Stream or an object with __cuda_stream__, "
                     f"got {type(stream).__name__}")
 

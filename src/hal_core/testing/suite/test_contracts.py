@@ -63,15 +63,41 @@ def test_stream_event_ordering_and_timing(hal_device: Any) -> None:
     hal_device.synchronize()
 
 
-def test_stream_wait_event_across_streams(hal_device: Any) -> None:
-    """wait_event orders a second stream after an event of the first."""
+def test_stream_wait_event_across_streams(hal_device: Any, hal_backend: Any, hal_axpy_source: Any) -> None:
+    """wait_event orders a second stream after an event of the first, which is still busy when it is called.
+
+    The first stream gets a backlog of axpy launches (``acc += 1``, sized by
+    the device's resident threads so it outlasts the host's enqueueing); the
+    second waits on an event recorded after them, then copies ``acc`` with one
+    more launch. Only if the wait holds does the copy see every increment.
+    The contract offers no way to block a stream at will, so a wait_event
+    that does nothing is caught only while the backlog lasts (the CPU
+    plugin's own tests block its stream with a gate for that).
+    """
+    caps = hal_device.capabilities
+    launcher = hal_device.launcher
+    kernel = launcher.load(hal_axpy_source)["hal_test_axpy"]
+    n = min(1 << 24, 64 * caps.compute_units * caps.max_threads_per_cu)
+    launches = 32
+    ones = hal_backend.asarray(np.ones(n, np.float32))
+    acc = hal_backend.asarray(np.zeros(n, np.float32))
+    copy = hal_backend.asarray(np.zeros(n, np.float32))
+    config = launcher.config_for(kernel, n)
     first, second = hal_device.create_stream(), hal_device.create_stream()
+    for _ in range(launches):
+        launcher.launch(kernel, config, (ones, acc, np.float32(1.0), np.int32(n)), first)
     event = first.record_event()
     second.wait_event(event)
+    launcher.launch(kernel, config, (acc, copy, np.float32(1.0), np.int32(n)), second)
     after = second.record_event()
     after.synchronize()
     assert event.query(), "an event waited on has completed before later work of the waiting stream"
     assert after.query() and second.query()
+    first.synchronize()
+    got = hal_backend.to_numpy(copy)
+    assert (got == launches).all(), (
+        f"work after wait_event ran before the awaited work: it saw acc = {got.min():g}, expected {launches}"
+    )
 
 
 def test_default_stream_and_event_default_record(hal_device: Any) -> None:

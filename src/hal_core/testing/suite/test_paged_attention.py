@@ -109,6 +109,12 @@ def _break(name: str, args: dict[str, Any]) -> None:
         args["seq_lens"][1] = args["block_tables"].shape[1] * args["key_cache"].shape[2] + 1
     elif name == "seq-lens-shape":
         args["seq_lens"] = args["seq_lens"][:1].copy()
+    elif name == "seq-len-negative":
+        args["seq_lens"][0] = -1
+    elif name == "block-table-negative":  # in a used block (sequence 1 has 9 tokens: 2 blocks of 8)
+        args["block_tables"][1, 1] = -1
+    elif name == "kv-heads-not-dividing":  # 3 query heads over 2 KV heads
+        args["query"] = args["query"][:, :3].copy()
 
 
 BAD_INPUTS = [
@@ -120,6 +126,9 @@ BAD_INPUTS = [
     ("block-table-out-of-range", ArgumentError, "block_tables"),
     ("seq-len-beyond-table", ArgumentError, "seq_lens"),
     ("seq-lens-shape", ArgumentError, "seq_lens"),
+    ("seq-len-negative", ArgumentError, "seq_lens"),
+    ("block-table-negative", ArgumentError, "block_tables"),
+    ("kv-heads-not-dividing", ArgumentError, "key_cache"),
 ]
 
 

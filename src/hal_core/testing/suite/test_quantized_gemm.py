@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -77,6 +78,10 @@ BAD_INPUTS = [
     ("x-k-mismatch", ArgumentError, "x"),
     ("x-non-contiguous", ArgumentError, "x"),
     ("qweight-type", ArgumentTypeError, "qweight"),
+    ("scales-dtype", ArgumentTypeError, "qweight.scales"),
+    ("qweight-dtype", ArgumentTypeError, "qweight.qweight"),
+    ("g-idx-negative", ArgumentError, "qweight.g_idx"),
+    ("g-idx-too-large", ArgumentError, "qweight.g_idx"),
 ]
 
 
@@ -84,13 +89,23 @@ BAD_INPUTS = [
 def test_quantized_gemm_bad_input(hal_backend: Any, rng: np.random.Generator, case: str,
                                   error: type[Exception], argument: str) -> None:
     """Bad input raises the right error naming the argument and leaves out untouched."""
-    args = quantized_gemm_inputs(rng, m=4, k=64, n=8, bits=4, group_size=32, symmetric=True, dtype="fp32")
+    args = quantized_gemm_inputs(rng, m=4, k=64, n=8, bits=4, group_size=32, symmetric=True, dtype="fp32",
+                                 act_order=case.startswith("g-idx"))
+    qw = args["qweight"]
     if case == "x-rank":
         args["x"] = args["x"][0]
     elif case == "x-dtype":
         args["x"] = args["x"].astype(np.int32)
     elif case == "x-k-mismatch":
         args["x"] = args["x"][:, :32].copy()
+    elif case == "scales-dtype":
+        args["qweight"] = replace(qw, scales=np.ones(qw.scales.shape, np.int32))
+    elif case == "qweight-dtype":
+        args["qweight"] = replace(qw, qweight=qw.qweight.astype(np.int32))
+    elif case in ("g-idx-negative", "g-idx-too-large"):
+        g_idx = qw.g_idx.copy()
+        g_idx[5] = -1 if case == "g-idx-negative" else 64 // 32  # K // G: one past the last group
+        args["qweight"] = replace(qw, g_idx=g_idx)
     sentinel = np.full((4, 8), 7.0, np.float32)
     out = hal_backend.asarray(sentinel)
     dev = to_backend(hal_backend, "quantized_gemm", args) if case != "qweight-type" else None
@@ -100,5 +115,7 @@ def test_quantized_gemm_bad_input(hal_backend: Any, rng: np.random.Generator, ca
     qweight = dev["qweight"] if dev else args["qweight"].dequantize(np.float32)
     with pytest.raises(error) as info:
         hal_backend.ops.quantized_gemm(x, qweight, out=out)
-    assert repr(argument) in str(info.value), f"message does not name {argument!r}: {info.value}"
+    message = str(info.value)
+    names = repr(argument) in message or (case.startswith("g-idx") and "g_idx" in message)
+    assert names, f"message does not name {argument!r}: {info.value}"
     np.testing.assert_array_equal(hal_backend.to_numpy(out), sentinel, err_msg="out was modified")

@@ -74,6 +74,7 @@ BAD_INPUTS = [
     ("key-rank", ArgumentError, "key"),
     ("value-shape", ArgumentError, "value"),
     ("key-dtype", ArgumentTypeError, "key"),
+    ("slot-duplicate", ArgumentError, "slot_mapping"),
 ]
 
 
@@ -93,6 +94,8 @@ def test_write_kv_cache_bad_input(hal_backend: Any, rng: np.random.Generator, ca
         args["value"] = args["value"][:3].copy()
     elif case == "key-dtype":
         args["key"], args["value"] = args["key"].astype(np.float16), args["value"].astype(np.float16)
+    elif case == "slot-duplicate":  # two tokens, one non-negative slot
+        args["slot_mapping"][2] = args["slot_mapping"][0]
     before_k, before_v = args["key_cache"].copy(), args["value_cache"].copy()
     dev = to_backend(hal_backend, "write_kv_cache", args)
     with pytest.raises(error) as info:

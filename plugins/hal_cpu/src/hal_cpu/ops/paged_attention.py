@@ -117,12 +117,22 @@ def _merge(partials: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> np.ndar
     return np.divide(acc, denom, out=np.zeros_like(acc), where=denom > 0)
 
 
-def _gather(cache: np.ndarray, blocks: np.ndarray) -> np.ndarray:
-    """Blocks ``[C, nb]`` of ``cache`` as float32 ``[C, kv_heads, nb * block_size, head_size]`` (a workspace)."""
+def _gather(cache: np.ndarray, blocks: np.ndarray, invalid: np.ndarray) -> np.ndarray:
+    """Blocks ``[C, nb]`` of ``cache`` as float32 ``[C, kv_heads, nb * block_size, head_size]`` (a workspace).
+
+    Rows of tokens marked in ``invalid`` ``[C, nb, block_size]`` (past a
+    sequence's length, or in blocks it does not use) come out as zeros, so
+    whatever the cache holds there (NaN, Inf) never reaches a result.
+    """
     chunk, nb = blocks.shape
     _, num_kv_heads, block_size, head_size = cache.shape
     picked = workspace("picked", (chunk, nb, num_kv_heads, block_size, head_size), cache.dtype)
     np.take(cache, blocks, axis=0, out=picked, mode="clip")  # one contiguous copy per block
+    ragged = np.flatnonzero(invalid.any(axis=(0, 2)))  # blocks holding any invalid row
+    if ragged.size:  # zero the storage bits (0 is +0.0 in every float format), only from the first such block
+        first = int(ragged[0])
+        bits = picked.view(np.dtype(f"u{cache.dtype.itemsize}"))[:, first:]
+        np.copyto(bits, 0, where=invalid[:, first:, None, :, None])
     if cache.dtype != np.float32:  # widen contiguously: a cast from a strided view is several times slower
         picked = widen(picked, workspace("widened", picked.shape, np.float32))
     wide = workspace("wide", (chunk, num_kv_heads, nb, block_size, head_size), np.float32)
@@ -148,14 +158,15 @@ def _partition(
     chunk = q_t.shape[0]
     tokens = np.arange(b0 * block_size, b1 * block_size)
     valid = tokens[None, :] < lens[:, None]  # [C, T]
-    used = valid.reshape(chunk, b1 - b0, block_size)[:, :, 0]
+    invalid = ~valid.reshape(chunk, b1 - b0, block_size)
+    used = ~invalid[:, :, 0]
     blocks = np.where(used, block_tables[:, b0:b1], 0).astype(np.intp)  # unused entries may hold anything
     scores = workspace("scores", (chunk, q_t.shape[1], tokens.size, q_t.shape[3]), np.float32)
-    np.matmul(_gather(key_cache, blocks), q_t, out=scores)  # [C, kv_heads, T, group]
-    scores += np.where(valid, np.float32(0), np.float32(-np.inf))[:, None, :, None]
+    np.matmul(_gather(key_cache, blocks, invalid), q_t, out=scores)  # [C, kv_heads, T, group]
+    scores += np.where(valid, np.float32(0), np.float32(-np.inf))[:, None, :, None]  # zero keys: finite + -inf
     top = scores.max(axis=2, keepdims=True)
     scores -= np.where(np.isfinite(top), top, np.float32(0))
     np.exp(scores, out=scores)
     denom = scores.sum(axis=2, keepdims=True)
-    acc = scores.swapaxes(-1, -2) @ _gather(value_cache, blocks)
+    acc = scores.swapaxes(-1, -2) @ _gather(value_cache, blocks, invalid)  # 0 * zeroed value rows: 0
     return top, denom, acc

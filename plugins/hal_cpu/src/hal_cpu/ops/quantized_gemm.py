@@ -6,7 +6,8 @@
   kept in a small LRU cache keyed by the :class:`~hal_core.quant.QuantizedWeight`
   object (dropped when the object is collected), at most
   :data:`DEQUANT_CACHE_BYTES` in all, so a model's weights are not all
-  expanded at once. The cache assumes weights are not modified in place;
+  expanded at once (entries are keyed by the object and by what they hold).
+  The cache assumes weights are not modified in place;
   call :func:`clear_dequant_cache` if they are.
 - W8A8: activations are quantised per token with
   :func:`~hal_core.quant.quantize_activations`; each group's integer dot
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import numpy as np
 
@@ -41,48 +42,66 @@ _EXACT_FLOAT32 = 2**24
 
 
 class _DequantCache:
-    """LRU of float32 weights by QuantizedWeight identity; entries die with their weight."""
+    """LRU of arrays derived from a QuantizedWeight, keyed by ``(id(weight), kind)``; entries die with their weight.
+
+    ``kind`` tells apart the different arrays one weight yields (the float32
+    weight, the centred codes of a given dtype). The weakref callbacks that
+    drop dead entries may run at any allocation (garbage collection), even
+    while this thread holds the lock, so they only queue the key; the queue
+    is drained under the lock by the next :meth:`get` or :meth:`put`.
+    """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._lock = threading.Lock()
-        self._entries: OrderedDict[int, tuple[weakref.ref[QuantizedWeight], np.ndarray]] = OrderedDict()
+        self._entries: OrderedDict[tuple[int, str], tuple[weakref.ref[QuantizedWeight], np.ndarray]] = OrderedDict()
+        self._dead: deque[tuple[int, str]] = deque()  # appended by weakref callbacks, without the lock
         self._bytes = 0
 
-    def get(self, qweight: QuantizedWeight) -> np.ndarray | None:
+    def get(self, qweight: QuantizedWeight, kind: str) -> np.ndarray | None:
+        key = (id(qweight), kind)
         with self._lock:
-            entry = self._entries.get(id(qweight))
+            self._drain()
+            entry = self._entries.get(key)
             if entry is None or entry[0]() is not qweight:
                 return None
-            self._entries.move_to_end(id(qweight))
+            self._entries.move_to_end(key)
             return entry[1]
 
-    def put(self, qweight: QuantizedWeight, weight: np.ndarray) -> None:
-        if weight.nbytes > self.limit:
+    def put(self, qweight: QuantizedWeight, kind: str, array: np.ndarray) -> None:
+        if array.nbytes > self.limit:
             return
-        key = id(qweight)
-        ref = weakref.ref(qweight, lambda _, key=key: self._drop(key))
+        key = (id(qweight), kind)
+        ref = weakref.ref(qweight, lambda _, key=key: self._dead.append(key))
         with self._lock:
+            self._drain()
             self._pop(key)
-            self._entries[key] = (ref, weight)
-            self._bytes += weight.nbytes
+            self._entries[key] = (ref, array)
+            self._bytes += array.nbytes
             while self._bytes > self.limit:
                 self._pop(next(iter(self._entries)))
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._dead.clear()
             self._bytes = 0
 
     @property
     def nbytes(self) -> int:
-        return self._bytes
-
-    def _drop(self, key: int) -> None:
         with self._lock:
-            self._pop(key)
+            self._drain()
+            return self._bytes
 
-    def _pop(self, key: int) -> None:
+    def _drain(self) -> None:
+        """Drop the entries whose weight was collected (called with the lock held)."""
+        while self._dead:
+            key = self._dead.popleft()
+            entry = self._entries.get(key)
+            if entry is not None and entry[0]() is None:  # not a newer weight that reuses the id
+                self._pop(key)
+
+    def _pop(self, key: tuple[int, str]) -> None:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self._bytes -= entry[1].nbytes
@@ -125,7 +144,7 @@ def _centered_codes(qweight: QuantizedWeight, dtype: type) -> np.ndarray:
 
 def dequantize_float32(qweight: QuantizedWeight) -> np.ndarray:
     """The float32 weight ``[K, N]`` (cached; see the module docs)."""
-    cached = _cache.get(qweight)
+    cached = _cache.get(qweight, "float32")
     if cached is not None:
         return cached
     k, n = qweight.shape
@@ -136,18 +155,19 @@ def dequantize_float32(qweight: QuantizedWeight) -> np.ndarray:
     else:
         weight *= scales[np.asarray(qweight.g_idx)]
     weight.setflags(write=False)
-    _cache.put(qweight, weight)
+    _cache.put(qweight, "float32", weight)
     return weight
 
 
 def _centered_cached(qweight: QuantizedWeight, dtype: type) -> np.ndarray:
     """``q - z`` of an int8 weight (cached like the dequantised int4 weights)."""
-    cached = _cache.get(qweight)
-    if cached is not None and cached.dtype == dtype:
+    kind = f"centered-{np.dtype(dtype).name}"
+    cached = _cache.get(qweight, kind)
+    if cached is not None:
         return cached
     centered = _centered_codes(qweight, dtype)
     centered.setflags(write=False)
-    _cache.put(qweight, centered)
+    _cache.put(qweight, kind, centered)
     return centered
 
 

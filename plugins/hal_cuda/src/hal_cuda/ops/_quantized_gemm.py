@@ -7,6 +7,7 @@
   (fp32 and bf16 activations, CuPy having no bf16 matmul) and multiplied by
   cuBLAS with fp32 accumulation. W8A8 multiplies the dequantised int8
   activations ``xq * sx``, so both paths compute the same function.
+- K = 0 (an empty sum): the output is filled with zeros, nothing is launched.
 """
 
 from __future__ import annotations
@@ -148,10 +149,12 @@ def run(call: OpCall) -> Any:
     x = as_storage(x_arg)
     weights = (as_storage(qw.qweight), as_storage(qw.scales),
                as_storage(qw.zeros) if qw.zeros is not None else None)
-    m = x.shape[0]
+    m, k = x.shape
     with cp.cuda.Device(device_index):
         out = call.out if call.out is not None else empty_like_dtype((m, qw.shape[1]), hal_dtype)
-        if uses_small_m(m):
+        if k == 0:  # an empty sum: zeros, no launch (the kernels' K-split needs at least one group)
+            as_storage(out).fill(0)
+        elif uses_small_m(m):
             _small_m(call, device_index, x, as_storage(out), kdtype, weights)
         else:
             _large_m(call, device_index, x, as_storage(out), hal_dtype, kdtype, weights)

@@ -9,7 +9,7 @@ from hal_core.ops import OpCall
 from .._arrays import as_storage
 from .._cupy import cupy
 from .._specializations import write_kv_cache_launch, write_kv_cache_spec
-from ._common import CudaOp, kernels_for, launch, storage_device
+from ._common import CudaOp, kernels_for, launch, misaligned, storage_device
 
 __all__ = ["OP", "check", "run"]
 
@@ -24,7 +24,8 @@ def check(call: OpCall) -> str:
         return f"{num_tokens} tokens exceed the grid's x limit {caps.max_grid_dims[0]}"
     if head_size * key.dtype.itemsize > _INT32_MAX or max(cache.shape) > _INT32_MAX:
         return "rows or cache dimensions too large for the kernel's 32-bit parameters"
-    return ""
+    # the kernel copies units of at least 2 bytes (every dtype is); an odd address is no element boundary
+    return misaligned(call, ("key", "value", "key_cache", "value_cache"), alignment=2)
 
 
 def run(call: OpCall) -> None:
