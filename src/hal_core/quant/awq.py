@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ._weight import QuantizedWeight
-from .gptq import build, host_int32, host_scales, unpack_cols
+from .gptq import build, group_scales, host_int32, unpack_cols, zero_words
 
 __all__ = ["AWQ_ORDER", "from_awq"]
 
@@ -39,12 +39,6 @@ def from_awq(qweight: Any, qzeros: Any, scales: Any, *, symmetric: bool | None =
     """
     codes = unpack_cols(host_int32("qweight", qweight, ndim=2), 4, AWQ_ORDER)  # [K, N]
     k, n = codes.shape
-    scales = host_scales(scales, n)
-    num_groups = scales.shape[0]
-    if num_groups == 0 or k % num_groups:
-        raise ValueError(f"argument 'scales': {num_groups} groups do not divide K={k} (from qweight)")
-    zwords = host_int32("qzeros", qzeros, ndim=2)
-    if zwords.shape != (num_groups, n // 8):
-        raise ValueError(f"argument 'qzeros': expected shape {(num_groups, n // 8)} ([K/G, N/8]), got {zwords.shape}")
-    zeros = unpack_cols(zwords, 4, AWQ_ORDER).astype(np.int64)
+    scales = group_scales(scales, k, n)
+    zeros = unpack_cols(zero_words(qzeros, scales.shape[0], n, 8), 4, AWQ_ORDER).astype(np.int64)
     return build(codes, zeros, scales, None, bits=4, symmetric=symmetric)

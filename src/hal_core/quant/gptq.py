@@ -73,20 +73,32 @@ def from_gptq(
     per_word = 32 // bits
     codes = unpack_rows(words, bits)  # [K, N]
     k, n = codes.shape
-    scales = host_scales(scales, n)
+    scales = group_scales(scales, k, n)
     num_groups = scales.shape[0]
-    if num_groups == 0 or k % num_groups:
-        raise ValueError(f"argument 'scales': {num_groups} groups do not divide K={k} (from qweight)")
-    zwords = host_int32("qzeros", qzeros, ndim=2)
-    if zwords.shape != (num_groups, n // per_word):
-        raise ValueError(f"argument 'qzeros': expected shape {(num_groups, n // per_word)} "
-                         f"([K/G, N/{per_word}]), got {zwords.shape}")
-    zeros = unpack_cols(zwords, bits).astype(np.int64) + zero_point_offset
+    zeros = unpack_cols(zero_words(qzeros, num_groups, n, per_word), bits).astype(np.int64) + zero_point_offset
     groups = None if g_idx is None else host_g_idx(g_idx, k, num_groups)
     return build(codes, zeros, scales, groups, bits=bits, symmetric=symmetric)
 
 
 # -- shared with awq.py ---------------------------------------------------------
+
+
+def group_scales(value: Any, k: int, n: int) -> np.ndarray:
+    """Scales ``[K / G, N]`` on the host; their row count (the groups) must divide K."""
+    scales = host_scales(value, n)
+    num_groups = scales.shape[0]
+    if num_groups == 0 or k % num_groups:
+        raise ValueError(f"argument 'scales': {num_groups} groups do not divide K={k} (from qweight)")
+    return scales
+
+
+def zero_words(value: Any, num_groups: int, n: int, per_word: int) -> np.ndarray:
+    """Packed zero points ``[K / G, N / per_word]`` on the host, shape checked."""
+    words = host_int32("qzeros", value, ndim=2)
+    if words.shape != (num_groups, n // per_word):
+        raise ValueError(f"argument 'qzeros': expected shape {(num_groups, n // per_word)} "
+                         f"([K/G, N/{per_word}]), got {words.shape}")
+    return words
 
 
 def host_numpy(name: str, value: Any) -> np.ndarray:
