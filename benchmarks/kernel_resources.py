@@ -12,32 +12,19 @@ Requires ``cuda-bindings`` and ``nvidia-cuda-nvrtc`` (CUDA 13).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from hal_cuda import _nvrtc as N  # importing hal_cuda imports no CuPy
+from hal_cuda import _specializations as S
+
 ROOT = Path(__file__).resolve().parents[1]
-PKG = ROOT / "plugins" / "hal_cuda" / "src" / "hal_cuda"
 DEFAULT_ARCHS = ("sm_80", "sm_90", "sm_120")
 
 
-def _load(name: str):
-    # Loaded by path so the plugin's runtime dependencies are not needed.
-    mod_name = f"_hal_cuda_offline_{name}"
-    if mod_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(mod_name, PKG / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[mod_name]
-
-
-S = _load("_specializations")
-N = _load("_nvrtc")
 
 
 def _compile(job):

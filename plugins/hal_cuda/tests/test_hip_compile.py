@@ -13,34 +13,19 @@ representative set per source (every head size, dtype and option once) is used.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from hal_cuda import _specializations as S
 
-_PKG = Path(__file__).resolve().parents[1] / "src" / "hal_cuda"
 #: (target, wavefront size); gfx940 stands in for CDNA3 where the compiler predates gfx942.
 TARGETS = (("gfx90a", 64), ("gfx942", 64), ("gfx940", 64), ("gfx1100", 32))
-
-
-def _load(name: str):
-    mod_name = f"_hal_cuda_offline_{name}"
-    if mod_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(mod_name, _PKG / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[mod_name]
-
-
-S = _load("_specializations")
 
 
 def _selected():

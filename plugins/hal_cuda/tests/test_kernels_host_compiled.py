@@ -14,39 +14,21 @@ from __future__ import annotations
 import contextlib
 import importlib.resources
 import importlib.util
-import sys
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 import pytest
+from hal_cuda import _specializations as rules
 from host_compiled.harness import HostKernelBuilder, HostLaunchError, HostModule, toolchain_problem
 
 from hal_core._arrays import BFLOAT16
 from hal_core.ops import OPS
 from hal_core.quant import QuantizedWeight, quantize, quantize_activations
 from hal_core.testing.tolerances import tolerance
-
-
-def _load_rules() -> ModuleType:
-    """``hal_cuda/_specializations.py`` by file path (pure Python, no CuPy, works without hal-cuda installed)."""
-    name = "_hal_cuda_host_compiled_specializations"
-    if name in sys.modules:
-        return sys.modules[name]
-    path = Path(__file__).resolve().parents[1] / "src" / "hal_cuda" / "_specializations.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-rules = _load_rules()
 
 DTYPES = ("fp32", "fp16", "bf16")
 NUMPY_DTYPES: dict[str, Any] = {"fp32": np.float32, "fp16": np.float16, "bf16": BFLOAT16}

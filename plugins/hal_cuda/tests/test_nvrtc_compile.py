@@ -1,38 +1,19 @@
 """Every kernel specialisation compiles with NVRTC for sm_80, sm_90 and sm_120.
 
-Runs without a GPU.  The catalogue and compiler wrapper are loaded straight
-from their files so the check does not need the plugin's runtime
-dependencies.  All compiles run once, in a process pool, when the module is
+Runs without a GPU (importing hal_cuda imports no CuPy).  All compiles run once, in a process pool, when the module is
 first used; each parametrised test then reports its own result.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 
 import pytest
+from hal_cuda import _nvrtc as nvrtc_mod
+from hal_cuda import _specializations as specs_mod
 
-_PKG = Path(__file__).resolve().parents[1] / "src" / "hal_cuda"
 ARCHS = ("sm_80", "sm_90", "sm_120")
-
-
-def _load(name: str):
-    mod_name = f"_hal_cuda_offline_{name}"
-    if mod_name in sys.modules:
-        return sys.modules[mod_name]
-    spec = importlib.util.spec_from_file_location(mod_name, _PKG / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-specs_mod = _load("_specializations")
-nvrtc_mod = _load("_nvrtc")
 SPECS = specs_mod.all_specializations()
 
 
