@@ -265,7 +265,8 @@ class Kernel:
         xf = _floats(_ptr(x), self.defines["HAL_DTYPE"])
         assert grid == (xf.shape[0], 1, 1) and _i32(k) == xf.shape[1]
         amax = np.abs(xf).max(axis=1)
-        scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
+        tiny = np.finfo(np.float32).smallest_subnormal
+        scale = np.where(amax > 0, np.maximum(amax / np.float32(127), tiny), np.float32(1)).astype(np.float32)
         _ptr(sx, np.float32)[...] = scale
         _ptr(xq, np.int8)[...] = np.clip(np.rint(xf / scale[:, None]), -127, 127).astype(np.int8)
 

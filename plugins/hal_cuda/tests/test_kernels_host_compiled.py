@@ -382,6 +382,8 @@ def test_w8a8_quantize_rows_matches_quantize_activations(
     # 1.625 / (3.25 / 127) = 63.499996.  The codes must agree here too.
     x[3, :2] = (3.25, 1.625)
     x = x.astype(NUMPY_DTYPES[dtype])
+    x[4] = 0  # a row holding only the dtype's smallest subnormal: its scale must not underflow to 0
+    x[4, 0] = np.array(1, np.uint16 if dtype != "fp32" else np.uint32).view(NUMPY_DTYPES[dtype])[()]
     util = _build(host_builder, rules.quant_util_spec(DTYPE_CODES[dtype]), rng)
     xq = np.full((m, k), 99, np.int8)
     sx = np.full(m, np.nan, np.float32)

@@ -83,7 +83,8 @@ hal_w8_dequant(hal_t* HAL_RESTRICT w, const hal_u8* HAL_RESTRICT qweight,
 }
 
 // Per-row symmetric int8 quantisation, bit for bit as hal_core.quant.quantize_activations:
-// sx[m] = max|x[m, :]| / 127 (1 for an all-zero row), xq[m, k] = clamp(rint(x[m, k] / sx[m]), -127, 127)
+// sx[m] = max(max|x[m, :]| / 127, smallest subnormal) (1 for an all-zero row),
+// xq[m, k] = clamp(rint(x[m, k] / sx[m]), -127, 127)
 // (round half to even). A true division, not a multiplication by 127 / max: the two round
 // differently when x / sx lies next to a half.
 // Grid (M), block HAL_UTIL_THREADS.
@@ -102,7 +103,7 @@ hal_w8a8_quantize_rows(hal_i8* HAL_RESTRICT xq, float* HAL_RESTRICT sx,
     hal_barrier();
     amax = s_red[0];
     for (int w = 1; w < NWARPS; ++w) amax = fmaxf(amax, s_red[w]);
-    const float scale = amax > 0.f ? amax / 127.f : 1.f;
+    const float scale = amax > 0.f ? fmaxf(amax / 127.f, 1.40129846e-45f) : 1.f;
     if (tid == 0) sx[blockIdx.x] = scale;
     for (int k = tid; k < K; k += HAL_UTIL_THREADS) {
         const float q = fminf(fmaxf(rintf(hal_to_float(xr[k]) / scale), -127.f), 127.f);

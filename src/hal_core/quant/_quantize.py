@@ -67,11 +67,13 @@ def quantize(
 def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-token int8 quantisation used by W8A8: ``(xq int8 [M, K], sx float32 [M])``.
 
-    ``sx[m] = max|x[m]| / 127`` (1 for an all-zero row) and
+    ``sx[m] = max|x[m]| / 127`` (at least the smallest float32 subnormal, so a
+    tiny row never gets a zero scale; 1 for an all-zero row) and
     ``xq = rint(x / sx)`` (round half to even), so ``x ~ xq * sx``.
     """
     x32 = np.asarray(x).astype(np.float32)
     amax = np.abs(x32).max(axis=1) if x32.shape[1] else np.zeros(x32.shape[0], np.float32)
-    sx = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
+    tiny = np.finfo(np.float32).smallest_subnormal
+    sx = np.where(amax > 0, np.maximum(amax / np.float32(127.0), tiny), np.float32(1.0)).astype(np.float32)
     xq = np.clip(np.rint(x32 / sx[:, None]), -127, 127).astype(np.int8)
     return xq, sx
