@@ -61,7 +61,7 @@ def test_example_gemm_runs_its_own_implementation(tiny) -> None:
 def test_example_unsupported_calls_fall_back_correctly(tiny, caplog, monkeypatch) -> None:
     """bf16 activations and the ops it does not implement run on the CPU path; HAL_STRICT makes that an error."""
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((2, 64)).astype(hal_core._arrays.BFLOAT16)
+    x = rng.standard_normal((2, 64)).astype(hal_core.arrays.BFLOAT16)
     qw = quantize(rng.standard_normal((64, 8)) / 8, group_size=32)
     with caplog.at_level(logging.WARNING, logger="hal"):
         y = tiny.ops.quantized_gemm(x, qw)

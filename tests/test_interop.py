@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hal_core import ArgumentError, ArgumentTypeError
-from hal_core._arrays import BFLOAT16, TaggedArray
+from hal_core.arrays import BFLOAT16, TaggedArray
 from hal_core.interop import import_arrays, is_torch_tensor, to_native
 from hal_core.ops import OPS
 from hal_core.quant import quantize

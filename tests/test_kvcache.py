@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hal_core import OutOfBlocksError
-from hal_core._arrays import numpy_dtype
+from hal_core.arrays import numpy_dtype
 from hal_core.kvcache import CacheConfig, PagedKVCache
 
 TOL = {"fp32": 2e-5, "fp16": 4e-3, "bf16": 3e-2}

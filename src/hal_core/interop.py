@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._arrays import BFLOAT16, TaggedArray, device_of
 from ._errors import ArgumentError, ArgumentTypeError
+from .arrays import BFLOAT16, TaggedArray, device_of
 
 if TYPE_CHECKING:
     from ._backend import Backend

@@ -26,7 +26,7 @@ def test_attention_chunks_and_partitions_agree(rng: np.random.Generator, budget:
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_widening_is_exact(rng: np.random.Generator, dtype: str) -> None:
     """Bit-arithmetic widening equals numpy's cast for every value class (subnormals, zeros, inf, nan)."""
-    from hal_core._arrays import numpy_dtype
+    from hal_core.arrays import numpy_dtype
 
     np_dtype = numpy_dtype(dtype)
     specials = [0.0, -0.0, np.inf, -np.inf, np.nan, 6e-8, -6e-8, 1e-5, 65504.0, 1e-40]

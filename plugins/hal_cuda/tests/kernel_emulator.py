@@ -15,7 +15,7 @@ from typing import Any
 import fakecupy
 import numpy as np
 
-from hal_core._arrays import BFLOAT16
+from hal_core.arrays import BFLOAT16
 
 
 class DevArray(np.ndarray):

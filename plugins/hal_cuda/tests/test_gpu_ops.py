@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hal_cuda import _specializations as cat
 
-from hal_core._arrays import BFLOAT16
+from hal_core.arrays import BFLOAT16
 from hal_core.ops import OPS
 from hal_core.quant import quantize
 

@@ -13,7 +13,7 @@ from hal_cuda._memory import CupyAllocator
 
 import hal_core
 from hal_core import AllocationPolicy, DeviceOutOfMemoryError, KernelCompileError, KernelSource, LaunchConfig
-from hal_core._arrays import BFLOAT16, TaggedArray
+from hal_core.arrays import BFLOAT16, TaggedArray
 
 
 def test_devices_and_capabilities(cuda_backend: Any, cupy_module: Any) -> None:

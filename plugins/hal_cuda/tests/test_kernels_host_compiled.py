@@ -25,7 +25,7 @@ import pytest
 from hal_cuda import _specializations as rules
 from host_compiled.harness import HostKernelBuilder, HostLaunchError, HostModule, toolchain_problem
 
-from hal_core._arrays import BFLOAT16
+from hal_core.arrays import BFLOAT16
 from hal_core.ops import OPS
 from hal_core.quant import QuantizedWeight, quantize, quantize_activations
 from hal_core.testing.tolerances import tolerance

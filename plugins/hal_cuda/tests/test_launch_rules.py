@@ -139,7 +139,7 @@ def test_paged_attention_unsupported(change: dict[str, Any], reason: str) -> Non
 
 
 @pytest.mark.usefixtures("offload_everything")
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, hal_core._arrays.BFLOAT16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, hal_core.arrays.BFLOAT16], ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("head_size", cat.PA_HEAD_SIZES)
 @pytest.mark.parametrize("block", cat.PA_BLOCK_SIZES)
 def test_paged_attention_supported(dtype: Any, head_size: int, block: int) -> None:

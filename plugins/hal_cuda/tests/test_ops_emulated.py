@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import hal_core
-from hal_core._arrays import BFLOAT16, TaggedArray
+from hal_core.arrays import BFLOAT16, TaggedArray
 from hal_core.ops import OPS, OpCall
 from hal_core.quant import quantize
 

@@ -195,7 +195,7 @@ def test_kernel_args() -> None:
     assert kernel_arg(0.5).dtype == np.float32
     with pytest.raises(TypeError, match=r"np\.int32"):
         kernel_arg(3)
-    tagged = hal_core._arrays.TaggedArray(np.zeros(2, np.uint16), "bf16")
+    tagged = hal_core.arrays.TaggedArray(np.zeros(2, np.uint16), "bf16")
     assert kernel_arg(tagged) is tagged.storage
 
 

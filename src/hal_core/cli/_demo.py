@@ -16,7 +16,7 @@ import numpy as np
 
 import hal_core
 from hal_core import HalError
-from hal_core._arrays import numpy_dtype
+from hal_core.arrays import numpy_dtype
 from hal_core.ops import OPS
 from hal_core.quant import QuantizedWeight, quantize
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._arrays import numpy_dtype
+from ..arrays import numpy_dtype
 from ._blocks import BlockTable, ForkCopy, _ceil_div, _check_count
 
 if TYPE_CHECKING:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .._arrays import dtype_name, is_c_contiguous
 from .._errors import ArgumentError, ArgumentTypeError
+from ..arrays import dtype_name, is_c_contiguous
 
 __all__ = ["check_array", "fail"]
 

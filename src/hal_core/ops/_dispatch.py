@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _env
-from .._arrays import device_of
 from .._errors import ArgumentError, ArgumentTypeError, FallbackError, KernelCompileError
+from ..arrays import device_of
 from ..quant import QuantizedWeight
 from ._registry import OpRegistry
 from ._spec import OpCall, OpSpec

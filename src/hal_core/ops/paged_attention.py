@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from .. import _env
-from .._arrays import device_of, numpy_dtype
 from .._errors import ArgumentTypeError
+from ..arrays import device_of, numpy_dtype
 from ._checks import check_array, fail
 from ._spec import OpSpec
 
@@ -102,7 +102,7 @@ class PagedAttention(OpSpec):
         return tuple(args["query"].shape)
 
     def output_dtype(self, args: Mapping[str, Any]) -> np.dtype:
-        from .._arrays import dtype_name
+        from ..arrays import dtype_name
 
         return numpy_dtype(dtype_name(args["query"]))
 

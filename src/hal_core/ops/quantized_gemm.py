@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from .. import _env
-from .._arrays import dtype_name, is_c_contiguous, numpy_dtype
 from .._errors import ArgumentTypeError
+from ..arrays import dtype_name, is_c_contiguous, numpy_dtype
 from ..quant import QuantizedWeight, quantize_activations
 from ._checks import check_array, fail
 from ._spec import OpSpec

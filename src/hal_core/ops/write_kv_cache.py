@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from .. import _env
-from .._arrays import dtype_name, numpy_dtype
 from .._errors import ArgumentTypeError
+from ..arrays import dtype_name, numpy_dtype
 from ._checks import check_array, fail
 from ._spec import OpSpec
 from .paged_attention import attention_dtypes

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import BFLOAT16
+from ..arrays import BFLOAT16
 from ._weight import QuantizedWeight, pack_int4
 
 __all__ = ["from_gptq"]

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import numpy_dtype
+from ..arrays import numpy_dtype
 from ..ops import OPS
 from ..quant import QuantizedWeight, quantize
 from .tolerances import tolerance

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from hal_core import Availability, Backend
-from hal_core._arrays import BFLOAT16, TaggedArray
+from hal_core.arrays import BFLOAT16, TaggedArray
 
 from ._device import CpuDevice
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from hal_core._arrays import BFLOAT16, TaggedArray, dtype_name, untag
+from hal_core.arrays import BFLOAT16, TaggedArray, dtype_name, untag
 
 from ._cupy import cupy
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hal_core import Availability, Backend
-from hal_core._arrays import device_of
+from hal_core.arrays import device_of
 
 from ._arrays import to_device, to_host
 from ._cupy import cupy

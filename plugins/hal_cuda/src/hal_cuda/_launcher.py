@@ -27,7 +27,7 @@ from hal_core import (
     LaunchConfigError,
     grid_for,
 )
-from hal_core._arrays import untag
+from hal_core.arrays import untag
 
 from . import _env
 from ._cupy import cupy

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from hal_core import AllocationPolicy, Allocator, AllocatorStats, DeviceBuffer, DeviceOutOfMemoryError, Stream
-from hal_core._arrays import BFLOAT16, TaggedArray
+from hal_core.arrays import BFLOAT16, TaggedArray
 
 from ._cupy import cupy
 from ._stream import native_stream

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from hal_core._arrays import BFLOAT16
+from hal_core.arrays import BFLOAT16
 from hal_core.ops import OpCall
 
 __all__ = ["finish", "parallel_for", "widen", "workspace"]

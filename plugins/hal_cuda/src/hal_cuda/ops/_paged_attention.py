@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from hal_core._arrays import dtype_name
+from hal_core.arrays import dtype_name
 from hal_core.ops import OpCall
 
 from .._arrays import KERNEL_DTYPES, as_storage, empty_like_dtype

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from hal_core._arrays import dtype_name, is_c_contiguous
+from hal_core.arrays import dtype_name, is_c_contiguous
 from hal_core.ops import OpCall
 
 from .. import _env
