@@ -9,8 +9,9 @@ CUDA_PYPROJECT := $(wildcard plugins/hal_cuda/pyproject.toml)
 CUDA_EDITABLE  := $(if $(CUDA_PYPROJECT),-e plugins/hal_cuda)
 PYPROJECTS     := pyproject.toml plugins/hal_cpu/pyproject.toml $(CUDA_PYPROJECT)
 
-# Test-only: torch for the DLPack interop tests (the CPU build), NVRTC for the offline CUDA compile checks.
-TEST_DEPS := pytest hypothesis ruff "torch==2.13.0" \
+# Test-only: torch (the CPU build) for the DLPack interop tests and torch.ops.hal, transformers for its attention
+# backend (pinned: 5.23.0 installs beside torch 2.13.0 without pulling another torch), NVRTC for the CUDA compile checks.
+TEST_DEPS := pytest hypothesis ruff "torch==2.13.0" "transformers==5.23.0" \
              "cuda-bindings>=13,<14" "nvidia-cuda-nvrtc>=13,<14" "nvidia-cuda-runtime>=13,<14"
 
 .PHONY: demo test lint clean

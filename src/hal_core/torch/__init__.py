@@ -1,0 +1,38 @@
+"""hal inside PyTorch: ``torch.ops.hal.*`` custom operators and the weight helper.
+
+Importing this module registers, with :mod:`torch.library`:
+
+- ``hal::paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale) -> Tensor``
+  and ``hal::paged_attention_out(..., scale, out) -> ()`` (mutates ``out``);
+- ``hal::write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> ()``
+  (mutates both caches);
+- ``hal::quantized_gemm(x, qweight, scales, zeros, g_idx, bits, group_size) -> Tensor``.
+
+The Python functions of the same names are thin wrappers
+(``paged_attention(..., out=None)``, ``quantized_gemm(x, weight_tensors, bits)``).
+``import hal_core`` never imports this module (nor torch); the transformers
+attention backend lives in :mod:`hal_core.torch.transformers`. See
+docs/engine-guide.md, "hal from PyTorch".
+"""
+
+from __future__ import annotations
+
+try:
+    import torch as _torch  # noqa: F401
+except ImportError as exc:  # pragma: no cover - exercised only without torch
+    raise ImportError("hal_core.torch needs PyTorch: pip install 'hal-core[torch]'") from exc
+
+from ._convert import to_tensor
+from ._ops import paged_attention, quantized_gemm, write_kv_cache
+from ._routing import backend_for
+from ._weights import weight_from_tensors, weight_to_tensors
+
+__all__ = [
+    "backend_for",
+    "paged_attention",
+    "quantized_gemm",
+    "to_tensor",
+    "weight_from_tensors",
+    "weight_to_tensors",
+    "write_kv_cache",
+]

@@ -1,0 +1,72 @@
+"""Which hal backend runs a torch op, and on which stream.
+
+The backend is chosen by the device of the op's first tensor: the selected
+backend (``hal_core.get_backend()``) when it owns that memory, else the
+highest-priority available backend that does. Host tensors are owned by the
+host backend (the one that owns numpy arrays); CUDA tensors by a GPU
+backend. A device backend enqueues on its *current* stream, so device work
+runs inside :func:`torch_stream`, which makes torch's current stream the
+backend's current one (a wrapped foreign stream: no new stream, no sync).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import _env, get_backend, list_backends
+from .._backend import Backend
+from .._errors import ArgumentError
+
+__all__ = ["backend_for", "on_torch_stream"]
+
+
+def backend_for(tensor: torch.Tensor) -> Backend:
+    """The hal backend that owns ``tensor``'s memory; ArgumentError when none does."""
+    probe: Any = np.empty(0) if tensor.device.type == "cpu" else tensor
+    selected = get_backend()
+    if selected.owns(probe):
+        return selected
+    for info in list_backends():
+        if info.available and info.name != selected.name:
+            backend = get_backend(info.name)
+            if backend.owns(probe):
+                return backend
+    raise ArgumentError(
+        f"no available hal backend owns memory on torch device {tensor.device}; "
+        f"`hal info` lists the installed backends (a CUDA tensor needs hal-cuda on a CUDA host)"
+    )
+
+
+@contextlib.contextmanager
+def on_torch_stream(backend: Backend, tensor: torch.Tensor) -> Iterator[None]:
+    """Run the block with torch's current stream of ``tensor``'s device as the backend's current stream.
+
+    Inside a CUDA graph capture the host index checks (``HAL_CHECK_INDICES``)
+    would copy device memory to the host, which a capture forbids; such a
+    call raises :class:`ArgumentError` before any work, asking for
+    ``HAL_CHECK_INDICES=0`` (the device kernels check indices themselves).
+    """
+    if tensor.device.type != "cuda":
+        yield
+        return
+    if torch.cuda.is_current_stream_capturing() and _env.check_indices():
+        raise ArgumentError(
+            "hal op called inside a CUDA graph capture with HAL_CHECK_INDICES on: the host checks of block "
+            "tables, lengths and slots read device memory, which a capture forbids; set HAL_CHECK_INDICES=0 "
+            "while capturing (device kernels check indices and report through hal_core.check_errors)"
+        )
+    index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+    device = backend.device(index)
+    wrap = getattr(device, "wrap_stream", None)
+    if wrap is None:
+        raise ArgumentError(
+            f"backend {backend.name!r} cannot run on a foreign stream (its devices have no wrap_stream), "
+            f"so it cannot follow torch's current stream"
+        )
+    with wrap(torch.cuda.current_stream(index)):
+        yield

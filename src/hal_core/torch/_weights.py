@@ -1,0 +1,87 @@
+"""A :class:`~hal_core.quant.QuantizedWeight` as plain torch tensors (and back).
+
+A model keeps its quantized projections as buffers: convert each weight
+once with :func:`weight_to_tensors`, register the tensors
+(``module.register_buffer(...)``), and call ``torch.ops.hal.quantized_gemm``
+with them. The tensors are hal's format unchanged, with one change of
+*type*, not of bits: the packed int4 ``qweight`` (uint32 in hal) is held as
+an int32 view, because torch's uint32 is a storage-only dtype that most
+torch operators (and ``torch.library.opcheck``) cannot handle.
+
+==========  ====================================  ==============================
+name        int4 (``bits=4``)                      int8 (``bits=8``)
+==========  ====================================  ==============================
+qweight     int32 ``[K/8, N]`` (hal's uint32 bits)  uint8 ``[K, N]``
+scales      fp16/bf16/fp32 ``[K/G, N]``           same
+zeros       uint8 ``[K/G, N]``, absent if symmetric  same
+g_idx       int32 ``[K]``, absent unless act-order  same
+==========  ====================================  ==============================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..quant import QuantizedWeight
+from ._convert import to_tensor
+
+__all__ = ["weight_from_tensors", "weight_to_tensors"]
+
+_FIELDS = ("qweight", "scales", "zeros", "g_idx")
+
+
+def weight_to_tensors(weight: QuantizedWeight, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+    """The arrays of ``weight`` as torch tensors on ``device`` (default: where they are).
+
+    Host arrays become views (no copy) when ``device`` is the CPU or None;
+    moving to another device copies once. None fields (``zeros`` of a
+    symmetric weight, ``g_idx`` without act-order) are left out.
+    """
+    if not isinstance(weight, QuantizedWeight):
+        raise TypeError(f"weight_to_tensors: expected a hal_core.quant.QuantizedWeight, got {type(weight).__name__}")
+    tensors = {}
+    for name, array in weight.arrays().items():
+        if isinstance(array, np.ndarray) and not array.flags["C_CONTIGUOUS"]:
+            array = np.ascontiguousarray(array)
+        tensor = to_tensor(array)
+        if name == "qweight" and tensor.dtype == torch.uint32:
+            tensor = tensor.view(torch.int32)
+        tensors[name] = tensor if device is None else tensor.to(device)
+    return tensors
+
+
+def weight_from_tensors(tensors: Mapping[str, torch.Tensor], bits: int) -> QuantizedWeight:
+    """The :class:`QuantizedWeight` over ``tensors`` (views, no copy); inverse of :func:`weight_to_tensors`.
+
+    ``K`` comes from ``qweight`` (``8 * rows`` for int4), ``N`` from its
+    columns and the group size from ``K // scales.shape[0]``; the weight's
+    own checks then reject inconsistent shapes.
+    """
+    unknown = set(tensors) - set(_FIELDS)
+    if unknown:
+        raise ValueError(f"weight_from_tensors: unknown tensors {sorted(unknown)}; expected some of {_FIELDS}")
+    for required in ("qweight", "scales"):
+        if tensors.get(required) is None:
+            raise ValueError(f"weight_from_tensors: the {required!r} tensor is missing")
+    if bits not in (4, 8):
+        raise ValueError(f"weight_from_tensors: bits must be 4 or 8, got {bits}")
+    return _weight(tensors["qweight"], tensors["scales"], tensors.get("zeros"), tensors.get("g_idx"), bits)
+
+
+def _weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+            g_idx: torch.Tensor | None, bits: int, group_size: int | None = None) -> QuantizedWeight:
+    """Build the weight, viewing an int32 int4 ``qweight`` back as hal's uint32."""
+    if qweight.ndim != 2 or scales.ndim != 2:
+        raise ValueError(f"quantized weight: qweight and scales must be 2-D, got shapes "
+                         f"{tuple(qweight.shape)} and {tuple(scales.shape)}")
+    rows, n = qweight.shape
+    k = 8 * rows if bits == 4 else rows
+    if group_size is None:
+        group_size = k // scales.shape[0] if scales.shape[0] else 0
+    packed: Any = qweight.view(torch.uint32) if bits == 4 and qweight.dtype == torch.int32 else qweight
+    return QuantizedWeight(qweight=packed, scales=scales, zeros=zeros, bits=bits, group_size=group_size,
+                           shape=(k, n), g_idx=g_idx)
