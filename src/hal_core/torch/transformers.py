@@ -1,0 +1,281 @@
+"""A transformers attention backend, ``attn_implementation="hal"``, over a hal paged KV cache.
+
+Importing this module registers, through transformers' public interfaces:
+
+- ``AttentionInterface.register("hal", hal_attention_forward)``: the attention function;
+- ``AttentionMaskInterface.register("hal", hal_attention_mask)``: the mask it wants
+  (the 2D padding mask as given, like FlashAttention's: causality is the paged
+  kernel's, so no 4D mask is ever built).
+
+A model generates through hal when it uses the backend *and* a
+:class:`HalPagedCache`::
+
+    import hal_core.torch.transformers as hal_hf
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="hal")
+    cache = hal_hf.HalPagedCache(model.config, num_blocks=64, block_size=16, dtype=model.dtype)
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, do_sample=False)
+
+Each layer's ``past_key_values.update`` (called by the model right before its
+attention) hands the layer's new keys and values to the attention function
+through a per-thread forward context; the attention function writes them into
+the layer's hal cache with ``hal::write_kv_cache`` (pad tokens skipped) and
+attends with ``hal::paged_attention``, one query row per real new token
+(prefill runs causally through the decode kernel). The step's slot mapping,
+block tables and lengths come from :class:`hal_core.kvcache.PagedKVCache`,
+planned once per forward and shared by every layer.
+
+What falls back: without a :class:`HalPagedCache` (a ``DynamicCache``, or no
+cache) the ``"hal"`` attention runs torch's scaled-dot-product attention on the
+keys and values transformers passes (logged once; ``HAL_STRICT=1`` raises
+instead). Sliding-window layers, attention sinks, transformers' continuous
+batching (``generate_batch``, whose cache transformers owns in its own layout),
+beam search and cache cropping raise a clear error.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface, Cache
+from transformers.cache_utils import CacheLayerMixin
+
+from .. import _env
+from .._errors import FallbackError
+from ..kvcache import CacheConfig, PagedKVCache
+from ._convert import to_tensor
+from ._ops import paged_attention, write_kv_cache
+from ._routing import backend_for
+
+__all__ = ["ATTN_IMPLEMENTATION", "HalPagedCache", "hal_attention_forward", "hal_attention_mask", "register"]
+
+log = logging.getLogger("hal")
+
+#: The name to pass as ``attn_implementation``.
+ATTN_IMPLEMENTATION = "hal"
+
+_HAL_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+_context = threading.local()
+_warned: set[str] = set()
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """One forward's index tensors, shared by every layer."""
+
+    step: int
+    rows: torch.Tensor | None  #: flat ``b * q_len + i`` of each real new token (None: every token is real)
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+class _HalLayer(CacheLayerMixin):
+    """One layer of a :class:`HalPagedCache`: counts its tokens; the keys and values live in hal's cache."""
+
+    is_compileable = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, owner: HalPagedCache, index: int) -> None:
+        super().__init__()
+        self.owner, self.index = owner, index
+        self.length = 0  # positions seen, pads included (what transformers counts)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self.is_initialized = True
+        self.length += key_states.shape[-2]
+        self.owner._enter_layer(self.index, key_states, value_states)
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("HalPagedCache does not reorder sequences (beam search); use greedy or sampling")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("HalPagedCache cannot drop tokens (assisted decoding)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("HalPagedCache cannot repeat sequences; pass num_return_sequences=1")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("HalPagedCache cannot select sequences")
+
+
+class HalPagedCache(Cache):
+    """A transformers ``Cache`` whose keys and values live in a :class:`hal_core.kvcache.PagedKVCache`.
+
+    ``config`` is the model's config (its text config for multimodal
+    models); ``num_blocks`` blocks of ``block_size`` tokens per layer are
+    allocated on ``device`` by the hal backend that owns it, in ``dtype``
+    (the model's). Batch row ``b`` is hal sequence ``b``; left padding is
+    skipped (pads are never written, so they are never read). One cache
+    serves one ``generate`` call; :meth:`close` frees its memory.
+    """
+
+    def __init__(self, config: Any, *, num_blocks: int, block_size: int = 16,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_size = getattr(text, "head_dim", None) or text.hidden_size // heads
+        if dtype not in _HAL_DTYPES:
+            raise TypeError(f"HalPagedCache: dtype must be one of {sorted(map(str, _HAL_DTYPES))}, got {dtype}")
+        device = torch.device(device)
+        backend = backend_for(torch.empty(0, device=device))
+        index = device.index if device.index is not None else (
+            torch.cuda.current_device() if device.type == "cuda" else 0)
+        hal_config = CacheConfig(num_layers=text.num_hidden_layers, num_kv_heads=kv_heads, head_size=head_size,
+                                 block_size=block_size, dtype=_HAL_DTYPES[dtype])
+        self.paged = PagedKVCache(backend, hal_config, num_blocks=num_blocks, device=index)
+        self.key_caches = [to_tensor(a) for a in self.paged.key_caches]
+        self.value_caches = [to_tensor(a) for a in self.paged.value_caches]
+        self.device = device
+        self._batch: int | None = None
+        self._step = 0
+        self._plan: _Plan | None = None
+        super().__init__(layers=[_HalLayer(self, i) for i in range(text.num_hidden_layers)])
+
+    # -- called by the layers and the attention function -----------------------
+
+    def _enter_layer(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        if layer == 0:
+            self._step += 1
+        _context.current = (self, layer, key)
+
+    def _plan_for(self, attention_mask: torch.Tensor | None, batch: int, q_len: int) -> _Plan:
+        if self._plan is not None and self._plan.step == self._step:
+            return self._plan
+        if self._batch is None:
+            self._batch = batch
+            for b in range(batch):
+                self.paged.add(b)
+        elif batch != self._batch:
+            raise ValueError(f"HalPagedCache holds {self._batch} sequences, but this forward has batch {batch}; "
+                             f"use a new cache per generate call")
+        if attention_mask is None:
+            real = np.ones((batch, q_len), dtype=bool)
+        else:
+            real = attention_mask[:, -q_len:].to("cpu", torch.bool).numpy()
+        counts = real.sum(axis=1)
+        for b in range(batch):  # pads may only precede a sequence's first token (left padding)
+            expected = np.arange(q_len) >= q_len - counts[b]
+            held = self.paged.blocks.length(b)
+            if not np.array_equal(real[b], expected) or (held and counts[b] != q_len):
+                raise ValueError(f"HalPagedCache supports left padding only: row {b} of the attention mask has a "
+                                 f"pad after a real token")
+        new_tokens: dict[Hashable, int] = {b: int(counts[b]) for b in range(batch)}
+        step = self.paged.prepare_step(new_tokens)
+        rows = None
+        if not real.all():
+            rows = torch.from_numpy(np.flatnonzero(real.reshape(-1))).to(self.device)
+        self._plan = _Plan(self._step, rows, to_tensor(step.slot_mapping), to_tensor(step.block_tables),
+                           to_tensor(step.seq_lens))
+        return self._plan
+
+    # -- lifetime ----------------------------------------------------------------
+
+    def close(self) -> None:
+        """Give the hal cache's memory back; the cache is unusable afterwards."""
+        self.key_caches, self.value_caches = [], []
+        self.paged.close()
+
+    def reset(self) -> None:
+        raise NotImplementedError("HalPagedCache serves one generate call; make a new one")
+
+
+def hal_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                       mask_function: Any = None, attention_mask: torch.Tensor | None = None,
+                       **kwargs: Any) -> torch.Tensor | None:
+    """The mask ``"hal"`` attention reads: the 2D padding mask ``[batch, kv_length]`` (None when there is none)."""
+    if attention_mask is None:
+        return None
+    return attention_mask[:, -kv_length:]
+
+
+def hal_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                          **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: ``query [B, H, Q, D]``, ``key``/``value [B, KVH, Q, D]``.
+
+    Returns ``(attn_output [B, Q, H, D], None)`` (no attention weights).
+    """
+    if kwargs.get("cache") is not None:
+        raise ValueError("attn_implementation='hal' does not run transformers' continuous batching "
+                         "(generate_batch): its paged cache has transformers' own layout; use generate() with "
+                         "past_key_values=HalPagedCache(...)")
+    if kwargs.get("sliding_window") is not None or hasattr(module, "sinks"):
+        raise ValueError("attn_implementation='hal' implements full causal attention only "
+                         "(no sliding window, no attention sinks)")
+    if dropout and module.training:
+        raise ValueError("attn_implementation='hal' is for inference: dropout is not supported")
+    batch, heads, q_len, head_size = query.shape
+    scale = float(scaling) if scaling is not None else head_size ** -0.5
+    current = getattr(_context, "current", None)
+    if current is None or current[2] is not key:
+        return _torch_attention(query, key, value, attention_mask, scale)
+    cache, layer, _ = current
+    _context.current = None
+    plan = cache._plan_for(attention_mask, batch, q_len)
+    kv_heads = key.shape[1]
+    q = query.transpose(1, 2).reshape(batch * q_len, heads, head_size)
+    k = key.transpose(1, 2).reshape(batch * q_len, kv_heads, head_size)
+    v = value.transpose(1, 2).reshape(batch * q_len, kv_heads, head_size)
+    if plan.rows is not None:
+        q, k, v = (t.index_select(0, plan.rows) for t in (q, k, v))
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    key_cache, value_cache = cache.key_caches[layer], cache.value_caches[layer]
+    write_kv_cache(k, v, key_cache, value_cache, plan.slot_mapping)
+    out = paged_attention(q, key_cache, value_cache, plan.block_tables, plan.seq_lens, scale)
+    if plan.rows is not None:  # pad rows get zeros (transformers never reads them)
+        out = query.new_zeros(batch * q_len, heads, head_size).index_copy_(0, plan.rows, out)
+    return out.view(batch, q_len, heads, head_size), None
+
+
+def _torch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, None]:
+    """The fallback without a HalPagedCache: causal SDPA over what transformers passed (nothing through hal)."""
+    reason = "no HalPagedCache in use (pass past_key_values=HalPagedCache(...)); attention runs in torch SDPA"
+    if _env.strict():
+        raise FallbackError(f"attn_implementation='hal': {reason}; unset HAL_STRICT to allow it")
+    if reason not in _warned:
+        _warned.add(reason)
+        log.warning("hal: %s", reason)
+    q_len, kv_len = query.shape[2], key.shape[2]
+    positions = torch.arange(kv_len, device=query.device)
+    mask = positions[None, :] <= (positions[kv_len - q_len:, None])  # [Q, KV] causal, queries are the last Q
+    mask = mask[None, None]
+    if attention_mask is not None:
+        mask = mask & attention_mask[:, None, None, -kv_len:].to(torch.bool)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                                           enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register ``"hal"`` with transformers' AttentionInterface and AttentionMaskInterface (idempotent)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, hal_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, hal_attention_mask)
+
+
+register()
