@@ -67,18 +67,20 @@ def test_greedy_generation_matches_eager(family: str) -> None:
     cache.close()
 
 
-def test_bf16_prefill_logits_within_tolerance() -> None:
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_half_precision_prefill_logits_within_tolerance(dtype: str) -> None:
     seed = 8
     print(f"seed={seed}")
-    model = _model("llama", seed).to(torch.bfloat16)
+    tdtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    model = _model("llama", seed).to(tdtype)
     ids, mask = _prompts(seed)
     with torch.no_grad():
         expected = model(ids, attention_mask=mask).logits
         model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
-        cache = hal_hf.HalPagedCache(model.config, num_blocks=8, block_size=8, dtype=torch.bfloat16)
+        cache = hal_hf.HalPagedCache(model.config, num_blocks=8, block_size=8, dtype=tdtype)
         got = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
     real = mask.bool()
-    atol, rtol = tolerance("attention", "bf16")
+    atol, rtol = tolerance("attention", dtype)
     scale = expected[real].abs().max().item()
     torch.testing.assert_close(got[real].float(), expected[real].float(), atol=atol * scale, rtol=rtol)
     assert not torch.equal(got[real], torch.zeros_like(got[real]))
@@ -116,3 +118,14 @@ def test_unsupported_uses_are_refused_by_name() -> None:
         hal_hf.hal_attention_forward(model, q, q, q, None, sliding_window=4)
     with pytest.raises(NotImplementedError, match="beam search"):
         cache.reorder_cache(torch.tensor([0]))
+    with pytest.raises(ValueError, match="2D padding mask"), torch.no_grad():
+        model(ids, attention_mask=torch.ones(3, 1, 9, 9, dtype=torch.bool),
+              past_key_values=hal_hf.HalPagedCache(model.config, num_blocks=8, block_size=8), use_cache=True)
+
+
+def test_a_hal_cache_under_another_attention_implementation_is_refused() -> None:
+    model = _model("llama", 12)  # eager attention would see only the new tokens
+    ids, mask = _prompts(12)
+    cache = hal_hf.HalPagedCache(model.config, num_blocks=8, block_size=8)
+    with pytest.raises(RuntimeError, match="attn_implementation='hal'"), torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)

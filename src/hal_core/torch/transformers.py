@@ -159,6 +159,14 @@ class HalPagedCache(Cache):
     # -- called by the layers and the attention function -----------------------
 
     def _enter_layer(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        previous = getattr(_context, "current", None)
+        if previous is not None and previous[0] is self:  # the last layer's keys never reached hal
+            _context.current = None
+            raise RuntimeError(
+                f"HalPagedCache: layer {previous[1]}'s keys and values were not consumed by the 'hal' attention "
+                f"function; load the model with attn_implementation='hal' (another attention implementation "
+                f"would see only the new tokens)"
+            )
         if layer == 0:
             self._step += 1
         _context.current = (self, layer, key)
@@ -175,6 +183,9 @@ class HalPagedCache(Cache):
                              f"use a new cache per generate call")
         if attention_mask is None:
             real = np.ones((batch, q_len), dtype=bool)
+        elif attention_mask.ndim != 2:
+            raise ValueError(f"attn_implementation='hal' takes the 2D padding mask [batch, length], got a mask of "
+                             f"shape {tuple(attention_mask.shape)}")
         else:
             real = attention_mask[:, -q_len:].to("cpu", torch.bool).numpy()
         counts = real.sum(axis=1)
