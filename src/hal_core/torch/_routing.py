@@ -49,7 +49,7 @@ def on_torch_stream(backend: Backend, tensor: torch.Tensor) -> Iterator[None]:
     Inside a CUDA graph capture the host index checks (``HAL_CHECK_INDICES``)
     would copy device memory to the host, which a capture forbids; such a
     call raises :class:`ArgumentError` before any work, asking for
-    ``HAL_CHECK_INDICES=0`` (the device kernels check indices themselves).
+    ``HAL_CHECK_INDICES=0``.
     """
     if tensor.device.type != "cuda":
         yield
@@ -58,7 +58,7 @@ def on_torch_stream(backend: Backend, tensor: torch.Tensor) -> Iterator[None]:
         raise ArgumentError(
             "hal op called inside a CUDA graph capture with HAL_CHECK_INDICES on: the host checks of block "
             "tables, lengths and slots read device memory, which a capture forbids; set HAL_CHECK_INDICES=0 "
-            "while capturing (device kernels check indices and report through hal_core.check_errors)"
+            "while capturing (and check the index arrays before capturing)"
         )
     index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
     device = backend.device(index)

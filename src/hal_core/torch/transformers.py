@@ -92,9 +92,9 @@ class _HalLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self.owner._enter_layer(self.index, key_states, value_states)
         self.is_initialized = True
         self.length += key_states.shape[-2]
-        self.owner._enter_layer(self.index, key_states, value_states)
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
