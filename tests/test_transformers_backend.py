@@ -111,6 +111,7 @@ def test_unsupported_uses_are_refused_by_name() -> None:
     cache = hal_hf.HalPagedCache(model.config, num_blocks=8, block_size=8)
     with pytest.raises(ValueError, match="left padding"), torch.no_grad():
         model(ids, attention_mask=right_padded, past_key_values=cache, use_cache=True)
+    assert cache.paged.usage().sequences == 0 and cache.paged.usage().used_blocks == 0  # refused before any work
     q = torch.zeros(1, 4, 1, 16)
     with pytest.raises(ValueError, match="continuous batching"):
         hal_hf.hal_attention_forward(model, q, q, q, None, cache=object())

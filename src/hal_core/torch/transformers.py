@@ -174,11 +174,7 @@ class HalPagedCache(Cache):
     def _plan_for(self, attention_mask: torch.Tensor | None, batch: int, q_len: int) -> _Plan:
         if self._plan is not None and self._plan.step == self._step:
             return self._plan
-        if self._batch is None:
-            self._batch = batch
-            for b in range(batch):
-                self.paged.add(b)
-        elif batch != self._batch:
+        if self._batch is not None and batch != self._batch:
             raise ValueError(f"HalPagedCache holds {self._batch} sequences, but this forward has batch {batch}; "
                              f"use a new cache per generate call")
         if attention_mask is None:
@@ -191,10 +187,14 @@ class HalPagedCache(Cache):
         counts = real.sum(axis=1)
         for b in range(batch):  # pads may only precede a sequence's first token (left padding)
             expected = np.arange(q_len) >= q_len - counts[b]
-            held = self.paged.blocks.length(b)
+            held = self.paged.blocks.length(b) if self._batch is not None else 0
             if not np.array_equal(real[b], expected) or (held and counts[b] != q_len):
                 raise ValueError(f"HalPagedCache supports left padding only: row {b} of the attention mask has a "
                                  f"pad after a real token")
+        if self._batch is None:  # the first forward: one hal sequence per batch row
+            for b in range(batch):
+                self.paged.add(b)
+            self._batch = batch
         new_tokens: dict[Hashable, int] = {b: int(counts[b]) for b in range(batch)}
         step = self.paged.prepare_step(new_tokens)
         rows = None
