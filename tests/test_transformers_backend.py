@@ -54,6 +54,9 @@ def test_greedy_generation_matches_eager(family: str) -> None:
 
     model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
     cache = hal_hf.HalPagedCache(model.config, num_blocks=16, block_size=8, dtype=torch.float32)
+    for layer in range(model.config.num_hidden_layers):  # the tensors the ops write are hal's cache memory
+        assert cache.key_caches[layer].data_ptr() == cache.paged.key_caches[layer].ctypes.data
+        assert cache.value_caches[layer].data_ptr() == cache.paged.value_caches[layer].ctypes.data
     got = _generate(model, ids, mask, past_key_values=cache)
 
     assert torch.equal(got.sequences, expected.sequences), (got.sequences, expected.sequences)
