@@ -92,10 +92,12 @@ def tune(
 ) -> TuneReport:
     """Time the candidates of ``cases`` on ``backend``'s device 0 and persist the winners per bucket.
 
-    For each case: every implementation that supports it (when more than
-    one does), then every knob of each of those with more than one
-    candidate, the others at their rule values. Medians of cases in one
-    bucket are summed per candidate; the smallest sum wins.
+    For each case: first every knob (with more than one candidate) of each
+    implementation that supports the case, one knob after the other (the
+    ones already measured at their best value, the rest at their rule);
+    then, when more than one implementation supports it, each of them with
+    its best knob values. Medians of the cases of one bucket are summed per
+    candidate; the smallest sum wins. ``clock`` may be replaced (tests).
     """
     from ..bench._timing import TimingPolicy, measure
 
@@ -122,20 +124,27 @@ def tune(
         def timed(fn: Callable[[Any], Any], call: Any = call) -> float:
             return measure(lambda _: fn(call), policy, sync=sync, clock=clock).median * 1e3
 
-        if len(runnable) > 1:
-            slot = (case.op, where, "impl", "implementation")
-            builtin.setdefault(slot, runnable[0].name)
-            for impl in runnable:
-                totals.setdefault(slot, {}).setdefault(impl.name, []).append(timed(impl.fn))
-        for impl in runnable:
+        best_knobs: dict[str, dict[str, Any]] = {}
+        for impl in runnable:  # knobs first, each with the ones before it at their best values
+            chosen: dict[str, Any] = {}
             for knob in impl.knobs:
                 if len(knob.candidates) < 2:
                     continue
                 slot = (case.op, where, "knob", knob.name)
                 builtin.setdefault(slot, knob.rule(call))
+                medians = {}
                 for value in knob.candidates:
-                    with override({knob.name: value}):
-                        totals.setdefault(slot, {}).setdefault(value, []).append(timed(impl.fn))
+                    with override({**chosen, knob.name: value}):
+                        medians[value] = timed(impl.fn)
+                    totals.setdefault(slot, {}).setdefault(value, []).append(medians[value])
+                chosen[knob.name] = min(medians, key=medians.__getitem__)
+            best_knobs[impl.name] = chosen
+        if len(runnable) > 1:  # then the implementations, each with its best knob values for this case
+            slot = (case.op, where, "impl", "implementation")
+            builtin.setdefault(slot, runnable[0].name)
+            for impl in runnable:
+                with override(best_knobs[impl.name]):
+                    totals.setdefault(slot, {}).setdefault(impl.name, []).append(timed(impl.fn))
     for slot, per_candidate in totals.items():
         runs = max(len(v) for v in per_candidate.values())
         complete = {c: sum(v) for c, v in per_candidate.items() if len(v) == runs}
