@@ -238,3 +238,15 @@ def test_timing_stops_at_the_time_cap_with_a_fake_clock() -> None:
     assert samples.seconds == pytest.approx((0.4, 0.4, 0.4))
     assert calls == [0, 1, 2, 3, 4]
     assert samples.as_dict() == pytest.approx({"median_ms": 400.0, "min_ms": 400.0, "max_ms": 400.0, "samples": 3})
+
+
+def test_a_very_slow_call_is_timed_fewer_times() -> None:
+    """Once min_repeat * max_seconds have passed, measure() stops even below min_repeat samples."""
+    now = [0.0]
+
+    def fn(i: int) -> None:
+        now[0] += 2.0
+
+    samples = bench.measure(fn, bench.TimingPolicy(repeat=10, warmup=1, min_repeat=3, max_seconds=1.0),
+                            clock=lambda: now[0])
+    assert samples.seconds == pytest.approx((2.0, 2.0))

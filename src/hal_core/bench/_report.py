@@ -53,6 +53,7 @@ def format_table(report: dict[str, Any]) -> str:
             note = f"  hal {speed:.2f}x the peer's speed" if speed is not None else ""
             lines.append(_row(name, peer) + note)
     lines.append("")
+    lines.append(f"{len(report['cases'])} case(s) in {report['seconds']:.0f} s")
     lines.append("xcopy: effective bandwidth / copy bandwidth; xBLAS: FLOP/s / BLAS rate; "
                  "hal Nx the peer's speed: peer time / hal time (docs/benchmarks.md)")
     return "\n".join(lines)
@@ -94,24 +95,28 @@ def plot_report(report: dict[str, Any], path: str | os.PathLike[str]) -> Path:
         hal = case.get("hal", {})
         if "ratio_copy" not in hal:
             continue
-        kind = case["label"].split(" ")[0] + (f" {case['params'].get('dtype')}" if case["op"] != "quantized_gemm"
-                                              else "")
-        ratio = hal["ratio_blas"] if case["op"] == "quantized_gemm" and case["params"]["m"] >= 64 else hal["ratio_copy"]
+        params = case["params"]
+        if case["op"] == "quantized_gemm":
+            large_m = params["m"] >= 64
+            kind = f"{case['label'].split(' ')[0]} M{'>=64 (xBLAS)' if large_m else '<64'}"
+            ratio = hal["ratio_blas"] if large_m else hal["ratio_copy"]
+        else:
+            kind, ratio = f"{case['op']} {params['dtype']}", hal["ratio_copy"]
         series.setdefault(kind, []).append((case["bytes"], ratio))
         for peer in case.get("peers", ()):
             if peer.get("hal_speedup"):
                 peers.setdefault(peer["name"], []).append((case["bytes"], peer["hal_speedup"]))
-    for axis, data, title in ((left, series, "ratio to the machine limit (copy BW; BLAS for GEMM M>=64)"),
-                              (right, peers, "hal speed / peer speed (same run)")):
+    for axis, data, title in ((left, series, "effective bandwidth / copy bandwidth (GEMM M>=64: FLOP/s / BLAS)"),
+                              (right, peers, "hal speed / peer speed (same run; > 1: hal faster)")):
         for name, points in sorted(data.items()):
-            points.sort()
-            axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+            axis.scatter([p[0] for p in points], [p[1] for p in points], label=name, s=28)
         axis.set_xscale("log")
         axis.set_xlabel("bytes an ideal implementation moves")
         axis.axhline(1.0, color="grey", linewidth=0.8)
         axis.set_title(title, fontsize=10)
         if data:
             axis.legend(fontsize=7)
+    right.set_yscale("log")
     backend = report["backend"]
     fig.suptitle(f"hal bench, {backend['name']} ({backend['device']['name']}), {report['date']}", fontsize=11)
     fig.tight_layout()

@@ -114,6 +114,7 @@ def _limits(backend: Any, settings: BenchSettings, sync: Callable[[], None], llc
 def _run_case(backend: Any, case: Case, settings: BenchSettings, limits: dict[str, Any], sync: Callable[[], None],
               host: bool, rng: np.random.Generator, step: Callable[[str], None]) -> dict[str, Any]:
     spec = OPS[case.op]
+    started = time.monotonic()
     first = build_inputs(case, rng)
     nbytes, flops = spec.nbytes(first), spec.flops(first)
     count = rotation(case, nbytes, limits["llc_bytes"], settings.cached_weights)
@@ -146,6 +147,7 @@ def _run_case(backend: Any, case: Case, settings: BenchSettings, limits: dict[st
         runner = None
         gc.collect()
     result["peers"] = peers
+    result["seconds"] = round(time.monotonic() - started, 3)
     return result
 
 

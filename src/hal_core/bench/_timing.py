@@ -16,7 +16,9 @@ class TimingPolicy:
 
     ``warmup`` untimed runs, then timed runs until ``repeat`` samples, or
     until ``max_seconds`` of timed runs have passed once ``min_repeat``
-    samples exist (so slow cases stay bounded).
+    samples exist, or until ``min_repeat * max_seconds`` have passed
+    whatever the count (so a call of several seconds is timed once or
+    twice, and slow cases stay bounded).
     """
 
     repeat: int = 10
@@ -80,6 +82,7 @@ def measure(
         calls += 1
         samples.append(elapsed)
         spent += elapsed
-        if len(samples) >= policy.min_repeat and spent >= policy.max_seconds:
+        if spent >= policy.max_seconds and (len(samples) >= policy.min_repeat
+                                             or spent >= policy.min_repeat * policy.max_seconds):
             break
     return Samples(tuple(samples))
