@@ -42,7 +42,6 @@ def machine_info() -> dict[str, Any]:
         "machine": platform.machine(),
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "hostname": platform.node(),
     }
 
 
