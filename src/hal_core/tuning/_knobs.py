@@ -6,6 +6,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
+from ._lookup import knob_value
+
 __all__ = ["Knob"]
 
 
@@ -40,6 +42,4 @@ class Knob:
 
     def value(self, call: Any) -> Hashable:
         """The value for ``call``: an override (while tuning), the persisted winner, else ``rule(call)``."""
-        from ._lookup import knob_value
-
         return knob_value(call, self)
