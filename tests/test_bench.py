@@ -250,3 +250,112 @@ def test_a_very_slow_call_is_timed_fewer_times() -> None:
     samples = bench.measure(fn, bench.TimingPolicy(repeat=10, warmup=1, min_repeat=3, max_seconds=1.0),
                             clock=lambda: now[0])
     assert samples.seconds == pytest.approx((2.0, 2.0))
+
+
+def test_unknown_backend_is_an_error_naming_the_flag(capsys) -> None:
+    assert main(["bench", "--quick", "--backend", "no-such-backend", "--op", "write_kv_cache"]) == 2
+    assert "hal bench: error: argument --backend:" in capsys.readouterr().err
+
+
+def test_the_progress_bar_counts_every_step(cpu) -> None:
+    """One step for the limits, one per case and one per peer; the bar ends full."""
+    import io
+
+    stream = io.StringIO()
+    cases = _cases()
+    total = bench.planned_steps(cases, True, ())
+    bar = bench.Progress(total, stream=stream)
+    settings = bench.BenchSettings(policy=QUICK.policy, quick=True, copy_bytes=1 << 20, blas_n=64, peers=())
+    bench.run_bench(cases, cpu, settings, progress=bar)
+    lines = stream.getvalue().splitlines()
+    assert total == 1 + len(cases) and len(lines) == total
+    assert lines[-1].startswith("[" + "#" * 24 + f"] {total}/{total}")
+
+
+class _FakeDeviceArray:
+    """Stands for a device array: its module, not numpy, is the backend's array library."""
+
+    __module__ = "fake_device_xp"
+
+
+def test_device_backends_measure_limits_and_peers_through_their_array_library(monkeypatch) -> None:
+    """A non-numpy array library: copy via its copyto, fp32 and fp16 matmul (ratios use fp16), its matmul peer."""
+    import types
+
+    calls: list[str] = []
+
+    def traced(name, fn):
+        def run(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return run
+
+    xp = types.ModuleType("fake_device_xp")
+    for name in ("ones", "empty_like", "copyto", "asarray", "empty", "matmul"):
+        setattr(xp, name, traced(name, getattr(np, name)))
+    xp.float32 = np.float32
+    monkeypatch.setitem(sys.modules, "fake_device_xp", xp)
+
+    class Device:
+        capabilities = hal_core.DeviceCapabilities(
+            vendor="test", name="fake gpu", arch="fake", compute_units=4, simd_width=32, max_threads_per_block=1024,
+            max_threads_per_cu=2048, max_block_dims=(1024, 1024, 64), max_grid_dims=(2**31 - 1, 65535, 65535),
+            shared_mem_per_block=49152, shared_mem_per_block_optin=0, shared_mem_per_cu=65536,
+            registers_per_block=65536, registers_per_cu=65536, l2_bytes=4 << 20, memory_total=2**30,
+            dtypes=frozenset({"fp32", "fp16"}))
+
+        def synchronize(self) -> None:
+            calls.append("synchronize")
+
+    class Backend:
+        name = "fakegpu"
+
+        def asarray(self, array, device=None):
+            return _FakeDeviceArray()
+
+    backend = Backend()
+    assert bench.array_module(backend) is xp
+    assert bench.last_level_cache_bytes(Device.capabilities) == 4 << 20
+    from hal_core.bench import _runner
+
+    limits = _runner._limits(backend, QUICK, Device().synchronize, 4 << 20, host=False)
+    assert limits["copy"]["method"] == "fake_device_xp.copyto on the device"
+    assert limits["blas"]["dtype"] == "fp16" and limits["blas_fp32"]["dtype"] == "fp32"
+    assert {"copyto", "matmul", "synchronize"} <= set(calls)
+    case = bench.parse_shape("quantized_gemm", "M=2,K=128,N=32,group=32")
+    names = [p.name for p in bench.peers_for(case, host=False)]
+    assert names == ["device matmul fp16 (unquantised w)", "device matmul bf16 (unquantised w)"]
+    inputs = [_inputs.build_inputs(case, np.random.default_rng(5))]
+    runner = bench.peers_for(case, host=False)[0].build(inputs, xp)
+    result = runner(0)
+    from hal_core.bench._peers import dequantize_float32
+
+    expected = inputs[0]["x"].astype(np.float16) @ dequantize_float32(inputs[0]["qweight"]).astype(np.float16)
+    np.testing.assert_array_equal(result, expected)
+
+
+def test_the_float32_dequantisation_of_the_blas_peer_matches_the_reference() -> None:
+    """The peer's weight equals QuantizedWeight.dequantize (float64) rounded to float32, zeros or not."""
+    from hal_core.bench._peers import dequantize_float32
+    from hal_core.quant import quantize
+
+    rng = np.random.default_rng(11)
+    print("seed 11")
+    for bits in (4, 8):
+        for symmetric in (True, False):
+            qw = quantize(rng.standard_normal((128, 24)), bits=bits, group_size=32, symmetric=symmetric)
+            np.testing.assert_allclose(dequantize_float32(qw), qw.dequantize(np.float64), rtol=1e-6, atol=1e-7)
+
+
+def test_import_hal_core_and_an_op_call_import_no_bench_and_no_torch() -> None:
+    """The bench library and torch stay out of an engine's process until hal bench is asked for."""
+    import subprocess
+
+    code = ("import sys, numpy as np, hal_core\n"
+            "be = hal_core.get_backend('cpu')\n"
+            "k = np.ones((4, 2, 8), np.float32); kc = np.zeros((4, 2, 4, 8), np.float32)\n"
+            "be.ops.write_kv_cache(k, k, kc, kc.copy(), np.arange(4))\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('hal_core.bench', 'torch', 'matplotlib'))))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -14,13 +14,13 @@ from ._limits import array_module, last_level_cache_bytes, measure_blas, measure
 from ._peers import PEERS, Peer, PeerUnavailable, peers_for
 from ._progress import Progress
 from ._report import format_table, plot_report, write_report
-from ._runner import SCHEMA, BenchSettings, rotation, run_bench
+from ._runner import SCHEMA, BenchSettings, planned_steps, rotation, run_bench
 from ._timing import Samples, TimingPolicy, measure
 
 __all__ = [
     "PARAMS", "PEERS", "PRESETS", "SCHEMA",
     "BenchArgumentError", "BenchSettings", "Case", "Peer", "PeerUnavailable", "Progress", "Samples", "TimingPolicy",
     "array_module", "format_table", "last_level_cache_bytes", "make_case", "measure", "measure_blas",
-    "measure_copy", "parse_shape", "peers_for", "plot_report", "preset_cases", "rotation", "run_bench",
+    "measure_copy", "parse_shape", "peers_for", "planned_steps", "plot_report", "preset_cases", "rotation", "run_bench",
     "write_report",
 ]

@@ -20,7 +20,7 @@ from ._peers import PeerUnavailable, peers_for
 from ._progress import Progress
 from ._timing import Samples, TimingPolicy, measure
 
-__all__ = ["SCHEMA", "BenchSettings", "run_bench"]
+__all__ = ["SCHEMA", "BenchSettings", "planned_steps", "rotation", "run_bench"]
 
 #: The ``schema`` field of every report (docs/benchmarks.md describes its keys).
 SCHEMA = "hal-bench/1"
@@ -151,6 +151,12 @@ def _run_case(backend: Any, case: Case, settings: BenchSettings, limits: dict[st
     return result
 
 
+def planned_steps(cases: Sequence[Case], host: bool, peers: Sequence[str] | None) -> int:
+    """Progress steps of a run: the limits, then each case and each of its peers."""
+    wanted = None if peers is None else list(peers)
+    return 1 + sum(1 + (0 if wanted == [] else len(peers_for(c, host, wanted))) for c in cases)
+
+
 def run_bench(
     cases: Sequence[Case],
     backend: Any,
@@ -166,10 +172,7 @@ def run_bench(
     caps = device.capabilities
     host = array_module(backend) is np
     llc = last_level_cache_bytes(caps)
-    host_only = host
-    steps = 1 + sum(1 + (0 if settings.peers == () else len(peers_for(c, host_only, settings.peers)))
-                    for c in cases)
-    bar = progress or Progress(steps, enabled=False)
+    bar = progress or Progress(planned_steps(cases, host, settings.peers), enabled=False)
     started = time.monotonic()
     bar.step("machine limits (copy bandwidth, BLAS)")
     limits = _limits(backend, settings, sync, llc, host)

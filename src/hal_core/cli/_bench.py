@@ -60,8 +60,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     settings = bench.BenchSettings(policy=policy, quick=args.quick, cached_weights=args.cached_weights,
                                    peers=peers, budget_s=args.budget, seed=args.seed)
     host = bench.array_module(backend).__name__ == "numpy"
-    steps = 1 + sum(1 + (0 if peers == () else len(bench.peers_for(c, host, peers))) for c in cases)
-    progress = bench.Progress(steps, enabled=not args.quiet)
+    progress = bench.Progress(bench.planned_steps(cases, host, peers), enabled=not args.quiet)
     argv = ["hal", *getattr(args, "argv", sys.argv[1:])]
     report = bench.run_bench(cases, backend, settings, progress=progress, argv=argv)
     print(bench.format_table(report))
