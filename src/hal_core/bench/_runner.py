@@ -36,7 +36,9 @@ class BenchSettings:
     ``peers``: None for every peer that applies, ``()`` for none, or names
     (substrings, case-insensitive). ``cached_weights``: time one input set
     over and over instead of rotating distinct ones. ``budget_s``: cases
-    not started within it are reported as skipped.
+    not started within it are reported as skipped. ``copy_bytes`` and
+    ``blas_n`` override the sizes of the limit measurements (defaults in
+    docs/benchmarks.md).
     """
 
     policy: TimingPolicy = field(default_factory=TimingPolicy)
@@ -78,16 +80,9 @@ def _metrics(samples: Samples, nbytes: int, flops: int, limits: dict[str, Any]) 
 
 
 def _hal_runner(backend: Any, case: Case, sets: list[dict[str, Any]]) -> Callable[[int], object]:
+    """``be.ops.<op>(**sets[i % len(sets)])``: the front door included, as users call it."""
     op = getattr(backend.ops, case.op)
-    prepared = []
-    for args in sets:
-        kwargs = dict(args)
-        prepared.append(kwargs)
-
-    def run(i: int) -> object:
-        return op(**prepared[i % len(prepared)])
-
-    return run
+    return lambda i: op(**sets[i % len(sets)])
 
 
 def _limits(backend: Any, settings: BenchSettings, sync: Callable[[], None], llc: int,
