@@ -318,3 +318,29 @@ def test_cli_tune_on_a_backend_with_nothing_tunable(make_plugin, capsys) -> None
     assert main(["tune", "--backend", "plain", "--quick", "-q"]) == 0
     assert "nothing to tune" in capsys.readouterr().out
     assert tuning.list_tables() == []
+
+
+def test_a_backend_that_is_neither_hashable_nor_weakly_referable_still_gets_its_table(store: Path) -> None:
+    """The loaded tables are keyed by identity: __eq__ without __hash__, or __slots__, are fine."""
+    from halfakes import FAKE_CAPS
+
+    class Device:
+        capabilities = FAKE_CAPS
+
+    class Odd:
+        __slots__ = ()
+        name = "odd"
+
+        def __eq__(self, other: object) -> bool:
+            return True
+
+        def device(self, index: int = 0) -> Device:
+            return Device()
+
+    backend = Odd()
+    key = tuning.key_for(backend)
+    tuning.save_table(tuning.TuneTable(key=key, choices={"quantized_gemm": {"w4:m1": "x"}}))
+    table = tuning.table_for(backend)
+    assert table is not None and table.choices == {"quantized_gemm": {"w4:m1": "x"}}
+    assert tuning.table_for(backend) is table  # from memory the second time
+    assert tuning.source(backend, "quantized_gemm") == {"tuned": True, "choices": 1, "knobs": {}}

@@ -14,7 +14,7 @@ import contextvars
 import os
 import threading
 import weakref
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._buckets import bucket
@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 __all__ = ["forget", "knob_value", "ordered", "override", "table_for"]
 
 _MISSING = object()
-_tables: weakref.WeakKeyDictionary[Any, dict[int, TuneTable | None]] = weakref.WeakKeyDictionary()
+#: id(backend) -> (a reference to the backend, {device index: table}); by id, since a backend need not be hashable.
+_tables: dict[int, tuple[Callable[[], Any], dict[int, TuneTable | None]]] = {}
 _lock = threading.Lock()
 _overrides: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar("hal_tune_overrides",
                                                                                     default=None)
@@ -47,17 +48,30 @@ def key_for(backend: Any, device_index: int = 0) -> dict[str, Any]:
 
 def table_for(backend: Any, device_index: int = 0) -> TuneTable | None:
     """The tune table that applies to ``backend``'s device (loaded once, then from memory)."""
-    per_device = _tables.get(backend)
-    if per_device is not None:
-        found = per_device.get(device_index, _MISSING)
+    entry = _tables.get(id(backend))
+    if entry is not None and entry[0]() is backend:
+        found = entry[1].get(device_index, _MISSING)
         if found is not _MISSING:
             return found  # type: ignore[return-value]
     with _lock:
         table = load_table(key_for(backend, device_index)) if enabled() else None
         if table is not None and table.is_empty():
             table = None
-        _tables.setdefault(backend, {})[device_index] = table
+        entry = _tables.get(id(backend))
+        if entry is None or entry[0]() is not backend:
+            for stale in [k for k, (ref, _) in _tables.items() if ref() is None]:
+                del _tables[stale]
+            entry = (_reference(backend), {})
+            _tables[id(backend)] = entry
+        entry[1][device_index] = table
     return table
+
+
+def _reference(backend: Any) -> Callable[[], Any]:
+    try:
+        return weakref.ref(backend)
+    except TypeError:  # a backend with __slots__ and no __weakref__: keep it alive instead
+        return lambda: backend
 
 
 def forget() -> None:
