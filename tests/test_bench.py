@@ -82,6 +82,10 @@ def test_cli_quick_run_writes_a_report_with_the_documented_schema(cpu, tmp_path:
     assert report["versions"]["hal-core"] == hal_core.__version__ and "numpy" in report["versions"]
     assert report["settings"]["repeat"] == 3 and report["settings"]["quick"] is True
     limits = report["limits"]
+    for name, rate in (("copy", "gbps"), ("blas", "gflops")):  # the better of before and after
+        measured = [limits["measured"][when][name][rate] for when in ("before", "after")]
+        assert limits[name][rate] == max(measured)
+        assert limits["measured"][limits[name]["when"]][name][rate] == limits[name][rate]
     assert limits["copy"]["gbps"] == pytest.approx(2 * limits["copy"]["bytes"] / (limits["copy"]["median_ms"] / 1e3)
                                                    / 1e9, rel=1e-9)
     n = limits["blas"]["n"]
@@ -268,7 +272,7 @@ def test_the_progress_bar_counts_every_step(cpu) -> None:
     settings = bench.BenchSettings(policy=QUICK.policy, quick=True, copy_bytes=1 << 20, blas_n=64, peers=())
     bench.run_bench(cases, cpu, settings, progress=bar)
     lines = stream.getvalue().splitlines()
-    assert total == 1 + len(cases) and len(lines) == total
+    assert total == 2 + len(cases) and len(lines) == total
     assert lines[-1].startswith("[" + "#" * 24 + f"] {total}/{total}")
 
 

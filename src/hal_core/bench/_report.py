@@ -25,7 +25,7 @@ def _limits_line(limits: dict[str, Any]) -> str:
                  else f"copy: {copy.get('error', 'not measured')}")
     parts.append(f"BLAS {blas['gflops']:.0f} GFLOP/s ({blas['method']})" if "gflops" in blas
                  else f"BLAS: {blas.get('error', 'not measured')}")
-    return "limits: " + "; ".join(parts)
+    return "limits (the better of before and after the cases): " + "; ".join(parts)
 
 
 def format_table(report: dict[str, Any]) -> str:

@@ -68,15 +68,32 @@ def rotation(case: Case, nbytes: int, llc_bytes: int, cached: bool) -> int:
     return max(count, 1)
 
 
-def _metrics(samples: Samples, nbytes: int, flops: int, limits: dict[str, Any]) -> dict[str, Any]:
+def _metrics(samples: Samples, nbytes: int, flops: int) -> dict[str, Any]:
     t = samples.median
-    gbps = nbytes / t / 1e9
-    gflops = flops / t / 1e9
+    return {**samples.as_dict(), "gbps": nbytes / t / 1e9, "gflops": flops / t / 1e9}
+
+
+def _add_ratios(results: list[dict[str, Any]], limits: dict[str, Any]) -> None:
+    """``ratio_copy`` and ``ratio_blas`` of every measurement, against the run's limits."""
     copy = limits.get("copy", {}).get("gbps", 0.0)
     blas = limits.get("blas", {}).get("gflops", 0.0)
-    return {**samples.as_dict(), "gbps": gbps, "gflops": gflops,
-            "ratio_copy": gbps / copy if copy else None,
-            "ratio_blas": gflops / blas if blas and flops else None}
+    for case in results:
+        for m in [case.get("hal", {}), *case.get("peers", ())]:
+            if "gbps" in m:
+                m["ratio_copy"] = m["gbps"] / copy if copy else None
+                m["ratio_blas"] = m["gflops"] / blas if blas and case["flops"] else None
+
+
+def _best_limits(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Per limit the higher of the two measurements (the machine's best in this run), both kept."""
+    chosen: dict[str, Any] = {"llc_bytes": before["llc_bytes"]}
+    for key in before.keys() - {"llc_bytes"}:
+        a, b = before.get(key, {}), after.get(key, {})
+        rate = "gbps" if key == "copy" else "gflops"
+        pick = max((m for m in (a, b) if rate in m), key=lambda m: m[rate], default=a)
+        chosen[key] = {**pick, "when": "before" if pick is a else "after"}
+    chosen["measured"] = {"before": before, "after": after}
+    return chosen
 
 
 def _hal_runner(backend: Any, case: Case, sets: list[dict[str, Any]]) -> Callable[[int], object]:
@@ -106,20 +123,20 @@ def _limits(backend: Any, settings: BenchSettings, sync: Callable[[], None], llc
     return limits
 
 
-def _run_case(backend: Any, case: Case, settings: BenchSettings, limits: dict[str, Any], sync: Callable[[], None],
+def _run_case(backend: Any, case: Case, settings: BenchSettings, llc: int, sync: Callable[[], None],
               host: bool, rng: np.random.Generator, step: Callable[[str], None]) -> dict[str, Any]:
     spec = OPS[case.op]
     started = time.monotonic()
     first = build_inputs(case, rng)
     nbytes, flops = spec.nbytes(first), spec.flops(first)
-    count = rotation(case, nbytes, limits["llc_bytes"], settings.cached_weights)
+    count = rotation(case, nbytes, llc, settings.cached_weights)
     host_sets = [first] + [build_inputs(case, rng) for _ in range(count - 1)]
     result: dict[str, Any] = {**case_summary(case), "bytes": nbytes, "flops": flops, "rotation": count}
     step(case.label)
     try:
         sets = host_sets if host else [spec.map_arrays(s, backend.asarray) for s in host_sets]
         samples = measure(_hal_runner(backend, case, sets), settings.policy, sync=sync)
-        result["hal"] = _metrics(samples, nbytes, flops, limits)
+        result["hal"] = _metrics(samples, nbytes, flops)
         del sets
     except Exception as exc:
         result["hal"] = {"error": f"{type(exc).__name__}: {exc}"}
@@ -131,7 +148,7 @@ def _run_case(backend: Any, case: Case, settings: BenchSettings, limits: dict[st
         try:
             runner = peer.build(host_sets, np if host else array_module(backend))
             samples = measure(runner, settings.policy, sync=sync)
-            entry.update(status="ok", **_metrics(samples, nbytes, flops, limits))
+            entry.update(status="ok", **_metrics(samples, nbytes, flops))
             if "median_ms" in result["hal"]:
                 entry["hal_speedup"] = entry["median_ms"] / result["hal"]["median_ms"]
         except PeerUnavailable as exc:
@@ -147,9 +164,9 @@ def _run_case(backend: Any, case: Case, settings: BenchSettings, limits: dict[st
 
 
 def planned_steps(cases: Sequence[Case], host: bool, peers: Sequence[str] | None) -> int:
-    """Progress steps of a run: the limits, then each case and each of its peers."""
+    """Progress steps of a run: the limits, each case and each of its peers, the limits again."""
     wanted = None if peers is None else list(peers)
-    return 1 + sum(1 + (0 if wanted == [] else len(peers_for(c, host, wanted))) for c in cases)
+    return 2 + sum(1 + (0 if wanted == [] else len(peers_for(c, host, wanted))) for c in cases)
 
 
 def run_bench(
@@ -170,15 +187,18 @@ def run_bench(
     bar = progress or Progress(planned_steps(cases, host, settings.peers), enabled=False)
     started = time.monotonic()
     bar.step("machine limits (copy bandwidth, BLAS)")
-    limits = _limits(backend, settings, sync, llc, host)
+    before = _limits(backend, settings, sync, llc, host)
     rng = np.random.default_rng(settings.seed)
     results = []
     for case in cases:
         if settings.budget_s is not None and time.monotonic() - started > settings.budget_s:
             results.append({**case_summary(case), "skipped": f"time budget of {settings.budget_s:g} s spent"})
             continue
-        results.append(_run_case(backend, case, settings, limits, sync, host, rng, bar.step))
+        results.append(_run_case(backend, case, settings, llc, sync, host, rng, bar.step))
         gc.collect()
+    bar.step("machine limits again")
+    limits = _best_limits(before, _limits(backend, settings, sync, llc, host))
+    _add_ratios(results, limits)
     bar.close()
     return {
         "schema": SCHEMA,
