@@ -71,7 +71,7 @@ def test_cli_quick_run_writes_a_report_with_the_documented_schema(cpu, tmp_path:
         argv += ["--shape", text]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "limits: copy" in out and "W4A16 G64 M=3 256x64" in out and f"wrote {path}" in out
+    assert "after the cases): copy" in out and "W4A16 G64 M=3 256x64" in out and f"wrote {path}" in out
     report = json.loads(path.read_text())
     assert report["schema"] == bench.SCHEMA
     assert set(report) >= {"date", "git", "command", "machine", "backend", "versions", "settings", "limits", "cases"}
