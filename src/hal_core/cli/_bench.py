@@ -15,7 +15,7 @@ _REPEAT, _MAX_TIME = 10, 1.0
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser("bench", help="time every op against the measured copy bandwidth, BLAS rate and peers",
-                                description=__doc__)
+                                description=__doc__.replace("``", ""))
     add_case_options(bench, "all")
     add_timing_options(bench, _REPEAT, _MAX_TIME)
     bench.add_argument("--peers", default=None, metavar="NAMES",

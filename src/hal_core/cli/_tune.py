@@ -21,7 +21,7 @@ _REPEAT, _MAX_TIME = 5, 0.5
 
 def add_tune_parser(commands: argparse._SubParsersAction) -> None:
     tune = commands.add_parser("tune", help="pick kernels and knob values by measurement on this device",
-                               description=__doc__)
+                               description=__doc__.replace("``", ""))
     add_case_options(tune, "all")
     add_timing_options(tune, _REPEAT, _MAX_TIME)
     action = tune.add_mutually_exclusive_group()
