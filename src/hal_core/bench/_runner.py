@@ -186,6 +186,7 @@ def run_bench(
     llc = last_level_cache_bytes(caps)
     bar = progress or Progress(planned_steps(cases, host, settings.peers), enabled=False)
     started = time.monotonic()
+    date, commit = utc_now(), git_commit()  # of the code that runs, taken before it runs
     bar.step("machine limits (copy bandwidth, BLAS)")
     before = _limits(backend, settings, sync, llc, host)
     rng = np.random.default_rng(settings.seed)
@@ -202,8 +203,8 @@ def run_bench(
     bar.close()
     return {
         "schema": SCHEMA,
-        "date": utc_now(),
-        "git": git_commit(),
+        "date": date,
+        "git": commit,
         "command": list(argv) if argv is not None else None,
         "machine": machine_info(),
         "backend": {"name": backend.name, "host_arrays": host,
