@@ -363,3 +363,22 @@ def test_import_hal_core_and_an_op_call_import_no_bench_and_no_torch() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_a_case_whose_inputs_cannot_be_built_is_reported(cpu, monkeypatch) -> None:
+    """An exception outside the timed calls (here: building the inputs) marks that case, the others run."""
+    from hal_core.bench import _runner
+
+    real = _runner.build_inputs
+
+    def build(case, rng):
+        if case.op == "write_kv_cache":
+            raise MemoryError("no room for the caches")
+        return real(case, rng)
+
+    monkeypatch.setattr(_runner, "build_inputs", build)
+    report = bench.run_bench(_cases()[2:], cpu, bench.BenchSettings(policy=QUICK.policy, quick=True, peers=(),
+                                                                    copy_bytes=1 << 20, blas_n=64))
+    gemm, write = report["cases"]
+    assert "median_ms" in gemm["hal"] and write["hal"] == {"error": "MemoryError: no room for the caches"}
+    assert "error: MemoryError: no room for the caches" in bench.format_table(report)

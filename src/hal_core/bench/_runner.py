@@ -81,7 +81,7 @@ def _add_ratios(results: list[dict[str, Any]], limits: dict[str, Any]) -> None:
         for m in [case.get("hal", {}), *case.get("peers", ())]:
             if "gbps" in m:
                 m["ratio_copy"] = m["gbps"] / copy if copy else None
-                m["ratio_blas"] = m["gflops"] / blas if blas and case["flops"] else None
+                m["ratio_blas"] = m["gflops"] / blas if blas and case.get("flops") else None
 
 
 def _best_limits(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -195,7 +195,10 @@ def run_bench(
         if settings.budget_s is not None and time.monotonic() - started > settings.budget_s:
             results.append({**case_summary(case), "skipped": f"time budget of {settings.budget_s:g} s spent"})
             continue
-        results.append(_run_case(backend, case, settings, llc, sync, host, rng, bar.step))
+        try:
+            results.append(_run_case(backend, case, settings, llc, sync, host, rng, bar.step))
+        except Exception as exc:  # e.g. no memory for its inputs: reported, and the next case runs
+            results.append({**case_summary(case), "hal": {"error": f"{type(exc).__name__}: {exc}"}, "peers": []})
         gc.collect()
     bar.step("machine limits again")
     limits = _best_limits(before, _limits(backend, settings, sync, llc, host))
