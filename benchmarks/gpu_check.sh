@@ -10,13 +10,15 @@
 # 3. fills CuPy's kernel cache in parallel (python -m hal_cuda._warmup),
 # 4. runs the hal-cuda tests (GPU correctness per specialisation), the contract
 #    suite with --hal-backend=cuda, and hal-core's tests (GPU interop ones included),
-# 5. runs the benchmarks.
+# 5. runs the benchmarks: the GPU-specific ones (CUDA graphs, L2 flushes, targets) and `hal bench`
+#    (the hal_core.bench library: every op against the measured copy bandwidth, cuBLAS rate and
+#    the cuBLAS fp16/bf16 peer), whose report goes into the summary under "hal_bench".
 # The summary JSON <date>-<device>.json is rewritten after every step, so a run
 # killed part-way still leaves the steps done so far.
 #
 # Budget: every step has its own time limit, clipped to what is left of
-# HAL_GPU_CHECK_BUDGET_S (default 470 s, the limits' sum), so the whole run stays
-# under 8 minutes, inside one 600 s device command. A failing or timed-out step
+# HAL_GPU_CHECK_BUDGET_S (default 510 s, the limits' sum), so the whole run stays
+# under 9 minutes, inside one 600 s device command. A failing or timed-out step
 # (rc 124) is recorded and the next one still runs; one with no time left is
 # recorded as skipped. At most 7 files are written to the results folder.
 set -u -o pipefail
@@ -25,7 +27,7 @@ cd "$ROOT"
 PY=${PYTHON:-python3}
 SITE=${HAL_SITE:-/tmp/hal-site}
 RESULTS=${OUT:-$ROOT/benchmarks/results}
-BUDGET=${HAL_GPU_CHECK_BUDGET_S:-470}
+BUDGET=${HAL_GPU_CHECK_BUDGET_S:-510}
 LOG=$RESULTS/gpu_check.log  # every step's output, one after the other
 TMP=$(mktemp -d)
 mkdir -p "$RESULTS"
@@ -40,12 +42,13 @@ SUMMARY=$("$PY" -c 'import sys; sys.path.insert(0, "benchmarks"); from _gpu_benc
 print(result_path(sys.argv[1], sys.argv[2] or "unknown"))' "$RESULTS" "${DEVICE_NAME:-}") || exit 1
 
 summarize() {  # summarize FINISHED(0|1): (re)write the summary from the steps so far and the benchmark JSONs
-  "$PY" - "$RESULTS" "$SUMMARY" "$TMP/steps" "$1" "$BUDGET" <<'PYEOF' || echo "gpu_check: writing the summary failed"
+  "$PY" - "$RESULTS" "$SUMMARY" "$TMP/steps" "$1" "$BUDGET" "$TMP/hal-bench.json" <<'PYEOF' || echo "gpu_check: writing the summary failed"
 import json, sys
 from pathlib import Path
 sys.path.insert(0, "benchmarks")
 from _gpu_bench import write_json
 results, target, steps_file, finished, budget = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
+hal_bench = Path(sys.argv[6])
 summary = {"finished": finished == "1", "budget_s": int(budget), "steps": {}}
 for line in Path(steps_file).read_text().splitlines():
     name, rc, seconds = line.split()
@@ -58,6 +61,11 @@ for part in ("paged_attention", "quantized_gemm"):
             summary[part] = json.loads(path.read_text())
         except ValueError:
             summary[part] = {"error": f"{path.name} is not valid JSON (its step was cut short?)"}
+if hal_bench.is_file():
+    try:
+        summary["hal_bench"] = json.loads(hal_bench.read_text())
+    except ValueError:
+        summary["hal_bench"] = {"error": "the hal bench report is not valid JSON (its step was cut short?)"}
 summary["device"] = next((summary[p]["device"] for p in ("paged_attention", "quantized_gemm")
                           if isinstance(summary.get(p), dict) and "device" in summary[p]), {"name": "unknown"})
 write_json(target, summary)
@@ -119,6 +127,9 @@ step contract 45 "$PY" -m pytest --pyargs hal_core.testing.suite -q -rs -p no:ca
 step core_tests 45 "$PY" -m pytest tests -q -rs -p no:cacheprovider --junitxml="$RESULTS/core-tests.xml"
 step bench_paged_attention 50 env HAL_CHECK_INDICES=0 "$PY" benchmarks/bench_paged_attention.py --json "$RESULTS/paged_attention.json"
 step bench_quantized_gemm 65 env HAL_CHECK_INDICES=0 "$PY" benchmarks/bench_quantized_gemm.py --json "$RESULTS/quantized_gemm.json"
+# hal bench starts no case after 25 s (the rest are reported as skipped), so it ends well inside its 40 s.
+step hal_bench 40 env HAL_CHECK_INDICES=0 "$PY" -m hal_core bench --backend cuda --preset all --budget 25 \
+  --repeat 5 --max-time 0.3 -q --json "$TMP/hal-bench.json"
 
 echo "gpu_check: done in $((SECONDS - START)) s"
 while read -r name rc seconds; do printf '  %-22s rc=%-8s %4s s\n' "$name" "$rc" "$seconds"; done <"$TMP/steps"
@@ -126,5 +137,6 @@ for name in cuda_tests contract core_tests; do
   [[ -f $TMP/$name.log ]] && grep -E "passed|failed|error" "$TMP/$name.log" | tail -n 1
 done
 grep -hE "^(copy|paged_attention|W4A16|offload)" "$TMP"/bench_*.log 2>/dev/null
+[[ -f $TMP/hal_bench.log ]] && grep -E "^(limits|paged_attention|W4A16|W8A8|write_kv_cache|  vs)" "$TMP/hal_bench.log" | head -n 40
 # exit status: 0 when every step passed, else 1 (the summary says which)
 awk '$2 != "0" { bad = 1 } END { exit bad }' "$TMP/steps"

@@ -52,7 +52,7 @@ def test_info_json_is_one_document_with_stable_keys(make_plugin, capsys) -> None
     assert main(["info", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert set(info) == {"hal_core", "environment", "plugins", "backends", "selected", "devices",
-                         "device_errors", "warnings"}
+                         "device_errors", "tuning", "warnings"}
     assert info["hal_core"]["version"] == hal_core.__version__
     plugins = {p["name"]: p for p in info["plugins"]}
     assert plugins["boom"]["status"] == "rejected" and "kaboom" in plugins["boom"]["reason"]

@@ -1,5 +1,8 @@
 """The ``hal`` command: ``hal info`` shows what was found and why; ``hal demo`` runs a checked decode loop.
 
+``hal bench`` times every op against the machine's limits and peers;
+``hal tune`` picks kernels and knob values by measurement on this device.
+
 ``hal info --json`` prints one JSON document whose keys are documented in
 docs/environment.md. ``python -m hal_core`` is the same command.
 """
@@ -13,8 +16,10 @@ from collections.abc import Sequence
 
 import hal_core
 
+from ._bench import add_bench_parser
 from ._demo import _DTYPES, _cmd_demo, run_demo
 from ._info import _cmd_info, collect_info
+from ._tune import add_tune_parser
 
 __all__ = ["collect_info", "main", "run_demo"]
 
@@ -46,12 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh one, printed)")
     demo.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     demo.set_defaults(func=_cmd_demo)
+    add_bench_parser(commands)
+    add_tune_parser(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``hal`` with ``argv`` (default: the command line); return the exit code."""
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.verbose:
         import logging
 

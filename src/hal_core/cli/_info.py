@@ -15,7 +15,24 @@ import hal_core
 from hal_core import HalError
 
 #: HAL_* variables hal-core reads (plugins may read more; every set HAL_* variable is shown).
-CORE_VARIABLES = ("HAL_BACKEND", "HAL_FORCE_CPU", "HAL_STRICT", "HAL_DISABLE_PLUGINS", "HAL_CHECK_INDICES")
+CORE_VARIABLES = ("HAL_BACKEND", "HAL_FORCE_CPU", "HAL_STRICT", "HAL_DISABLE_PLUGINS", "HAL_CHECK_INDICES",
+                  "HAL_TUNE", "HAL_TUNE_DIR")
+
+
+def collect_tuning(backends: dict[str, Any]) -> dict[str, Any]:
+    """Where the tune store lives and, per bound backend and op, whether a tuned choice or the built-in rule applies."""
+    from hal_core import tuning
+
+    found: dict[str, dict[str, Any]] = {}
+    for name, backend in backends.items():
+        per_op = {}
+        for op, info in tuning.tunables(backend).items():
+            src = tuning.source(backend, op)
+            per_op[op] = {"decided_by": "tuned" if src["tuned"] else "built-in", "tunable": info["tunable"],
+                          "implementations": info["implementations"], "knobs": info["knobs"],
+                          "tuned_buckets": {"implementation": src["choices"], **src["knobs"]}}
+        found[name] = per_op
+    return {"store": str(tuning.tune_dir()), "enabled": tuning.enabled(), "backends": found}
 
 
 def collect_info() -> dict[str, Any]:
@@ -30,11 +47,13 @@ def collect_info() -> dict[str, Any]:
             selected = {"backend": None, "error": {"type": type(exc).__name__, "message": str(exc)}}
         devices: dict[str, list[dict[str, Any]]] = {}
         device_errors: dict[str, str] = {}
+        bound: dict[str, Any] = {}
         for info in hal_core.list_backends():
             if not (info.available and info.selectable):
                 continue
             try:
                 backend = hal_core.get_backend(info.name)
+                bound[info.name] = backend
                 devices[info.name] = [
                     {"index": d.index, "capabilities": d.capabilities.model_dump(mode="json")}
                     for d in backend.devices()
@@ -42,6 +61,7 @@ def collect_info() -> dict[str, Any]:
             except HalError as exc:
                 device_errors[info.name] = str(exc)
         backends = [asdict(info) for info in hal_core.list_backends()]
+        tuned = collect_tuning(bound)
     for caps in (c["capabilities"] for ds in devices.values() for c in ds):
         for key in ("dtypes", "features"):
             caps[key] = sorted(caps[key])
@@ -59,6 +79,7 @@ def collect_info() -> dict[str, Any]:
         "selected": selected,
         "devices": devices,
         "device_errors": device_errors,
+        "tuning": tuned,
         "warnings": [str(w.message) for w in caught],
     }
 
@@ -111,10 +132,28 @@ def _print_info(info: dict[str, Any]) -> None:
                     continue
                 shown = ", ".join(value) if isinstance(value, list) and value and isinstance(value[0], str) else value
                 print(f"      {key:<28} {shown}")
+    _print_tuning(info["tuning"], selected["backend"])
     for name, error in info["device_errors"].items():
         print(f"\ndevices of {name}: could not bind: {error}")
     for message in info["warnings"]:
         print(f"\nwarning: {message}")
+
+
+def _print_tuning(tuned: dict[str, Any], selected: str | None) -> None:
+    state = "" if tuned["enabled"] else " (ignored: HAL_TUNE=0)"
+    print(f"\nkernel choices (tune store {tuned['store']}{state}; `hal tune` measures, `hal tune --show` lists):")
+    for name, per_op in tuned["backends"].items():
+        tag = " (selected)" if name == selected else ""
+        for op, entry in per_op.items():
+            impls = ", ".join(entry["implementations"])
+            knobs = sorted({k for ks in entry["knobs"].values() for k in ks})
+            what = f"{impls}" + (f"; knobs {', '.join(knobs)}" if knobs else "")
+            if entry["decided_by"] == "tuned":
+                counts = ", ".join(f"{k} {n}" for k, n in entry["tuned_buckets"].items() if n)
+                rule = f"tuned ({counts} bucket(s)), built-in rule elsewhere"
+            else:
+                rule = "built-in rule" + ("" if entry["tunable"] else " (nothing tunable)")
+            print(f"  {name + tag:<16} {op:<16} {rule:<44} {what}")
 
 
 def _cmd_info(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ from .. import _env
 from .._errors import ArgumentError, ArgumentTypeError, FallbackError, KernelCompileError
 from ..arrays import device_of
 from ..quant import QuantizedWeight
+from ..tuning import ordered as tuned_order
 from ._registry import OpRegistry
 from ._spec import OpCall, OpSpec
 from .paged_attention import PagedAttention
@@ -145,7 +146,7 @@ class Ops:
         if _env.force_cpu() and backend.name != "cpu":
             return self._run_on_cpu(call)
         reasons = []
-        for impl in self.registry.implementations(call.op):
+        for impl in tuned_order(call, self.registry.implementations(call.op)):
             try:
                 verdict = impl.supports(call)
             except Exception as exc:  # a plugin bug must not cost the caller a correct result

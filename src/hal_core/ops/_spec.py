@@ -12,6 +12,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from .._backend import Backend
+    from ..tuning import Knob
 
 __all__ = ["OpCall", "OpImpl", "OpSpec"]
 
@@ -137,7 +138,10 @@ class OpImpl:
 
     ``supports(call)`` returns True when it can run the call, else False or
     a string saying why not (logged with the fallback). Among those that
-    support a call, the highest ``priority`` runs.
+    support a call, the highest ``priority`` runs, unless ``hal tune``
+    persisted another choice for the call's shape bucket on this device.
+    ``knobs`` are the implementation's tunable parameters
+    (:class:`hal_core.tuning.Knob`); ``fn`` reads each with ``knob.value(call)``.
     """
 
     op: str
@@ -145,6 +149,7 @@ class OpImpl:
     name: str = ""
     priority: int = 0
     supports: Callable[[OpCall], bool | str] = field(default=_always)
+    knobs: tuple[Knob, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name:

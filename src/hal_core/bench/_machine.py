@@ -1,0 +1,73 @@
+"""What a result file records about where it was measured: date, commit, machine, versions."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+__all__ = ["git_commit", "machine_info", "versions"]
+
+_DISTRIBUTIONS = ("hal-core", "hal-cpu", "hal-cuda", "hal-rocm", "numpy", "ml_dtypes", "pydantic", "torch",
+                  "cupy-cuda12x", "cupy-cuda13x", "cupy-rocm-7-0", "matplotlib")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("model name", "hardware")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, logical cores, memory, OS and Python."""
+    return {
+        "cpu_model": _cpu_model(),
+        "cores": os.cpu_count(),
+        "memory_bytes": _memory_bytes(),
+        "machine": platform.machine(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
+
+
+def versions() -> dict[str, str]:
+    """Installed versions of hal's distributions and the libraries a benchmark touches (metadata only)."""
+    found = {}
+    for name in _DISTRIBUTIONS:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def git_commit(where: str | os.PathLike[str] | None = None) -> dict[str, Any] | None:
+    """``{"commit": sha, "dirty": bool}`` of the checkout holding hal-core (or ``where``), else None."""
+    folder = Path(where) if where is not None else Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True, text=True,
+                             timeout=5, check=True).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=folder,
+                                capture_output=True, text=True, timeout=5, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": sha, "dirty": bool(status.strip())} if sha else None
+
+
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()

@@ -1,0 +1,137 @@
+"""The hot path: which implementation and which knob values a call gets, from the loaded tune table.
+
+Tables are read from the store once per (backend object, device) and kept
+in memory; :func:`forget` drops them (``hal tune`` does after writing).
+``HAL_TUNE=0`` ignores the store (built-in rules only), read when a table
+is first loaded. With no table, :func:`ordered` costs two dictionary
+look-ups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import threading
+import weakref
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ._buckets import bucket
+from ._store import TuneTable, device_key, load_table
+
+if TYPE_CHECKING:
+    from ..ops import OpCall, OpImpl
+    from ._knobs import Knob
+
+__all__ = ["forget", "knob_value", "ordered", "override", "table_for"]
+
+_MISSING = object()
+#: id(backend) -> (a reference to the backend, {device index: table}); by id, since a backend need not be hashable.
+_tables: dict[int, tuple[Callable[[], Any], dict[int, TuneTable | None]]] = {}
+_lock = threading.Lock()
+_overrides: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar("hal_tune_overrides",
+                                                                                    default=None)
+
+
+def enabled() -> bool:
+    """False when ``HAL_TUNE`` is ``0``/``false``/``no``/``off``."""
+    return os.environ.get("HAL_TUNE", "").strip().lower() not in {"0", "false", "no", "off"}
+
+
+def key_for(backend: Any, device_index: int = 0) -> dict[str, Any]:
+    """The store key of ``backend``'s device ``device_index``."""
+    from .._version import __version__
+
+    return device_key(backend.name, backend.device(device_index).capabilities, __version__)
+
+
+def table_for(backend: Any, device_index: int = 0) -> TuneTable | None:
+    """The tune table that applies to ``backend``'s device (loaded once, then from memory)."""
+    entry = _tables.get(id(backend))
+    if entry is not None and entry[0]() is backend:
+        found = entry[1].get(device_index, _MISSING)
+        if found is not _MISSING:
+            return found  # type: ignore[return-value]
+    with _lock:
+        table = load_table(key_for(backend, device_index)) if enabled() else None
+        if table is not None and table.is_empty():
+            table = None
+        entry = _tables.get(id(backend))
+        if entry is None or entry[0]() is not backend:
+            for stale in [k for k, (ref, _) in _tables.items() if ref() is None]:
+                del _tables[stale]
+            entry = (_reference(backend), {})
+            _tables[id(backend)] = entry
+        entry[1][device_index] = table
+    return table
+
+
+def _reference(backend: Any) -> Callable[[], Any]:
+    try:
+        return weakref.ref(backend)
+    except TypeError:  # a backend with __slots__ and no __weakref__: keep it alive instead
+        return lambda: backend
+
+
+def forget() -> None:
+    """Drop every loaded table; the next call reads the store again."""
+    with _lock:
+        _tables.clear()
+
+
+def ordered(call: OpCall, impls: Sequence[OpImpl]) -> Sequence[OpImpl]:
+    """``impls`` with the persisted choice for ``call``'s bucket moved first (unchanged without one).
+
+    The dispatcher still asks each implementation's ``supports`` in this
+    order, so a tuned choice that does not support the call falls through
+    to the built-in order.
+    """
+    if len(impls) < 2:
+        return impls
+    table = table_for(call.backend, call.device_index)
+    if table is None:
+        return impls
+    per_bucket = table.choices.get(call.op)
+    if not per_bucket:
+        return impls
+    name = per_bucket.get(bucket(call.op, call.args))
+    if name is None:
+        return impls
+    for index, impl in enumerate(impls):
+        if impl.name == name:
+            return [impl, *impls[:index], *impls[index + 1:]] if index else impls
+    return impls
+
+
+def knob_value(call: OpCall, knob: Knob) -> Hashable:
+    """An override set by :func:`override`, else the persisted winner for the call's bucket, else the rule."""
+    forced = _overrides.get()
+    if forced is not None and knob.name in forced:
+        return forced[knob.name]
+    table = table_for(call.backend, call.device_index)
+    if table is not None:
+        per_knob = table.knobs.get(call.op, {}).get(knob.name)
+        if per_knob:
+            value = per_knob.get(bucket(call.op, call.args), _MISSING)
+            if value is not _MISSING and value in knob.candidates:
+                return value  # type: ignore[return-value]
+    return knob.rule(call)
+
+
+@contextlib.contextmanager
+def override(values: Mapping[str, Any]) -> Iterator[None]:
+    """Within the block, :meth:`Knob.value` returns ``values[name]`` for the knobs named (used by the tuner)."""
+    token = _overrides.set({**(_overrides.get() or {}), **values})
+    try:
+        yield
+    finally:
+        _overrides.reset(token)
+
+
+def source(backend: Any, op: str, device_index: int = 0) -> dict[str, Any]:
+    """What decides ``op`` on this device: ``{"tuned": bool, "choices": n, "knobs": {name: n}}``."""
+    table = table_for(backend, device_index)
+    choices = len(table.choices.get(op, {})) if table else 0
+    knobs = {name: len(values) for name, values in (table.knobs.get(op, {}) if table else {}).items()}
+    return {"tuned": bool(choices or any(knobs.values())), "choices": choices, "knobs": knobs}

@@ -1,0 +1,189 @@
+"""``hal tune``: time every candidate (implementation, knob value) per shape bucket; persist the winners."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._buckets import bucket
+from ._lookup import forget, key_for, override
+from ._store import TuneTable, load_table, save_table, table_path
+
+__all__ = ["Decision", "TuneReport", "tunables", "tune"]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One tuned choice: ``kind`` is ``"impl"`` or ``"knob"``; ``ms`` sums the medians per candidate."""
+
+    op: str
+    bucket: str
+    kind: str
+    name: str
+    ms: dict[str, float]
+    winner: Any
+    builtin: Any
+
+    @property
+    def changed(self) -> bool:
+        return self.winner != self.builtin
+
+
+@dataclass
+class TuneReport:
+    """What a tuning run decided, and where it was stored (``path`` None when nothing was persisted)."""
+
+    backend: str
+    key: dict[str, Any]
+    decisions: list[Decision] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    path: Path | None = None
+
+
+def tunables(backend: Any) -> dict[str, dict[str, Any]]:
+    """Per op: its implementations (best first) and each one's knobs with their candidates."""
+    found: dict[str, dict[str, Any]] = {}
+    for op in backend.ops.registry.ops():
+        impls = backend.ops.registry.implementations(op)
+        knobs = {impl.name: {k.name: list(k.candidates) for k in impl.knobs} for impl in impls if impl.knobs}
+        found[op] = {"implementations": [impl.name for impl in impls], "knobs": knobs,
+                     "tunable": len(impls) > 1 or any(len(c) > 1 for ks in knobs.values() for c in ks.values())}
+    return found
+
+
+def _make_call(backend: Any, case: Any, rng: np.random.Generator) -> Any:
+    from ..bench._inputs import build_inputs
+    from ..ops import OPS, OpCall
+
+    spec = OPS[case.op]
+    host = build_inputs(case, rng)
+    args = dict(spec.map_arrays(host, backend.asarray))
+    if "out" in spec.array_args:
+        args.setdefault("out", None)
+    spec.validate(args, lambda a: a if isinstance(a, np.ndarray) else backend.to_numpy(a))
+    return OpCall(spec=spec, args=args, backend=backend, device_index=0)
+
+
+def _supported(impls: Sequence[Any], call: Any) -> list[Any]:
+    ok = []
+    for impl in impls:
+        try:
+            if impl.supports(call) is True:
+                ok.append(impl)
+        except Exception:  # a supports() that raises is treated as "no", as the dispatcher does
+            continue
+    return ok
+
+
+def tune(
+    backend: Any,
+    cases: Sequence[Any],
+    policy: Any = None,
+    *,
+    progress: Any = None,
+    clock: Callable[[], float] = time.perf_counter,
+    persist: bool = True,
+    seed: int = 0,
+) -> TuneReport:
+    """Time the candidates of ``cases`` on ``backend``'s device 0 and persist the winners per bucket.
+
+    For each case: first every knob (with more than one candidate) of each
+    implementation that supports the case, one knob after the other (the
+    ones already measured at their best value, the rest at their rule);
+    then, when more than one implementation supports it, each of them with
+    its best knob values. Medians of the cases of one bucket are summed per
+    candidate; the smallest sum wins. ``clock`` may be replaced (tests).
+    """
+    from ..bench._timing import TimingPolicy, measure
+
+    policy = policy or TimingPolicy(repeat=5, warmup=1, max_seconds=0.5)
+    sync = backend.device(0).synchronize
+    key = key_for(backend)
+    report = TuneReport(backend=backend.name, key=key)
+    totals: dict[tuple[str, str, str, str], dict[Any, list[float]]] = {}
+    builtin: dict[tuple[str, str, str, str], Any] = {}
+    rng = np.random.default_rng(seed)
+    for case in cases:
+        if progress is not None:
+            progress.step(case.label)
+        impls = backend.ops.registry.implementations(case.op)
+        if len(impls) < 2 and not any(len(k.candidates) > 1 for i in impls for k in i.knobs):
+            continue
+        call = _make_call(backend, case, rng)
+        runnable = _supported(impls, call)
+        if not runnable:
+            report.skipped.append(f"{case.label}: no implementation supports it")
+            continue
+        where = bucket(case.op, call.args)
+
+        def timed(fn: Callable[[Any], Any], call: Any = call) -> float:
+            return measure(lambda _: fn(call), policy, sync=sync, clock=clock).median * 1e3
+
+        best_knobs: dict[str, dict[str, Any]] = {}
+        for impl in runnable:  # knobs first, each with the ones before it at their best values
+            chosen: dict[str, Any] = {}
+            for knob in impl.knobs:
+                if len(knob.candidates) < 2:
+                    continue
+                slot = (case.op, where, "knob", knob.name)
+                builtin.setdefault(slot, knob.rule(call))
+                medians = {}
+                for value in knob.candidates:
+                    with override({**chosen, knob.name: value}):
+                        medians[value] = timed(impl.fn)
+                    totals.setdefault(slot, {}).setdefault(value, []).append(medians[value])
+                chosen[knob.name] = min(medians, key=medians.__getitem__)
+            best_knobs[impl.name] = chosen
+        if len(runnable) > 1:  # then the implementations, each with its best knob values for this case
+            slot = (case.op, where, "impl", "implementation")
+            builtin.setdefault(slot, runnable[0].name)
+            for impl in runnable:
+                with override(best_knobs[impl.name]):
+                    totals.setdefault(slot, {}).setdefault(impl.name, []).append(timed(impl.fn))
+    for slot, per_candidate in totals.items():
+        runs = max(len(v) for v in per_candidate.values())
+        complete = {c: sum(v) for c, v in per_candidate.items() if len(v) == runs}
+        winner = min(complete, key=complete.__getitem__)
+        op, where, kind, name = slot
+        report.decisions.append(Decision(op=op, bucket=where, kind=kind, name=name,
+                                         ms={str(c): round(ms, 6) for c, ms in complete.items()},
+                                         winner=winner, builtin=builtin[slot]))
+    if persist and report.decisions:
+        report.path = _persist(key, report.decisions)
+    return report
+
+
+def _persist(key: dict[str, Any], decisions: Sequence[Decision]) -> Path:
+    table = load_table(key) or TuneTable(key=key)
+    for d in decisions:
+        if d.kind == "impl":
+            table.choices.setdefault(d.op, {})[d.bucket] = d.winner
+        else:
+            table.knobs.setdefault(d.op, {}).setdefault(d.name, {})[d.bucket] = d.winner
+        label = "implementation" if d.kind == "impl" else f"knob {d.name}"
+        table.measurements.setdefault(d.op, {})[f"{d.bucket} {label}"] = d.ms
+    path = save_table(table)
+    forget()
+    return path
+
+
+def clear(backend: Any | None = None) -> list[Path]:
+    """Remove the store files of ``backend``'s devices (every hal tune file when None); return them."""
+    from ._store import tune_dir
+
+    removed = []
+    if backend is None:
+        targets = list(tune_dir().glob("*.json")) if tune_dir().is_dir() else []
+    else:
+        targets = [table_path(key_for(backend, d.index)) for d in backend.devices()]
+    for path in targets:
+        if path.exists():
+            path.unlink()
+            removed.append(path)
+    forget()
+    return removed
