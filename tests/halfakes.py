@@ -76,6 +76,7 @@ class HostBackend(Backend):
 
     name = "host-fake"
     priority = 1
+    is_host = True
 
     @classmethod
     def availability(cls) -> Availability:

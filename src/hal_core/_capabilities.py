@@ -143,5 +143,5 @@ def load_profile(name: str) -> DeviceCapabilities:
         peak_fp16_tflops=entry["peak_fp16_tensor_tflops"],
         dtypes=frozenset(dtypes),
         features=frozenset(features | {"async_alloc", "managed_memory"}),
-        allocation_granularity=512 if entry["vendor"] == "nvidia" else 4096,
+        allocation_granularity=entry["allocation_granularity"],
     )

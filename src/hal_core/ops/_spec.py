@@ -12,6 +12,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from .._backend import Backend
+    from .._capabilities import DeviceCapabilities
 
 __all__ = ["OpCall", "OpImpl", "OpSpec"]
 
@@ -87,9 +88,12 @@ class OpSpec(ABC):
 class OpCall:
     """One validated call of an op, as implementations receive it.
 
-    ``args`` maps argument names to values, ``out`` included (None when the
-    caller gave none). An implementation that returns an array must have
-    written it into ``args['out']`` when that is not None.
+    ``args`` maps argument names to values. Implementations never receive
+    the caller's ``out``: they return a new array of the declared shape,
+    dtype and device, which hal checks and then writes into ``out``, so a
+    failing implementation leaves ``out`` untouched. In-place arguments
+    (the caches of ``write_kv_cache``) are given as they are, already
+    checked to be writable.
     """
 
     spec: OpSpec
@@ -105,6 +109,7 @@ class OpCall:
 
     @property
     def out(self) -> Any:
+        """The caller's ``out`` (always None inside an implementation)."""
         return self.args.get("out")
 
     @cached_property
@@ -116,12 +121,13 @@ class OpCall:
         return self.spec.nbytes(self.args)
 
     @property
-    def capabilities(self):
+    def capabilities(self) -> DeviceCapabilities:
+        """The capabilities of the device the call runs on."""
         return self.backend.device(self.device_index).capabilities
 
-    def with_args(self, **changes: Any) -> OpCall:
-        """A copy with some arguments replaced."""
-        return replace(self, args={**self.args, **changes})
+    def without_out(self) -> OpCall:
+        """This call with ``out`` removed: what an implementation receives (hal writes ``out``)."""
+        return replace(self, args={name: value for name, value in self.args.items() if name != "out"})
 
     def __getitem__(self, name: str) -> Any:
         return self.args[name]
