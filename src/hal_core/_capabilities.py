@@ -31,7 +31,7 @@ class DeviceCapabilities(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    vendor: str = Field(description="'cpu', 'nvidia', 'amd', ...")
+    vendor: str = Field(description="'cpu' for the host, else the device maker's name, as the backend reports it")
     name: str
     arch: str = Field(description="'sm_90', 'gfx942', 'x86_64-avx512', ...")
     compute_units: int = Field(gt=0, description="SMs, CUs or CPU cores")

@@ -212,7 +212,7 @@ def _pointer(array: Any) -> int | None:
         array = array.storage
     if is_torch_tensor(array):
         return int(array.data_ptr())
-    interface = getattr(array, "__array_interface__", None) or getattr(array, "__cuda_array_interface__", None)
+    interface = getattr(array, "__array_interface__", None)
     if isinstance(interface, dict):
         return int(interface["data"][0])
     data = getattr(array, "data", None)
