@@ -15,7 +15,8 @@ import hal_core
 from hal_core import HalError
 
 #: HAL_* variables hal-core reads (plugins may read more; every set HAL_* variable is shown).
-CORE_VARIABLES = ("HAL_BACKEND", "HAL_FORCE_CPU", "HAL_STRICT", "HAL_DISABLE_PLUGINS", "HAL_CHECK_INDICES")
+CORE_VARIABLES = ("HAL_BACKEND", "HAL_FORCE_CPU", "HAL_STRICT", "HAL_DISABLE_PLUGINS", "HAL_CHECK_INDICES",
+                  "HAL_ALLOW_OVERRIDE", "HAL_PROBE_TIMEOUT_S")
 
 
 def collect_info() -> dict[str, Any]:
@@ -80,6 +81,8 @@ def _print_info(info: dict[str, Any]) -> None:
         print(line)
         if p["reason"]:
             print(f"  {'':<12} why: {p['reason']}")
+        for refusal in p.get("refused", ()):
+            print(f"  {'':<12} refused: {refusal}")
 
     print("\nbackends (highest priority first):")
     if not info["backends"]:
@@ -88,6 +91,8 @@ def _print_info(info: dict[str, Any]) -> None:
         state = "available" if b["available"] else "unavailable"
         if b["loaded"]:
             state += ", loaded"
+        if b.get("fallback"):
+            state += ", fallback"
         print(f"  {b['name']:<12} priority {b['priority']:<5} {state:<22} {b['distribution']} {b['version']}")
         if b["reason"]:
             print(f"  {'':<12} why: {b['reason']}")
