@@ -335,8 +335,8 @@ class Ops:
         return result
 
     def _fault(self, call: OpCall, impl: OpImpl, problem: str) -> None:
+        """Record a fault (the fallback that follows logs it once, with the implementation's name)."""
         self._notify("fault", call, f"{impl.name}: {problem}")
-        self._log_once("fault", call.op, f"implementation {impl.name!r} {problem}; the call falls back")
 
     def _notify(self, kind: str, call: OpCall, reason: str) -> None:
         if not self._watchers:
