@@ -76,10 +76,14 @@ def dtype_name(array_or_dtype: Any) -> str:
     if isinstance(tag, str):
         return tag
     dtype = getattr(array_or_dtype, "dtype", array_or_dtype)
+    name = _NAMES.get(dtype) if isinstance(dtype, np.dtype) else None  # the hot path: one dict lookup
+    if name is not None:
+        return name
     try:
-        return _NAMES.get(np.dtype(dtype), str(np.dtype(dtype)))
+        dtype = np.dtype(dtype)
     except TypeError:
         return str(dtype)
+    return _NAMES.get(dtype) or str(dtype)
 
 
 def numpy_dtype(name: str) -> np.dtype:

@@ -41,6 +41,7 @@ import numpy as np
 
 from ._errors import ArgumentError, ArgumentTypeError
 from .arrays import BFLOAT16, DLPACK_HOST_TYPES, TaggedArray, device_of, dlpack_device
+from .quant import QuantizedWeight
 
 if TYPE_CHECKING:
     from ._backend import Backend
@@ -64,8 +65,6 @@ def is_torch_tensor(value: Any) -> bool:
 
 def import_arrays(spec: OpSpec, args: dict[str, Any], backend: Backend) -> tuple[dict[str, Any], Callable[[Any], Any]]:
     """Arguments as native arrays (no copy), plus the converter for the result."""
-    from .quant import QuantizedWeight
-
     converted = args
     saw_torch = False
     for name, value in args.items():

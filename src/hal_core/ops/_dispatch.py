@@ -154,7 +154,7 @@ class Ops:
         """The validated :class:`OpCall` for these arguments, without running anything."""
         spec = OPS[op]
         native, _ = interop.import_arrays(spec, dict(args), self._backend)
-        return self._prepare(spec, native)
+        return self._prepare(spec, native)[0]
 
     def explain(self, call: OpCall) -> list[tuple[str, str]]:
         """``(implementation, verdict)`` for every candidate of ``call``, in the order tried.
@@ -198,19 +198,16 @@ class Ops:
     def _call(self, op: str, args: dict[str, Any]) -> Any:
         spec = OPS[op]
         args, restore = interop.import_arrays(spec, args, self._backend)
-        call = self._prepare(spec, args)
+        call, out = self._prepare(spec, args)
         if spec.is_empty(call.args):
-            return restore(self._empty_result(call))
-        return restore(self._execute(call))
+            return restore(self._empty_result(call, out))
+        return restore(self._execute(call, out))
 
-    def _prepare(self, spec: OpSpec, args: dict[str, Any]) -> OpCall:
+    def _prepare(self, spec: OpSpec, args: dict[str, Any]) -> tuple[OpCall, Any]:
+        """The validated call (without ``out``, which implementations never see) and the caller's ``out``."""
         backend = self._backend
         arrays = list(spec.iter_arrays(args))
-        host = True
-        for _, value in arrays:
-            if type(value) is not np.ndarray:
-                host = False
-                break
+        host = all(type(value) is np.ndarray for _, value in arrays)
         device = ("cpu", 0)
         if not host:
             devices = {name: device_of(value) for name, value in arrays}
@@ -237,8 +234,9 @@ class Ops:
             value = args.get(name)
             if value is not None and not _writable(value):
                 raise ArgumentError(f"argument {name!r} is read-only; pass a writable array")
+        out = args.pop("out", None) if "out" in args else None
         return OpCall(spec=spec, args=args, backend=backend, device_index=device[1] if not host else 0,
-                      host_arrays=host and not backend.is_host)
+                      host_arrays=host and not backend.is_host), out
 
     def _to_numpy(self, array: Any) -> np.ndarray:
         return array if type(array) is np.ndarray else self._backend.to_numpy(array)
@@ -262,10 +260,10 @@ class Ops:
             reasons[impl.name] = verdict if isinstance(verdict, str) and verdict else "unsupported"
         return None, reasons
 
-    def _execute(self, call: OpCall) -> Any:
+    def _execute(self, call: OpCall, out: Any = None) -> Any:
         stats = self._stats[call.op]
         if _env.force_cpu() and self._fallback is not None:
-            return self._fall_back(call, "HAL_FORCE_CPU is set", stats, log_it=False)
+            return self._fall_back(call, out, "HAL_FORCE_CPU is set", stats, log_it=False)
         impl, reasons = self.choose(call)
         if impl is not None:
             result, fault = self._run(impl, call)
@@ -273,7 +271,7 @@ class Ops:
                 with self._lock:
                     stats.calls += 1
                     stats.implementations[impl.name] = stats.implementations.get(impl.name, 0) + 1
-                return self._deliver(call, result)
+                return self._deliver(out, result)
             self._fault(call, impl, fault)
             reasons[impl.name] = fault
         reason = "; ".join(f"{name}: {why}" for name, why in reasons.items()) or "no implementation registered"
@@ -282,13 +280,12 @@ class Ops:
                 f"{call.op} on backend {self._backend.name!r} would fall back "
                 f"({reason}); unset HAL_STRICT to allow fallbacks"
             )
-        return self._fall_back(call, reason, stats)
+        return self._fall_back(call, out, reason, stats)
 
     def _run(self, impl: OpImpl, call: OpCall) -> tuple[Any, str | None]:
-        """Run ``impl`` on a call whose ``out`` is a scratch (None); return (result, fault or None)."""
-        impl_call = call if call.out is None else call.without_out()
+        """Run ``impl`` (it never sees the caller's ``out``); return (result, fault or None)."""
         try:
-            result = impl.fn(impl_call)
+            result = impl.fn(call)
         except KernelCompileError as exc:
             log.debug("hal: %s failed to compile", impl.name, exc_info=exc)
             return None, f"kernel {exc.name!r} failed to compile (see the debug log for the compiler output)"
@@ -311,6 +308,9 @@ class Ops:
         shape = spec.output_shape(call.args)
         if shape is None:
             return None if result is None else f"returned {type(result).__name__}, expected None (an in-place op)"
+        if type(result) is np.ndarray and result.shape == shape and (self._backend.is_host or call.host_arrays) \
+                and result.dtype == spec.output_dtype(call.args):
+            return None  # the common host case, decided without names
         if result is None or not hasattr(result, "shape"):
             return f"returned {type(result).__name__}, expected an array of shape {shape}"
         if tuple(result.shape) != shape:
@@ -326,9 +326,8 @@ class Ops:
             return f"returned an array on {device_of(result)}, expected device {call.device_index}"
         return None
 
-    def _deliver(self, call: OpCall, result: Any) -> Any:
+    def _deliver(self, out: Any, result: Any) -> Any:
         """``result`` to the caller: written into ``out`` when one was given."""
-        out = call.out
         if out is not None and result is not None and result is not out:
             out[...] = result
             return out
@@ -354,7 +353,7 @@ class Ops:
             self._logged.add(key)
         log.warning("hal: %s on backend %r: %s", op, self._backend.name, message)
 
-    def _fall_back(self, call: OpCall, reason: str, stats: OpStats, *, log_it: bool = True) -> Any:
+    def _fall_back(self, call: OpCall, out: Any, reason: str, stats: OpStats, *, log_it: bool = True) -> Any:
         """Run ``call`` on the fallback backend (or the reference), copying device arrays in and out."""
         start = time.perf_counter()
         self._notify("fallback", call, reason)
@@ -362,7 +361,7 @@ class Ops:
             where = self._fallback.name if self._fallback is not None else "the float64 reference"
             self._log_once("fallback", call.op, f"runs on {where}: {reason}")
         try:
-            result, answered_by = self._run_fallback(call)
+            result, answered_by = self._run_fallback(call, out)
         finally:
             with self._lock:
                 stats.calls += 1
@@ -372,11 +371,10 @@ class Ops:
             stats.implementations[answered_by] = stats.implementations.get(answered_by, 0) + 1
         return result
 
-    def _run_fallback(self, call: OpCall) -> tuple[Any, str]:
+    def _run_fallback(self, call: OpCall, out: Any) -> tuple[Any, str]:
         spec, backend = call.spec, self._backend
         on_host = backend.is_host or call.host_arrays
         host_args = dict(call.args) if on_host else spec.map_arrays(call.args, self._to_numpy)
-        host_args.pop("out", None)
         fallback = self._fallback
         if fallback is not None:
             host_call = OpCall(spec=spec, args=host_args, backend=fallback)
@@ -393,14 +391,14 @@ class Ops:
             return None, answered_by
         if not on_host:
             result = backend.asarray(result, call.device_index)
-        return self._deliver(call, result), answered_by
+        return self._deliver(out, result), answered_by
 
-    def _empty_result(self, call: OpCall) -> Any:
+    def _empty_result(self, call: OpCall, out: Any) -> Any:
         shape = call.spec.output_shape(call.args)
         if shape is None:
             return None
-        if call.out is not None:
-            return call.out
+        if out is not None:
+            return out
         empty = np.zeros(shape, dtype=call.spec.output_dtype(call.args))
         if call.host_arrays or self._backend.is_host:
             return empty

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -81,7 +81,7 @@ class OpSpec(ABC):
     def is_empty(self, args: Mapping[str, Any]) -> bool:
         """True when there is no work at all (an implementation need not be called)."""
         shape = self.output_shape(args)
-        return shape is not None and int(np.prod(shape)) == 0
+        return shape is not None and 0 in shape
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ class OpCall:
 
     @property
     def out(self) -> Any:
-        """The caller's ``out`` (always None inside an implementation)."""
+        """Always None: implementations return a new array and hal writes the caller's ``out``."""
         return self.args.get("out")
 
     @cached_property
@@ -124,10 +124,6 @@ class OpCall:
     def capabilities(self) -> DeviceCapabilities:
         """The capabilities of the device the call runs on."""
         return self.backend.device(self.device_index).capabilities
-
-    def without_out(self) -> OpCall:
-        """This call with ``out`` removed: what an implementation receives (hal writes ``out``)."""
-        return replace(self, args={name: value for name, value in self.args.items() if name != "out"})
 
     def __getitem__(self, name: str) -> Any:
         return self.args[name]
