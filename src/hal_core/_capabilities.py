@@ -29,7 +29,7 @@ class DeviceCapabilities(BaseModel):
     so that logic can be tested without the hardware.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)  # schema built on first use, not at import
 
     vendor: str = Field(description="'cpu' for the host, else the device maker's name, as the backend reports it")
     name: str

@@ -168,8 +168,6 @@ class Runtime:
                 devices = list(instance.devices())
                 if not devices:
                     raise RuntimeError("devices() returned no device")
-                for device in devices:
-                    _ = device.capabilities
                 extras = extra_op_impls(self.discovery(), entry, instance)
                 instance.__dict__["_hal_ops"] = Ops(instance, fallback=fallback, extra_impls=extras)
                 return instance
