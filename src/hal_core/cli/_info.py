@@ -123,10 +123,31 @@ def _print_info(info: dict[str, Any]) -> None:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
+    from ._explain import explain, parse_shape, print_explain, print_stats, stats_report
+
     info = collect_info()
+    backend = None
+    if args.explain or args.shape:
+        try:
+            cases = [parse_shape(text) for text in args.shape] or None
+        except ValueError as exc:
+            print(f"hal info: {exc}", file=sys.stderr)
+            return 2
+        try:
+            backend = hal_core.get_backend(args.backend)
+        except HalError as exc:
+            print(f"hal info: cannot explain: {exc}", file=sys.stderr)
+            return 1
+        info["explain"] = {"backend": backend.name, "cases": explain(backend, cases)}
+    if args.stats:
+        info["stats"] = stats_report()
     if args.json:
         json.dump(info, sys.stdout, indent=2, sort_keys=False)
         print()
-    else:
-        _print_info(info)
+        return 0
+    _print_info(info)
+    if backend is not None:
+        print_explain(backend, info["explain"]["cases"])
+    if args.stats:
+        print_stats(info["stats"])
     return 0
