@@ -34,7 +34,9 @@ def backend(request: pytest.FixtureRequest):
         return request.getfixturevalue("cpu")
     from halfakes import HostBackend
 
-    return HostBackend()
+    from hal_core.ops import Ops
+
+    return Ops.attach(HostBackend()).backend
 
 
 def ptr(array) -> int:

@@ -122,15 +122,16 @@ class Backend(ABC):
     def ops(self) -> Ops:
         """The ops front door: validated, dispatched, with a correct fallback.
 
-        Built by hal when it binds the backend (:func:`hal_core.get_backend`);
-        an instance made by hand gets a front door of its own implementations
-        only, falling back to the float64 reference.
+        Built by hal when it binds the backend (:func:`hal_core.get_backend`).
+        An instance made by hand has none until
+        :meth:`hal_core.ops.Ops.attach` gives it one.
         """
         ops = self.__dict__.get("_hal_ops")
         if ops is None:
-            from .ops import Ops  # an unbound instance: no fallback backend, no extras
-
-            ops = self.__dict__["_hal_ops"] = Ops(self)
+            raise RuntimeError(
+                f"backend {self.name!r} is not bound: get it with hal_core.get_backend({self.name!r}), "
+                f"or give this instance a front door with hal_core.ops.Ops.attach(backend)"
+            )
         return ops
 
     def __repr__(self) -> str:

@@ -169,7 +169,7 @@ class Runtime:
                 if not devices:
                     raise RuntimeError("devices() returned no device")
                 extras = extra_op_impls(self.discovery(), entry, instance)
-                instance.__dict__["_hal_ops"] = Ops(instance, fallback=fallback, extra_impls=extras)
+                Ops.attach(instance, fallback=fallback, extra_impls=extras)
                 return instance
 
             backend, exc = guarded(f"binding backend {entry.name!r}", build)

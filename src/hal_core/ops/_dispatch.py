@@ -103,6 +103,14 @@ class Ops:
         self._logged: set[tuple[str, str]] = set()
         self._watchers: list[list[DispatchEvent]] = []
 
+    @classmethod
+    def attach(cls, backend: Backend, *, fallback: Backend | None = None,
+               extra_impls: Iterable[OpImpl] = ()) -> Ops:
+        """Build the front door of ``backend`` and make it ``backend.ops`` (what binding does)."""
+        ops = cls(backend, fallback=fallback, extra_impls=extra_impls)
+        backend.__dict__["_hal_ops"] = ops
+        return ops
+
     @property
     def backend(self) -> Backend:
         return self._backend
