@@ -82,7 +82,10 @@ def test_no_plugin_imports_a_private_hal_core_module() -> None:
     assert not hits, "plugins importing private hal_core modules:\n" + "\n".join(hits)
 
 
-@pytest.mark.parametrize("module", ["hal_core", "hal_core.ops", "hal_core.arrays", "hal_core.quant"])
+PUBLIC_MODULES = ["hal_core", "hal_core.ops", "hal_core.arrays", "hal_core.quant", "hal_core.kvcache"]
+
+
+@pytest.mark.parametrize("module", PUBLIC_MODULES)
 def test_public_names_report_a_public_module(module: str) -> None:
     """Every public class and function reports the public module it is documented in, never a private one."""
     import importlib
