@@ -122,7 +122,7 @@ step cuda_tests 160 "$PY" -m pytest plugins/hal_cuda/tests -q -rs -p no:cachepro
   --ignore=plugins/hal_cuda/tests/test_nvrtc_compile.py --ignore=plugins/hal_cuda/tests/test_hip_compile.py \
   --ignore=plugins/hal_cuda/tests/test_kernels_host_compiled.py \
   --junitxml="$RESULTS/cuda-tests.xml"
-step contract 45 "$PY" -m pytest --pyargs hal_core.testing.suite -q -rs -p no:cacheprovider --hal-backend=cuda \
+step contract 45 "$PY" -m pytest -p hal_core.testing --pyargs hal_core.testing.suite -q -rs -p no:cacheprovider --hal-backend=cuda \
   --junitxml="$RESULTS/contract.xml"
 step core_tests 45 "$PY" -m pytest tests -q -rs -p no:cacheprovider --junitxml="$RESULTS/core-tests.xml"
 step bench_paged_attention 50 env HAL_CHECK_INDICES=0 "$PY" benchmarks/bench_paged_attention.py --json "$RESULTS/paged_attention.json"

@@ -5,7 +5,7 @@ for each distribution into SITE, read from its pyproject.toml, and a
 ``hal-src.pth`` naming the three source folders. With SITE and those folders
 on ``PYTHONPATH`` (what gpu_check.sh does), or with SITE a site-packages
 folder (whose ``.pth`` files Python reads), ``import hal_core`` works and
-``importlib.metadata`` finds the ``hal`` and ``pytest11`` entry points as
+``importlib.metadata`` finds the ``hal`` entry points and the ``hal`` command as
 after ``pip install -e``: no hatchling, no network. Only the standard
 library is used (Python >= 3.11).
 

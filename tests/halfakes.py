@@ -18,7 +18,8 @@ from hal_core import Availability, Backend, DeviceCapabilities, DeviceHandle
 __all__ = ["FAKE_CAPS", "HAL_VARS", "FakeDevice", "HostBackend", "subprocess_env", "touch"]
 
 #: The HAL_* variables of hal-core.
-HAL_VARS = ("HAL_BACKEND", "HAL_FORCE_CPU", "HAL_STRICT", "HAL_DISABLE_PLUGINS", "HAL_CHECK_INDICES")
+HAL_VARS = ("HAL_BACKEND", "HAL_FORCE_CPU", "HAL_STRICT", "HAL_DISABLE_PLUGINS", "HAL_CHECK_INDICES",
+            "HAL_ALLOW_OVERRIDE", "HAL_PROBE_TIMEOUT_S")
 
 FAKE_CAPS = DeviceCapabilities(
     vendor="test", name="fake device", arch="fake", compute_units=2, simd_width=8,
@@ -76,6 +77,7 @@ class HostBackend(Backend):
 
     name = "host-fake"
     priority = 1
+    is_host = True
 
     @classmethod
     def availability(cls) -> Availability:

@@ -60,7 +60,9 @@ def backend(request: pytest.FixtureRequest):
         return request.getfixturevalue("cpu")
     from halfakes import HostBackend
 
-    return HostBackend()
+    from hal_core.ops import Ops
+
+    return Ops.attach(HostBackend()).backend
 
 
 def act_order_g_idx(rng: np.random.Generator, k: int, group_size: int) -> np.ndarray:

@@ -9,7 +9,11 @@ import pytest
 
 import hal_core
 from hal_core import BackendConflictError
-from hal_core._discovery import discover
+from hal_core._runtime import current
+
+
+def discover():
+    return current().discovery()
 
 
 def _record(name: str) -> hal_core.PluginRecord:
@@ -195,25 +199,74 @@ def test_backend_with_abstract_method_missing_is_rejected_naming_it(make_plugin)
     assert discover().manager.get_plugin("hal-plugin:incomplete") is None
 
 
-def test_same_backend_name_higher_priority_wins(make_plugin) -> None:
-    """Two plugins offering one name: the higher priority is selected and both appear in list_backends()."""
+def test_same_backend_name_from_two_distributions_without_an_owner_rejects_both(make_plugin) -> None:
+    """Two distributions offering one name, neither named hal-<name>: both plugins are rejected, with the reason."""
     make_plugin("low", backend="dup", priority=5)
-    high = make_plugin("high", backend="dup", priority=7)
-    infos = [b for b in hal_core.list_backends() if b.name == "dup"]
-    assert sorted((b.plugin, b.selectable) for b in infos) == [("high", True), ("low", False)]
-    loser = next(b for b in infos if b.plugin == "low")
-    assert "shadowed" in loser.reason and "high" in loser.reason
-    backend = hal_core.get_backend("dup")
-    assert type(backend).__module__ == high.module and backend.priority == 7
-
-
-def test_same_backend_name_at_equal_priority_is_a_conflict(make_plugin) -> None:
-    """An exact priority tie: get_backend(name) raises BackendConflictError naming both plugins."""
-    make_plugin("first", backend="dup", priority=5)
-    make_plugin("second", backend="dup", priority=5)
-    with pytest.raises(BackendConflictError) as info:
+    make_plugin("high", backend="dup", priority=7)
+    for name in ("low", "high"):
+        record = _record(name)
+        assert record.status == "rejected"
+        assert "may not replace another distribution's backend" in record.reason
+        assert "HAL_ALLOW_OVERRIDE=hal-throwaway-" in record.reason
+    assert "dup" not in _backend_names()
+    with pytest.raises(hal_core.BackendUnavailableError, match="plugin was rejected"):
         hal_core.get_backend("dup")
-    assert "first" in str(info.value) and "second" in str(info.value)
+
+
+def test_allowed_override_replaces_the_owner(make_plugin, monkeypatch) -> None:
+    """HAL_ALLOW_OVERRIDE=dist: that distribution's backend replaces the owner's; the owner shows as replaced."""
+    make_plugin("owner", backend="dup", priority=9, distribution="hal-dup")
+    other = make_plugin("other", backend="dup", priority=1)
+    monkeypatch.setenv("HAL_ALLOW_OVERRIDE", other.distribution)
+    hal_core.reset()
+    backend = hal_core.get_backend("dup")
+    assert type(backend).__module__ == other.module
+    owner = next(b for b in hal_core.list_backends() if b.plugin == "owner")
+    assert not owner.selectable and "replaced by distribution hal-throwaway-other" in owner.reason
+
+
+TWO_OF_A_NAME = '''
+from hal_core import API_VERSION, hookimpl
+from halfakes import HostBackend
+
+
+class LowBackend(HostBackend):
+    name = "dup"
+    priority = 5
+
+
+class HighBackend(HostBackend):
+    name = "dup"
+    priority = {high}
+
+
+@hookimpl
+def hal_api_version():
+    return API_VERSION
+
+
+@hookimpl
+def hal_backends():
+    return [LowBackend, HighBackend]
+'''
+
+
+def test_one_distribution_offering_a_name_twice_higher_priority_wins(make_plugin) -> None:
+    """One distribution offering one name twice: the higher priority holds it, the other is shadowed."""
+    make_plugin("maker", TWO_OF_A_NAME.replace("{high}", "7"))
+    infos = [b for b in hal_core.list_backends() if b.name == "dup"]
+    assert sorted((b.priority, b.selectable) for b in infos) == [(5, False), (7, True)]
+    loser = next(b for b in infos if b.priority == 5)
+    assert "shadowed" in loser.reason and "maker" in loser.reason
+    backend = hal_core.get_backend("dup")
+    assert type(backend).__name__ == "HighBackend" and backend.priority == 7
+
+
+def test_same_backend_name_at_equal_priority_in_one_distribution_is_a_conflict(make_plugin) -> None:
+    """An exact priority tie within one distribution: get_backend(name) raises BackendConflictError."""
+    make_plugin("maker", TWO_OF_A_NAME.replace("{high}", "5"))
+    with pytest.raises(BackendConflictError, match=r"conflict.*'dup'"):
+        hal_core.get_backend("dup")
     assert all(not b.selectable for b in hal_core.list_backends() if b.name == "dup")
 
 

@@ -13,7 +13,7 @@ HIERARCHY = [
     ("BackendNotFoundError", LookupError),
     ("BackendUnavailableError", RuntimeError),
     ("BackendConflictError", RuntimeError),
-    ("PluginRejectedError", ImportError),
+    ("ImplementationError", RuntimeError),
     ("ArgumentError", ValueError),
     ("ArgumentTypeError", TypeError),
     ("LaunchConfigError", ValueError),

@@ -73,13 +73,55 @@ def test_example_unsupported_calls_fall_back_correctly(tiny, caplog, monkeypatch
         tiny.ops.quantized_gemm(x, qw)
 
 
-def test_contract_suite_passes_for_the_example(tiny, site, tmp_path) -> None:
-    """`pytest --pyargs hal_core.testing.suite --hal-backend=tiny` passes for the example plugin, as the doc says."""
-    pytest.importorskip("hal_core.testing.suite", reason="the contract suite is not installed")
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "--pyargs", "hal_core.testing.suite", "--hal-backend=tiny", "-q",
-         "-p", "no:cacheprovider", "--hal-seed=1"],
+def _run_suite(site: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "hal_core.testing", "--pyargs", "hal_core.testing.suite",
+         "--hal-backend=tiny", "-q", "-p", "no:cacheprovider", "--hal-seed=1", *extra],
         cwd=tmp_path, env=subprocess_env(site), capture_output=True, text=True, timeout=600,
     )
+
+
+def test_contract_suite_fails_the_example_until_it_implements_its_ops(tiny, site, tmp_path) -> None:
+    """The example implements one op: the suite fails every test whose calls fell back, naming the op."""
+    pytest.importorskip("hal_core.testing.suite", reason="the contract suite is not installed")
+    done = _run_suite(site, tmp_path)
+    assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-2000:]
+    failed = re.findall(r"^FAILED \S+::(\w+)", done.stdout, flags=re.M)
+    assert any(name.startswith("test_paged_attention") for name in failed), done.stdout[-4000:]
+    assert any(name.startswith("test_write_kv_cache") for name in failed), done.stdout[-4000:]
+    assert "fell back although backend 'tiny' declares these arguments supported" in done.stdout
+    assert not any(name.startswith("test_stream") for name in failed)  # the device contracts hold
+
+
+DECLARED = '''
+    def register_ops(self, registry: OpRegistry) -> None:
+        from hal_core.ops import OpCoverage
+
+        registry.register("quantized_gemm", gemm_w4a16, priority=10, supports=supports_w4a16,
+                          name="tiny-w4a16")
+        registry.declare("quantized_gemm", OpCoverage(dtypes={"fp16", "fp32"}, bits={4}))
+        registry.declare("paged_attention", OpCoverage.none())
+        registry.declare("write_kv_cache", OpCoverage.none())
+'''
+
+
+def test_contract_suite_passes_the_example_once_it_declares_what_it_leaves_to_the_fallback(
+        make_plugin, cpu, site, tmp_path) -> None:
+    """Declaring bf16, int8 and the two attention ops unsupported (OpCoverage) makes the suite pass."""
+    pytest.importorskip("hal_core.testing.suite", reason="the contract suite is not installed")
+    source = _block("hal_tiny.py")
+    start = source.index("    def register_ops")
+    end = source.index("    def owns")
+    make_plugin("tiny", source[:start] + DECLARED.lstrip("\n") + "\n" + source[end:], module="hal_tiny",
+                distribution="hal-tiny")
+    assert hal_core.get_backend("tiny").ops.coverage("paged_attention").covers({}) is not True
+    done = _run_suite(site, tmp_path)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout
+
+
+def test_allow_fallback_option_lets_the_example_pass(tiny, site, tmp_path) -> None:
+    """--hal-allow-fallback turns the fallback check off: the example's results are still correct."""
+    pytest.importorskip("hal_core.testing.suite", reason="the contract suite is not installed")
+    done = _run_suite(site, tmp_path, "--hal-allow-fallback")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

@@ -12,10 +12,12 @@ discovered on the first :func:`get_backend` or :func:`list_backends`.
 
 from __future__ import annotations
 
+import contextlib
+
 from ._backend import Availability, Backend
 from ._capabilities import DeviceCapabilities, load_profile, profile_names
 from ._device import DeviceHandle
-from ._discovery import PluginRecord, reset
+from ._discovery import PluginRecord
 from ._errors import (
     ArgumentError,
     ArgumentTypeError,
@@ -25,15 +27,16 @@ from ._errors import (
     DeviceOutOfMemoryError,
     FallbackError,
     HalError,
+    ImplementationError,
     KernelCompileError,
     LaunchConfigError,
     OutOfBlocksError,
-    PluginRejectedError,
 )
 from ._hookspecs import hookimpl, hookspec
 from ._launch import CompiledKernel, KernelLauncher, KernelSource, LaunchConfig, grid_for
 from ._memory import AllocationPolicy, Allocator, AllocatorStats, DeviceBuffer
-from ._selection import BackendInfo, get_backend, list_backends
+from ._runtime import reset
+from ._selection import BackendInfo, get_backend, list_backends, stats
 from ._stream import Event, Stream
 from ._version import API_VERSION, __version__
 
@@ -58,6 +61,7 @@ __all__ = [
     "Event",
     "FallbackError",
     "HalError",
+    "ImplementationError",
     "KernelCompileError",
     "KernelLauncher",
     "KernelSource",
@@ -65,7 +69,6 @@ __all__ = [
     "LaunchConfigError",
     "OutOfBlocksError",
     "PluginRecord",
-    "PluginRejectedError",
     "Stream",
     "__version__",
     "get_backend",
@@ -77,11 +80,24 @@ __all__ = [
     "load_profile",
     "profile_names",
     "reset",
+    "stats",
 ]
 
 
 def list_plugins() -> list[PluginRecord]:
     """Every entry point of the ``hal`` group: loaded, rejected or disabled, and why."""
-    from ._discovery import discover
+    from ._runtime import current
 
-    return list(discover().plugins)
+    return list(current().discovery().plugins)
+
+
+def _claim_public_names() -> None:
+    """Public names report ``hal_core`` as their module (they are documented and pickled from here)."""
+    for name in __all__:
+        value = globals()[name]
+        if getattr(value, "__module__", "").startswith(("hal_core._", "pluggy")):
+            with contextlib.suppress(AttributeError, TypeError):  # a pluggy marker instance keeps its own
+                value.__module__ = __name__
+
+
+_claim_public_names()

@@ -17,7 +17,11 @@ __all__ = ["Availability", "Backend"]
 
 
 class Availability(NamedTuple):
-    """Whether a backend can run here; ``reason`` and ``remedy`` say why not and what to do."""
+    """Whether a backend can run here; ``reason`` and ``remedy`` say why not and what to do.
+
+    ``ok`` must be a ``bool`` and ``reason``/``remedy`` strings: hal treats
+    anything else an ``availability()`` returns as a broken backend.
+    """
 
     ok: bool
     reason: str = ""
@@ -30,14 +34,22 @@ class Backend(ABC):
     Subclasses set :attr:`name` and :attr:`priority` (higher wins automatic
     selection; the CPU backend is 0) and implement every abstract method;
     discovery refuses a class that leaves one out. Instances are made by
-    hal only after :meth:`availability` said yes.
+    hal only after :meth:`availability` said yes; hal then builds the
+    instance's :attr:`ops` (its implementations, the fallback backend and
+    the extra implementations other plugins are allowed to add).
     """
 
     name: ClassVar[str]
     priority: ClassVar[int]
-    #: The HAL API version this class was written against; None defers to the
-    #: version its plugin declares through ``hal_api_version``.
-    api_version: ClassVar[tuple[int, int] | None] = None
+    #: True when this backend's arrays are host numpy arrays. A host backend
+    #: is what a device backend falls back to; the available host backend
+    #: with the lowest priority (hal-cpu) is that fallback.
+    is_host: ClassVar[bool] = False
+    #: DLPack device type codes (``dlpack.h``'s ``DLDeviceType``) whose memory
+    #: this backend addresses without a copy; :meth:`from_dlpack` imports
+    #: such arrays. Empty for host backends (host memory is code 1, always
+    #: viewed through numpy).
+    dlpack_device_types: ClassVar[frozenset[int]] = frozenset()
 
     @classmethod
     @abstractmethod
@@ -45,7 +57,9 @@ class Backend(ABC):
         """Whether this backend can run here.
 
         Must be cheap and side-effect free: no device context, no
-        environment change, and no vendor SDK import it can avoid.
+        environment change, and no vendor SDK import it can avoid. hal runs
+        it once per process (until :func:`hal_core.reset`), outside every
+        lock, under a time limit (``HAL_PROBE_TIMEOUT_S``).
         """
         raise NotImplementedError("The 'availability' classmethod must be implemented.")
 
@@ -74,6 +88,29 @@ class Backend(ABC):
         """``array`` in this backend's memory domain on ``device`` (current if None)."""
         raise NotImplementedError("The 'asarray' method must be implemented.")
 
+    def from_dlpack(self, value: Any) -> Any:
+        """A zero-copy array of this backend over ``value``, a DLPack producer.
+
+        Called by the ops front door for a foreign array whose DLPack device
+        type is in :attr:`dlpack_device_types`. The result must share
+        ``value``'s memory; hal compares the data pointers where it can.
+        Host backends inherit a numpy view; a device backend must implement
+        this for its array library.
+        """
+        if self.is_host:
+            return np.from_dlpack(value)
+        raise NotImplementedError(
+            f"backend {self.name!r} lists DLPack device types {sorted(self.dlpack_device_types)} "
+            f"but does not implement from_dlpack"
+        )
+
+    def on_reset(self) -> None:
+        """Drop per-process caches (compiled kernels, pools); called by :func:`hal_core.reset`.
+
+        hal forgets this instance right after; the default does nothing.
+        """
+        return None
+
     def device(self, index: int = 0) -> DeviceHandle:
         """The device with this index."""
         found = self.devices()
@@ -83,12 +120,18 @@ class Backend(ABC):
 
     @property
     def ops(self) -> Ops:
-        """The ops front door: validated, dispatched, with a correct fallback."""
+        """The ops front door: validated, dispatched, with a correct fallback.
+
+        Built by hal when it binds the backend (:func:`hal_core.get_backend`).
+        An instance made by hand has none until
+        :meth:`hal_core.ops.Ops.attach` gives it one.
+        """
         ops = self.__dict__.get("_hal_ops")
         if ops is None:
-            from .ops import Ops
-
-            ops = self.__dict__["_hal_ops"] = Ops(self)
+            raise RuntimeError(
+                f"backend {self.name!r} is not bound: get it with hal_core.get_backend({self.name!r}), "
+                f"or give this instance a front door with hal_core.ops.Ops.attach(backend)"
+            )
         return ops
 
     def __repr__(self) -> str:

@@ -29,9 +29,9 @@ class DeviceCapabilities(BaseModel):
     so that logic can be tested without the hardware.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)  # schema built on first use, not at import
 
-    vendor: str = Field(description="'cpu', 'nvidia', 'amd', ...")
+    vendor: str = Field(description="'cpu' for the host, else the device maker's name, as the backend reports it")
     name: str
     arch: str = Field(description="'sm_90', 'gfx942', 'x86_64-avx512', ...")
     compute_units: int = Field(gt=0, description="SMs, CUs or CPU cores")
@@ -143,5 +143,5 @@ def load_profile(name: str) -> DeviceCapabilities:
         peak_fp16_tflops=entry["peak_fp16_tensor_tflops"],
         dtypes=frozenset(dtypes),
         features=frozenset(features | {"async_alloc", "managed_memory"}),
-        allocation_granularity=512 if entry["vendor"] == "nvidia" else 4096,
+        allocation_granularity=entry["allocation_granularity"],
     )

@@ -33,6 +33,14 @@ class DeviceHandle(ABC):
     def default_stream(self) -> Stream:
         raise NotImplementedError("The 'default_stream' property must be implemented.")
 
+    def current_stream(self) -> Stream:
+        """The stream ops enqueue on from this thread (the library's notion of "current").
+
+        The default is :attr:`default_stream`; a backend whose library has a
+        per-thread current stream (``with stream:``) returns that one.
+        """
+        return self.default_stream
+
     @abstractmethod
     def create_stream(self) -> Stream:
         """A new stream, ordered independently of the others."""

@@ -2,16 +2,24 @@
 
 pluggy's ``load_setuptools_entrypoints`` stops at the first plugin that
 fails to import. Here each entry point is loaded on its own, checked in
-full, and either bound whole or rejected with its reason; one broken
-plugin never stops the others. Discovery runs lazily, once, under a lock;
-:func:`reset` forgets everything (for tests).
+full, and either kept whole or rejected with its reason; one broken
+plugin never stops the others, and nothing a plugin raises (``SystemExit``
+included; only ``KeyboardInterrupt`` passes) ends the host program.
+
+A backend name belongs to one distribution: the one named
+``hal-<backend name>`` when several offer it. Another distribution may
+replace that backend, or add implementations to it through
+``hal_extra_ops``, only when ``HAL_ALLOW_OVERRIDE`` names it; otherwise its
+plugin is rejected (or its extras refused) with the reason.
+
+This module holds no state: :func:`discover_plugins` returns a fresh
+:class:`Discovery`, which the runtime (:mod:`hal_core._runtime`) keeps.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-import threading
 import warnings
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -23,7 +31,8 @@ from . import _env, _hookspecs
 from ._backend import Backend
 from ._version import API_VERSION
 
-__all__ = ["BackendEntry", "PluginRecord", "discover", "extra_op_impls", "reset"]
+__all__ = ["BackendEntry", "Discovery", "PluginRecord", "discover_plugins", "extra_op_impls", "guarded",
+           "owner_distribution"]
 
 log = logging.getLogger("hal")
 
@@ -39,6 +48,8 @@ class PluginRecord:
     status: str  # "loaded", "rejected" or "disabled"
     reason: str = ""
     backends: list[str] = field(default_factory=list)
+    #: Extra implementations of this plugin that hal refused, each with the reason.
+    refused: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -51,41 +62,37 @@ class BackendEntry:
     plugin: str
     distribution: str
     version: str
-    #: Why this entry is not selectable although its plugin loaded (shadowed, conflict); empty if fine.
+    #: Why this entry is not selectable although its plugin loaded (shadowed, replaced); empty if fine.
     shadowed: str = ""
 
 
 @dataclass
-class _State:
+class Discovery:
+    """What one discovery pass found: pluggy's manager, every entry point, every backend class."""
+
     manager: pluggy.PluginManager
     plugins: list[PluginRecord]
     backends: list[BackendEntry]
 
-
-_lock = threading.RLock()
-_state: _State | None = None
-
-
-def discover() -> _State:
-    """The discovery result, computed on first use."""
-    global _state
-    with _lock:
-        if _state is None:
-            _state = _discover()
-        return _state
+    def record(self, plugin_name: str) -> PluginRecord | None:
+        """The record of the entry point registered with pluggy as ``plugin_name``."""
+        name = plugin_name.removeprefix("hal-plugin:")
+        return next((p for p in self.plugins if p.name == name and p.status == "loaded"), None)
 
 
-def reset() -> None:
-    """Forget discovered plugins and bound backends (tests; after installing a plugin)."""
-    global _state
-    from . import _selection
-    from .ops import _dispatch
+def guarded(what: str, fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, BaseException | None]:
+    """``fn(*args, **kwargs)`` with any exception but ``KeyboardInterrupt`` caught: (result, error)."""
+    try:
+        return fn(*args, **kwargs), None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # SystemExit, GeneratorExit, ... from plugin code: never ours to obey
+        log.debug("hal: %s raised", what, exc_info=exc)
+        return None, exc
 
-    with _lock:
-        _state = None
-    # Outside the discovery lock: binding takes the selection lock, then this one.
-    _selection.forget_bound()
-    _dispatch.forget_logged_fallbacks()
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _compatible(version: Any) -> str:
@@ -120,9 +127,12 @@ def _check_backend_class(cls: Any) -> str:
         return f"backend class {cls.__qualname__} sets no 'name' string"
     if not isinstance(priority, int) or isinstance(priority, bool):
         return f"backend class {cls.__qualname__} sets no integer 'priority'"
-    version = getattr(cls, "api_version", None)
-    problem = _compatible(version) if version is not None else ""
-    return f"backend {name!r} {problem}" if problem else ""
+    if not isinstance(cls.is_host, bool):
+        return f"backend class {cls.__qualname__} sets 'is_host' to {cls.is_host!r}, not a bool"
+    codes = cls.dlpack_device_types
+    if not isinstance(codes, frozenset) or not all(isinstance(c, int) and not isinstance(c, bool) for c in codes):
+        return f"backend class {cls.__qualname__} sets 'dlpack_device_types' to {codes!r}, not a frozenset of ints"
+    return ""
 
 
 def _load_plugin(manager: pluggy.PluginManager, ep: metadata.EntryPoint) -> tuple[PluginRecord, list[BackendEntry]]:
@@ -144,14 +154,12 @@ def _load_plugin(manager: pluggy.PluginManager, ep: metadata.EntryPoint) -> tupl
     if ep.name in _env.disabled_plugins():
         record.status, record.reason = "disabled", "disabled by HAL_DISABLE_PLUGINS"
         return record, []
-    try:
-        module = ep.load()
-    except Exception as exc:
-        return reject(f"importing {ep.value!r} failed: {type(exc).__name__}: {exc}", exc)
-    try:
-        manager.register(module, name=f"hal-plugin:{ep.name}")
-    except Exception as exc:
-        return reject(f"invalid hook implementations: {type(exc).__name__}: {exc}", exc)
+    module, exc = guarded(f"importing plugin {ep.name!r}", ep.load)
+    if exc is not None:
+        return reject(f"importing {ep.value!r} failed: {_describe(exc)}", exc)
+    _, exc = guarded(f"registering plugin {ep.name!r}", manager.register, module, name=f"hal-plugin:{ep.name}")
+    if exc is not None:
+        return reject(f"invalid hook implementations: {_describe(exc)}", exc)
 
     def unregister_and_reject(reason: str, exc: BaseException | None = None):
         manager.unregister(module)
@@ -160,19 +168,17 @@ def _load_plugin(manager: pluggy.PluginManager, ep: metadata.EntryPoint) -> tupl
     version_hook = _own_impl(manager.hook.hal_api_version, module)
     if version_hook is None:
         return unregister_and_reject("declares no hal_api_version hook")
-    try:
-        version = version_hook()
-    except Exception as exc:
-        return unregister_and_reject(f"hal_api_version raised {type(exc).__name__}: {exc}", exc)
+    version, exc = guarded(f"{ep.name} hal_api_version", version_hook)
+    if exc is not None:
+        return unregister_and_reject(f"hal_api_version raised {_describe(exc)}", exc)
     problem = _compatible(version)
     if problem:
         warnings.warn(f"hal: plugin {ep.name!r} {problem}", RuntimeWarning, stacklevel=2)
         return unregister_and_reject(problem)
     backends_hook = _own_impl(manager.hook.hal_backends, module)
-    try:
-        classes = list(backends_hook()) if backends_hook is not None else []
-    except Exception as exc:
-        return unregister_and_reject(f"hal_backends raised {type(exc).__name__}: {exc}", exc)
+    classes, exc = guarded(f"{ep.name} hal_backends", lambda: list(backends_hook()) if backends_hook else [])
+    if exc is not None:
+        return unregister_and_reject(f"hal_backends raised {_describe(exc)}", exc)
     for cls in classes:
         problem = _check_backend_class(cls)
         if problem:
@@ -187,11 +193,61 @@ def _load_plugin(manager: pluggy.PluginManager, ep: metadata.EntryPoint) -> tupl
     return record, entries
 
 
-def _resolve_names(entries: list[BackendEntry]) -> None:
-    """Mark entries that lose a name to a higher priority, or tie for it."""
+def owner_distribution(backend_name: str) -> str:
+    """The distribution that owns a backend name when several offer it: ``hal-<name>``."""
+    return _normalise(f"hal-{backend_name}")
+
+
+def _normalise(distribution: str) -> str:
+    return distribution.lower().replace("_", "-").replace(".", "-")
+
+
+def _resolve_ownership(manager: pluggy.PluginManager, plugins: list[PluginRecord],
+                       entries: list[BackendEntry]) -> list[BackendEntry]:
+    """Reject plugins that offer a backend name another distribution owns; return the entries left."""
+    allowed = {_normalise(d) for d in _env.allowed_overrides()}
     by_name: dict[str, list[BackendEntry]] = {}
     for entry in entries:
         by_name.setdefault(entry.name, []).append(entry)
+    offenders: dict[str, str] = {}  # plugin name -> reason
+    for name, group in by_name.items():
+        dists = {_normalise(e.distribution) for e in group}
+        if len(dists) < 2:
+            continue
+        owner = owner_distribution(name)
+        listing = ", ".join(sorted(e.distribution for e in group))
+        chosen = dists & allowed
+        for entry in group:
+            dist = _normalise(entry.distribution)
+            if chosen:
+                if dist not in chosen:
+                    winners = ", ".join(sorted(chosen))
+                    entry.shadowed = f"replaced by distribution {winners} (allowed by HAL_ALLOW_OVERRIDE)"
+                continue
+            if dist == owner:
+                continue
+            holder = f"distribution {owner!r}" if owner in dists else "another distribution"
+            offenders.setdefault(entry.plugin, (
+                f"offers backend {name!r}, which {holder} also offers ({listing}); a plugin may not replace "
+                f"another distribution's backend: uninstall one, or allow this one with "
+                f"HAL_ALLOW_OVERRIDE={entry.distribution}"
+            ))
+    for record in plugins:
+        if record.status == "loaded" and record.name in offenders:
+            record.status, record.reason = "rejected", offenders[record.name]
+            log.warning("hal: plugin %r rejected: %s", record.name, record.reason)
+            plugin = manager.get_plugin(f"hal-plugin:{record.name}")
+            if plugin is not None:
+                manager.unregister(plugin)
+    return [e for e in entries if e.plugin not in offenders]
+
+
+def _resolve_names(entries: list[BackendEntry]) -> None:
+    """Within what is left, mark entries that lose a name to a higher priority, or tie for it."""
+    by_name: dict[str, list[BackendEntry]] = {}
+    for entry in entries:
+        if not entry.shadowed:
+            by_name.setdefault(entry.name, []).append(entry)
     for name, group in by_name.items():
         group.sort(key=lambda e: -e.priority)
         best = group[0]
@@ -206,7 +262,8 @@ def _resolve_names(entries: list[BackendEntry]) -> None:
                               f"{name!r} at higher priority {best.priority}")
 
 
-def _discover() -> _State:
+def discover_plugins() -> Discovery:
+    """Import and check every entry point of the ``hal`` group (``HAL_DISABLE_PLUGINS`` ones excepted)."""
     manager = pluggy.PluginManager(_hookspecs.PROJECT_NAME)
     manager.add_hookspecs(_hookspecs)
     plugins: list[PluginRecord] = []
@@ -229,26 +286,44 @@ def _discover() -> _State:
         record, entries = _load_plugin(manager, ep)
         plugins.append(record)
         backends.extend(entries)
+    backends = _resolve_ownership(manager, plugins, backends)
     _resolve_names(backends)
-    return _State(manager=manager, plugins=plugins, backends=backends)
+    return Discovery(manager=manager, plugins=plugins, backends=backends)
 
 
-def extra_op_impls(backend: Backend) -> list[Any]:
-    """Op implementations that plugins add to ``backend`` through ``hal_extra_ops``."""
+def extra_op_impls(discovery: Discovery, entry: BackendEntry, backend: Backend) -> list[Any]:
+    """Op implementations plugins add to ``backend`` through ``hal_extra_ops``, where they may.
+
+    A plugin of another distribution than the backend's may add
+    implementations only when ``HAL_ALLOW_OVERRIDE`` names its distribution;
+    otherwise its offer is refused and recorded on its :class:`PluginRecord`.
+    """
     from .ops import OPS, OpImpl
 
-    state = discover()
+    allowed = {_normalise(d) for d in _env.allowed_overrides()}
     impls: list[Any] = []
-    for hookimpl in state.manager.hook.hal_extra_ops.get_hookimpls():
-        try:  # one plugin's extras never break another's backend
-            offered = list(hookimpl.function(backend=backend) or ())
+    for hookimpl in discovery.manager.hook.hal_extra_ops.get_hookimpls():
+        record = discovery.record(hookimpl.plugin_name)
+        offered, exc = guarded(f"{hookimpl.plugin_name} hal_extra_ops",
+                               lambda f=hookimpl.function: list(f(backend=backend) or ()))
+        if exc is None:
             bad = [item for item in offered if not (isinstance(item, OpImpl) and item.op in OPS)]
             if bad:
-                raise TypeError(f"expected OpImpl objects of known ops {sorted(OPS)}, got {bad[0]!r}")
-        except Exception as exc:
-            log.warning("hal: %s hal_extra_ops for backend %r failed (%s: %s); its extra ops are ignored",
-                        hookimpl.plugin_name, backend.name, type(exc).__name__, exc)
-            log.debug("hal: traceback", exc_info=exc)
+                exc = TypeError(f"expected OpImpl objects of known ops {sorted(OPS)}, got {bad[0]!r}")
+        if exc is not None:
+            log.warning("hal: %s hal_extra_ops for backend %r failed (%s); its extra ops are ignored",
+                        hookimpl.plugin_name, backend.name, _describe(exc))
+            continue
+        if not offered:
+            continue
+        dist = record.distribution if record is not None else "?"
+        if _normalise(dist) != _normalise(entry.distribution) and _normalise(dist) not in allowed:
+            reason = (f"hal_extra_ops offered {len(offered)} implementation(s) for backend {backend.name!r} "
+                      f"of distribution {entry.distribution!r}; refused: a plugin may not extend another "
+                      f"distribution's backend unless HAL_ALLOW_OVERRIDE={dist} allows it")
+            log.warning("hal: plugin %s: %s", hookimpl.plugin_name, reason)
+            if record is not None and reason not in record.refused:
+                record.refused.append(reason)
             continue
         impls.extend(offered)
     return impls

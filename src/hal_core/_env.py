@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 
 __all__ = [
+    "allowed_overrides",
     "backend_override",
     "check_indices",
     "disabled_plugins",
     "force_cpu",
+    "probe_timeout_s",
     "strict",
 ]
 
@@ -47,3 +49,27 @@ def disabled_plugins() -> frozenset[str]:
     """``HAL_DISABLE_PLUGINS=a,b``: entry points never imported."""
     raw = os.environ.get("HAL_DISABLE_PLUGINS", "")
     return frozenset(part.strip() for part in raw.split(",") if part.strip())
+
+
+def allowed_overrides() -> frozenset[str]:
+    """``HAL_ALLOW_OVERRIDE=dist-a,dist-b``: distributions allowed to replace or extend another's backend."""
+    raw = os.environ.get("HAL_ALLOW_OVERRIDE", "")
+    return frozenset(part.strip() for part in raw.split(",") if part.strip())
+
+
+#: Seconds ``HAL_PROBE_TIMEOUT_S`` defaults to.
+PROBE_TIMEOUT_DEFAULT_S = 10.0
+
+
+def probe_timeout_s() -> float:
+    """``HAL_PROBE_TIMEOUT_S``: seconds one backend's ``availability()`` may take (default 10)."""
+    raw = os.environ.get("HAL_PROBE_TIMEOUT_S", "").strip()
+    if not raw:
+        return PROBE_TIMEOUT_DEFAULT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"HAL_PROBE_TIMEOUT_S={raw!r}: expected a number of seconds > 0") from None
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"HAL_PROBE_TIMEOUT_S={raw!r}: expected a number of seconds > 0")
+    return value

@@ -7,12 +7,12 @@ naturally catch, so ``except ValueError`` keeps working::
     ├── BackendNotFoundError ........ LookupError   no installed backend has that name
     ├── BackendUnavailableError ..... RuntimeError  installed, but cannot run here (reason, remedy)
     ├── BackendConflictError ........ RuntimeError  two plugins offer one name at the same priority
-    ├── PluginRejectedError ......... ImportError   a plugin refused at discovery (recorded, not raised)
     ├── ArgumentError ............... ValueError    bad shape, value or layout of an op argument
     ├── ArgumentTypeError ........... TypeError     bad dtype or type of an op argument
     ├── LaunchConfigError ........... ValueError    a launch config exceeds a device limit
     ├── KernelCompileError .......... RuntimeError  a kernel failed to compile (carries the log)
     ├── FallbackError ............... RuntimeError  a fallback happened under ``HAL_STRICT=1``
+    ├── ImplementationError ......... RuntimeError  an op implementation failed or returned a bad result
     ├── DeviceOutOfMemoryError ...... MemoryError   an allocation failed (carries byte counts)
     └── OutOfBlocksError ............ MemoryError   a paged KV cache has no free blocks left
 
@@ -30,10 +30,10 @@ __all__ = [
     "DeviceOutOfMemoryError",
     "FallbackError",
     "HalError",
+    "ImplementationError",
     "KernelCompileError",
     "LaunchConfigError",
     "OutOfBlocksError",
-    "PluginRejectedError",
 ]
 
 
@@ -78,10 +78,6 @@ class BackendConflictError(HalError, RuntimeError):
     """Two plugins offer the same backend name with the same priority."""
 
 
-class PluginRejectedError(HalError, ImportError):
-    """A plugin was refused at discovery; its reason is recorded for ``hal info``."""
-
-
 class ArgumentError(HalError, ValueError):
     """An op argument has the wrong shape, value or layout."""
 
@@ -111,6 +107,14 @@ class KernelCompileError(HalError, RuntimeError):
 
 class FallbackError(HalError, RuntimeError):
     """A call would have fallen back to a slower path while ``HAL_STRICT=1``."""
+
+
+class ImplementationError(HalError, RuntimeError):
+    """An op implementation raised or returned a result of the wrong shape, dtype or device.
+
+    Raised under ``HAL_STRICT=1``; otherwise the call falls back and the
+    fault is logged once. The message names the implementation.
+    """
 
 
 class DeviceOutOfMemoryError(HalError, MemoryError):

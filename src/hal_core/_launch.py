@@ -8,7 +8,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any
+from typing import Any, ClassVar
 
 from ._capabilities import DeviceCapabilities
 from ._errors import LaunchConfigError
@@ -158,7 +158,15 @@ class CompiledKernel(ABC):
 
 
 class KernelLauncher(ABC):
-    """Compiles kernels for one device and launches them on its streams."""
+    """Compiles kernels for one device and launches them on its streams.
+
+    :attr:`source_suffix` names the kernel language :meth:`load` accepts by
+    the file suffix of its sources (``".py"`` for host Python kernels); the
+    conformance kit picks its test kernel by it.
+    """
+
+    #: File suffix of the kernel sources this launcher compiles (e.g. ``".py"``); empty when undeclared.
+    source_suffix: ClassVar[str] = ""
 
     @property
     @abstractmethod

@@ -12,10 +12,13 @@ import ml_dtypes
 import numpy as np
 
 __all__ = [
-    "ArrayLike",
     "BFLOAT16",
+    "DLPACK_CPU",
+    "DLPACK_HOST_TYPES",
+    "ArrayLike",
     "TaggedArray",
     "device_of",
+    "dlpack_device",
     "dtype_name",
     "is_c_contiguous",
     "numpy_dtype",
@@ -39,9 +42,16 @@ _NAMES = {
 }
 _BY_NAME = {name: dtype for dtype, name in _NAMES.items()}
 
-# DLPack device types (dlpack.h): CPU, CUDA, CUDA host, ROCm, ...
+#: DLPack's device type code of host memory (``kDLCPU``).
+DLPACK_CPU = 1
+#: DLPack device types whose memory is host memory (plain, and page-locked memory a device maps).
+DLPACK_HOST_TYPES = frozenset({1, 3, 11})
+
+# Names of the DLPack device types (dlpack.h's DLDeviceType enumerators), for messages.
 _DLPACK_KINDS = {
-    1: "cpu", 2: "cuda", 3: "cuda_host", 4: "opencl", 7: "vulkan", 8: "metal", 10: "rocm", 13: "cuda_managed",
+    1: "cpu", 2: "kDLCUDA", 3: "kDLCUDAHost", 4: "kDLOpenCL", 7: "kDLVulkan", 8: "kDLMetal", 9: "kDLVPI",
+    10: "kDLROCM", 11: "kDLROCMHost", 12: "kDLExtDev", 13: "kDLCUDAManaged", 14: "kDLOneAPI", 15: "kDLWebGPU",
+    16: "kDLHexagon", 17: "kDLMAIA",
 }
 
 
@@ -66,10 +76,14 @@ def dtype_name(array_or_dtype: Any) -> str:
     if isinstance(tag, str):
         return tag
     dtype = getattr(array_or_dtype, "dtype", array_or_dtype)
+    name = _NAMES.get(dtype) if isinstance(dtype, np.dtype) else None  # the hot path: one dict lookup
+    if name is not None:
+        return name
     try:
-        return _NAMES.get(np.dtype(dtype), str(np.dtype(dtype)))
+        dtype = np.dtype(dtype)
     except TypeError:
         return str(dtype)
+    return _NAMES.get(dtype) or str(dtype)
 
 
 def numpy_dtype(name: str) -> np.dtype:
@@ -80,13 +94,26 @@ def numpy_dtype(name: str) -> np.dtype:
         raise ValueError(f"unknown dtype name {name!r}; known: {sorted(_BY_NAME)}") from None
 
 
-def device_of(array: Any) -> tuple[str, int]:
-    """``(kind, index)`` of the memory holding ``array``, e.g. ``('cpu', 0)`` or ``('cuda', 1)``."""
+def dlpack_device(array: Any) -> tuple[int, int] | None:
+    """``(DLPack device type code, device index)`` of ``array``, or None when it exports no DLPack device."""
+    if type(array) is np.ndarray:
+        return (DLPACK_CPU, 0)
     probe = getattr(array, "__dlpack_device__", None)
     if probe is None:
+        return None
+    code, index = probe()
+    return int(code), int(index)
+
+
+def device_of(array: Any) -> tuple[str, int]:
+    """``(kind, index)`` of the memory holding ``array``: ``('cpu', 0)``, or DLPack's name, e.g. ``('kDLCUDA', 1)``."""
+    if type(array) is np.ndarray:
+        return ("cpu", 0)
+    found = dlpack_device(array)
+    if found is None:
         return ("cpu", 0) if isinstance(array, np.ndarray) else ("unknown", 0)
-    kind, index = probe()
-    return (_DLPACK_KINDS.get(int(kind), f"dlpack{int(kind)}"), int(index))
+    code, index = found
+    return (_DLPACK_KINDS.get(code, f"dlpack{code}"), index)
 
 
 def is_c_contiguous(array: Any) -> bool:
@@ -104,8 +131,8 @@ def is_c_contiguous(array: Any) -> bool:
 class TaggedArray:
     """An array whose library lacks its dtype, carried as same-width storage plus a tag.
 
-    CuPy has no bfloat16, so bf16 device data travels as a uint16 CuPy array
-    tagged ``'bf16'``; kernels read the bits as bf16, nothing is converted.
+    A device array library without bfloat16 carries bf16 data as uint16
+    storage tagged ``'bf16'``; kernels read the bits as bf16, nothing is converted.
     ``shape``, ``dtype`` (the storage's), ``flags`` and the DLPack device
     come from the storage; :func:`untag` returns it.
     """

@@ -6,22 +6,25 @@ that turns results back into the caller's kind of array.
 
 The rules (docs/engine-guide.md, "Interop"):
 
-- Nothing is copied. A foreign array becomes a *view* of the same memory
-  (``numpy.from_dlpack`` for host memory; ``cupy.from_dlpack`` or a
-  backend's own ``from_dlpack`` for device memory). On numpy >= 2.1 host
-  imports ask the producer for ``copy=False``, so one that could only copy
-  raises instead. Where both sides expose a data pointer (numpy, torch,
-  CuPy, anything with ``__array_interface__`` / ``__cuda_array_interface__``)
-  the pointers are compared after the conversion, so a copy is refused;
-  for a producer exposing no pointer the check cannot run, and hal relies
-  on DLPack sharing memory (with ``copy=False`` where numpy supports it).
+- Nothing is copied. A foreign array becomes a *view* of the same memory:
+  ``numpy.from_dlpack`` for host memory, the backend's own
+  :meth:`~hal_core.Backend.from_dlpack` for memory of a DLPack device type
+  the backend lists in :attr:`~hal_core.Backend.dlpack_device_types`. On
+  numpy >= 2.1 host imports ask the producer for ``copy=False``, so one
+  that could only copy raises instead. Where both sides expose a data
+  pointer (numpy, torch, anything with ``__array_interface__`` or a device
+  array interface) the pointers are compared after the conversion, so a
+  copy is refused; for a producer exposing no pointer the check cannot run,
+  and hal relies on DLPack sharing memory.
 - Strides are kept: a non-contiguous tensor stays non-contiguous, and the
   op's validation then names it, instead of a silent contiguous copy.
 - Device memory handed to a host backend (or any memory the backend cannot
   address) is an :class:`~hal_core.ArgumentError` naming the argument.
-- bf16 has no DLPack route into numpy or CuPy; it travels as 16-bit
-  integer storage (a view) and is viewed back as ml_dtypes' bfloat16 on the
-  host, or carried as a ``TaggedArray(uint16, 'bf16')`` on CuPy devices.
+  Which memory a backend addresses is decided by DLPack device type codes,
+  never by the name of a vendor.
+- bf16 has no DLPack route into numpy; it travels as 16-bit integer storage
+  (a view) and is viewed back as ml_dtypes' bfloat16 on the host, or
+  carried as a ``TaggedArray(uint16, 'bf16')`` on devices.
 - A call given any torch tensor returns torch tensors (views of the
   result; ``out=`` returns the caller's own ``out`` tensor). Other inputs
   get the backend's native arrays back.
@@ -30,8 +33,6 @@ The rules (docs/engine-guide.md, "Interop"):
 
 from __future__ import annotations
 
-import importlib
-import sys
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -39,7 +40,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._errors import ArgumentError, ArgumentTypeError
-from .arrays import BFLOAT16, TaggedArray, device_of
+from .arrays import BFLOAT16, DLPACK_HOST_TYPES, TaggedArray, device_of, dlpack_device
+from .quant import QuantizedWeight
 
 if TYPE_CHECKING:
     from ._backend import Backend
@@ -47,7 +49,6 @@ if TYPE_CHECKING:
 
 __all__ = ["import_arrays", "is_torch_tensor", "to_native"]
 
-_DEVICE_KINDS = ("cuda", "rocm", "cuda_managed")
 #: numpy.from_dlpack takes ``copy=`` (and passes it to the producer) from numpy 2.1.
 _DLPACK_COPY_KEYWORD = np.lib.NumpyVersion(np.__version__) >= "2.1.0"
 
@@ -64,21 +65,29 @@ def is_torch_tensor(value: Any) -> bool:
 
 def import_arrays(spec: OpSpec, args: dict[str, Any], backend: Backend) -> tuple[dict[str, Any], Callable[[Any], Any]]:
     """Arguments as native arrays (no copy), plus the converter for the result."""
-    from .quant import QuantizedWeight
-
-    converted = dict(args)
+    converted = args
     saw_torch = False
     for name, value in args.items():
+        if value is None or type(value) is np.ndarray:
+            continue
         if isinstance(value, QuantizedWeight):
             arrays = {}
+            changed = False
             for field, array in value.arrays().items():
+                if type(array) is np.ndarray:
+                    continue
                 saw_torch |= is_torch_tensor(array)
-                arrays[field] = to_native(array, backend, f"{name}.{field}")
-            if any(arrays[f] is not a for f, a in value.arrays().items()):
+                arrays[field] = native = to_native(array, backend, f"{name}.{field}")
+                changed |= native is not array
+            if changed:
+                converted = converted if converted is not args else dict(args)
                 converted[name] = replace(value, **arrays)
-        elif name in spec.array_args and value is not None:
+        elif name in spec.array_args:
             saw_torch |= is_torch_tensor(value)
-            converted[name] = to_native(value, backend, name)
+            native = to_native(value, backend, name)
+            if native is not value:
+                converted = converted if converted is not args else dict(args)
+                converted[name] = native
     if not saw_torch:
         return converted, _identity
     out_native, out_torch = converted.get("out"), args.get("out")
@@ -104,19 +113,18 @@ def to_native(value: Any, backend: Backend, name: str = "array") -> Any:
         return _from_torch(value, backend, name)
     if isinstance(value, (np.ndarray, TaggedArray)) or backend.owns(value):
         return value
-    if hasattr(value, "__dlpack__") and hasattr(value, "__dlpack_device__"):
-        kind, index = device_of(value)
-        if kind in ("cpu", "cuda_host"):
-            try:
-                array = _host_from_dlpack(value)
-            except (BufferError, TypeError, RuntimeError) as exc:
-                raise ArgumentTypeError(f"argument {name!r}: cannot view this {type(value).__name__} "
-                                        f"through DLPack without a copy ({exc})") from exc
-            return _checked(array, value, name)
-        return _checked(_device_import(value, backend, name, kind, index), value, name)
-    if hasattr(value, "__cuda_array_interface__"):
-        return _checked(_device_import(value, backend, name, "cuda", -1), value, name)
-    return value  # not an array: the op's validation names it
+    if hasattr(value, "__dlpack__"):
+        found = dlpack_device(value)
+        if found is not None:
+            if found[0] in DLPACK_HOST_TYPES:
+                try:
+                    array = _host_from_dlpack(value)
+                except (BufferError, TypeError, RuntimeError) as exc:
+                    raise ArgumentTypeError(f"argument {name!r}: cannot view this {type(value).__name__} "
+                                            f"through DLPack without a copy ({exc})") from exc
+                return _checked(array, value, name)
+            return _checked(_device_import(value, backend, name, found), value, name)
+    return value  # not an array this module can import: the op's validation names it
 
 
 def _host_from_dlpack(value: Any) -> np.ndarray:
@@ -139,19 +147,23 @@ def _from_torch(tensor: Any, backend: Backend, name: str) -> Any:
         tensor = tensor.detach()  # a view: autograd is not hal's business
     bf16 = tensor.dtype == torch.bfloat16
     storage = tensor.view(torch.int16) if bf16 else tensor  # same bits, same strides
-    kind = tensor.device.type
-    if kind == "cpu":
+    if tensor.device.type == "cpu":
         try:
             array = _host_from_dlpack(storage)
         except (BufferError, TypeError, RuntimeError) as exc:
             raise ArgumentTypeError(f"argument {name!r}: torch dtype {tensor.dtype} has no numpy view ({exc})") from exc
         return _checked(array.view(BFLOAT16) if bf16 else array, tensor, name)
-    if kind != "cuda":  # torch reports ROCm devices as 'cuda' too
+    problem = "no __dlpack_device__"
+    try:
+        found = dlpack_device(storage)
+    except (BufferError, RuntimeError, TypeError, ValueError) as exc:
+        found, problem = None, str(exc)
+    if found is None:
         raise ArgumentError(
-            f"argument {name!r} is a torch tensor on {tensor.device}, which no hal backend addresses; "
-            f"move it with tensor.cpu() or tensor.cuda()"
+            f"argument {name!r} is a torch tensor on {tensor.device}, which exports no DLPack device "
+            f"({problem}); move it with tensor.cpu()"
         )
-    array = _device_import(storage, backend, name, "cuda", tensor.device.index or 0)
+    array = _device_import(storage, backend, name, found)
     if bf16:
         array = TaggedArray(array.view("uint16"), "bf16")
     return _checked(array, tensor, name)
@@ -174,21 +186,23 @@ def _to_torch(result: Any) -> Any:
 # -- device memory ------------------------------------------------------------
 
 
-def _device_import(value: Any, backend: Backend, name: str, kind: str, index: int) -> Any:
-    """A zero-copy device array for ``backend``, or an ArgumentError if it cannot address ``value``."""
-    where = f"{kind}:{index}" if index >= 0 else kind
-    if kind not in _DEVICE_KINDS or backend.owns(np.empty(0)):
+def _device_import(value: Any, backend: Backend, name: str, device: tuple[int, int]) -> Any:
+    """A zero-copy array of ``backend`` over ``value``, or an ArgumentError if it cannot address it."""
+    code, index = device
+    kind = device_of(value)[0] if hasattr(value, "__dlpack_device__") else f"dlpack{code}"
+    where = f"{kind}:{index}"
+    if code not in backend.dlpack_device_types:
+        if backend.is_host:
+            raise ArgumentError(
+                f"argument {name!r} lives on {where}, but backend {backend.name!r} works on host memory; "
+                f"copy it to the host first (e.g. tensor.cpu()) or use the backend of that device"
+            )
         raise ArgumentError(
-            f"argument {name!r} lives on {where}, but backend {backend.name!r} works on host memory; "
-            f"copy it to the host first (e.g. tensor.cpu()) or use the backend of that device"
+            f"argument {name!r} lives on {where}, which backend {backend.name!r} does not address "
+            f"(it addresses DLPack device types {sorted(backend.dlpack_device_types)}); "
+            f"use the backend of that device"
         )
-    hook = getattr(backend, "from_dlpack", None)  # a backend may bring its own zero-copy import
-    if callable(hook):
-        return hook(value)
-    cupy = sys.modules.get("cupy") or importlib.import_module("cupy")
-    if hasattr(value, "__dlpack__"):
-        return cupy.from_dlpack(value)
-    return cupy.asarray(value)  # __cuda_array_interface__: a view, never a copy
+    return backend.from_dlpack(value)
 
 
 def _pointer(array: Any) -> int | None:
@@ -197,7 +211,7 @@ def _pointer(array: Any) -> int | None:
         array = array.storage
     if is_torch_tensor(array):
         return int(array.data_ptr())
-    interface = getattr(array, "__array_interface__", None) or getattr(array, "__cuda_array_interface__", None)
+    interface = getattr(array, "__array_interface__", None)
     if isinstance(interface, dict):
         return int(interface["data"][0])
     data = getattr(array, "data", None)

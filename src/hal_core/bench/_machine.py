@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
+import re
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -12,8 +13,8 @@ from typing import Any
 
 __all__ = ["git_commit", "machine_info", "versions"]
 
-_DISTRIBUTIONS = ("hal-core", "hal-cpu", "hal-cuda", "hal-rocm", "numpy", "ml_dtypes", "pydantic", "torch",
-                  "cupy-cuda12x", "cupy-cuda13x", "cupy-rocm-7-0", "matplotlib")
+#: Distributions recorded by name; every installed ``hal-*`` distribution and what each requires are added.
+_DISTRIBUTIONS = ("numpy", "ml_dtypes", "pydantic", "torch", "matplotlib")
 
 
 def _cpu_model() -> str:
@@ -53,7 +54,18 @@ def versions() -> dict[str, str]:
             found[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             continue
-    return found
+    for dist in metadata.distributions():
+        name = dist.metadata["Name"] or ""
+        if not name.lower().startswith("hal-"):
+            continue
+        found.setdefault(name, dist.version)
+        for requirement in dist.requires or ():  # a backend's array library, for one
+            required = re.split(r"[\s;<>=!~\[(]", requirement, maxsplit=1)[0]
+            try:
+                found.setdefault(required, metadata.version(required))
+            except (metadata.PackageNotFoundError, ValueError):
+                continue
+    return dict(sorted(found.items()))
 
 
 def git_commit(where: str | os.PathLike[str] | None = None) -> dict[str, Any] | None:

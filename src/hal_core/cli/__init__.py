@@ -34,6 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = commands.add_parser("info", help="plugins, backends, the selected backend and device capabilities")
     info.add_argument("--json", action="store_true", help="print one JSON document (keys in docs/environment.md)")
+    info.add_argument("--stats", action="store_true",
+                      help="what the ops front doors did in this process (calls, implementations, fallbacks)")
+    info.add_argument("--explain", action="store_true",
+                      help="for each op on representative shapes: which implementation would run, and why not others")
+    info.add_argument("--shape", action="append", default=[], metavar="OP:KEY=VALUE,...",
+                      help="explain this case instead (repeatable), e.g. quantized_gemm:m=1,k=4096,n=4096,bits=4")
+    info.add_argument("--backend", help="backend to explain (default: the selected one)")
     info.set_defaults(func=_cmd_info)
 
     demo = commands.add_parser("demo", help="decode steps over a paged KV cache, checked against the reference")

@@ -16,7 +16,7 @@ from hal_core import HalError
 
 #: HAL_* variables hal-core reads (plugins may read more; every set HAL_* variable is shown).
 CORE_VARIABLES = ("HAL_BACKEND", "HAL_FORCE_CPU", "HAL_STRICT", "HAL_DISABLE_PLUGINS", "HAL_CHECK_INDICES",
-                  "HAL_TUNE", "HAL_TUNE_DIR")
+                  "HAL_TUNE", "HAL_TUNE_DIR", "HAL_ALLOW_OVERRIDE", "HAL_PROBE_TIMEOUT_S")
 
 
 def collect_tuning(backends: dict[str, Any]) -> dict[str, Any]:
@@ -101,6 +101,8 @@ def _print_info(info: dict[str, Any]) -> None:
         print(line)
         if p["reason"]:
             print(f"  {'':<12} why: {p['reason']}")
+        for refusal in p.get("refused", ()):
+            print(f"  {'':<12} refused: {refusal}")
 
     print("\nbackends (highest priority first):")
     if not info["backends"]:
@@ -109,6 +111,8 @@ def _print_info(info: dict[str, Any]) -> None:
         state = "available" if b["available"] else "unavailable"
         if b["loaded"]:
             state += ", loaded"
+        if b.get("fallback"):
+            state += ", fallback"
         print(f"  {b['name']:<12} priority {b['priority']:<5} {state:<22} {b['distribution']} {b['version']}")
         if b["reason"]:
             print(f"  {'':<12} why: {b['reason']}")
@@ -157,10 +161,31 @@ def _print_tuning(tuned: dict[str, Any], selected: str | None) -> None:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
+    from ._explain import explain, parse_shape, print_explain, print_stats, stats_report
+
     info = collect_info()
+    backend = None
+    if args.explain or args.shape:
+        try:
+            cases = [parse_shape(text) for text in args.shape] or None
+        except ValueError as exc:
+            print(f"hal info: {exc}", file=sys.stderr)
+            return 2
+        try:
+            backend = hal_core.get_backend(args.backend)
+        except HalError as exc:
+            print(f"hal info: cannot explain: {exc}", file=sys.stderr)
+            return 1
+        info["explain"] = {"backend": backend.name, "cases": explain(backend, cases)}
+    if args.stats:
+        info["stats"] = stats_report()
     if args.json:
         json.dump(info, sys.stdout, indent=2, sort_keys=False)
         print()
-    else:
-        _print_info(info)
+        return 0
+    _print_info(info)
+    if backend is not None:
+        print_explain(backend, info["explain"]["cases"])
+    if args.stats:
+        print_stats(info["stats"])
     return 0

@@ -16,3 +16,6 @@ from ._blocks import BlockTable, BlockUsage, ForkCopy
 from ._cache import CacheConfig, KVCacheUsage, PagedKVCache, StepInputs
 
 __all__ = ["BlockTable", "BlockUsage", "CacheConfig", "ForkCopy", "KVCacheUsage", "PagedKVCache", "StepInputs"]
+
+for _name in __all__:  # public names report the public module they are documented in
+    globals()[_name].__module__ = __name__

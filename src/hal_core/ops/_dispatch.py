@@ -1,28 +1,41 @@
-"""The ops front door: validate, pick an implementation, fall back correctly.
+"""The ops front door: validate, pick an implementation, check its result, fall back correctly.
 
-A call flows: arguments checked (:class:`OpSpec.validate`) → empty work
-answered without a launch → ``HAL_FORCE_CPU`` honoured → the best
-implementation whose ``supports`` accepts the call → otherwise the CPU
-path (logged once per op and reason; :class:`FallbackError` under
-``HAL_STRICT=1``). Nothing is written to ``out`` or the caches until a
-result exists.
+A call flows: foreign arrays imported without a copy (:mod:`hal_core.interop`)
+→ devices checked → arguments checked (:meth:`OpSpec.validate`), ``out``
+and in-place arguments refused when read-only → empty work answered
+without a launch → ``HAL_FORCE_CPU`` honoured → :meth:`Ops.choose` picks
+the implementation to run → its result checked (shape, dtype, device) →
+``out`` written from that complete result. Where no implementation
+supports the call, or the chosen one fails or returns a bad result, the
+call runs on the fallback path (logged once per op and reason;
+:class:`FallbackError` under ``HAL_STRICT=1``).
+
+An :class:`Ops` is built when its backend is bound, with what it needs
+injected: the fallback backend (a host backend, chosen by the runtime)
+and the extra implementations other plugins may add. This module imports
+neither discovery nor selection.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import _env
-from .._errors import ArgumentError, ArgumentTypeError, FallbackError, KernelCompileError
-from ..arrays import device_of
+from .. import _env, interop
+from .._errors import ArgumentError, ArgumentTypeError, FallbackError, ImplementationError, KernelCompileError
+from ..arrays import device_of, dtype_name
 from ..quant import QuantizedWeight
 from ..tuning import ordered as tuned_order
+from ._coverage import OpCoverage
 from ._registry import OpRegistry
-from ._spec import OpCall, OpSpec
+from ._spec import OpCall, OpImpl, OpSpec
 from .paged_attention import PagedAttention
 from .quantized_gemm import QuantizedGemm
 from .write_kv_cache import WriteKVCache
@@ -30,43 +43,83 @@ from .write_kv_cache import WriteKVCache
 if TYPE_CHECKING:
     from .._backend import Backend
 
-__all__ = ["OPS", "Ops"]
+__all__ = ["OPS", "DispatchEvent", "OpStats", "Ops"]
 
 log = logging.getLogger("hal")
 
 #: Every op hal defines, by name.
 OPS: dict[str, OpSpec] = {spec.name: spec for spec in (PagedAttention(), WriteKVCache(), QuantizedGemm())}
 
-_logged: set[tuple[str, str, str]] = set()
-_logged_lock = threading.Lock()
+
+@dataclass(frozen=True)
+class DispatchEvent:
+    """A call that did not run where it was sent: ``kind`` is ``'fallback'`` or ``'fault'``.
+
+    A ``'fault'`` is an implementation that raised or returned a bad result
+    (the call then fell back, or raised under ``HAL_STRICT=1``).
+    """
+
+    kind: str
+    backend: str
+    op: str
+    reason: str
+    call: OpCall
 
 
-def forget_logged_fallbacks() -> None:
-    """Log each fallback again from now on (called by ``hal_core.reset``)."""
-    with _logged_lock:
-        _logged.clear()
+@dataclass
+class OpStats:
+    """What one backend's front door did for one op (see :func:`hal_core.stats`)."""
 
+    calls: int = 0
+    #: Implementation name → calls it answered (``'reference'`` for the float64 path).
+    implementations: dict[str, int] = field(default_factory=dict)
+    #: Reason → calls that fell back for it.
+    fallbacks: dict[str, int] = field(default_factory=dict)
+    #: Seconds spent on the fallback path (copies included).
+    fallback_seconds: float = 0.0
 
-def _log_once(backend: str, op: str, reason: str) -> None:
-    key = (backend, op, reason)
-    with _logged_lock:
-        if key in _logged:
-            return
-        _logged.add(key)
-    log.warning("hal: %s on backend %r runs on the CPU path: %s", op, backend, reason)
+    def as_dict(self) -> dict[str, Any]:
+        return {"calls": self.calls, "implementations": dict(self.implementations),
+                "fallbacks": dict(self.fallbacks), "fallback_seconds": self.fallback_seconds}
 
 
 class Ops:
-    """The ops of one backend: ``paged_attention``, ``write_kv_cache``, ``quantized_gemm``."""
+    """The ops of one backend: ``paged_attention``, ``write_kv_cache``, ``quantized_gemm``.
 
-    def __init__(self, backend: Backend) -> None:
+    ``fallback`` is the host backend that answers what this backend cannot
+    (None: the float64 reference does); ``extra_impls`` are implementations
+    other plugins add to this backend.
+    """
+
+    def __init__(self, backend: Backend, *, fallback: Backend | None = None,
+                 extra_impls: Iterable[OpImpl] = ()) -> None:
         self._backend = backend
+        self._fallback = fallback if fallback is not backend else None
         self.registry = OpRegistry(frozenset(OPS))
         backend.register_ops(self.registry)
-        from .._discovery import extra_op_impls
-
-        for impl in extra_op_impls(backend):
+        for impl in extra_impls:
             self.registry.register(impl)
+        self._stats: dict[str, OpStats] = {name: OpStats() for name in OPS}
+        self._lock = threading.Lock()
+        self._logged: set[tuple[str, str]] = set()
+        self._watchers: list[list[DispatchEvent]] = []
+
+    @classmethod
+    def attach(cls, backend: Backend, *, fallback: Backend | None = None,
+               extra_impls: Iterable[OpImpl] = ()) -> Ops:
+        """Build the front door of ``backend`` and make it ``backend.ops`` (what binding does)."""
+        ops = cls(backend, fallback=fallback, extra_impls=extra_impls)
+        backend.__dict__["_hal_ops"] = ops
+        return ops
+
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    @property
+    def fallback(self) -> Backend | None:
+        """The host backend that runs what this one cannot (None: the float64 reference)."""
+        return self._fallback
 
     # -- the public ops ---------------------------------------------------
 
@@ -84,68 +137,127 @@ class Ops:
         """Decode attention over a paged KV cache; see :mod:`hal_core.ops.paged_attention`."""
         return self._call(
             "paged_attention",
-            dict(query=query, key_cache=key_cache, value_cache=value_cache,
-                 block_tables=block_tables, seq_lens=seq_lens, scale=scale, out=out),
+            {"query": query, "key_cache": key_cache, "value_cache": value_cache,
+             "block_tables": block_tables, "seq_lens": seq_lens, "scale": scale, "out": out},
         )
 
     def write_kv_cache(self, key: Any, value: Any, key_cache: Any, value_cache: Any, slot_mapping: Any) -> None:
         """Scatter ``key``/``value`` into the caches; see :mod:`hal_core.ops.write_kv_cache`."""
         self._call(
             "write_kv_cache",
-            dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping),
+            {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache,
+             "slot_mapping": slot_mapping},
         )
 
     def quantized_gemm(self, x: Any, qweight: QuantizedWeight, *, out: Any = None) -> Any:
         """``x [M, K]`` times quantized weights ``[K, N]``; see :mod:`hal_core.ops.quantized_gemm`."""
-        return self._call("quantized_gemm", dict(x=x, qweight=qweight, out=out))
+        return self._call("quantized_gemm", {"x": x, "qweight": qweight, "out": out})
+
+    # -- what the backend declares, and what it did -------------------------
+
+    def coverage(self, op: str) -> OpCoverage:
+        """What this backend declares it runs itself for ``op`` (queryable before any call)."""
+        return self.registry.coverage(op)
+
+    def prepare(self, op: str, **args: Any) -> OpCall:
+        """The validated :class:`OpCall` for these arguments, without running anything."""
+        spec = OPS[op]
+        native, _ = interop.import_arrays(spec, dict(args), self._backend)
+        return self._prepare(spec, native)[0]
+
+    def explain(self, call: OpCall) -> list[tuple[str, str]]:
+        """``(implementation, verdict)`` for every candidate of ``call``, in the order tried.
+
+        The verdict is ``'runs'`` for the one :meth:`choose` picks, else why
+        it was passed over.
+        """
+        chosen, reasons = self.choose(call)
+        rows = []
+        for impl in self.registry.implementations(call.op):
+            if impl is chosen:
+                rows.append((impl.name, "runs"))
+            elif impl.name in reasons:
+                rows.append((impl.name, reasons[impl.name]))
+            else:
+                rows.append((impl.name, f"not tried: {chosen.name if chosen else '?'} has higher priority"))
+        if chosen is None:
+            where = f"backend {self._fallback.name!r}" if self._fallback is not None else "the float64 reference"
+            rows.append(("fallback", f"runs on {where}"))
+        return rows
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per op: calls, the implementations that answered, fallbacks with reasons, fallback time."""
+        with self._lock:
+            return {op: s.as_dict() for op, s in self._stats.items() if s.calls}
+
+    @contextmanager
+    def watch(self) -> Iterator[list[DispatchEvent]]:
+        """Record every fallback and fault of this front door while the block runs."""
+        events: list[DispatchEvent] = []
+        with self._lock:
+            self._watchers.append(events)
+        try:
+            yield events
+        finally:
+            with self._lock:
+                self._watchers.remove(events)
 
     # -- dispatch ---------------------------------------------------------
 
     def _call(self, op: str, args: dict[str, Any]) -> Any:
-        from .. import interop
-
         spec = OPS[op]
         args, restore = interop.import_arrays(spec, args, self._backend)
-        call = self._prepare(spec, args)
+        call, out = self._prepare(spec, args)
         if spec.is_empty(call.args):
-            return restore(self._empty_result(call))
-        return restore(self._execute(call))
+            return restore(self._empty_result(call, out))
+        return restore(self._execute(call, out))
 
-    def _prepare(self, spec: OpSpec, args: dict[str, Any]) -> OpCall:
+    def _prepare(self, spec: OpSpec, args: dict[str, Any]) -> tuple[OpCall, Any]:
+        """The validated call (without ``out``, which implementations never see) and the caller's ``out``."""
         backend = self._backend
-        devices = {name: device_of(value) for name, value in spec.iter_arrays(args)}
-        for name, (kind, _) in devices.items():
-            if kind == "unknown":
-                raise ArgumentTypeError(
-                    f"argument {name!r}: expected an array (numpy, CuPy, torch, or any DLPack or "
-                    f"__cuda_array_interface__ array), got {type(args.get(name, spec)).__name__}"
-                )
-        kinds = set(devices.values())
-        if len(kinds) > 1:
-            listing = ", ".join(f"{n} on {k}:{i}" for n, (k, i) in devices.items())
-            raise ArgumentError(f"arrays from different devices: {listing}; move them to one device first")
-        host = all(isinstance(v, np.ndarray) for _, v in spec.iter_arrays(args))
+        arrays = list(spec.iter_arrays(args))
+        host = all(type(value) is np.ndarray for _, value in arrays)
+        device = ("cpu", 0)
         if not host:
-            foreign = [n for n, v in spec.iter_arrays(args) if not backend.owns(v)]
+            devices = {name: device_of(value) for name, value in arrays}
+            for name, (kind, _) in devices.items():
+                if kind == "unknown":
+                    raise ArgumentTypeError(
+                        f"argument {name!r}: expected an array (numpy, torch, or any DLPack array of the "
+                        f"backend's device), got {type(args.get(name, spec)).__name__}"
+                    )
+            kinds = set(devices.values())
+            if len(kinds) > 1:
+                listing = ", ".join(f"{n} on {k}:{i}" for n, (k, i) in devices.items())
+                raise ArgumentError(f"arrays from different devices: {listing}; move them to one device first")
+            foreign = [n for n, v in arrays if not backend.owns(v)]
             if foreign:
                 kind, index = devices[foreign[0]]
                 raise ArgumentError(
                     f"argument {foreign[0]!r} lives on {kind}:{index}, which backend {backend.name!r} "
                     f"does not own; use the backend of that device or move the array with backend.asarray"
                 )
+            device = next(iter(kinds)) if kinds else device
         spec.validate(args, self._to_numpy)
-        device_index = next(iter(kinds))[1] if kinds and not host else 0
-        return OpCall(spec=spec, args=args, backend=backend, device_index=device_index,
-                      host_arrays=host and not backend.owns(np.empty(0)))
+        for name in (*spec.inplace_args, "out"):
+            value = args.get(name)
+            if value is not None and not _writable(value):
+                raise ArgumentError(f"argument {name!r} is read-only; pass a writable array")
+        out = args.pop("out", None) if "out" in args else None
+        return OpCall(spec=spec, args=args, backend=backend, device_index=device[1] if not host else 0,
+                      host_arrays=host and not backend.is_host), out
 
     def _to_numpy(self, array: Any) -> np.ndarray:
-        return array if isinstance(array, np.ndarray) else self._backend.to_numpy(array)
+        return array if type(array) is np.ndarray else self._backend.to_numpy(array)
 
-    def _execute(self, call: OpCall) -> Any:
-        backend = self._backend
-        if _env.force_cpu() and backend.name != "cpu":
-            return self._run_on_cpu(call)
-        reasons = []
+    def choose(self, call: OpCall) -> tuple[OpImpl | None, dict[str, str]]:
+        """The implementation to run for ``call`` (None: the fallback path) and why others were passed over.
+
+        The highest-priority implementation whose ``supports(call)`` is True
+        wins. This is the one place that decides; anything that reorders
+        the candidates (a persisted measurement, say) belongs here.
+        """
+        reasons: dict[str, str] = {}
         for impl in tuned_order(call, self.registry.implementations(call.op)):
             try:
                 verdict = impl.supports(call)
@@ -153,68 +265,159 @@ class Ops:
                 log.debug("hal: %s supports() raised", impl.name, exc_info=exc)
                 verdict = f"supports() raised {type(exc).__name__}: {exc}"
             if verdict is True:
-                try:
-                    return self._finish(call, impl.fn(call))
-                except KernelCompileError as exc:  # compiles happen before any launch writes `out`
-                    log.debug("hal: %s failed to compile", impl.name, exc_info=exc)
-                    verdict = f"kernel {exc.name!r} failed to compile (see the debug log for the compiler output)"
-            reasons.append(f"{impl.name}: {verdict if isinstance(verdict, str) else 'unsupported'}")
-        reason = "; ".join(reasons) or "no implementation registered"
+                return impl, reasons
+            reasons[impl.name] = verdict if isinstance(verdict, str) and verdict else "unsupported"
+        return None, reasons
+
+    def _execute(self, call: OpCall, out: Any = None) -> Any:
+        stats = self._stats[call.op]
+        if _env.force_cpu() and self._fallback is not None:
+            return self._fall_back(call, out, "HAL_FORCE_CPU is set", stats, log_it=False)
+        impl, reasons = self.choose(call)
+        if impl is not None:
+            result, fault = self._run(impl, call)
+            if fault is None:
+                with self._lock:
+                    stats.calls += 1
+                    stats.implementations[impl.name] = stats.implementations.get(impl.name, 0) + 1
+                return self._deliver(out, result)
+            self._fault(call, impl, fault)
+            reasons[impl.name] = fault
+        reason = "; ".join(f"{name}: {why}" for name, why in reasons.items()) or "no implementation registered"
         if _env.strict():
             raise FallbackError(
-                f"{call.op} on backend {backend.name!r} would fall back to the CPU path ({reason}); "
-                f"unset HAL_STRICT to allow fallbacks"
+                f"{call.op} on backend {self._backend.name!r} would fall back "
+                f"({reason}); unset HAL_STRICT to allow fallbacks"
             )
-        _log_once(backend.name, call.op, reason)
-        return self._run_on_cpu(call)
+        return self._fall_back(call, out, reason, stats)
 
-    def _finish(self, call: OpCall, result: Any) -> Any:
-        out = call.out
+    def _run(self, impl: OpImpl, call: OpCall) -> tuple[Any, str | None]:
+        """Run ``impl`` (it never sees the caller's ``out``); return (result, fault or None)."""
+        try:
+            result = impl.fn(call)
+        except KernelCompileError as exc:
+            log.debug("hal: %s failed to compile", impl.name, exc_info=exc)
+            return None, f"kernel {exc.name!r} failed to compile (see the debug log for the compiler output)"
+        except (ArgumentError, ArgumentTypeError, MemoryError):
+            raise  # the caller's input or the device's memory: falling back would not help
+        except Exception as exc:
+            if _env.strict():
+                raise ImplementationError(f"implementation {impl.name!r} of {call.op} raised "
+                                          f"{type(exc).__name__}: {exc}") from exc
+            log.debug("hal: %s raised", impl.name, exc_info=exc)
+            return None, f"raised {type(exc).__name__}: {exc}"
+        problem = self._check_result(call, result)
+        if problem and _env.strict():
+            raise ImplementationError(f"implementation {impl.name!r} of {call.op} {problem}")
+        return result, problem
+
+    def _check_result(self, call: OpCall, result: Any) -> str | None:
+        """Why ``result`` is not the op's declared result for ``call`` (shape, dtype, device), or None."""
+        spec = call.spec
+        shape = spec.output_shape(call.args)
+        if shape is None:
+            return None if result is None else f"returned {type(result).__name__}, expected None (an in-place op)"
+        if type(result) is np.ndarray and result.shape == shape and (self._backend.is_host or call.host_arrays) \
+                and result.dtype == spec.output_dtype(call.args):
+            return None  # the common host case, decided without names
+        if result is None or not hasattr(result, "shape"):
+            return f"returned {type(result).__name__}, expected an array of shape {shape}"
+        if tuple(result.shape) != shape:
+            return f"returned shape {tuple(result.shape)}, expected {shape}"
+        expected = dtype_name(spec.output_dtype(call.args))
+        if dtype_name(result) != expected:
+            return f"returned dtype {dtype_name(result)}, expected {expected}"
+        on_host = self._backend.is_host or call.host_arrays
+        if on_host:
+            if type(result) is not np.ndarray:
+                return f"returned a {type(result).__name__}, expected a numpy array"
+        elif not self._backend.owns(result) or device_of(result)[1] != call.device_index:
+            return f"returned an array on {device_of(result)}, expected device {call.device_index}"
+        return None
+
+    def _deliver(self, out: Any, result: Any) -> Any:
+        """``result`` to the caller: written into ``out`` when one was given."""
         if out is not None and result is not None and result is not out:
             out[...] = result
             return out
         return result
 
-    def _run_on_cpu(self, call: OpCall) -> Any:
-        """Run ``call`` on the CPU backend (or the reference), copying device arrays in and out."""
-        from .._selection import cpu_backend
+    def _fault(self, call: OpCall, impl: OpImpl, problem: str) -> None:
+        """Record a fault (the fallback that follows logs it once, with the implementation's name)."""
+        self._notify("fault", call, f"{impl.name}: {problem}")
 
+    def _notify(self, kind: str, call: OpCall, reason: str) -> None:
+        if not self._watchers:
+            return
+        event = DispatchEvent(kind, self._backend.name, call.op, reason, call)
+        with self._lock:
+            for events in self._watchers:
+                events.append(event)
+
+    def _log_once(self, kind: str, op: str, message: str) -> None:
+        key = (op, message)
+        with self._lock:
+            if key in self._logged:
+                return
+            self._logged.add(key)
+        log.warning("hal: %s on backend %r: %s", op, self._backend.name, message)
+
+    def _fall_back(self, call: OpCall, out: Any, reason: str, stats: OpStats, *, log_it: bool = True) -> Any:
+        """Run ``call`` on the fallback backend (or the reference), copying device arrays in and out."""
+        start = time.perf_counter()
+        self._notify("fallback", call, reason)
+        if log_it:
+            where = self._fallback.name if self._fallback is not None else "the float64 reference"
+            self._log_once("fallback", call.op, f"runs on {where}: {reason}")
+        try:
+            result, answered_by = self._run_fallback(call, out)
+        finally:
+            with self._lock:
+                stats.calls += 1
+                stats.fallbacks[reason] = stats.fallbacks.get(reason, 0) + 1
+                stats.fallback_seconds += time.perf_counter() - start
+        with self._lock:
+            stats.implementations[answered_by] = stats.implementations.get(answered_by, 0) + 1
+        return result
+
+    def _run_fallback(self, call: OpCall, out: Any) -> tuple[Any, str]:
         spec, backend = call.spec, self._backend
-        cpu = cpu_backend()
-        on_host = call.host_arrays or backend.owns(np.empty(0))
+        on_host = backend.is_host or call.host_arrays
         host_args = dict(call.args) if on_host else spec.map_arrays(call.args, self._to_numpy)
-        if "out" in host_args:
-            host_args["out"] = None
-        host_call = OpCall(spec=spec, args=host_args, backend=cpu or backend, host_arrays=False)
-        result = None
-        if cpu is not None and cpu is not backend:
-            for impl in cpu.ops.registry.implementations(call.op):
-                if impl.supports(host_call) is True:
-                    result = impl.fn(host_call)
-                    break
-            else:
-                result = _reference_result(host_call)
+        fallback = self._fallback
+        if fallback is not None:
+            host_call = OpCall(spec=spec, args=host_args, backend=fallback)
+            result = fallback.ops._execute(host_call)
+            answered_by = f"fallback:{fallback.name}"
         else:
+            host_call = OpCall(spec=spec, args=host_args, backend=backend)
             result = _reference_result(host_call)
+            answered_by = "reference"
         if spec.inplace_args and not on_host:
             for name in spec.inplace_args:
                 call.args[name][...] = backend.asarray(host_args[name], call.device_index)
         if result is None:
-            return None
+            return None, answered_by
         if not on_host:
             result = backend.asarray(result, call.device_index)
-        return self._finish(call, result)
+        return self._deliver(out, result), answered_by
 
-    def _empty_result(self, call: OpCall) -> Any:
+    def _empty_result(self, call: OpCall, out: Any) -> Any:
         shape = call.spec.output_shape(call.args)
         if shape is None:
             return None
-        if call.out is not None:
-            return call.out
+        if out is not None:
+            return out
         empty = np.zeros(shape, dtype=call.spec.output_dtype(call.args))
-        if call.host_arrays or self._backend.owns(empty):
+        if call.host_arrays or self._backend.is_host:
             return empty
         return self._backend.asarray(empty, call.device_index)
+
+
+def _writable(array: Any) -> bool:
+    """Whether ``array`` may be written (numpy's flag; arrays without one count as writable)."""
+    flags = getattr(getattr(array, "storage", array), "flags", None)
+    return bool(getattr(flags, "writeable", True))
 
 
 def _reference_result(call: OpCall) -> Any:

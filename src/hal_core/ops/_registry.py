@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ._coverage import OpCoverage
 from ._spec import OpCall, OpImpl
 
 if TYPE_CHECKING:
@@ -18,7 +19,8 @@ class OpRegistry:
 
     def __init__(self, known_ops: frozenset[str]) -> None:
         self._known = known_ops
-        self._impls: dict[str, list[OpImpl]] = {}
+        self._impls: dict[str, tuple[OpImpl, ...]] = {}
+        self._coverage: dict[str, OpCoverage] = {}
 
     def register(
         self,
@@ -43,14 +45,34 @@ class OpRegistry:
         names = [k.name for k in impl.knobs]
         if len(set(names)) != len(names):
             raise ValueError(f"implementation {impl.name!r}: knob names must be distinct, got {names}")
-        impls = self._impls.setdefault(impl.op, [])
-        impls.append(impl)
-        impls.sort(key=lambda i: -i.priority)
+        if not callable(impl.fn) or not callable(impl.supports):
+            raise TypeError(f"implementation {impl.name!r} of {impl.op}: fn and supports must be callable")
+        impls = sorted((*self._impls.get(impl.op, ()), impl), key=lambda i: -i.priority)
+        self._impls[impl.op] = tuple(impls)
         return impl
 
-    def implementations(self, op: str) -> list[OpImpl]:
+    def declare(self, op: str, coverage: OpCoverage) -> None:
+        """Declare what this backend's own implementations of ``op`` handle (see :class:`OpCoverage`)."""
+        if op not in self._known:
+            raise ValueError(f"unknown op {op!r}; known: {sorted(self._known)}")
+        if not isinstance(coverage, OpCoverage):
+            raise TypeError(f"declare({op!r}, ...): expected an OpCoverage, got {type(coverage).__name__}")
+        self._coverage[op] = coverage
+
+    def coverage(self, op: str) -> OpCoverage:
+        """The declaration for ``op``; an op declared by nobody is claimed whole."""
+        if op not in self._known:
+            raise ValueError(f"unknown op {op!r}; known: {sorted(self._known)}")
+        return self._coverage.get(op, _CLAIMED)
+
+    def implementations(self, op: str) -> tuple[OpImpl, ...]:
         """Implementations of ``op``, highest priority first."""
-        return list(self._impls.get(op, ()))
+        return self._impls.get(op, ())
 
     def ops(self) -> list[str]:
+        """The ops with at least one implementation."""
         return sorted(self._impls)
+
+
+#: What an op nobody declared gets: every valid call is claimed.
+_CLAIMED = OpCoverage()

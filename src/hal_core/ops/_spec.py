@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -12,6 +12,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from .._backend import Backend
+    from .._capabilities import DeviceCapabilities
     from ..tuning import Knob
 
 __all__ = ["OpCall", "OpImpl", "OpSpec"]
@@ -81,16 +82,19 @@ class OpSpec(ABC):
     def is_empty(self, args: Mapping[str, Any]) -> bool:
         """True when there is no work at all (an implementation need not be called)."""
         shape = self.output_shape(args)
-        return shape is not None and int(np.prod(shape)) == 0
+        return shape is not None and 0 in shape
 
 
 @dataclass(frozen=True)
 class OpCall:
     """One validated call of an op, as implementations receive it.
 
-    ``args`` maps argument names to values, ``out`` included (None when the
-    caller gave none). An implementation that returns an array must have
-    written it into ``args['out']`` when that is not None.
+    ``args`` maps argument names to values. Implementations never receive
+    the caller's ``out``: they return a new array of the declared shape,
+    dtype and device, which hal checks and then writes into ``out``, so a
+    failing implementation leaves ``out`` untouched. In-place arguments
+    (the caches of ``write_kv_cache``) are given as they are, already
+    checked to be writable.
     """
 
     spec: OpSpec
@@ -106,6 +110,7 @@ class OpCall:
 
     @property
     def out(self) -> Any:
+        """Always None: implementations return a new array and hal writes the caller's ``out``."""
         return self.args.get("out")
 
     @cached_property
@@ -117,12 +122,9 @@ class OpCall:
         return self.spec.nbytes(self.args)
 
     @property
-    def capabilities(self):
+    def capabilities(self) -> DeviceCapabilities:
+        """The capabilities of the device the call runs on."""
         return self.backend.device(self.device_index).capabilities
-
-    def with_args(self, **changes: Any) -> OpCall:
-        """A copy with some arguments replaced."""
-        return replace(self, args={**self.args, **changes})
 
     def __getitem__(self, name: str) -> Any:
         return self.args[name]

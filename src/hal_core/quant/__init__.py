@@ -20,3 +20,7 @@ __all__ = [
     "quantize_activations",
     "unpack_int4",
 ]
+
+for _name in __all__:  # public names report the public module they are documented in
+    if getattr(globals()[_name], "__module__", "").startswith("hal_core.quant."):
+        globals()[_name].__module__ = __name__

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from ..arrays import DLPACK_HOST_TYPES, device_of, dlpack_device
+
 __all__ = ["QuantizedWeight", "pack_int4", "unpack_int4"]
 
 
@@ -151,9 +153,15 @@ class QuantizedWeight:
 
 
 def _host(array: Any) -> np.ndarray:
+    """A host view of one of the weight's arrays; device arrays must be brought over by their backend."""
     if isinstance(array, np.ndarray):
         return array
-    get = getattr(array, "get", None)  # CuPy-style device arrays
-    if callable(get):
-        return get()
-    return np.asarray(array)
+    found = dlpack_device(array)
+    if found is None:
+        return np.asarray(array)
+    if found[0] in DLPACK_HOST_TYPES and hasattr(array, "__dlpack__"):
+        return np.from_dlpack(array)
+    raise TypeError(
+        f"this QuantizedWeight holds {type(array).__name__} arrays on {device_of(array)}; bring it to the "
+        f"host first with weight.map_arrays(backend.to_numpy)"
+    )

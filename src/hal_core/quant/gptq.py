@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ..arrays import BFLOAT16
+from ..arrays import BFLOAT16, DLPACK_HOST_TYPES, device_of, dlpack_device
 from ._weight import QuantizedWeight, pack_int4
 
 __all__ = ["from_gptq"]
@@ -113,8 +113,15 @@ def host_numpy(name: str, value: Any) -> np.ndarray:
         return tensor.numpy()
     if not hasattr(value, "shape"):
         raise TypeError(f"argument {name!r}: expected an array, got {type(value).__name__}")
-    get = getattr(value, "get", None)  # CuPy
-    return np.asarray(get() if callable(get) and not isinstance(value, np.ndarray) else value)
+    if isinstance(value, np.ndarray):
+        return value
+    found = dlpack_device(value)
+    if found is not None and found[0] not in DLPACK_HOST_TYPES:
+        raise TypeError(f"argument {name!r}: a {type(value).__name__} on {device_of(value)}; checkpoints are "
+                        f"imported from host arrays: pass backend.to_numpy({name}) (or a torch tensor)")
+    if found is not None and hasattr(value, "__dlpack__"):
+        return np.from_dlpack(value)
+    return np.asarray(value)
 
 
 def host_int32(name: str, value: Any, *, ndim: int) -> np.ndarray:

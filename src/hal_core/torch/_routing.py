@@ -38,7 +38,7 @@ def backend_for(tensor: torch.Tensor) -> Backend:
                 return backend
     raise ArgumentError(
         f"no available hal backend owns memory on torch device {tensor.device}; "
-        f"`hal info` lists the installed backends (a CUDA tensor needs hal-cuda on a CUDA host)"
+        f"`hal info` lists the installed backends and why each is unavailable"
     )
 
 
@@ -46,21 +46,23 @@ def backend_for(tensor: torch.Tensor) -> Backend:
 def on_torch_stream(backend: Backend, tensor: torch.Tensor) -> Iterator[None]:
     """Run the block with torch's current stream of ``tensor``'s device as the backend's current stream.
 
-    Inside a CUDA graph capture the host index checks (``HAL_CHECK_INDICES``)
+    Inside a graph capture the host index checks (``HAL_CHECK_INDICES``)
     would copy device memory to the host, which a capture forbids; such a
     call raises :class:`ArgumentError` before any work, asking for
     ``HAL_CHECK_INDICES=0``.
     """
-    if tensor.device.type != "cuda":
+    if tensor.device.type == "cpu":
         yield
         return
-    if torch.cuda.is_current_stream_capturing() and _env.check_indices():
+    module = torch.get_device_module(tensor.device)  # torch's per-device-type module, named by the tensor
+    capturing = getattr(module, "is_current_stream_capturing", None)
+    if capturing is not None and capturing() and _env.check_indices():
         raise ArgumentError(
-            "hal op called inside a CUDA graph capture with HAL_CHECK_INDICES on: the host checks of block "
+            "hal op called inside a device graph capture with HAL_CHECK_INDICES on: the host checks of block "
             "tables, lengths and slots read device memory, which a capture forbids; set HAL_CHECK_INDICES=0 "
             "while capturing (and check the index arrays before capturing)"
         )
-    index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+    index = tensor.device.index if tensor.device.index is not None else module.current_device()
     device = backend.device(index)
     wrap = getattr(device, "wrap_stream", None)
     if wrap is None:
@@ -68,5 +70,5 @@ def on_torch_stream(backend: Backend, tensor: torch.Tensor) -> Iterator[None]:
             f"backend {backend.name!r} cannot run on a foreign stream (its devices have no wrap_stream), "
             f"so it cannot follow torch's current stream"
         )
-    with wrap(torch.cuda.current_stream(index)):
+    with wrap(module.current_stream(index)):
         yield

@@ -144,7 +144,7 @@ class HalPagedCache(Cache):
         device = torch.device(device)
         backend = backend_for(torch.empty(0, device=device))
         index = device.index if device.index is not None else (
-            torch.cuda.current_device() if device.type == "cuda" else 0)
+            0 if device.type == "cpu" else torch.get_device_module(device).current_device())
         hal_config = CacheConfig(num_layers=text.num_hidden_layers, num_kv_heads=kv_heads, head_size=head_size,
                                  block_size=block_size, dtype=_HAL_DTYPES[dtype])
         self.paged = PagedKVCache(backend, hal_config, num_blocks=num_blocks, device=index)

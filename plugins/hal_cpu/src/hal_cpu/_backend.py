@@ -26,6 +26,7 @@ class CpuBackend(Backend):
 
     name: ClassVar[str] = "cpu"
     priority: ClassVar[int] = 0
+    is_host: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self._devices = (CpuDevice(0),)

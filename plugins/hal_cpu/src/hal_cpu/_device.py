@@ -169,7 +169,6 @@ class CpuDevice(DeviceHandle):
     def default_stream(self) -> CpuStream:
         return self.create_stream()
 
-    @property
     def current_stream(self) -> CpuStream:
         """The stream made current by ``with stream:`` on this thread, else the default stream."""
         stack = getattr(self._local, "stack", None)

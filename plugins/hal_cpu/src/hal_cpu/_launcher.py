@@ -114,6 +114,8 @@ def _compile(source: KernelSource) -> types.ModuleType:
 class CpuLauncher(KernelLauncher):
     """Loads host kernels and runs them over a grid on a thread pool (one worker per core)."""
 
+    source_suffix = ".py"
+
     def __init__(self, device: CpuDevice) -> None:
         self._device = device
         self._lock = threading.Lock()
@@ -151,7 +153,7 @@ class CpuLauncher(KernelLauncher):
     def _launch(self, kernel: CompiledKernel, config: LaunchConfig, args: Sequence[Any], stream: Any) -> None:
         if not isinstance(kernel, CpuKernel):
             raise TypeError(f"expected a CpuKernel from CpuLauncher.load, got {type(kernel).__name__}")
-        target = stream if stream is not None else self._device.current_stream
+        target = stream if stream is not None else self._device.current_stream()
         arguments = tuple(args)
         target.submit(lambda: self._run_grid(kernel, config, arguments))
 

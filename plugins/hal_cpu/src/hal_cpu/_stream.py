@@ -161,7 +161,7 @@ class CpuEvent(Event):
         if stream is None:
             if self._device is None:
                 raise ValueError("this event has no device; pass the stream to record on")
-            stream = self._device.current_stream
+            stream = self._device.current_stream()
         if not isinstance(stream, CpuStream):
             raise TypeError(f"expected a CpuStream, got {type(stream).__name__}")
         done = threading.Event()

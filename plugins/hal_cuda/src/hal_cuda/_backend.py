@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hal_core import Availability, Backend
-from hal_core.arrays import device_of
+from hal_core.arrays import dlpack_device
 
 from ._arrays import to_device, to_host
 from ._cupy import cupy
@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CudaBackend"]
 
-_CUDA_KINDS = ("cuda", "cuda_managed")
+#: DLPack device types of CUDA memory: device (kDLCUDA) and managed (kDLCUDAManaged).
+_CUDA_DLPACK_TYPES = frozenset({2, 13})
 
 
 class CudaBackend(Backend):
@@ -32,6 +33,7 @@ class CudaBackend(Backend):
 
     name = "cuda"
     priority = 100
+    dlpack_device_types = _CUDA_DLPACK_TYPES
 
     @classmethod
     def availability(cls) -> Availability:
@@ -54,12 +56,23 @@ class CudaBackend(Backend):
 
         register_ops(registry)
 
+    def on_reset(self) -> None:
+        """Forget the compiled-kernel lookups of this process (``hal_core.reset``)."""
+        from .ops._common import forget_loaded
+
+        forget_loaded()
+
     def owns(self, array: Any) -> bool:
         if isinstance(array, np.ndarray):
             return False
-        if device_of(array)[0] in _CUDA_KINDS:
+        found = dlpack_device(array)
+        if found is not None and found[0] in _CUDA_DLPACK_TYPES:
             return True
         return hasattr(array, "__cuda_array_interface__")
+
+    def from_dlpack(self, value: Any) -> Any:
+        """A CuPy view of a CUDA DLPack producer (no copy)."""
+        return cupy().from_dlpack(value)
 
     def to_numpy(self, array: Any) -> np.ndarray:
         return to_host(array)

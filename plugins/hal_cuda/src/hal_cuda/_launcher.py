@@ -81,6 +81,8 @@ class CupyKernel(CompiledKernel):
 class CupyLauncher(KernelLauncher):
     """Compiles with NVRTC through CuPy for one device and launches on its streams."""
 
+    source_suffix = ".cu"
+
     def __init__(self, device_index: int, capabilities: DeviceCapabilities | Callable[[], DeviceCapabilities],
                  *, fmad: bool | None = None) -> None:
         self._device_index = device_index

@@ -27,9 +27,9 @@ def test_backend_identity(hal_backend: Any) -> None:
         hal_backend.device(len(devices))
 
 
-def test_backend_array_round_trip(hal_backend: Any, hal_arrays: Any, rng: np.random.Generator) -> None:
+def test_backend_array_round_trip(hal_backend: Any, hal_arrays: Any, hal_rng: np.random.Generator) -> None:
     """asarray puts an array in the backend's domain, owns() says so, to_numpy reads it back equal."""
-    host = rng.standard_normal((3, 5)).astype(np.float32)
+    host = hal_rng.standard_normal((3, 5)).astype(np.float32)
     array = hal_arrays.asarray(host)
     assert hal_backend.owns(array)
     np.testing.assert_array_equal(hal_arrays.to_numpy(array), host)
@@ -156,15 +156,15 @@ def test_allocator_limit_raises_with_byte_counts(hal_device: Any) -> None:
 
 
 def test_launcher_load_and_launch(hal_device: Any, hal_backend: Any, hal_axpy_source: Any,
-                                  rng: np.random.Generator) -> None:
+                                  hal_rng: np.random.Generator) -> None:
     """A kernel loads (cached), launches over a multi-block grid, and computes y += a * x."""
     launcher = hal_device.launcher
     kernels = launcher.load(hal_axpy_source)
     kernel = kernels["hal_test_axpy"]
     assert launcher.load(hal_axpy_source)["hal_test_axpy"].name == kernel.name
     n = 5000
-    x_host = rng.standard_normal(n).astype(np.float32)
-    y_host = rng.standard_normal(n).astype(np.float32)
+    x_host = hal_rng.standard_normal(n).astype(np.float32)
+    y_host = hal_rng.standard_normal(n).astype(np.float32)
     expected = y_host + 2.0 * x_host
     x, y = hal_backend.asarray(x_host), hal_backend.asarray(y_host.copy())
     config = LaunchConfig(grid=(7,), block=(128,))

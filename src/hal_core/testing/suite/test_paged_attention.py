@@ -51,34 +51,34 @@ def test_paged_attention_matches_reference(hal_backend: Any, seed: int, dtype: s
 
 @pytest.mark.parametrize("head_size", HEAD_SIZES, ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_attention_every_head_size(hal_backend: Any, rng: np.random.Generator, dtype: str,
+def test_paged_attention_every_head_size(hal_backend: Any, hal_rng: np.random.Generator, dtype: str,
                                          head_size: int) -> None:
     """Each supported head size, with a long sequence crossing many blocks and an empty one."""
-    args = paged_attention_inputs(rng, seq_lens=[700, 0, 33], num_heads=8, num_kv_heads=2,
+    args = paged_attention_inputs(hal_rng, seq_lens=[700, 0, 33], num_heads=8, num_kv_heads=2,
                                   head_size=head_size, block_size=16, dtype=dtype)
     assert_close(_run(hal_backend, args), REFERENCE(args), kind="attention", dtype=dtype)
 
 
-def test_paged_attention_zero_length_sequences_give_zeros(hal_backend: Any, rng: np.random.Generator) -> None:
+def test_paged_attention_zero_length_sequences_give_zeros(hal_backend: Any, hal_rng: np.random.Generator) -> None:
     """Sequences of length 0 produce exact zeros."""
-    args = paged_attention_inputs(rng, seq_lens=[0, 0, 0], num_heads=4, num_kv_heads=1,
+    args = paged_attention_inputs(hal_rng, seq_lens=[0, 0, 0], num_heads=4, num_kv_heads=1,
                                   head_size=64, block_size=8, dtype="fp32")
     got = _run(hal_backend, args)
     assert not got.any()
 
 
-def test_paged_attention_no_sequences(hal_backend: Any, rng: np.random.Generator) -> None:
+def test_paged_attention_no_sequences(hal_backend: Any, hal_rng: np.random.Generator) -> None:
     """num_seqs = 0 returns an empty [0, num_heads, head_size] array of the query's dtype."""
-    args = paged_attention_inputs(rng, seq_lens=[], num_heads=4, num_kv_heads=2,
+    args = paged_attention_inputs(hal_rng, seq_lens=[], num_heads=4, num_kv_heads=2,
                                   head_size=64, block_size=16, dtype="fp16")
     got = _run(hal_backend, args)
     assert got.shape == (0, 4, 64) and got.dtype == np.float16
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_attention_writes_out(hal_backend: Any, rng: np.random.Generator, dtype: str) -> None:
+def test_paged_attention_writes_out(hal_backend: Any, hal_rng: np.random.Generator, dtype: str) -> None:
     """With out=, the result lands in out and out is returned."""
-    args = paged_attention_inputs(rng, seq_lens=[5, 40], num_heads=8, num_kv_heads=8,
+    args = paged_attention_inputs(hal_rng, seq_lens=[5, 40], num_heads=8, num_kv_heads=8,
                                   head_size=128, block_size=32, dtype=dtype)
     out = hal_backend.asarray(np.zeros_like(args["query"]))
     dev = to_backend(hal_backend, "paged_attention", args)
@@ -133,10 +133,10 @@ BAD_INPUTS = [
 
 
 @pytest.mark.parametrize(("case", "error", "argument"), BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
-def test_paged_attention_bad_input(hal_backend: Any, rng: np.random.Generator, case: str,
+def test_paged_attention_bad_input(hal_backend: Any, hal_rng: np.random.Generator, case: str,
                                    error: type[Exception], argument: str) -> None:
     """Bad input raises the right error type naming the argument, before touching out."""
-    args = _bad_inputs(rng)
+    args = _bad_inputs(hal_rng)
     out_shape = args["query"].shape
     _break(case, args)
     dev = to_backend(hal_backend, "paged_attention", args)
@@ -153,9 +153,9 @@ def test_paged_attention_bad_input(hal_backend: Any, rng: np.random.Generator, c
     np.testing.assert_array_equal(hal_backend.to_numpy(out), sentinel, err_msg="out was modified")
 
 
-def test_paged_attention_bad_out(hal_backend: Any, rng: np.random.Generator) -> None:
+def test_paged_attention_bad_out(hal_backend: Any, hal_rng: np.random.Generator) -> None:
     """An out of the wrong shape or dtype is refused, naming 'out', and left untouched."""
-    args = _bad_inputs(rng)
+    args = _bad_inputs(hal_rng)
     for bad in (np.full((2, 4, 32), 7.0, np.float32), np.full(args["query"].shape, 7.0, np.float16)):
         out = hal_backend.asarray(bad)
         with pytest.raises((ArgumentError, ArgumentTypeError), match="'out'"):

@@ -48,17 +48,17 @@ def test_quantized_gemm_matches_reference(hal_backend: Any, seed: int, dtype: st
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_quantized_gemm_no_rows(hal_backend: Any, rng: np.random.Generator, bits: int) -> None:
+def test_quantized_gemm_no_rows(hal_backend: Any, hal_rng: np.random.Generator, bits: int) -> None:
     """M = 0 returns an empty [0, N] array of x's dtype."""
-    args = quantized_gemm_inputs(rng, m=0, k=64, n=16, bits=bits, group_size=32, symmetric=True, dtype="fp16")
+    args = quantized_gemm_inputs(hal_rng, m=0, k=64, n=16, bits=bits, group_size=32, symmetric=True, dtype="fp16")
     got = _run(hal_backend, args)
     assert got.shape == (0, 16) and got.dtype == np.float16
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_quantized_gemm_writes_out(hal_backend: Any, rng: np.random.Generator, bits: int) -> None:
+def test_quantized_gemm_writes_out(hal_backend: Any, hal_rng: np.random.Generator, bits: int) -> None:
     """With out=, the result lands in out and out is returned."""
-    args = quantized_gemm_inputs(rng, m=5, k=128, n=24, bits=bits, group_size=64, symmetric=False, dtype="fp32")
+    args = quantized_gemm_inputs(hal_rng, m=5, k=128, n=24, bits=bits, group_size=64, symmetric=False, dtype="fp32")
     dev = to_backend(hal_backend, "quantized_gemm", args)
     out = hal_backend.asarray(np.zeros((5, 24), np.float32))
     result = hal_backend.ops.quantized_gemm(dev["x"], dev["qweight"], out=out)
@@ -86,10 +86,10 @@ BAD_INPUTS = [
 
 
 @pytest.mark.parametrize(("case", "error", "argument"), BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
-def test_quantized_gemm_bad_input(hal_backend: Any, rng: np.random.Generator, case: str,
+def test_quantized_gemm_bad_input(hal_backend: Any, hal_rng: np.random.Generator, case: str,
                                   error: type[Exception], argument: str) -> None:
     """Bad input raises the right error naming the argument and leaves out untouched."""
-    args = quantized_gemm_inputs(rng, m=4, k=64, n=8, bits=4, group_size=32, symmetric=True, dtype="fp32",
+    args = quantized_gemm_inputs(hal_rng, m=4, k=64, n=8, bits=4, group_size=32, symmetric=True, dtype="fp32",
                                  act_order=case.startswith("g-idx"))
     qw = args["qweight"]
     if case == "x-rank":

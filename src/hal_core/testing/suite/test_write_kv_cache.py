@@ -49,9 +49,9 @@ def test_write_kv_cache_matches_reference(hal_backend: Any, seed: int, dtype: st
     assert_close(got_v, expected_v, kind="copy", dtype=dtype, what="value_cache")
 
 
-def test_write_kv_cache_all_negative_slots(hal_backend: Any, rng: np.random.Generator) -> None:
+def test_write_kv_cache_all_negative_slots(hal_backend: Any, hal_rng: np.random.Generator) -> None:
     """Only negative slots: the caches are unchanged."""
-    args = write_kv_cache_inputs(rng, num_tokens=6, num_blocks=2, num_kv_heads=2, block_size=8,
+    args = write_kv_cache_inputs(hal_rng, num_tokens=6, num_blocks=2, num_kv_heads=2, block_size=8,
                                  head_size=64, dtype="fp16", skip_fraction=1.0)
     before_k, before_v = args["key_cache"].copy(), args["value_cache"].copy()
     got_k, got_v = _run(hal_backend, args)
@@ -59,9 +59,9 @@ def test_write_kv_cache_all_negative_slots(hal_backend: Any, rng: np.random.Gene
     np.testing.assert_array_equal(got_v, before_v)
 
 
-def test_write_kv_cache_no_tokens(hal_backend: Any, rng: np.random.Generator) -> None:
+def test_write_kv_cache_no_tokens(hal_backend: Any, hal_rng: np.random.Generator) -> None:
     """num_tokens = 0 is a no-op."""
-    args = write_kv_cache_inputs(rng, num_tokens=0, num_blocks=2, num_kv_heads=1, block_size=16,
+    args = write_kv_cache_inputs(hal_rng, num_tokens=0, num_blocks=2, num_kv_heads=1, block_size=16,
                                  head_size=64, dtype="bf16")
     before = args["key_cache"].copy()
     got_k, _ = _run(hal_backend, args)
@@ -79,10 +79,10 @@ BAD_INPUTS = [
 
 
 @pytest.mark.parametrize(("case", "error", "argument"), BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
-def test_write_kv_cache_bad_input(hal_backend: Any, rng: np.random.Generator, case: str,
+def test_write_kv_cache_bad_input(hal_backend: Any, hal_rng: np.random.Generator, case: str,
                                   error: type[Exception], argument: str) -> None:
     """Bad input raises the right error naming the argument and leaves the caches untouched."""
-    args = write_kv_cache_inputs(rng, num_tokens=4, num_blocks=2, num_kv_heads=2, block_size=8,
+    args = write_kv_cache_inputs(hal_rng, num_tokens=4, num_blocks=2, num_kv_heads=2, block_size=8,
                                  head_size=64, dtype="fp32", skip_fraction=0.0)
     if case == "slot-out-of-range":
         args["slot_mapping"][0] = 2 * 8

@@ -63,6 +63,12 @@ _loaded: dict[tuple[Any, Specialization, bool], dict[str, Any]] = {}
 _loaded_lock = threading.Lock()
 
 
+def forget_loaded() -> None:
+    """Drop every looked-up kernel (the backend's ``on_reset``): launchers of a reset backend go with them."""
+    with _loaded_lock:
+        _loaded.clear()
+
+
 def kernels_for(call: OpCall, device_index: int, spec: Specialization) -> dict[str, Any]:
     """Compiled kernels of ``spec`` on a device (compiled on first use, then looked up without hashing)."""
     launcher = call.backend.device(device_index).launcher
