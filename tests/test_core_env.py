@@ -118,11 +118,3 @@ def test_name_list_and_text(monkeypatch: pytest.MonkeyPatch) -> None:
     assert env.name_list("HAL_DISABLE_PLUGINS") == {"cuda", "rocm"}
     monkeypatch.setenv("HAL_BACKEND", "  ")
     assert env.text("HAL_BACKEND") is None
-
-
-def test_the_error_pickles() -> None:
-    """EnvironmentVariableError survives pickling with its fields (it may cross process pools)."""
-    import pickle
-
-    error = pickle.loads(pickle.dumps(EnvironmentVariableError("HAL_X", "2", "0 or 1")))
-    assert (error.name, error.value, error.expected) == ("HAL_X", "2", "0 or 1")
