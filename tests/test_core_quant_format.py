@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from hal_core.arrays import BFLOAT16
 from hal_core.ops import OPS
 from hal_core.quant import QuantizedWeight, pack_int4, quantize, quantize_activations, unpack_int4
 
@@ -121,6 +123,22 @@ def test_activation_quantization_error_is_half_a_step(x: np.ndarray) -> None:
     assert np.abs(xq.astype(np.int32)).max() <= 127
     err = np.abs(x.astype(np.float64) - xq.astype(np.float64) * sx[:, None])
     assert (err <= sx[:, None].astype(np.float64) * (0.5 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BFLOAT16], ids=["fp32", "fp16", "bf16"])
+def test_activation_rows_with_nan_or_inf_get_a_nan_scale_and_zero_codes(dtype: Any) -> None:
+    """A row holding NaN or +-inf: sx NaN and xq 0 (a NaN W8A8 row); the other rows are unaffected."""
+    rng = np.random.default_rng(11)
+    x = rng.uniform(-2, 2, (5, 40)).astype(dtype)
+    clean_xq, clean_sx = quantize_activations(x)
+    x[1, 3], x[2, 0], x[3, [5, 39]] = np.nan, np.inf, (-np.inf, np.nan)
+    xq, sx = quantize_activations(x)
+    assert np.isnan(sx[1:4]).all() and not xq[1:4].any()
+    np.testing.assert_array_equal(sx[[0, 4]], clean_sx[[0, 4]])
+    np.testing.assert_array_equal(xq[[0, 4]], clean_xq[[0, 4]])
+    qw = quantize(rng.standard_normal((40, 3)), bits=8, group_size=8)
+    y = OPS["quantized_gemm"].reference({"x": x, "qweight": qw})
+    assert np.isnan(y[1:4]).all() and np.isfinite(y[[0, 4]]).all()
 
 
 def test_worked_example_of_the_docs() -> None:

@@ -64,16 +64,28 @@ def quantize(
                            group_size=group_size, shape=(k, n))
 
 
-def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def quantize_activations(x: Any) -> tuple[np.ndarray, np.ndarray]:
     """Per-token int8 quantisation used by W8A8: ``(xq int8 [M, K], sx float32 [M])``.
 
-    ``sx[m] = max|x[m]| / 127`` (at least the smallest float32 subnormal, so a
-    tiny row never gets a zero scale; 1 for an all-zero row) and
-    ``xq = rint(x / sx)`` (round half to even), so ``x ~ xq * sx``.
+    Computed in float32 (``x`` is widened first, so fp16/bf16 inputs give
+    the same scales on every backend): ``sx[m] = max|x[m]| / 127``, at least
+    the smallest float32 subnormal (so a row of subnormals never gets a zero
+    scale), and 1 for an all-zero row; ``xq = clip(rint(x / sx), -127, 127)``
+    (round half to even), so ``x ~ xq * sx``.
+
+    A row holding any NaN or infinity has no int8 representation: its
+    ``sx[m]`` is NaN and its ``xq[m]`` is all zeros, so the W8A8 product
+    ``sx[m] * (xq[m] @ w)`` makes that whole output row NaN, on every
+    backend (docs/quantization.md).
     """
     x32 = np.asarray(x).astype(np.float32)
+    if x32.ndim != 2:
+        raise ValueError(f"argument 'x': expected 2 dimensions [M, K], got shape {x32.shape}")
+    finite = np.isfinite(x32).all(axis=1)
+    x32 = np.where(finite[:, None], x32, np.float32(0.0))
     amax = np.abs(x32).max(axis=1) if x32.shape[1] else np.zeros(x32.shape[0], np.float32)
     tiny = np.finfo(np.float32).smallest_subnormal
     sx = np.where(amax > 0, np.maximum(amax / np.float32(127.0), tiny), np.float32(1.0)).astype(np.float32)
     xq = np.clip(np.rint(x32 / sx[:, None]), -127, 127).astype(np.int8)
+    sx[~finite] = np.float32(np.nan)
     return xq, sx
