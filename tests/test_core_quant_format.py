@@ -158,3 +158,66 @@ def test_worked_example_of_the_docs() -> None:
     x8 = np.array([[0.5, 0, 0, 0, 0, 0, -0.25, 0]], np.float16)
     y = OPS["quantized_gemm"].reference({"x": x8, "qweight": q8})
     assert round(float(y[0, 0]), 6) == 0.300026 and "0.300026" in doc
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "zero-points"])
+def test_quantize_accepts_strided_weights(cpu: Any, bits: int, symmetric: bool) -> None:
+    """quantize(w.T) (an nn.Linear weight [N, K] transposed) gives the same contiguous weight as a copy."""
+    rng = np.random.default_rng(5)
+    linear_weight = rng.standard_normal((48, 128)).astype(np.float32)  # [out_features, in_features]
+    strided = {"transposed": linear_weight.T, "fortran": np.asfortranarray(linear_weight.T),
+               "every-other-column": np.repeat(linear_weight.T, 2, axis=1)[:, ::2]}
+    want = quantize(np.ascontiguousarray(linear_weight.T), bits=bits, group_size=32, symmetric=symmetric)
+    x = rng.standard_normal((3, 128)).astype(np.float32)
+    for name, w in strided.items():
+        qw = quantize(w, bits=bits, group_size=32, symmetric=symmetric)
+        assert qw == want, name
+        assert all(a.flags.c_contiguous for a in qw.arrays().values()), name
+        got = cpu.ops.quantized_gemm(x, qw)  # refused as non-contiguous before
+        np.testing.assert_allclose(got, OPS["quantized_gemm"].reference({"x": x, "qweight": want}),
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_quantize_accepts_a_torch_linear_weight() -> None:
+    """A torch nn.Linear weight (requires_grad, bf16 too) quantises through .T without a manual copy."""
+    torch = pytest.importorskip("torch")
+    linear = torch.nn.Linear(64, 16, bias=False)
+    want = quantize(linear.weight.detach().numpy().T.copy(), group_size=32)
+    assert quantize(linear.weight.T, group_size=32) == want
+    bf16 = linear.weight.detach().to(torch.bfloat16)
+    expected = quantize(bf16.float().numpy().T.copy(), group_size=32)
+    assert quantize(bf16.T, group_size=32) == expected
+
+
+@pytest.mark.parametrize(("w", "kwargs", "error", "name"), [
+    (np.ones((32, 4), np.complex64), {}, TypeError, "w"),
+    (np.ones((32, 4), bool), {}, TypeError, "w"),
+    (np.array([["a"] * 4] * 32), {}, TypeError, "w"),
+    ([[1.0] * 4] * 32, {}, TypeError, "w"),
+    (np.ones((32, 4)), {"bits": 4.0}, TypeError, "bits"),
+    (np.ones((32, 4)), {"bits": True}, TypeError, "bits"),
+    (np.ones((32, 4)), {"group_size": 32.0}, TypeError, "group_size"),
+    (np.ones((32, 4)), {"group_size": "32"}, TypeError, "group_size"),
+    (np.ones((32, 4)), {"symmetric": "no"}, TypeError, "symmetric"),
+    (np.ones((32, 4)), {"symmetric": 0}, TypeError, "symmetric"),
+    (np.ones((32, 4)), {"scale_dtype": np.float64}, TypeError, "scale_dtype"),
+    (np.ones((32, 4)), {"scale_dtype": "fp13"}, TypeError, "scale_dtype"),
+    (np.ones((32, 4)), {"bits": 3}, ValueError, "bits"),
+    (np.ones((32, 4)), {"group_size": 0}, ValueError, "group_size"),
+], ids=["complex", "bool", "strings", "list", "float-bits", "bool-bits", "float-group", "str-group",
+        "str-symmetric", "int-symmetric", "fp64-scales", "unknown-scale-dtype", "bits-3", "group-0"])
+def test_quantize_refuses_bad_arguments_naming_them(w: Any, kwargs: dict[str, Any], error: type[Exception],
+                                                    name: str) -> None:
+    """Complex, bool or non-array weights and wrongly typed options raise naming the argument."""
+    with pytest.raises(error, match=f"argument {name!r}"):
+        quantize(w, **{"group_size": 32, **kwargs})
+
+
+def test_quantize_takes_numpy_integers_where_ints_go() -> None:
+    """bits and group_size may be numpy integer scalars or 0-d arrays; the weight stores Python ints."""
+    w = np.random.default_rng(6).standard_normal((64, 8))
+    want = quantize(w, bits=8, group_size=32)
+    got = quantize(w, bits=np.int8(8), group_size=np.array(32), symmetric=np.bool_(True))
+    assert got == want and type(got.bits) is int and type(got.group_size) is int
+    assert quantize(w, scale_dtype=BFLOAT16, group_size=np.uint16(32)).scales.dtype == BFLOAT16
