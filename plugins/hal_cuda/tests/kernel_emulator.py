@@ -318,6 +318,10 @@ class NumpyCupy(fakecupy.FakeCupy):
         return np.zeros(shape, dtype).view(DevArray)
 
     @staticmethod
+    def ascontiguousarray(array: Any) -> DevArray:
+        return np.ascontiguousarray(array).view(DevArray)
+
+    @staticmethod
     def matmul(a: Any, b: Any, out: Any = None) -> DevArray:
         result = np.matmul(np.asarray(a, np.float32), np.asarray(b, np.float32))
         if out is not None:
