@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from importlib import resources
 
@@ -66,12 +67,15 @@ def test_launch_config_is_frozen_hashable_and_normalised() -> None:
     assert config.threads_per_block == 256 and config.num_blocks == 128
     with pytest.raises(AttributeError):
         config.grid = (1, 1, 1)  # type: ignore[misc]
+    assert dataclasses.replace(config, block=(16, 16)).block == (16, 16, 1)
 
 
 @pytest.mark.parametrize(
     ("grid", "block", "shared_mem"),
-    [(0, 1, 0), ((1, 2, 3, 4), 1, 0), (1, (32, -1), 0), (1, 32, -5), (1.5, 32, 0)],
-    ids=["zero-grid", "four-dims", "negative-block", "negative-smem", "float-grid"],
+    [(0, 1, 0), ((1, 2, 3, 4), 1, 0), (1, (32, -1), 0), (1, 32, -5), (1.5, 32, 0), (True, 32, 0),
+     (1, (32, False), 0), (1, 32, True)],
+    ids=["zero-grid", "four-dims", "negative-block", "negative-smem", "float-grid", "bool-grid", "bool-block",
+         "bool-smem"],
 )
 def test_launch_config_rejects_malformed_values(grid, block, shared_mem) -> None:
     """Malformed grids, blocks or shared memory raise LaunchConfigError at construction."""
