@@ -77,10 +77,10 @@ class PagedAttention(OpSpec):
             raise fail("block_tables", f"{num_seqs} rows (num_seqs)", f"shape {tuple(bt.shape)}")
         if sl.shape[0] != num_seqs:
             raise fail("seq_lens", f"shape ({num_seqs},) (num_seqs)", f"shape {tuple(sl.shape)}")
-        scale = args["scale"]
-        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)) or not math.isfinite(scale):
-            raise ArgumentTypeError(f"argument 'scale': expected a finite float, got {scale!r}")
-        args["scale"] = float(scale)
+        scale = _real(args["scale"])
+        if scale is None or not math.isfinite(scale):
+            raise ArgumentTypeError(f"argument 'scale': expected a finite float, got {args['scale']!r}")
+        args["scale"] = scale
         out = args.get("out")
         if out is not None:
             check_array("out", out, layout="[num_seqs, num_heads, head_size]", ndim=3, dtypes=(qdt,))
@@ -157,6 +157,17 @@ class PagedAttention(OpSpec):
                 p /= p.sum(axis=1, keepdims=True)
                 out[s] = np.einsum("hn,nhd->hd", p, values)
         return out
+
+
+def _real(value: Any) -> float | None:
+    """``value`` as a float: a Python or numpy real scalar or a 0-d real numpy array (never a bool); else None."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        return float(value)
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iuf":
+        return float(value)
+    return None
 
 
 def _host_int_sum(array: Any) -> int:
