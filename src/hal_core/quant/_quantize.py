@@ -102,7 +102,7 @@ def quantize_activations(x: Any) -> tuple[np.ndarray, np.ndarray]:
     x32 = np.asarray(x).astype(np.float32)
     if x32.ndim != 2:
         raise ValueError(f"argument 'x': expected 2 dimensions [M, K], got shape {x32.shape}")
-    finite: np.ndarray = np.isfinite(x32).all(axis=1)
+    finite = np.asarray(np.isfinite(x32).all(axis=1), dtype=bool)
     x32 = np.where(finite[:, None], x32, np.float32(0.0))
     amax = np.abs(x32).max(axis=1) if x32.shape[1] else np.zeros(x32.shape[0], np.float32)
     tiny = np.finfo(np.float32).smallest_subnormal
