@@ -92,26 +92,39 @@ def check_writable(arg: str, value: Any) -> None:
 
 
 def byte_range(value: Any) -> tuple[int, int] | None:
-    """``[start, end)`` of the memory ``value`` spans (from its array interface), or None if unknown or empty."""
+    """``[start, end)`` of the memory ``value`` spans, or None if unknown or empty.
+
+    Read from a CuPy-style ``data.ptr`` with ``strides``, else from
+    ``__array_interface__`` / ``__cuda_array_interface__``: attributes only,
+    no synchronisation and no copy.
+    """
     storage = untag(value)
-    interface = getattr(storage, "__array_interface__", None)
-    if not isinstance(interface, dict):
-        interface = getattr(storage, "__cuda_array_interface__", None)
-    if not isinstance(interface, dict):
-        return None
-    shape = tuple(interface["shape"])
+    # numpy's .data is a memoryview (and refuses float16): numpy arrays go through __array_interface__
+    pointer = None if isinstance(storage, np.ndarray) else getattr(getattr(storage, "data", None), "ptr", None)
+    if isinstance(pointer, int) and hasattr(storage, "strides"):
+        shape, strides = tuple(storage.shape), tuple(storage.strides)
+        itemsize = storage.dtype.itemsize
+    else:
+        interface = getattr(storage, "__array_interface__", None)
+        if not isinstance(interface, dict):
+            interface = getattr(storage, "__cuda_array_interface__", None)
+        if not isinstance(interface, dict):
+            return None
+        shape, pointer = tuple(interface["shape"]), int(interface["data"][0])
+        itemsize = np.dtype(interface["typestr"]).itemsize
+        given = interface.get("strides")
+        if given is not None:
+            strides = tuple(given)
+        else:  # C-contiguous
+            step, dense = itemsize, list[int]()
+            for size in reversed(shape):
+                dense.insert(0, step)
+                step *= size
+            strides = tuple(dense)
     if any(size == 0 for size in shape):
         return None
-    itemsize = np.dtype(interface["typestr"]).itemsize
-    strides = interface.get("strides")
-    if strides is None:  # C-contiguous
-        strides, step = [], itemsize
-        for size in reversed(shape):
-            strides.insert(0, step)
-            step *= size
-    start = int(interface["data"][0])
-    low = start + sum(min(0, (size - 1) * stride) for size, stride in zip(shape, strides, strict=True))
-    high = start + sum(max(0, (size - 1) * stride) for size, stride in zip(shape, strides, strict=True)) + itemsize
+    low = pointer + sum(min(0, (size - 1) * stride) for size, stride in zip(shape, strides, strict=True))
+    high = pointer + sum(max(0, (size - 1) * stride) for size, stride in zip(shape, strides, strict=True)) + itemsize
     return low, high
 
 
