@@ -118,3 +118,17 @@ def test_name_list_and_text(monkeypatch: pytest.MonkeyPatch) -> None:
     assert env.name_list("HAL_DISABLE_PLUGINS") == {"cuda", "rocm"}
     monkeypatch.setenv("HAL_BACKEND", "  ")
     assert env.text("HAL_BACKEND") is None
+
+
+@pytest.mark.parametrize("raw", ["0", "-1", "inf", "nan", "soon"])
+def test_probe_timeout_must_be_positive_and_finite(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    """HAL_PROBE_TIMEOUT_S is a number of seconds > 0; anything else names the variable."""
+    from hal_core import _env
+
+    monkeypatch.setenv("HAL_PROBE_TIMEOUT_S", raw)
+    with pytest.raises(EnvironmentVariableError, match=r"HAL_PROBE_TIMEOUT_S=.*expected a finite number > 0"):
+        _env.probe_timeout_s()
+    monkeypatch.setenv("HAL_PROBE_TIMEOUT_S", "0.25")
+    assert _env.probe_timeout_s() == 0.25
+    monkeypatch.delenv("HAL_PROBE_TIMEOUT_S")
+    assert _env.probe_timeout_s() == _env.PROBE_TIMEOUT_DEFAULT_S

@@ -8,10 +8,12 @@ from __future__ import annotations
 from . import env
 
 __all__ = [
+    "allowed_overrides",
     "backend_override",
     "check_indices",
     "disabled_plugins",
     "force_cpu",
+    "probe_timeout_s",
     "strict",
 ]
 
@@ -39,3 +41,17 @@ def check_indices() -> bool:
 def disabled_plugins() -> frozenset[str]:
     """``HAL_DISABLE_PLUGINS=a,b``: entry points never imported."""
     return env.name_list("HAL_DISABLE_PLUGINS")
+
+
+def allowed_overrides() -> frozenset[str]:
+    """``HAL_ALLOW_OVERRIDE=dist-a,dist-b``: distributions allowed to replace or extend another's backend."""
+    return env.name_list("HAL_ALLOW_OVERRIDE")
+
+
+#: Seconds ``HAL_PROBE_TIMEOUT_S`` defaults to.
+PROBE_TIMEOUT_DEFAULT_S = 10.0
+
+
+def probe_timeout_s() -> float:
+    """``HAL_PROBE_TIMEOUT_S``: seconds one backend's ``availability()`` may take (default 10)."""
+    return env.number("HAL_PROBE_TIMEOUT_S", PROBE_TIMEOUT_DEFAULT_S, positive=True)

@@ -81,18 +81,30 @@ def integer(name: str, default: int, *, minimum: int | None = None, maximum: int
     return parsed
 
 
-def number(name: str, default: float, *, minimum: float | None = None, maximum: float | None = None) -> float:
-    """A finite real variable (``2.5``, ``1e-3``), within bounds."""
+def number(
+    name: str,
+    default: float,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    positive: bool = False,
+) -> float:
+    """A finite real variable (``2.5``, ``1e-3``), within bounds (``positive``: strictly above 0)."""
     value = text(name)
     if value is None:
         return default
-    expected = _bounds("a finite number", minimum, maximum)
+    expected = "a finite number > 0" if positive else _bounds("a finite number", minimum, maximum)
+    if positive and maximum is not None:
+        expected += f" and <= {maximum}"
     try:
         parsed = float(value)
     except ValueError:
         raise EnvironmentVariableError(name, value, expected) from None
-    if not math.isfinite(parsed) or (minimum is not None and parsed < minimum) or (
-        maximum is not None and parsed > maximum
+    if (
+        not math.isfinite(parsed)
+        or (positive and parsed <= 0)
+        or (minimum is not None and parsed < minimum)
+        or (maximum is not None and parsed > maximum)
     ):
         raise EnvironmentVariableError(name, value, expected)
     return parsed

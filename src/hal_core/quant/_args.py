@@ -2,8 +2,7 @@
 
 Each error names the argument. Integers may be Python ints, numpy integer
 scalars or 0-d integer arrays (anything ``operator.index`` takes), never
-bools; arrays may be numpy, CuPy-style (``.get()``) or torch tensors, and
-are copied to the host.
+bools.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import numpy as np
 
 from ..arrays import BFLOAT16
 
-__all__ = ["as_bool", "as_int", "host_numpy", "require_finite", "require_integer_dtype"]
+__all__ = ["as_bool", "as_int", "require_finite", "require_integer_dtype"]
 
 
 def _is_bool(value: Any) -> bool:
@@ -45,22 +44,6 @@ def as_bool(name: str, value: Any, *, allow_none: bool = False) -> bool | None:
         return bool(value)
     expected = "True, False or None" if allow_none else "True or False"
     raise TypeError(f"argument {name!r}: expected {expected}, got {type(value).__name__} {value!r}")
-
-
-def host_numpy(name: str, value: Any) -> np.ndarray:
-    """A host numpy copy (or view) of ``value``; torch tensors via ``.numpy()`` (bf16 via int16)."""
-    module = type(value).__module__
-    if module == "torch" or module.startswith("torch."):
-        tensor = value.detach().cpu()
-        if str(tensor.dtype) == "torch.bfloat16":
-            import torch
-
-            return tensor.view(torch.int16).numpy().view(BFLOAT16)
-        return tensor.numpy()
-    if not hasattr(value, "shape") or isinstance(value, (str, bytes)):
-        raise TypeError(f"argument {name!r}: expected an array, got {type(value).__name__}")
-    get = getattr(value, "get", None)  # CuPy
-    return np.asarray(get() if callable(get) and not isinstance(value, np.ndarray) else value)
 
 
 def require_integer_dtype(name: str, array: np.ndarray) -> None:

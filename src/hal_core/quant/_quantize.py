@@ -7,8 +7,9 @@ from typing import Any
 import numpy as np
 
 from ..arrays import BFLOAT16
-from ._args import as_bool, as_int, host_numpy
+from ._args import as_bool, as_int
 from ._weight import QuantizedWeight, pack_int4
+from .gptq import host_numpy
 
 __all__ = ["quantize", "quantize_activations"]
 

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from ..arrays import BFLOAT16
-from ._args import as_bool, as_int, host_numpy, require_finite, require_integer_dtype
+from ._args import as_bool, as_int, require_finite, require_integer_dtype
 from ._weight import QuantizedWeight, pack_int4
 
 __all__ = ["from_gptq"]
@@ -109,10 +109,26 @@ def zero_words(value: Any, num_groups: int, n: int, per_word: int) -> np.ndarray
     return words
 
 
+def host_numpy(name: str, value: Any) -> np.ndarray:
+    """A host numpy copy (or view) of ``value``; torch tensors via ``.numpy()`` (bf16 via int16)."""
+    module = type(value).__module__
+    if module == "torch" or module.startswith("torch."):
+        tensor = value.detach().cpu()
+        if str(tensor.dtype) == "torch.bfloat16":
+            import torch
+
+            return tensor.view(torch.int16).numpy().view(BFLOAT16)
+        return tensor.numpy()
+    if not hasattr(value, "shape"):
+        raise TypeError(f"argument {name!r}: expected an array, got {type(value).__name__}")
+    get = getattr(value, "get", None)  # CuPy
+    return np.asarray(get() if callable(get) and not isinstance(value, np.ndarray) else value)
+
+
 def host_int32(name: str, value: Any, *, ndim: int) -> np.ndarray:
     """Packed words as uint32 (int32 checkpoints are reinterpreted, not converted)."""
     array = host_numpy(name, value)
-    if array.dtype not in (np.dtype(np.int32), np.dtype(np.uint32)):
+    if array.dtype not in (np.int32, np.uint32):
         raise TypeError(f"argument {name!r}: expected int32 packed words, got {array.dtype}")
     if array.ndim != ndim:
         raise ValueError(f"argument {name!r}: expected {ndim} dimensions, got shape {array.shape}")
@@ -121,7 +137,7 @@ def host_int32(name: str, value: Any, *, ndim: int) -> np.ndarray:
 
 def host_scales(value: Any, n: int) -> np.ndarray:
     scales = host_numpy("scales", value)
-    if scales.dtype not in (np.dtype(np.float16), np.dtype(np.float32), np.dtype(BFLOAT16)):
+    if scales.dtype not in (np.float16, np.float32, BFLOAT16):
         raise TypeError(f"argument 'scales': expected float16, bfloat16 or float32, got {scales.dtype}")
     if scales.ndim != 2 or scales.shape[1] != n:
         raise ValueError(f"argument 'scales': expected shape [K/G, {n}], got {scales.shape}")
