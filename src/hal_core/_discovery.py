@@ -241,7 +241,8 @@ def extra_op_impls(backend: Backend) -> list[Any]:
     impls: list[Any] = []
     for hookimpl in state.manager.hook.hal_extra_ops.get_hookimpls():
         try:  # one plugin's extras never break another's backend
-            offered = list(hookimpl.function(backend=backend) or ())
+            returned: Any = hookimpl.function(backend=backend)  # plugin code: checked item by item below
+            offered = list(returned or ())
             bad = [item for item in offered if not (isinstance(item, OpImpl) and item.op in OPS)]
             if bad:
                 raise TypeError(f"expected OpImpl objects of known ops {sorted(OPS)}, got {bad[0]!r}")

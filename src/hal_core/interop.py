@@ -153,7 +153,7 @@ def _from_torch(tensor: Any, backend: Backend, name: str) -> Any:
         )
     array = _device_import(storage, backend, name, "cuda", tensor.device.index or 0)
     if bf16:
-        array = TaggedArray(array.view("uint16"), "bf16")
+        return _checked(TaggedArray(array.view("uint16"), "bf16"), tensor, name)
     return _checked(array, tensor, name)
 
 
