@@ -87,8 +87,7 @@ def check_writable(arg: str, value: Any) -> None:
         except (KeyError, TypeError):
             writeable = None
     if writeable is False:
-        raise ArgumentError(f"argument {arg!r}: expected a writable array, got a read-only one; "
-                            "pass a writable array (e.g. a copy)")
+        raise ArgumentError(f"argument {arg!r} is read-only; pass a writable array (e.g. a copy)")
 
 
 def byte_range(value: Any) -> tuple[int, int] | None:
