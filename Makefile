@@ -14,6 +14,9 @@ PYPROJECTS     := pyproject.toml plugins/hal_cpu/pyproject.toml $(CUDA_PYPROJECT
 TEST_DEPS := pytest hypothesis ruff "torch==2.13.0" "transformers==5.23.0" \
              "cuda-bindings>=13,<14" "nvidia-cuda-nvrtc>=13,<14" "nvidia-cuda-runtime>=13,<14"
 
+# The type checker `make test` runs over src/ and every plugin's src/ (configured in pyproject.toml).
+TEST_DEPS += mypy
+
 .PHONY: demo test lint clean
 
 $(BIN)/python:
@@ -31,13 +34,16 @@ $(VENV)/.stamp-test: $(VENV)/.stamp-demo Makefile
 demo: $(VENV)/.stamp-demo  ## run a checked decode loop on the best available backend
 	$(BIN)/hal demo
 
-test: $(VENV)/.stamp-test  ## ruff, then every test (hal-core, hal-cpu, hal-cuda); fails if either fails
+test: $(VENV)/.stamp-test  ## ruff, mypy, then every test (hal-core and the plugins); fails if any fails
 	@lint=0; $(BIN)/ruff check . || lint=$$?; \
+	types=0; $(BIN)/mypy || types=$$?; \
 	$(BIN)/python -m pytest -q || exit $$?; \
-	if [ $$lint -ne 0 ]; then echo "make test: ruff found problems (see above)"; exit $$lint; fi
+	if [ $$lint -ne 0 ]; then echo "make test: ruff found problems (see above)"; exit $$lint; fi; \
+	if [ $$types -ne 0 ]; then echo "make test: mypy found type errors (see above)"; exit $$types; fi
 
-lint: $(VENV)/.stamp-test
+lint: $(VENV)/.stamp-test  ## ruff and mypy only
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build dist

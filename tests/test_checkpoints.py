@@ -160,6 +160,67 @@ def test_gptq_bad_tensors_name_the_argument() -> None:
         from_gptq(qweight, qzeros, scales, bits=3)
 
 
+def _gptq_layer(n: int = 16) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A valid symmetric v1 layer with K = 64, G = 32 and ``n`` columns (zero points stored as 7)."""
+    rng = np.random.default_rng(3)
+    codes = rng.integers(0, 16, size=(64, n))
+    qzeros = pack_along_cols(np.full((2, n), 7), 4) if n % 8 == 0 else np.full((2, n // 8), 0x77777777, np.int32)
+    return pack_along_rows(codes, 4), qzeros, np.ones((2, n), np.float16)
+
+
+@pytest.mark.parametrize("g_idx", [np.arange(64, dtype=np.float32) // 32, np.zeros(64, bool),
+                                   np.arange(64, dtype=np.float64) // 32 + 0.5],
+                         ids=["float", "bool", "fractional"])
+def test_gptq_refuses_a_non_integer_g_idx(g_idx: np.ndarray) -> None:
+    """g_idx must hold integers: a float or bool array (once silently truncated) is a TypeError naming it."""
+    with pytest.raises(TypeError, match="'g_idx': expected an integer array"):
+        from_gptq(*_gptq_layer(), g_idx)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_checkpoint_scales_must_be_finite(bad: float) -> None:
+    """A NaN or infinite scale (GPTQ or AWQ) is refused naming 'scales', with the index of the first one."""
+    qweight, qzeros, scales = _gptq_layer()
+    scales[1, 5] = bad
+    with pytest.raises(ValueError, match=r"'scales': expected finite values.*\(1, 5\)"):
+        from_gptq(qweight, qzeros, scales)
+    awq_scales = np.ones((1, 8), np.float32)
+    awq_scales[0, 2] = bad
+    with pytest.raises(ValueError, match="'scales': expected finite"):
+        from_awq(np.zeros((8, 1), np.int32), np.zeros((1, 1), np.int32), awq_scales)
+
+
+def test_gptq_n_must_be_a_multiple_of_the_zero_packing() -> None:
+    """N = 12 cannot be packed 8 zero points per word along N: refused naming 'qweight', not read as 8 columns."""
+    qweight, qzeros, scales = _gptq_layer(n=12)
+    with pytest.raises(ValueError, match=r"'qweight': N=12 .* multiple of 8"):
+        from_gptq(qweight, qzeros, scales)
+
+
+def test_gptq_wrongly_typed_arguments_name_themselves() -> None:
+    """bits, checkpoint_format, zero_point_offset and symmetric of the wrong type raise TypeError naming them."""
+    layer = _gptq_layer()
+    cases = [({"bits": 4.0}, "bits"), ({"bits": True}, "bits"), ({"checkpoint_format": 1}, "checkpoint_format"),
+             ({"zero_point_offset": 1.5}, "zero_point_offset"), ({"symmetric": "yes"}, "symmetric")]
+    for kwargs, name in cases:
+        with pytest.raises(TypeError, match=repr(name)):
+            from_gptq(*layer, **kwargs)
+    with pytest.raises(TypeError, match="'scales'"):
+        from_gptq(layer[0], layer[1], layer[2].astype(np.complex64))
+    with pytest.raises(TypeError, match="'qzeros'"):
+        from_gptq(layer[0], [[0, 0]], layer[2])
+    with pytest.raises(TypeError, match="'symmetric'"):
+        from_awq(np.zeros((8, 1), np.int32), np.zeros((1, 1), np.int32), np.ones((1, 8), np.float16), symmetric=1)
+
+
+def test_gptq_numpy_integer_scalars_work_like_ints() -> None:
+    """bits and zero_point_offset may be numpy integer scalars or 0-d arrays."""
+    layer = _gptq_layer()
+    want = from_gptq(*layer)
+    assert from_gptq(*layer, bits=np.int64(4), zero_point_offset=np.array(1)) == want
+    assert from_gptq(*layer, bits=np.array(4, np.int32), symmetric=np.bool_(True)) == want
+
+
 # -- AWQ ----------------------------------------------------------------------------------------
 
 

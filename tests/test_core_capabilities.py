@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from importlib import resources
+
+import numpy as np
 import pytest
 from pydantic import ValidationError
 
@@ -62,12 +67,15 @@ def test_launch_config_is_frozen_hashable_and_normalised() -> None:
     assert config.threads_per_block == 256 and config.num_blocks == 128
     with pytest.raises(AttributeError):
         config.grid = (1, 1, 1)  # type: ignore[misc]
+    assert dataclasses.replace(config, block=(16, 16)).block == (16, 16, 1)
 
 
 @pytest.mark.parametrize(
     ("grid", "block", "shared_mem"),
-    [(0, 1, 0), ((1, 2, 3, 4), 1, 0), (1, (32, -1), 0), (1, 32, -5), (1.5, 32, 0)],
-    ids=["zero-grid", "four-dims", "negative-block", "negative-smem", "float-grid"],
+    [(0, 1, 0), ((1, 2, 3, 4), 1, 0), (1, (32, -1), 0), (1, 32, -5), (1.5, 32, 0), (True, 32, 0),
+     (1, (32, False), 0), (1, 32, True)],
+    ids=["zero-grid", "four-dims", "negative-block", "negative-smem", "float-grid", "bool-grid", "bool-block",
+         "bool-smem"],
 )
 def test_launch_config_rejects_malformed_values(grid, block, shared_mem) -> None:
     """Malformed grids, blocks or shared memory raise LaunchConfigError at construction."""
@@ -120,3 +128,60 @@ def test_profiles_differ_where_hardware_does() -> None:
     grids = {name: grid_for(load_profile(name), 10**9, 256) for name in (H200, RTX4060, MI300X)}
     assert len(set(grids.values())) == 3
     assert hal_core.load_profile(H200).compute_units == 132
+
+
+BAD_FIELDS = [
+    ("compute_units", 0, "compute_units"),
+    ("compute_units", -4, "compute_units"),
+    ("compute_units", True, "compute_units"),
+    ("simd_width", 0, "simd_width"),
+    ("max_threads_per_block", 10**9, "max_threads_per_block"),
+    ("max_block_dims", [1024, 0, 64], "max_block_dims"),
+    ("max_grid_dims", [-1, 65535, 65535], "max_grid_dims"),
+    ("max_grid_dims", [2**40, 65535, 65535], "max_grid_dims"),
+    ("shared_mem_per_block", -1, "shared_mem_per_block"),
+    ("l2_bytes", 10**30, "l2_bytes"),
+    ("memory_total", 0, "memory_total"),
+    ("memory_total", 10**30, "memory_total"),
+    ("memory_free", 2 * 150109945856, "memory_free"),
+    ("memory_bandwidth_gbps", float("nan"), "memory_bandwidth_gbps"),
+    ("memory_bandwidth_gbps", float("inf"), "memory_bandwidth_gbps"),
+    ("peak_fp16_tflops", -1.0, "peak_fp16_tflops"),
+    ("allocation_granularity", 0, "allocation_granularity"),
+    ("name", "", "name"),
+    ("max_threads_per_cu", 512, "max_threads_per_cu"),
+    ("shared_mem_per_block_optin", 1024, "shared_mem_per_block_optin"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "named"), BAD_FIELDS,
+                         ids=[f"{f}={v!r}"[:40] for f, v, _ in BAD_FIELDS])
+def test_capabilities_refuse_impossible_values(field: str, value: object, named: str) -> None:
+    """Zero, negative, bool or absurd counts and sizes, and free > total memory, are refused naming the field."""
+    data = load_profile(H200).model_dump(mode="json")
+    data[field] = value
+    with pytest.raises(ValidationError, match=named):
+        DeviceCapabilities(**data)
+    text = json.dumps({**data, field: value}, allow_nan=True)
+    with pytest.raises(ValidationError, match=named):
+        DeviceCapabilities.from_json(text)
+
+
+def test_capabilities_accept_what_real_devices_report() -> None:
+    """The bounds leave room: free == total, huge host memory, numpy integers, the CPU backend's own values."""
+    data = load_profile(H200).model_dump()
+    caps = DeviceCapabilities(**{**data, "memory_free": data["memory_total"]})
+    assert caps.memory_free == caps.memory_total
+    big = DeviceCapabilities(**{**data, "memory_total": 64 << 40, "compute_units": np.int64(384)})
+    assert big.compute_units == 384 and type(big.compute_units) is int
+    cpu_caps = hal_core.get_backend("cpu").device(0).capabilities
+    assert DeviceCapabilities.from_json(cpu_caps.to_json()) == cpu_caps
+
+
+def test_every_shared_device_profile_loads() -> None:
+    """The raw profiles hal-core ships are those of the shared profile collection, and each validates."""
+    shipped = json.loads(resources.files("hal_core.profiles").joinpath("device-profiles.json").read_text())
+    assert {entry["name"] for entry in shipped} == set(profile_names())
+    for entry in shipped:
+        caps = load_profile(entry["name"])
+        assert caps.memory_total == entry["memory_bytes"] and caps.max_grid_dims == tuple(entry["max_grid_dims"])

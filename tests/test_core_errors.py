@@ -17,6 +17,7 @@ HIERARCHY = [
     ("ArgumentError", ValueError),
     ("ArgumentTypeError", TypeError),
     ("LaunchConfigError", ValueError),
+    ("EnvironmentVariableError", ValueError),
     ("KernelCompileError", RuntimeError),
     ("FallbackError", RuntimeError),
     ("DeviceOutOfMemoryError", MemoryError),
@@ -44,6 +45,7 @@ EXAMPLES = [
     hal_core.DeviceOutOfMemoryError(1 << 30, free=1 << 20, total=80 << 30, device="cuda:0"),
     hal_core.OutOfBlocksError(needed=4, free=1),
     hal_core.ArgumentError("argument 'x': expected 2 dimensions"),
+    hal_core.EnvironmentVariableError("HAL_STRICT", "2", "1, true, yes, on (on) or 0, false, no, off (off)"),
 ]
 
 

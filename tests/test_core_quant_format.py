@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from hal_core.arrays import BFLOAT16
 from hal_core.ops import OPS
 from hal_core.quant import QuantizedWeight, pack_int4, quantize, quantize_activations, unpack_int4
 
@@ -123,6 +125,22 @@ def test_activation_quantization_error_is_half_a_step(x: np.ndarray) -> None:
     assert (err <= sx[:, None].astype(np.float64) * (0.5 + 1e-5)).all()
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BFLOAT16], ids=["fp32", "fp16", "bf16"])
+def test_activation_rows_with_nan_or_inf_get_a_nan_scale_and_zero_codes(dtype: Any) -> None:
+    """A row holding NaN or +-inf: sx NaN and xq 0 (a NaN W8A8 row); the other rows are unaffected."""
+    rng = np.random.default_rng(11)
+    x = rng.uniform(-2, 2, (5, 40)).astype(dtype)
+    clean_xq, clean_sx = quantize_activations(x)
+    x[1, 3], x[2, 0], x[3, [5, 39]] = np.nan, np.inf, (-np.inf, np.nan)
+    xq, sx = quantize_activations(x)
+    assert np.isnan(sx[1:4]).all() and not xq[1:4].any()
+    np.testing.assert_array_equal(sx[[0, 4]], clean_sx[[0, 4]])
+    np.testing.assert_array_equal(xq[[0, 4]], clean_xq[[0, 4]])
+    qw = quantize(rng.standard_normal((40, 3)), bits=8, group_size=8)
+    y = OPS["quantized_gemm"].reference({"x": x, "qweight": qw})
+    assert np.isnan(y[1:4]).all() and np.isfinite(y[[0, 4]]).all()
+
+
 def test_worked_example_of_the_docs() -> None:
     """The numbers quoted in docs/quantization.md's worked example are what the code produces."""
     doc = (Path(__file__).resolve().parents[1] / "docs" / "quantization.md").read_text()
@@ -140,3 +158,66 @@ def test_worked_example_of_the_docs() -> None:
     x8 = np.array([[0.5, 0, 0, 0, 0, 0, -0.25, 0]], np.float16)
     y = OPS["quantized_gemm"].reference({"x": x8, "qweight": q8})
     assert round(float(y[0, 0]), 6) == 0.300026 and "0.300026" in doc
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "zero-points"])
+def test_quantize_accepts_strided_weights(cpu: Any, bits: int, symmetric: bool) -> None:
+    """quantize(w.T) (an nn.Linear weight [N, K] transposed) gives the same contiguous weight as a copy."""
+    rng = np.random.default_rng(5)
+    linear_weight = rng.standard_normal((48, 128)).astype(np.float32)  # [out_features, in_features]
+    strided = {"transposed": linear_weight.T, "fortran": np.asfortranarray(linear_weight.T),
+               "every-other-column": np.repeat(linear_weight.T, 2, axis=1)[:, ::2]}
+    want = quantize(np.ascontiguousarray(linear_weight.T), bits=bits, group_size=32, symmetric=symmetric)
+    x = rng.standard_normal((3, 128)).astype(np.float32)
+    for name, w in strided.items():
+        qw = quantize(w, bits=bits, group_size=32, symmetric=symmetric)
+        assert qw == want, name
+        assert all(a.flags.c_contiguous for a in qw.arrays().values()), name
+        got = cpu.ops.quantized_gemm(x, qw)  # refused as non-contiguous before
+        np.testing.assert_allclose(got, OPS["quantized_gemm"].reference({"x": x, "qweight": want}),
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_quantize_accepts_a_torch_linear_weight() -> None:
+    """A torch nn.Linear weight (requires_grad, bf16 too) quantises through .T without a manual copy."""
+    torch = pytest.importorskip("torch")
+    linear = torch.nn.Linear(64, 16, bias=False)
+    want = quantize(linear.weight.detach().numpy().T.copy(), group_size=32)
+    assert quantize(linear.weight.T, group_size=32) == want
+    bf16 = linear.weight.detach().to(torch.bfloat16)
+    expected = quantize(bf16.float().numpy().T.copy(), group_size=32)
+    assert quantize(bf16.T, group_size=32) == expected
+
+
+@pytest.mark.parametrize(("w", "kwargs", "error", "name"), [
+    (np.ones((32, 4), np.complex64), {}, TypeError, "w"),
+    (np.ones((32, 4), bool), {}, TypeError, "w"),
+    (np.array([["a"] * 4] * 32), {}, TypeError, "w"),
+    ([[1.0] * 4] * 32, {}, TypeError, "w"),
+    (np.ones((32, 4)), {"bits": 4.0}, TypeError, "bits"),
+    (np.ones((32, 4)), {"bits": True}, TypeError, "bits"),
+    (np.ones((32, 4)), {"group_size": 32.0}, TypeError, "group_size"),
+    (np.ones((32, 4)), {"group_size": "32"}, TypeError, "group_size"),
+    (np.ones((32, 4)), {"symmetric": "no"}, TypeError, "symmetric"),
+    (np.ones((32, 4)), {"symmetric": 0}, TypeError, "symmetric"),
+    (np.ones((32, 4)), {"scale_dtype": np.float64}, TypeError, "scale_dtype"),
+    (np.ones((32, 4)), {"scale_dtype": "fp13"}, TypeError, "scale_dtype"),
+    (np.ones((32, 4)), {"bits": 3}, ValueError, "bits"),
+    (np.ones((32, 4)), {"group_size": 0}, ValueError, "group_size"),
+], ids=["complex", "bool", "strings", "list", "float-bits", "bool-bits", "float-group", "str-group",
+        "str-symmetric", "int-symmetric", "fp64-scales", "unknown-scale-dtype", "bits-3", "group-0"])
+def test_quantize_refuses_bad_arguments_naming_them(w: Any, kwargs: dict[str, Any], error: type[Exception],
+                                                    name: str) -> None:
+    """Complex, bool or non-array weights and wrongly typed options raise naming the argument."""
+    with pytest.raises(error, match=f"argument {name!r}"):
+        quantize(w, **{"group_size": 32, **kwargs})
+
+
+def test_quantize_takes_numpy_integers_where_ints_go() -> None:
+    """bits and group_size may be numpy integer scalars or 0-d arrays; the weight stores Python ints."""
+    w = np.random.default_rng(6).standard_normal((64, 8))
+    want = quantize(w, bits=8, group_size=32)
+    got = quantize(w, bits=np.int8(8), group_size=np.array(32), symmetric=np.bool_(True))
+    assert got == want and type(got.bits) is int and type(got.group_size) is int
+    assert quantize(w, scale_dtype=BFLOAT16, group_size=np.uint16(32)).scales.dtype == BFLOAT16

@@ -5,11 +5,21 @@ from __future__ import annotations
 import json
 from functools import cache
 from importlib import resources
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["DTYPE_NAMES", "FEATURE_NAMES", "DeviceCapabilities", "load_profile", "profile_names"]
+__all__ = [
+    "DTYPE_NAMES",
+    "FEATURE_NAMES",
+    "MAX_BYTES",
+    "MAX_COUNT",
+    "MAX_GRID",
+    "MAX_RATE",
+    "DeviceCapabilities",
+    "load_profile",
+    "profile_names",
+]
 
 #: Dtype names a device may list in ``DeviceCapabilities.dtypes``.
 DTYPE_NAMES = frozenset(
@@ -21,38 +31,67 @@ DTYPE_NAMES = frozenset(
 FEATURE_NAMES = frozenset({"tensor_cores", "unified_memory", "async_alloc", "managed_memory"})
 
 
+#: Upper bounds that no real device reaches; a value beyond one is a units mistake or corrupt data.
+MAX_COUNT = 1 << 20  # compute units, threads per block, block dimensions
+MAX_GRID = 1 << 32  # grid dimensions
+MAX_BYTES = 1 << 50  # 1 PiB: memory, caches, shared memory, register files
+MAX_RATE = 1e6  # GB/s of bandwidth, TFLOP/s
+
+
+def _no_bool(value: Any) -> Any:
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        raise ValueError("expected an integer, got a bool")
+    return value
+
+
+Count = Annotated[int, BeforeValidator(_no_bool), Field(gt=0, le=MAX_COUNT)]
+GridDim = Annotated[int, BeforeValidator(_no_bool), Field(gt=0, le=MAX_GRID)]
+Size = Annotated[int, BeforeValidator(_no_bool), Field(ge=0, le=MAX_BYTES)]
+Rate = Annotated[float, Field(gt=0, le=MAX_RATE, allow_inf_nan=False)]
+
+
 class DeviceCapabilities(BaseModel):
     """What one device can do, as explicit numbers instead of magic constants.
 
     Launch configurations are checked against these fields, and kernels are
     chosen from them. Profiles of real GPUs load with :func:`load_profile`,
     so that logic can be tested without the hardware.
+
+    Every field is validated when the object is made (from Python or JSON),
+    raising pydantic's ``ValidationError`` (a ``ValueError``) that names the
+    field: counts and dimensions are positive integers (not bools), byte
+    sizes non-negative, each below a bound no device reaches
+    (:data:`MAX_COUNT`, :data:`MAX_GRID`, :data:`MAX_BYTES`, :data:`MAX_RATE`);
+    ``memory_free <= memory_total``, ``max_threads_per_block <= max_threads_per_cu``
+    and ``shared_mem_per_block <= shared_mem_per_block_optin``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)  # schema built on first use, not at import
 
-    vendor: str = Field(description="'cpu' for the host, else the device maker's name, as the backend reports it")
-    name: str
-    arch: str = Field(description="'sm_90', 'gfx942', 'x86_64-avx512', ...")
-    compute_units: int = Field(gt=0, description="SMs, CUs or CPU cores")
-    simd_width: int = Field(gt=0, description="warp 32, wavefront 64, or CPU vector lanes (fp32)")
-    max_threads_per_block: int = Field(gt=0)
-    max_threads_per_cu: int = Field(gt=0)
-    max_block_dims: tuple[int, int, int]
-    max_grid_dims: tuple[int, int, int]
-    shared_mem_per_block: int = Field(ge=0, description="bytes usable without opt-in")
-    shared_mem_per_block_optin: int = Field(ge=0, description="bytes after opt-in; 0 reads as shared_mem_per_block")
-    shared_mem_per_cu: int = Field(ge=0)
-    registers_per_block: int = Field(ge=0)
-    registers_per_cu: int = Field(ge=0)
-    l2_bytes: int = Field(ge=0)
-    memory_total: int = Field(ge=0, description="bytes")
-    memory_free: int | None = Field(default=None, ge=0, description="bytes, when known at query time")
-    memory_bandwidth_gbps: float | None = Field(default=None, gt=0)
-    peak_fp16_tflops: float | None = Field(default=None, gt=0)
+    vendor: str = Field(min_length=1, max_length=64,
+                        description="'cpu' for the host, else the device maker's name, as the backend reports it")
+    name: str = Field(min_length=1, max_length=256)
+    arch: str = Field(min_length=1, max_length=64, description="'sm_90', 'gfx942', 'x86_64-avx512', ...")
+    compute_units: Count = Field(description="SMs, CUs or CPU cores")
+    simd_width: Count = Field(description="warp 32, wavefront 64, or CPU vector lanes (fp32)")
+    max_threads_per_block: Count
+    max_threads_per_cu: Count
+    max_block_dims: tuple[Count, Count, Count]
+    max_grid_dims: tuple[GridDim, GridDim, GridDim]
+    shared_mem_per_block: Size = Field(description="bytes usable without opt-in")
+    shared_mem_per_block_optin: Size = Field(description="bytes after opt-in; 0 reads as shared_mem_per_block")
+    shared_mem_per_cu: Size
+    registers_per_block: Size
+    registers_per_cu: Size
+    l2_bytes: Size
+    memory_total: Annotated[int, BeforeValidator(_no_bool), Field(gt=0, le=MAX_BYTES, description="bytes")]
+    memory_free: Size | None = Field(default=None, description="bytes, when known at query time")
+    memory_bandwidth_gbps: Rate | None = None
+    peak_fp16_tflops: Rate | None = None
     dtypes: frozenset[str]
     features: frozenset[str] = frozenset()
-    allocation_granularity: int = Field(default=256, gt=0, description="suggested allocation rounding, bytes")
+    allocation_granularity: Annotated[int, BeforeValidator(_no_bool), Field(gt=0, le=1 << 30)] = Field(
+        default=256, description="suggested allocation rounding, bytes")
 
     @field_validator("dtypes")
     @classmethod
@@ -71,9 +110,17 @@ class DeviceCapabilities(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _optin_defaults_to_static(self) -> DeviceCapabilities:
+    def _consistent(self) -> DeviceCapabilities:
         if self.shared_mem_per_block_optin == 0:
             object.__setattr__(self, "shared_mem_per_block_optin", self.shared_mem_per_block)
+        if self.memory_free is not None and self.memory_free > self.memory_total:
+            raise ValueError(f"memory_free ({self.memory_free} bytes) exceeds memory_total ({self.memory_total} bytes)")
+        if self.max_threads_per_block > self.max_threads_per_cu:
+            raise ValueError(f"max_threads_per_block ({self.max_threads_per_block}) exceeds max_threads_per_cu "
+                             f"({self.max_threads_per_cu}): a block runs on one compute unit")
+        if self.shared_mem_per_block > self.shared_mem_per_block_optin:
+            raise ValueError(f"shared_mem_per_block ({self.shared_mem_per_block}) exceeds shared_mem_per_block_optin "
+                             f"({self.shared_mem_per_block_optin}); opting in never gives less")
         return self
 
     def supports_dtype(self, name: str) -> bool:

@@ -1,8 +1,11 @@
-"""The ``HAL_*`` environment variables, read in one place (see docs/environment.md)."""
+"""The ``HAL_*`` variables hal-core reads, in one place (see docs/environment.md).
+
+Every value goes through :mod:`hal_core.env`, the parser plugins use too.
+"""
 
 from __future__ import annotations
 
-import os
+from . import env
 
 __all__ = [
     "allowed_overrides",
@@ -14,47 +17,35 @@ __all__ = [
     "strict",
 ]
 
-_TRUE = {"1", "true", "yes", "on"}
-
-
-def _flag(name: str, default: bool = False) -> bool:
-    value = os.environ.get(name)
-    if value is None or value.strip() == "":
-        return default
-    return value.strip().lower() in _TRUE
-
 
 def backend_override() -> str | None:
     """``HAL_BACKEND``: the backend ``get_backend()`` picks when given no name."""
-    value = os.environ.get("HAL_BACKEND", "").strip()
-    return value or None
+    return env.text("HAL_BACKEND")
 
 
 def force_cpu() -> bool:
     """``HAL_FORCE_CPU=1``: keep the chosen backend initialised but run every op on the CPU path."""
-    return _flag("HAL_FORCE_CPU")
+    return env.flag("HAL_FORCE_CPU", default=False)
 
 
 def strict() -> bool:
     """``HAL_STRICT=1``: every fallback raises :class:`~hal_core.FallbackError` instead."""
-    return _flag("HAL_STRICT")
+    return env.flag("HAL_STRICT", default=False)
 
 
 def check_indices() -> bool:
     """``HAL_CHECK_INDICES=0`` skips the value checks of block tables, lengths and slots."""
-    return _flag("HAL_CHECK_INDICES", default=True)
+    return env.flag("HAL_CHECK_INDICES", default=True)
 
 
 def disabled_plugins() -> frozenset[str]:
     """``HAL_DISABLE_PLUGINS=a,b``: entry points never imported."""
-    raw = os.environ.get("HAL_DISABLE_PLUGINS", "")
-    return frozenset(part.strip() for part in raw.split(",") if part.strip())
+    return env.name_list("HAL_DISABLE_PLUGINS")
 
 
 def allowed_overrides() -> frozenset[str]:
     """``HAL_ALLOW_OVERRIDE=dist-a,dist-b``: distributions allowed to replace or extend another's backend."""
-    raw = os.environ.get("HAL_ALLOW_OVERRIDE", "")
-    return frozenset(part.strip() for part in raw.split(",") if part.strip())
+    return env.name_list("HAL_ALLOW_OVERRIDE")
 
 
 #: Seconds ``HAL_PROBE_TIMEOUT_S`` defaults to.
@@ -63,13 +54,4 @@ PROBE_TIMEOUT_DEFAULT_S = 10.0
 
 def probe_timeout_s() -> float:
     """``HAL_PROBE_TIMEOUT_S``: seconds one backend's ``availability()`` may take (default 10)."""
-    raw = os.environ.get("HAL_PROBE_TIMEOUT_S", "").strip()
-    if not raw:
-        return PROBE_TIMEOUT_DEFAULT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"HAL_PROBE_TIMEOUT_S={raw!r}: expected a number of seconds > 0") from None
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"HAL_PROBE_TIMEOUT_S={raw!r}: expected a number of seconds > 0")
-    return value
+    return env.number("HAL_PROBE_TIMEOUT_S", PROBE_TIMEOUT_DEFAULT_S, positive=True)

@@ -10,6 +10,7 @@ naturally catch, so ``except ValueError`` keeps working::
     ├── ArgumentError ............... ValueError    bad shape, value or layout of an op argument
     ├── ArgumentTypeError ........... TypeError     bad dtype or type of an op argument
     ├── LaunchConfigError ........... ValueError    a launch config exceeds a device limit
+    ├── EnvironmentVariableError .... ValueError    a ``HAL_*`` variable holds a value it does not accept
     ├── KernelCompileError .......... RuntimeError  a kernel failed to compile (carries the log)
     ├── FallbackError ............... RuntimeError  a fallback happened under ``HAL_STRICT=1``
     ├── ImplementationError ......... RuntimeError  an op implementation failed or returned a bad result
@@ -28,6 +29,7 @@ __all__ = [
     "BackendNotFoundError",
     "BackendUnavailableError",
     "DeviceOutOfMemoryError",
+    "EnvironmentVariableError",
     "FallbackError",
     "HalError",
     "ImplementationError",
@@ -88,6 +90,23 @@ class ArgumentTypeError(HalError, TypeError):
 
 class LaunchConfigError(HalError, ValueError):
     """A launch configuration exceeds a limit of the device it targets."""
+
+
+class EnvironmentVariableError(HalError, ValueError):
+    """A ``HAL_*`` environment variable holds a value it does not accept.
+
+    Carries ``name``, ``value`` and ``expected`` (the accepted values, in words).
+    """
+
+    def __init__(self, name: str, value: str, expected: str) -> None:
+        self.name = name
+        self.value = value
+        self.expected = expected
+        super().__init__(f"environment variable {name}={value!r}: expected {expected}; "
+                         f"set it to one of those or unset it")
+
+    def __reduce__(self):  # pragma: no cover - pickling support
+        return (type(self), (self.name, self.value, self.expected))
 
 
 class KernelCompileError(HalError, RuntimeError):

@@ -23,30 +23,33 @@ def _dim3(value: int | Sequence[int], what: str) -> Dim3:
         dims = (value,) if isinstance(value, int) else tuple(value)
     except TypeError:
         raise LaunchConfigError(f"{what} must be 1 to 3 integers, got {value!r}") from None
-    if not 1 <= len(dims) <= 3 or not all(isinstance(d, int) for d in dims):
+    if not 1 <= len(dims) <= 3 or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
         raise LaunchConfigError(f"{what} must be 1 to 3 integers, got {value!r}")
     if any(d < 1 for d in dims):
         raise LaunchConfigError(f"{what} dimensions must be >= 1, got {dims}")
-    return ((*dims, 1, 1))[:3]  # type: ignore[return-value]
+    padded = (*dims, 1, 1)
+    return (padded[0], padded[1], padded[2])
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class LaunchConfig:
     """Grid, block and dynamic shared memory of one launch (frozen, hashable).
 
-    ``grid`` and ``block`` take 1 to 3 positive ints and are stored as
-    3-tuples. :meth:`validate` checks them against a device before launch.
+    ``grid`` and ``block`` take an int or 1 to 3 positive ints
+    (``LaunchConfig(128, (16, 16))``) and are stored as 3-tuples.
+    :meth:`validate` checks them against a device before launch.
     """
 
     grid: Dim3
     block: Dim3
     shared_mem: int = 0
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "grid", _dim3(self.grid, "grid"))
-        object.__setattr__(self, "block", _dim3(self.block, "block"))
-        if not isinstance(self.shared_mem, int) or self.shared_mem < 0:
-            raise LaunchConfigError(f"shared_mem must be an int >= 0, got {self.shared_mem!r}")
+    def __init__(self, grid: int | Sequence[int], block: int | Sequence[int], shared_mem: int = 0) -> None:
+        object.__setattr__(self, "grid", _dim3(grid, "grid"))
+        object.__setattr__(self, "block", _dim3(block, "block"))
+        if isinstance(shared_mem, bool) or not isinstance(shared_mem, int) or shared_mem < 0:
+            raise LaunchConfigError(f"shared_mem must be an int >= 0, got {shared_mem!r}")
+        object.__setattr__(self, "shared_mem", shared_mem)
 
     @property
     def threads_per_block(self) -> int:

@@ -165,7 +165,7 @@ def _from_torch(tensor: Any, backend: Backend, name: str) -> Any:
         )
     array = _device_import(storage, backend, name, found)
     if bf16:
-        array = TaggedArray(array.view("uint16"), "bf16")
+        return _checked(TaggedArray(array.view("uint16"), "bf16"), tensor, name)
     return _checked(array, tensor, name)
 
 

@@ -264,10 +264,12 @@ class Kernel:
     def hal_w8a8_quantize_rows(self, grid: Any, block: Any, xq: Any, sx: Any, x: Any, k: Any) -> None:
         xf = _floats(_ptr(x), self.defines["HAL_DTYPE"])
         assert grid == (xf.shape[0], 1, 1) and _i32(k) == xf.shape[1]
+        finite = np.isfinite(xf).all(axis=1)  # a row holding NaN or inf: sx NaN, xq 0
+        xf = np.where(finite[:, None], xf, np.float32(0))
         amax = np.abs(xf).max(axis=1)
         tiny = np.finfo(np.float32).smallest_subnormal
         scale = np.where(amax > 0, np.maximum(amax / np.float32(127), tiny), np.float32(1)).astype(np.float32)
-        _ptr(sx, np.float32)[...] = scale
+        _ptr(sx, np.float32)[...] = np.where(finite, scale, np.float32(np.nan))
         _ptr(xq, np.int8)[...] = np.clip(np.rint(xf / scale[:, None]), -127, 127).astype(np.int8)
 
     def hal_f32_to_dtype(self, grid: Any, block: Any, out: Any, ws: Any, count: Any) -> None:
@@ -314,6 +316,10 @@ class NumpyCupy(fakecupy.FakeCupy):
     @staticmethod
     def zeros(shape: Any, dtype: Any = np.float32) -> DevArray:
         return np.zeros(shape, dtype).view(DevArray)
+
+    @staticmethod
+    def ascontiguousarray(array: Any) -> DevArray:
+        return np.ascontiguousarray(array).view(DevArray)
 
     @staticmethod
     def matmul(a: Any, b: Any, out: Any = None) -> DevArray:

@@ -28,6 +28,7 @@ from host_compiled.harness import HostKernelBuilder, HostLaunchError, HostModule
 from hal_core.arrays import BFLOAT16
 from hal_core.ops import OPS
 from hal_core.quant import QuantizedWeight, quantize, quantize_activations
+from hal_core.testing.inputs import assert_close
 from hal_core.testing.tolerances import tolerance
 
 DTYPES = ("fp32", "fp16", "bf16")
@@ -212,6 +213,59 @@ def test_paged_attention(host_builder: HostKernelBuilder, host_rng: np.random.Ge
     assert not out[sl == 0].astype(np.float64).any(), "a zero-length sequence must give zeros"
 
 
+NON_FINITE_CASES = [
+    AttentionCase("single", "fp32", 64, 8, 2, 16, (37, 90, 5)),
+    AttentionCase("split", "fp16", 64, 8, 2, 16, (37, 300, 5), partition_size=64),
+    AttentionCase("split", "bf16", 64, 8, 2, 16, (37, 300, 5), partition_size=64),
+]
+
+
+@pytest.mark.parametrize("poison", ["query-nan", "query-inf", "key-nan", "key-inf", "value-nan", "value-inf"])
+@pytest.mark.parametrize("case", NON_FINITE_CASES, ids=lambda c: c.id)
+def test_paged_attention_non_finite(host_builder: HostKernelBuilder, host_rng: np.random.Generator,
+                                    case: AttentionCase, poison: str) -> None:
+    """NaN/inf in the query or a used key/value give exactly the reference's NaN/inf pattern (single and split)."""
+    group = case.num_heads // case.num_kv_heads
+    module = _build(host_builder, rules.paged_attention_spec(DTYPE_CODES[case.dtype], case.head_size, group),
+                    host_rng)
+    num_seqs, max_len = len(case.seq_lens), max(case.seq_lens)
+    launches = rules.paged_attention_launches(
+        case.variant, num_seqs, case.num_heads, case.num_kv_heads, max_len, case.partition_size)
+    args = _paged_inputs(case, host_rng)
+    q, kc, vc, bt, sl = (args[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens"))
+
+    def slot(s: int, t: int) -> tuple[int, int]:
+        return int(bt[s, t // case.block_size]), t % case.block_size
+
+    late = max_len - 20  # a token of the longest sequence, in its last partition when split
+    target = {"query-nan": None, "query-inf": None, "key-nan": (1, late, 1, 4), "key-inf": (0, 10, 0, 0),
+              "value-nan": (0, 3, 0, 7), "value-inf": (1, 20, 1, 9)}[poison]
+    bad = np.nan if poison.endswith("nan") else np.inf
+    if target is None:
+        q[0 if poison == "query-nan" else 1, 3, 10] = bad
+    else:
+        s, t, head, d = target
+        block, offset = slot(s, t)
+        (kc if poison.startswith("key") else vc)[block, head, offset, d] = bad
+    common = (q, kc, vc, bt, sl, args["scale"], case.num_heads, case.num_kv_heads, case.block_size, bt.shape[1])
+    out = np.full(q.shape, 7.0, q.dtype)
+    if case.variant == "single":
+        (single,) = launches
+        module.launch(single, out, *common)
+    else:
+        split, reduce = launches
+        parts = rules.paged_attention_partitions(max_len, case.partition_size)
+        tmp_out = np.full((num_seqs, case.num_heads, parts, case.head_size), np.nan, np.float32)
+        max_logits = np.full((num_seqs, case.num_heads, parts), np.nan, np.float32)
+        exp_sums = np.full_like(max_logits, np.nan)
+        module.launch(split, tmp_out, max_logits, exp_sums, *common, case.partition_size, parts)
+        module.launch(reduce, out, tmp_out, max_logits, exp_sums, sl, case.num_heads, case.partition_size, parts)
+    expected = OPS["paged_attention"].reference(args)
+    if poison != "key-inf":  # +inf in a key gives a +inf (row NaN) or -inf (token dropped) score, by q's sign
+        assert not np.isfinite(expected).all()
+    assert_close(out, expected, kind="attention", dtype=case.dtype, what=f"{case.id} {poison}")
+
+
 # --------------------------------------------------------------------------
 # write_kv_cache
 # --------------------------------------------------------------------------
@@ -330,7 +384,18 @@ def _random_weight(rng: np.random.Generator, k: int, n: int, bits: int, group_si
 @pytest.mark.parametrize("case", GEMM_CASES, ids=lambda c: c.id)
 def test_quantized_gemm(host_builder: HostKernelBuilder, host_rng: np.random.Generator, case: GemmCase) -> None:
     """The small-M GEMM (with the W8A8 activation quantiser and the split-K cast) matches the reference."""
-    rng = host_rng
+    _check_gemm(host_builder, host_rng, case, non_finite=False)
+
+
+@pytest.mark.parametrize("case", [c for c in GEMM_CASES if c.m >= 3], ids=lambda c: c.id)
+def test_quantized_gemm_non_finite_rows(host_builder: HostKernelBuilder, host_rng: np.random.Generator,
+                                        case: GemmCase) -> None:
+    """Rows of x holding NaN, +inf or -inf give the reference's result (W8A8: NaN rows), split-K or not."""
+    _check_gemm(host_builder, host_rng, case, non_finite=True)
+
+
+def _check_gemm(host_builder: HostKernelBuilder, rng: np.random.Generator, case: GemmCase, *,
+                non_finite: bool) -> None:
     code, dt = DTYPE_CODES[case.dtype], NUMPY_DTYPES[case.dtype]
     m, n, k, g = case.m, case.n, case.k, case.group_size
     assert rules.use_small_m_gemm(m, case.bits)
@@ -348,6 +413,8 @@ def test_quantized_gemm(host_builder: HostKernelBuilder, host_rng: np.random.Gen
         x[0] = np.clip(x[0], -3.0, 3.0)
         x[0, :2] = (3.25, 1.625)
     x = x.astype(dt)
+    if non_finite:  # rows 0 and the rest stay finite
+        x[1, 5], x[2, [7, k - 1]] = np.nan, (np.inf, -np.inf) if case.bits == 8 else (np.inf, np.inf)
     out = np.full((m, n), np.nan, dt)
     ws = np.zeros((m, n), np.float32) if ksplit > 1 else None
     tail = (m, n, k, g, per_split)
@@ -366,7 +433,11 @@ def test_quantized_gemm(host_builder: HostKernelBuilder, host_rng: np.random.Gen
         _assert_close(out, own, "gemm", case.dtype, f"{case.id}: GEMM of the kernel-quantised activations")
 
     expected = OPS["quantized_gemm"].reference({"x": x, "qweight": qw})
-    _assert_close(out, expected, "gemm", case.dtype, f"{case.id}: vs the float64 reference")
+    if non_finite:
+        assert np.isnan(expected[1]).all() and not np.isfinite(expected[2]).all()
+        assert_close(out, expected, kind="gemm", dtype=case.dtype, what=f"{case.id}: non-finite rows")
+    else:
+        _assert_close(out, expected, "gemm", case.dtype, f"{case.id}: vs the float64 reference")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -384,14 +455,18 @@ def test_w8a8_quantize_rows_matches_quantize_activations(
     x = x.astype(NUMPY_DTYPES[dtype])
     x[4] = 0  # a row holding only the dtype's smallest subnormal: its scale must not underflow to 0
     x[4, 0] = np.array(1, np.uint16 if dtype != "fp32" else np.uint32).view(NUMPY_DTYPES[dtype])[()]
+    x = np.concatenate([x, x[:3].copy()])  # rows 5..7 non-finite: sx NaN (their codes do not matter)
+    x[5, 300], x[6, 7], x[7, [0, 383]] = np.nan, -np.inf, (np.inf, np.nan)
+    m = x.shape[0]
     util = _build(host_builder, rules.quant_util_spec(DTYPE_CODES[dtype]), rng)
     xq = np.full((m, k), 99, np.int8)
-    sx = np.full(m, np.nan, np.float32)
+    sx = np.full(m, 7.0, np.float32)  # not NaN: the NaN scales must be written
     util.launch(rules.quant_util_launch("hal_w8a8_quantize_rows", m, ONE_CU), xq, sx, x, k)
 
     ref_xq, ref_sx = quantize_activations(x)
-    np.testing.assert_array_equal(sx, ref_sx)  # the zero row included: sx = 1, xq = 0
-    mismatch = np.argwhere(xq != ref_xq)
+    np.testing.assert_array_equal(sx, ref_sx)  # the zero row included: sx = 1, xq = 0; NaN where non-finite
+    assert np.isnan(sx[5:]).all()
+    mismatch = np.argwhere(xq[:5] != ref_xq[:5])
     detail = "; ".join(
         f"x[{i},{j}]={float(x[i, j])!r} amax={float(np.abs(x[i].astype(np.float32)).max())!r}: "
         f"kernel {int(xq[i, j])}, reference {int(ref_xq[i, j])}"

@@ -121,6 +121,29 @@ def test_write_kv_cache(backend: Any, rng: np.random.Generator, dtype: str, slot
     np.testing.assert_array_equal(host(dev_args["value_cache"]).astype(np.float64), want_v)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_write_kv_cache_strided_key_value(backend: Any, rng: np.random.Generator, dtype: str) -> None:
+    """Key/value views of a fused QKV array ([T, 3, H, D][:, 1] and [:, 2]) are written like dense rows."""
+    qkv = rng.standard_normal((5, 3, 2, 64)).astype(NP[dtype])
+    cache = rng.standard_normal((3, 2, 16, 64)).astype(NP[dtype])
+    slots = np.array([3, -1, 40, 17, 0], np.int64)
+    dense = dict(key=qkv[:, 1].copy(), value=qkv[:, 2].copy(), key_cache=cache, value_cache=cache.copy(),
+                 slot_mapping=slots)
+    dev_qkv = to_dev(qkv)
+    args = OPS["write_kv_cache"].map_arrays(dict(dense, key=None, value=None), to_dev)
+    args.update(key=dev_qkv[:, 1], value=dev_qkv[:, 2])
+    OPS["write_kv_cache"].validate(args, host)
+    call = OpCall(spec=OPS["write_kv_cache"], args=args, backend=backend, host_arrays=False)
+    from hal_cuda.ops import OPS as CUDA_OPS
+
+    impl = next(o for o in CUDA_OPS if o.op == "write_kv_cache")
+    assert impl.supports(call) is True
+    impl(call)
+    want_k, want_v = OPS["write_kv_cache"].reference(dense)
+    np.testing.assert_array_equal(host(args["key_cache"]).astype(np.float64), want_k)
+    np.testing.assert_array_equal(host(args["value_cache"]).astype(np.float64), want_v)
+
+
 @pytest.mark.parametrize("m", [1, 5, 17, 40], ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("dtype", list(NP))
 @pytest.mark.parametrize("bits", [4, 8], ids=["W4A16", "W8A8"])

@@ -232,8 +232,8 @@ hal_paged_attention(hal_t* HAL_RESTRICT out, const hal_t* HAL_RESTRICT query,
            s_m, s_l, s_alpha, s_out);
     for (int i = threadIdx.x; i < n_valid * HS; i += NT) {
         const int g = i / HS, d = i % HS;
-        const float l = s_l[g];
-        const float v = seq_len > 0 && l > 0.f ? s_out[g][d] / l : 0.f;
+        // l >= 1 for finite logits; NaN when a NaN/inf logit made the softmax NaN (kept, as the reference does)
+        const float v = seq_len > 0 ? s_out[g][d] / s_l[g] : 0.f;
         out[((hal_i64)s * num_heads + head0 + g) * HS + d] = hal_from_float(v);
     }
 }

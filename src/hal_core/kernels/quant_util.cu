@@ -86,7 +86,8 @@ hal_w8_dequant(hal_t* HAL_RESTRICT w, const hal_u8* HAL_RESTRICT qweight,
 // sx[m] = max(max|x[m, :]| / 127, smallest subnormal) (1 for an all-zero row),
 // xq[m, k] = clamp(rint(x[m, k] / sx[m]), -127, 127)
 // (round half to even). A true division, not a multiplication by 127 / max: the two round
-// differently when x / sx lies next to a half.
+// differently when x / sx lies next to a half. A row holding NaN or an infinity gets sx = NaN
+// and xq = 0 (its W8A8 output row is NaN): NaN counts as +inf in the max (fmaxf drops NaN).
 // Grid (M), block HAL_UTIL_THREADS.
 HAL_GLOBAL void HAL_LAUNCH_BOUNDS(HAL_UTIL_THREADS)
 hal_w8a8_quantize_rows(hal_i8* HAL_RESTRICT xq, float* HAL_RESTRICT sx,
@@ -97,16 +98,21 @@ hal_w8a8_quantize_rows(hal_i8* HAL_RESTRICT xq, float* HAL_RESTRICT sx,
     const hal_t* xr = x + (hal_i64)blockIdx.x * K;
     hal_i8* qr = xq + (hal_i64)blockIdx.x * K;
     float amax = 0.f;
-    for (int k = tid; k < K; k += HAL_UTIL_THREADS) amax = fmaxf(amax, fabsf(hal_to_float(xr[k])));
+    const float inf = hal_bits_to_float(0x7f800000u);
+    for (int k = tid; k < K; k += HAL_UTIL_THREADS) {
+        const float a = fabsf(hal_to_float(xr[k]));
+        amax = fmaxf(amax, a == a ? a : inf);
+    }
     amax = hal_warp_max(amax);
     if (tid % HAL_WARP_SIZE == 0) s_red[tid / HAL_WARP_SIZE] = amax;
     hal_barrier();
     amax = s_red[0];
     for (int w = 1; w < NWARPS; ++w) amax = fmaxf(amax, s_red[w]);
+    const bool finite = amax < inf;
     const float scale = amax > 0.f ? fmaxf(amax / 127.f, 1.40129846e-45f) : 1.f;
-    if (tid == 0) sx[blockIdx.x] = scale;
+    if (tid == 0) sx[blockIdx.x] = finite ? scale : hal_bits_to_float(0x7fc00000u);
     for (int k = tid; k < K; k += HAL_UTIL_THREADS) {
-        const float q = fminf(fmaxf(rintf(hal_to_float(xr[k]) / scale), -127.f), 127.f);
+        const float q = finite ? fminf(fmaxf(rintf(hal_to_float(xr[k]) / scale), -127.f), 127.f) : 0.f;
         qr[k] = static_cast<hal_i8>(static_cast<int>(q));
     }
 }

@@ -14,6 +14,15 @@ Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (GQA/MQA).
 ``out[s, h] = softmax(scale * q[s, h] . K_t) @ V_t`` over ``t < seq_lens[s]``;
 a sequence of length 0 gives zeros. Only blocks holding used tokens are read,
 so table entries past a sequence's last block may hold anything.
+
+Non-finite inputs follow IEEE arithmetic in that formula, with the softmax
+taken as ``exp(x - max) / sum(exp(x - max))`` (what :meth:`PagedAttention.reference`
+computes in float64): when the largest score of a head is NaN or infinite
+(NaN anywhere in ``q[s, h]`` or in a used key it reads, an infinite score)
+the whole ``out[s, h]`` row is NaN; a NaN or infinite element of a used
+value row reaches the output elements it weights (NaN, or an infinity of
+that sign). Cache slots no used token occupies never reach a result,
+whatever they hold.
 """
 
 from __future__ import annotations
@@ -68,10 +77,10 @@ class PagedAttention(OpSpec):
             raise fail("block_tables", f"{num_seqs} rows (num_seqs)", f"shape {tuple(bt.shape)}")
         if sl.shape[0] != num_seqs:
             raise fail("seq_lens", f"shape ({num_seqs},) (num_seqs)", f"shape {tuple(sl.shape)}")
-        scale = args["scale"]
-        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)) or not math.isfinite(scale):
-            raise ArgumentTypeError(f"argument 'scale': expected a finite float, got {scale!r}")
-        args["scale"] = float(scale)
+        scale = _real(args["scale"])
+        if scale is None or not math.isfinite(scale):
+            raise ArgumentTypeError(f"argument 'scale': expected a finite float, got {args['scale']!r}")
+        args["scale"] = scale
         out = args.get("out")
         if out is not None:
             check_array("out", out, layout="[num_seqs, num_heads, head_size]", ndim=3, dtypes=(qdt,))
@@ -131,22 +140,34 @@ class PagedAttention(OpSpec):
         _, num_kv_heads, block_size, _ = kc.shape
         group = num_heads // num_kv_heads
         out = np.zeros(q.shape, dtype=np.float64)
-        for s in range(num_seqs):
-            n = int(sl[s])
-            if n == 0:
-                continue
-            t = np.arange(n)
-            blocks = bt[s, t // block_size]
-            keys = kc[blocks, :, t % block_size]  # [n, kv_heads, d]
-            values = vc[blocks, :, t % block_size]
-            keys = np.repeat(keys, group, axis=1)  # [n, heads, d]
-            values = np.repeat(values, group, axis=1)
-            scores = np.einsum("hd,nhd->hn", q[s], keys) * scale
-            scores -= scores.max(axis=1, keepdims=True)
-            p = np.exp(scores)
-            p /= p.sum(axis=1, keepdims=True)
-            out[s] = np.einsum("hn,nhd->hd", p, values)
+        with np.errstate(invalid="ignore", over="ignore"):  # non-finite inputs propagate (module docs)
+            for s in range(num_seqs):
+                n = int(sl[s])
+                if n == 0:
+                    continue
+                t = np.arange(n)
+                blocks = bt[s, t // block_size]
+                keys = kc[blocks, :, t % block_size]  # [n, kv_heads, d]
+                values = vc[blocks, :, t % block_size]
+                keys = np.repeat(keys, group, axis=1)  # [n, heads, d]
+                values = np.repeat(values, group, axis=1)
+                scores = np.einsum("hd,nhd->hn", q[s], keys) * scale
+                scores -= scores.max(axis=1, keepdims=True)
+                p = np.exp(scores)
+                p /= p.sum(axis=1, keepdims=True)
+                out[s] = np.einsum("hn,nhd->hd", p, values)
         return out
+
+
+def _real(value: Any) -> float | None:
+    """``value`` as a float: a Python or numpy real scalar or a 0-d real numpy array (never a bool); else None."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        return float(value)
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iuf":
+        return float(value)
+    return None
 
 
 def _host_int_sum(array: Any) -> int:

@@ -2,8 +2,12 @@
 
 - ``bits=4`` (W4A16): ``y = x @ dequantize(w)``, activations kept in float.
 - ``bits=8`` (W8A8): activations are quantised per token first
-  (:func:`~hal_core.quant.quantize_activations`), then
+  (:func:`~hal_core.quant.quantize_activations`, in float32), then
   ``y[m, n] = sx[m] * sum_k xq[m, k] * w[k, n]``.
+
+Non-finite activations (docs/quantization.md): in W8A8 a row of ``x``
+holding any NaN or infinity gives an all-NaN output row (its scale is NaN);
+in W4A16 IEEE arithmetic decides, as in :meth:`QuantizedGemm.reference`.
 
 The output has ``x``'s dtype; accumulation is at least fp32.
 """
@@ -99,7 +103,8 @@ class QuantizedGemm(OpSpec):
         qw: QuantizedWeight = args["qweight"]
         w = qw.dequantize(np.float64)
         x = np.asarray(args["x"])
-        if qw.bits == 8:
+        if qw.bits == 8:  # rows holding NaN or inf have a NaN scale: NaN rows (quantize_activations)
             xq, sx = quantize_activations(x)
             return sx.astype(np.float64)[:, None] * (xq.astype(np.float64) @ w)
-        return x.astype(np.float64) @ w
+        with np.errstate(invalid="ignore", over="ignore"):  # IEEE arithmetic: inf * 0 is NaN
+            return x.astype(np.float64) @ w

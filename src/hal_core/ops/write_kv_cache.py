@@ -4,6 +4,11 @@
 ``key_cache``/``value_cache`` ``[num_blocks, num_kv_heads, block_size, head_size]``
 at ``slot_mapping[i] = block * block_size + offset`` (int32 or int64);
 a negative slot skips that token. Slots must be distinct.
+
+``key`` and ``value`` may be strided views whose last dimension is
+contiguous (the key and value slices of a fused QKV projection, as engines
+pass them); the caches must be C-contiguous, writable and two separate
+arrays (no shared memory). Every check runs before anything is written.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import numpy as np
 from .. import _env
 from .._errors import ArgumentTypeError
 from ..arrays import dtype_name, numpy_dtype
-from ._checks import check_array, fail
+from ._checks import check_array, check_disjoint, check_writable, fail
 from ._spec import OpSpec
 from .paged_attention import attention_dtypes
 
@@ -30,14 +35,19 @@ class WriteKVCache(OpSpec):
 
     def validate(self, args: dict[str, Any], to_numpy: Callable[[Any], np.ndarray]) -> None:
         k, v, kc, vc, slots = (args[n] for n in self.array_args)
-        kdt = check_array("key", k, layout="[num_tokens, num_kv_heads, head_size]", ndim=3, dtypes=attention_dtypes)
-        check_array("value", v, layout="[num_tokens, num_kv_heads, head_size]", ndim=3, dtypes=(kdt,))
+        kdt = check_array("key", k, layout="[num_tokens, num_kv_heads, head_size]", ndim=3, dtypes=attention_dtypes,
+                          contiguous="last")
+        check_array("value", v, layout="[num_tokens, num_kv_heads, head_size]", ndim=3, dtypes=(kdt,),
+                    contiguous="last")
         cdt = check_array("key_cache", kc, layout="[num_blocks, num_kv_heads, block_size, head_size]",
                           ndim=4, dtypes=attention_dtypes)
         check_array("value_cache", vc, layout="[num_blocks, num_kv_heads, block_size, head_size]",
                     ndim=4, dtypes=(cdt,))
         if cdt != kdt:
             raise ArgumentTypeError(f"argument 'key': expected dtype {cdt} (the cache's), got {kdt}")
+        check_writable("key_cache", kc)
+        check_writable("value_cache", vc)
+        check_disjoint("key_cache", kc, "value_cache", vc)
         check_array("slot_mapping", slots, layout="[num_tokens]", ndim=1, dtypes=("int32", "int64"))
         if tuple(v.shape) != tuple(k.shape):
             raise fail("value", f"the shape of key {tuple(k.shape)}", f"shape {tuple(v.shape)}")

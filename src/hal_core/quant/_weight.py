@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..arrays import DLPACK_HOST_TYPES, device_of, dlpack_device
+from ._args import as_int
 
 __all__ = ["QuantizedWeight", "pack_int4", "unpack_int4"]
 
@@ -64,6 +65,15 @@ class QuantizedWeight:
     g_idx: Any | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "bits", as_int("bits", self.bits))
+        object.__setattr__(self, "group_size", as_int("group_size", self.group_size))
+        try:
+            shape = tuple(as_int("shape", d) for d in self.shape)
+        except TypeError:
+            raise TypeError(f"QuantizedWeight: shape must be two integers (K, N), got {self.shape!r}") from None
+        if len(shape) != 2 or min(shape) < 0:
+            raise ValueError(f"QuantizedWeight: shape must be two integers (K, N) >= 0, got {self.shape!r}")
+        object.__setattr__(self, "shape", shape)
         if self.bits not in (4, 8):
             raise ValueError(f"QuantizedWeight: bits must be 4 or 8, got {self.bits}")
         k, n = self.shape

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ._args import as_bool
 from ._weight import QuantizedWeight
 from .gptq import build, group_scales, host_int32, unpack_cols, zero_words
 
@@ -37,6 +38,7 @@ def from_awq(qweight: Any, qzeros: Any, scales: Any, *, symmetric: bool | None =
     ``symmetric=None`` drops the zero points when they are all 8 (hal's
     symmetric default); ``True`` requires that; ``False`` keeps them.
     """
+    symmetric = as_bool("symmetric", symmetric, allow_none=True)
     codes = unpack_cols(host_int32("qweight", qweight, ndim=2), 4, AWQ_ORDER)  # [K, N]
     k, n = codes.shape
     scales = group_scales(scales, k, n)

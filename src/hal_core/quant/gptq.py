@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from ..arrays import BFLOAT16, DLPACK_HOST_TYPES, device_of, dlpack_device
+from ._args import as_bool, as_int, require_finite, require_integer_dtype
 from ._weight import QuantizedWeight, pack_int4
 
 __all__ = ["from_gptq"]
@@ -61,21 +62,28 @@ def from_gptq(
     ``2 ** (bits - 1)`` (hal's symmetric default); ``True`` requires that;
     ``False`` always keeps them.
     """
+    bits = as_int("bits", bits)
     if bits not in (4, 8):
         raise ValueError(f"argument 'bits': hal stores 4- or 8-bit weights, got {bits!r}")
-    if zero_point_offset is None:
-        try:
-            zero_point_offset = _OFFSETS[checkpoint_format]
-        except KeyError:
-            raise ValueError(f"argument 'checkpoint_format': expected one of {sorted(_OFFSETS)}, "
-                             f"got {checkpoint_format!r}") from None
+    if not isinstance(checkpoint_format, str):
+        raise TypeError(f"argument 'checkpoint_format': expected a string, got {type(checkpoint_format).__name__}")
+    if checkpoint_format not in _OFFSETS:
+        raise ValueError(f"argument 'checkpoint_format': expected one of {sorted(_OFFSETS)}, "
+                         f"got {checkpoint_format!r}")
+    offset = _OFFSETS[checkpoint_format] if zero_point_offset is None else as_int(
+        "zero_point_offset", zero_point_offset)
+    symmetric = as_bool("symmetric", symmetric, allow_none=True)
     words = host_int32("qweight", qweight, ndim=2)
     per_word = 32 // bits
     codes = unpack_rows(words, bits)  # [K, N]
     k, n = codes.shape
+    if n % per_word:
+        raise ValueError(f"argument 'qweight': N={n} output features, but GPTQ packs {per_word} zero points "
+                         f"per int32 word along N (qzeros [K/G, N/{per_word}]), so N must be a multiple of "
+                         f"{per_word}")
     scales = group_scales(scales, k, n)
     num_groups = scales.shape[0]
-    zeros = unpack_cols(zero_words(qzeros, num_groups, n, per_word), bits).astype(np.int64) + zero_point_offset
+    zeros = unpack_cols(zero_words(qzeros, num_groups, n, per_word), bits).astype(np.int64) + offset
     groups = None if g_idx is None else host_g_idx(g_idx, k, num_groups)
     return build(codes, zeros, scales, groups, bits=bits, symmetric=symmetric)
 
@@ -140,12 +148,15 @@ def host_scales(value: Any, n: int) -> np.ndarray:
         raise TypeError(f"argument 'scales': expected float16, bfloat16 or float32, got {scales.dtype}")
     if scales.ndim != 2 or scales.shape[1] != n:
         raise ValueError(f"argument 'scales': expected shape [K/G, {n}], got {scales.shape}")
+    require_finite("scales", scales)
     return np.ascontiguousarray(scales)
 
 
 def host_g_idx(value: Any, k: int, num_groups: int) -> np.ndarray | None:
     """``g_idx`` as int32 ``[K]``, or None when it is the trivial ``k // G``."""
-    g_idx = host_numpy("g_idx", value).astype(np.int64)
+    raw = host_numpy("g_idx", value)
+    require_integer_dtype("g_idx", raw)
+    g_idx = raw.astype(np.int64)
     if g_idx.shape != (k,):
         raise ValueError(f"argument 'g_idx': expected shape ({k},), got {g_idx.shape}")
     if g_idx.size and (g_idx.min() < 0 or g_idx.max() >= num_groups):

@@ -140,16 +140,29 @@ def to_backend(backend: Any, op: str, args: dict[str, Any]) -> dict[str, Any]:
 def assert_close(actual: Any, expected: np.ndarray, *, kind: str, dtype: str, what: str = "result") -> None:
     """Assert ``actual`` (host numpy) matches the float64 ``expected`` within the tolerance table.
 
-    Where ``expected`` is NaN (poison an op must leave as it is) ``actual``
-    must be NaN too; everywhere else it must be finite.
+    Where ``expected`` is NaN (poison an op must leave as it is, or NaN an
+    input propagates) ``actual`` must be NaN too, and where it is an
+    infinity the same infinity; everywhere else it must be finite.
     """
     atol, rtol = tolerance(kind, dtype)
     got = np.asarray(actual).astype(np.float64)
     assert got.shape == expected.shape, f"{what}: shape {got.shape}, expected {expected.shape}"
     nan = np.isnan(expected)
-    assert np.isnan(got[nan]).all(), f"{what}: {int((~np.isnan(got[nan])).sum())} NaN values were overwritten"
-    assert np.isfinite(got[~nan]).all(), f"{what}: non-finite values"
-    got, expected = np.where(nan, 0.0, got), np.where(nan, 0.0, expected)
+    assert np.isnan(got[nan]).all(), (
+        f"{what}: {int((~np.isnan(got[nan])).sum())} of {int(nan.sum())} elements the reference has NaN are not NaN "
+        f"(first at {_first(nan & ~np.isnan(got))})"
+    )
+    inf = np.isinf(expected)
+    assert (got[inf] == expected[inf]).all(), (
+        f"{what}: {int((got[inf] != expected[inf]).sum())} elements the reference has infinite differ "
+        f"(first at {_first(inf & (got != expected))})"
+    )
+    special = nan | inf
+    assert np.isfinite(got[~special]).all(), (
+        f"{what}: {int((~np.isfinite(got[~special])).sum())} non-finite values where the reference is finite "
+        f"(first at {_first(~special & ~np.isfinite(got))})"
+    )
+    got, expected = np.where(special, 0.0, got), np.where(special, 0.0, expected)
     error = np.abs(got - expected)
     bound = atol + rtol * np.abs(expected)
     if not (error <= bound).all():
@@ -160,3 +173,8 @@ def assert_close(actual: Any, expected: np.ndarray, *, kind: str, dtype: str, wh
             f"got {got[worst]:.6g}, expected {expected[worst]:.6g}; "
             f"{int((error > bound).sum())} of {error.size} elements out of tolerance"
         )
+
+
+def _first(mask: np.ndarray) -> tuple[int, ...] | None:
+    hits = np.argwhere(mask)
+    return tuple(int(i) for i in hits[0]) if hits.size else None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
@@ -35,8 +34,10 @@ _overrides: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.Conte
 
 
 def enabled() -> bool:
-    """False when ``HAL_TUNE`` is ``0``/``false``/``no``/``off``."""
-    return os.environ.get("HAL_TUNE", "").strip().lower() not in {"0", "false", "no", "off"}
+    """False when ``HAL_TUNE`` is off (read through the shared parser: an unknown spelling is an error)."""
+    from .. import env
+
+    return env.flag("HAL_TUNE", True)
 
 
 def key_for(backend: Any, device_index: int = 0) -> dict[str, Any]:

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import env
+
 __all__ = ["MAX_BUCKETS", "MAX_FILES", "MAX_FILE_BYTES", "SCHEMA", "TuneTable", "device_key", "list_tables",
            "load_table", "save_table", "table_path", "tune_dir"]
 
@@ -38,7 +40,7 @@ MAX_FILE_BYTES = 1 << 20
 
 def tune_dir() -> Path:
     """The store folder (not created here)."""
-    explicit = os.environ.get("HAL_TUNE_DIR", "").strip()
+    explicit = (env.text("HAL_TUNE_DIR") or "").strip()
     if explicit:
         return Path(explicit).expanduser()
     cache = os.environ.get("XDG_CACHE_HOME", "").strip()

@@ -55,6 +55,7 @@ def _cpuinfo() -> dict[str, str]:
 
 def _simd(machine: str, flags: set[str]) -> tuple[str, int]:
     """``(arch suffix, fp32 lanes)`` of the widest vector unit the flags show."""
+    table: tuple[tuple[str, str, int], ...]
     if machine in ("x86_64", "amd64", "i686", "i386"):
         table = _X86_SIMD
     elif machine in ("aarch64", "arm64") or machine.startswith("arm"):

@@ -38,13 +38,13 @@ class _WorkQueue:
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
-        self.items: deque[Callable[[], None]] = deque()
+        self.items: deque[Callable[[], object]] = deque()
         self.pending = 0  # queued plus running
         self.error: BaseException | None = None
         self.closed = False
         self.thread: threading.Thread | None = None
 
-    def submit(self, work: Callable[[], None]) -> None:
+    def submit(self, work: Callable[[], object]) -> None:
         with self.cond:
             if self.closed:
                 raise RuntimeError("the stream was closed; create a new one")
@@ -101,7 +101,7 @@ class CpuStream(Stream):
     def device(self) -> CpuDevice:
         return self._device
 
-    def submit(self, work: Callable[[], None]) -> None:
+    def submit(self, work: Callable[[], object]) -> None:
         """Queue ``work`` (a no-argument callable) after everything already on this stream."""
         self._work.submit(work)
 

@@ -1,8 +1,12 @@
-"""The ``HAL_CUDA_*`` environment variables, read in one place (see docs/cuda.md)."""
+"""The ``HAL_CUDA_*`` environment variables, read in one place (see docs/environment.md).
+
+Values are parsed by :mod:`hal_core.env`, so they follow hal's spellings and
+error messages.
+"""
 
 from __future__ import annotations
 
-import os
+from hal_core import env
 
 __all__ = ["allocator_policy", "fmad", "offload_min_flops", "small_m_max"]
 
@@ -10,35 +14,25 @@ __all__ = ["allocator_policy", "fmad", "offload_min_flops", "small_m_max"]
 #: numpy work against the ~0.1 ms fixed cost of a host-device round trip (see docs/cuda.md).
 DEFAULT_OFFLOAD_MIN_FLOPS = 1 << 24
 
-
-def _int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return int(float(raw))
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
+#: Policies ``HAL_CUDA_ALLOCATOR`` accepts.
+ALLOCATOR_POLICIES = ("caching", "async", "managed")
 
 
 def offload_min_flops() -> int:
     """``HAL_CUDA_OFFLOAD_MIN_FLOPS``: host (numpy) inputs run on the GPU only from this many FLOPs."""
-    return _int("HAL_CUDA_OFFLOAD_MIN_FLOPS", DEFAULT_OFFLOAD_MIN_FLOPS)
+    return env.integer("HAL_CUDA_OFFLOAD_MIN_FLOPS", DEFAULT_OFFLOAD_MIN_FLOPS, minimum=0)
 
 
 def small_m_max(default: int) -> int:
     """``HAL_CUDA_SMALL_M_MAX``: largest M of quantized_gemm that uses the fused small-M kernel."""
-    return _int("HAL_CUDA_SMALL_M_MAX", default)
+    return env.integer("HAL_CUDA_SMALL_M_MAX", default, minimum=0)
 
 
 def fmad() -> bool:
-    """``HAL_CUDA_FMAD=0`` compiles kernels with ``-fmad=false`` (bit-reproducible, slower)."""
-    return os.environ.get("HAL_CUDA_FMAD", "1").strip().lower() not in {"0", "false", "no", "off"}
+    """``HAL_CUDA_FMAD`` (default on): off compiles kernels with ``-fmad=false`` (bit-reproducible, slower)."""
+    return env.flag("HAL_CUDA_FMAD", default=True)
 
 
 def allocator_policy() -> str:
     """``HAL_CUDA_ALLOCATOR``: ``caching`` (default), ``async`` or ``managed``."""
-    value = os.environ.get("HAL_CUDA_ALLOCATOR", "caching").strip().lower() or "caching"
-    if value not in {"caching", "async", "managed"}:
-        raise ValueError(f"HAL_CUDA_ALLOCATOR={value!r}; expected caching, async or managed")
-    return value
+    return env.choice("HAL_CUDA_ALLOCATOR", "caching", ALLOCATOR_POLICIES)

@@ -130,8 +130,8 @@ class CupyLauncher(KernelLauncher):
             module = cp.RawModule(code=source.code, options=options)
             try:
                 module.compile()
-                kernels = {name: CupyKernel(name, module.get_function(name), source.name)
-                           for name in source.entry_points}
+                kernels: dict[str, CompiledKernel] = {
+                    name: CupyKernel(name, module.get_function(name), source.name) for name in source.entry_points}
             except cp.cuda.compiler.CompileException as exc:
                 raise KernelCompileError(source.name, exc.get_message(), options) from exc
             except cp.cuda.driver.CUDADriverError as exc:  # e.g. an entry point missing from the module

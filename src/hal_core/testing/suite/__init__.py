@@ -7,10 +7,19 @@ in one of its test modules brings in every test function (names start with
 
 from __future__ import annotations
 
-from . import test_contracts, test_paged_attention, test_quantized_gemm, test_write_kv_cache
+from . import (
+    test_contracts,
+    test_kv_layouts,
+    test_numerics,
+    test_paged_attention,
+    test_quantized_gemm,
+    test_write_kv_cache,
+)
 
 __all__: list[str] = []
-for _module in (test_contracts, test_paged_attention, test_quantized_gemm, test_write_kv_cache):
+_MODULES = (test_contracts, test_kv_layouts, test_numerics, test_paged_attention, test_quantized_gemm,
+            test_write_kv_cache)
+for _module in _MODULES:
     for _name in dir(_module):
         if _name.startswith("test_"):
             globals()[_name] = getattr(_module, _name)

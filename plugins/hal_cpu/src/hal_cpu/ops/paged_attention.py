@@ -114,7 +114,10 @@ def _merge(partials: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> np.ndar
         denom += part_denom * weight
         acc += part_acc * weight.swapaxes(-1, -2)
     denom = denom.swapaxes(-1, -2)
-    return np.divide(acc, denom, out=np.zeros_like(acc), where=denom > 0)
+    result = np.divide(acc, denom, out=np.zeros_like(acc), where=denom > 0)
+    # a NaN or infinite maximum (NaN in q or a used key, +-inf scores) makes the reference's softmax NaN
+    result[np.broadcast_to(~np.isfinite(top).swapaxes(-1, -2), result.shape)] = np.nan
+    return result
 
 
 def _gather(cache: np.ndarray, blocks: np.ndarray, invalid: np.ndarray) -> np.ndarray:

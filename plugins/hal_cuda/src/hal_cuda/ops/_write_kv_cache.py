@@ -33,6 +33,9 @@ def run(call: OpCall) -> None:
     device_index = storage_device(call["key_cache"])
     key, value, key_cache, value_cache, slots = (
         as_storage(call[n]) for n in ("key", "value", "key_cache", "value_cache", "slot_mapping"))
+    # the kernel reads dense [num_tokens, num_kv_heads, head_size] rows; strided views (a fused QKV's slices) are
+    # packed first (one copy of the new tokens only)
+    key, value = cp.ascontiguousarray(key), cp.ascontiguousarray(value)
     num_tokens, num_kv_heads, head_size = key.shape
     block_size = key_cache.shape[2]
     spec = write_kv_cache_spec(slot_int64=slots.dtype == np.int64)

@@ -1,0 +1,137 @@
+"""Reading ``HAL_*`` environment variables: the one parser hal-core and every plugin use.
+
+Each function reads its variable when called (so a change between calls is
+seen) and raises :class:`~hal_core.EnvironmentVariableError` naming the
+variable, its value and what it accepts when the value is not one of them:
+a misspelt switch is an error at its first use, never silently read as on or
+off. Surrounding whitespace is ignored; an unset or empty variable means the
+documented default.
+
+Booleans follow one rule: a variable names the behaviour it switches
+(``HAL_STRICT``, ``HAL_CHECK_INDICES``, ``HAL_CUDA_FMAD``); one of
+:data:`ON_SPELLINGS` turns it on, one of :data:`OFF_SPELLINGS` turns it off
+(any case), whatever its default is. See docs/environment.md.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable
+
+from ._errors import EnvironmentVariableError
+
+__all__ = [
+    "OFF_SPELLINGS",
+    "ON_SPELLINGS",
+    "EnvironmentVariableError",
+    "choice",
+    "flag",
+    "integer",
+    "name_list",
+    "number",
+    "text",
+]
+
+#: Values (any case) that turn a boolean variable on.
+ON_SPELLINGS = ("1", "true", "yes", "on")
+#: Values (any case) that turn a boolean variable off.
+OFF_SPELLINGS = ("0", "false", "no", "off")
+
+
+def text(name: str) -> str | None:
+    """The stripped value of ``name``, or None when it is unset or empty."""
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+def flag(name: str, default: bool) -> bool:
+    """A boolean variable: on for :data:`ON_SPELLINGS`, off for :data:`OFF_SPELLINGS`, else ``default`` if unset."""
+    value = text(name)
+    if value is None:
+        return default
+    lowered = value.lower()
+    if lowered in ON_SPELLINGS:
+        return True
+    if lowered in OFF_SPELLINGS:
+        return False
+    raise EnvironmentVariableError(
+        name, value, f"{', '.join(ON_SPELLINGS)} (on) or {', '.join(OFF_SPELLINGS)} (off), in any case"
+    )
+
+
+def integer(name: str, default: int, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """An integer variable (``4096``, ``1_000_000``, or an integral float such as ``1e6``), within bounds."""
+    value = text(name)
+    if value is None:
+        return default
+    expected = _bounds("an integer", minimum, maximum)
+    try:
+        parsed = int(value)
+    except ValueError:
+        try:
+            as_float = float(value)
+        except ValueError:
+            raise EnvironmentVariableError(name, value, expected) from None
+        if not math.isfinite(as_float) or not as_float.is_integer():
+            raise EnvironmentVariableError(name, value, expected) from None
+        parsed = int(as_float)
+    if (minimum is not None and parsed < minimum) or (maximum is not None and parsed > maximum):
+        raise EnvironmentVariableError(name, value, expected)
+    return parsed
+
+
+def number(
+    name: str,
+    default: float,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    positive: bool = False,
+) -> float:
+    """A finite real variable (``2.5``, ``1e-3``), within bounds (``positive``: strictly above 0)."""
+    value = text(name)
+    if value is None:
+        return default
+    expected = "a finite number > 0" if positive else _bounds("a finite number", minimum, maximum)
+    if positive and maximum is not None:
+        expected += f" and <= {maximum}"
+    try:
+        parsed = float(value)
+    except ValueError:
+        raise EnvironmentVariableError(name, value, expected) from None
+    if (
+        not math.isfinite(parsed)
+        or (positive and parsed <= 0)
+        or (minimum is not None and parsed < minimum)
+        or (maximum is not None and parsed > maximum)
+    ):
+        raise EnvironmentVariableError(name, value, expected)
+    return parsed
+
+
+def choice(name: str, default: str, choices: Iterable[str]) -> str:
+    """One of ``choices`` (compared in lower case), or ``default`` when unset."""
+    options = tuple(choices)
+    value = text(name)
+    if value is None:
+        return default
+    if value.lower() not in options:
+        raise EnvironmentVariableError(name, value, "one of " + ", ".join(options))
+    return value.lower()
+
+
+def name_list(name: str) -> frozenset[str]:
+    """A comma-separated list of names (``a,b``); empty items are ignored."""
+    raw = os.environ.get(name, "")
+    return frozenset(part.strip() for part in raw.split(",") if part.strip())
+
+
+def _bounds(kind: str, minimum: float | None, maximum: float | None) -> str:
+    if minimum is not None and maximum is not None:
+        return f"{kind} from {minimum} to {maximum}"
+    if minimum is not None:
+        return f"{kind} >= {minimum}"
+    if maximum is not None:
+        return f"{kind} <= {maximum}"
+    return kind
