@@ -72,7 +72,7 @@ def device_and_call_ms(cp: Any, fn: Any, repeat: int, flush: Any) -> tuple[float
 
 
 def bench_shape(cp: Any, be: Any, k: int, n: int, repeat: int, flush: Any) -> list[dict[str, Any]]:
-    from hal_cuda.ops._quantized_gemm import uses_small_m
+    from hal_cupy.ops._quantized_gemm import uses_small_m
 
     qw = random_w4(cp, k, n)
     w32 = dequantize_on_device(cp, qw)

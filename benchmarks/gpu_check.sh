@@ -7,7 +7,7 @@
 #    stops at once, saying so, when pydantic, ml_dtypes, pluggy or cupy cannot be imported,
 # 2. makes hal-core, hal-cpu and hal-cuda importable with their entry points
 #    (benchmarks/offline_install.py: hand-written dist-info, no hatchling needed),
-# 3. fills CuPy's kernel cache in parallel (python -m hal_cuda._warmup),
+# 3. fills CuPy's kernel cache in parallel (python -m hal_cupy._warmup),
 # 4. runs the hal-cuda tests (GPU correctness per specialisation), the contract
 #    suite with --hal-backend=cuda, and hal-core's tests (GPU interop ones included),
 # 5. runs the benchmarks.
@@ -109,7 +109,7 @@ if ! "$PY" -c "import pydantic, ml_dtypes, pluggy, cupy" >>"$LOG" 2>&1; then
 fi
 
 step info 15 "$PY" -c "import json, hal_core; print(json.dumps([i.__dict__ for i in hal_core.list_backends()], indent=1))"
-step warmup 60 "$PY" -m hal_cuda._warmup "$(nproc)"
+step warmup 60 "$PY" -m hal_cupy._warmup "$(nproc)"
 step cuda_tests 160 "$PY" -m pytest plugins/hal_cuda/tests -q -rs -p no:cacheprovider \
   --ignore=plugins/hal_cuda/tests/test_nvrtc_compile.py --ignore=plugins/hal_cuda/tests/test_hip_compile.py \
   --ignore=plugins/hal_cuda/tests/test_kernels_host_compiled.py \

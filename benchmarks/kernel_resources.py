@@ -19,7 +19,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from hal_cuda import _nvrtc as N  # importing hal_cuda imports no CuPy
-from hal_cuda import _specializations as S
+from hal_cupy import _specializations as S
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ARCHS = ("sm_80", "sm_90", "sm_120")

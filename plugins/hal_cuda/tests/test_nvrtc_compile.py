@@ -11,7 +11,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 from hal_cuda import _nvrtc as nvrtc_mod
-from hal_cuda import _specializations as specs_mod
+from hal_cupy import _specializations as specs_mod
 
 ARCHS = ("sm_80", "sm_90", "sm_120")
 SPECS = specs_mod.all_specializations()

@@ -116,4 +116,4 @@ def hal_axpy_source(hal_device: Any) -> Any:
 
     if hal_device.capabilities.vendor == "cpu":
         return KernelSource.from_package("axpy_host.py", ["hal_test_axpy"], package="hal_core.testing.kernels")
-    return KernelSource.from_package("axpy.cu", ["hal_test_axpy"], package="hal_core.testing.kernels")
+    return KernelSource.from_package("axpy.cu", ["hal_test_axpy"], package="hal_cupy.kernels")

@@ -7,10 +7,11 @@ driver: availability is probed with ctypes (see ``hal_cuda._probe``).
 
 from __future__ import annotations
 
+from hal_cupy._device import CudaDevice
+from hal_cupy._warmup import precompile
+
 from ._backend import CudaBackend
-from ._device import CudaDevice
 from ._probe import ProbeResult, probe
 from ._version import __version__
-from ._warmup import precompile
 
 __all__ = ["CudaBackend", "CudaDevice", "ProbeResult", "__version__", "precompile", "probe"]

@@ -10,13 +10,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from hal_cupy._arrays import to_device, to_host
+from hal_cupy._cupy import cupy
+from hal_cupy._device import CudaDevice
 
 from hal_core import Availability, Backend
 from hal_core.arrays import device_of
 
-from ._arrays import to_device, to_host
-from ._cupy import cupy
-from ._device import CudaDevice
 from ._probe import probe
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ class CudaBackend(Backend):
         return self._devices[int(cupy().cuda.runtime.getDevice())]
 
     def register_ops(self, registry: OpRegistry) -> None:
-        from .ops import register_ops
+        from hal_cupy.ops import register_ops
 
         register_ops(registry)
 

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from hal_cuda import _specializations as S
+from hal_cupy import _specializations as S
 
 #: (target, wavefront size); gfx940 stands in for CDNA3 where the compiler predates gfx942.
 TARGETS = (("gfx90a", 64), ("gfx942", 64), ("gfx940", 64), ("gfx1100", 32))
@@ -45,6 +45,7 @@ def _selected():
 
 SPECS = _selected()
 HIPCC = shutil.which("hipcc")
+PRELUDE = Path(__file__).resolve().parents[1] / "src" / "hal_rocm" / "kernels" / "prelude_hip.cuh"
 
 
 def _compile(spec, target, wave):
@@ -54,7 +55,7 @@ def _compile(spec, target, wave):
         cmd = [
             HIPCC, "-x", "hip", f"--offload-arch={target}", "--cuda-device-only", "-S", "-nogpulib",
             "-O3", "-Wno-pass-failed", "-Wno-unused-command-line-argument",
-            "-include", str(kdir / "prelude_hip.cuh"), f"-I{kdir}", f"-DHAL_WARP_SIZE={wave}",
+            "-include", str(PRELUDE), f"-I{kdir}", f"-DHAL_WARP_SIZE={wave}",
             *spec.options(), str(kdir / spec.source), "-o", str(out),
         ]  # fmt: skip
         env = dict(os.environ, HIP_PLATFORM="amd")

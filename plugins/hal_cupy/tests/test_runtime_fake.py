@@ -6,9 +6,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hal_cuda._launcher import CupyLauncher, kernel_arg
-from hal_cuda._memory import CupyAllocator
-from hal_cuda._stream import CudaStream, native_stream, stream_handle
+from hal_cupy._launcher import CupyLauncher, kernel_arg
+from hal_cupy._memory import CupyAllocator
+from hal_cupy._stream import CudaStream, native_stream, stream_handle
 
 import hal_core
 from hal_core import AllocationPolicy, DeviceOutOfMemoryError, KernelCompileError, KernelSource, LaunchConfig

@@ -1,7 +1,7 @@
 """Fill CuPy's kernel disk cache ahead of time, compiling specialisations in parallel processes.
 
 Kernels compile on first use, which costs about a second each with NVRTC.
-``python -m hal_cuda._warmup`` (or :func:`precompile`) compiles the whole
+``python -m hal_cupy._warmup`` (or :func:`precompile`) compiles the whole
 catalogue (or a chosen list) for device 0's architecture in worker
 processes; later processes load the cubins from ``~/.cupy/kernel_cache``
 (``CUPY_CACHE_DIR``) instead of compiling.

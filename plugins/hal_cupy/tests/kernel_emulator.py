@@ -1,4 +1,4 @@
-"""numpy emulations of the hal kernels, following ``src/hal_core/kernels/README.md`` parameter by parameter.
+"""numpy emulations of the hal kernels, following ``hal_cupy/kernels/README.md`` parameter by parameter.
 
 With :class:`NumpyCupy` standing in for CuPy (device arrays are an ndarray
 subclass), the CUDA op implementations run end to end on the host: argument

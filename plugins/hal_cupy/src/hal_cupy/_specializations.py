@@ -1,9 +1,9 @@
 """Catalogue of kernel specialisations and pure host-side launch rules.
 
 Everything here is plain Python (no CuPy, no driver): the kernel sources live
-in ``hal_core/kernels`` and are specialised by preprocessor defines.  A
+in ``hal_cupy/kernels`` and are specialised by preprocessor defines.  A
 compiled module is identified by (source text hash, options, arch), where the
-options are ``Specialization.options()``.  ``src/hal_core/kernels/README.md``
+options are ``Specialization.options()``.  ``hal_cupy/kernels/README.md``
 documents every kernel parameter; the functions below turn shapes and device
 numbers (compute units, warp size, ...) into specialisations and launch
 configurations.
@@ -11,7 +11,6 @@ configurations.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,21 +69,11 @@ _SOURCES = ("paged_attention.cu", "write_kv_cache.cu", "quant_gemm.cu", "quant_u
 
 
 def kernel_source_dir() -> Path:
-    """Directory holding the kernel sources (``hal_core/kernels``).
-
-    Located without importing ``hal_core``.
-    """
-    spec = importlib.util.find_spec("hal_core")
-    if spec is not None and spec.submodule_search_locations:
-        for loc in spec.submodule_search_locations:
-            d = Path(loc) / "kernels"
-            if (d / "hal_common.cuh").is_file():
-                return d
-    # Source checkout: plugins/hal_cuda/src/hal_cuda -> repo/src/hal_core/kernels
-    d = Path(__file__).resolve().parents[4] / "src" / "hal_core" / "kernels"
+    """Directory holding the kernel sources (``hal_cupy/kernels``, package data next to this module)."""
+    d = Path(__file__).resolve().parent / "kernels"
     if (d / "hal_common.cuh").is_file():
         return d
-    raise FileNotFoundError("hal_core kernel sources not found")
+    raise FileNotFoundError(f"hal-cupy kernel sources not found in {d}")
 
 
 @dataclass(frozen=True)

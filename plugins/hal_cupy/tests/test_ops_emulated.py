@@ -29,9 +29,9 @@ TOL = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 1.5e-2}
 @pytest.fixture
 def backend(monkeypatch: pytest.MonkeyPatch) -> Any:
     """A stand-in CUDA backend on the H200 profile whose launcher compiles into the emulator."""
-    from hal_cuda import _arrays, _cupy, _launcher, _memory, _stream
-    from hal_cuda._launcher import CupyLauncher
-    from hal_cuda.ops import _common, _paged_attention, _quantized_gemm, _write_kv_cache
+    from hal_cupy import _arrays, _cupy, _launcher, _memory, _stream
+    from hal_cupy._launcher import CupyLauncher
+    from hal_cupy.ops import _common, _paged_attention, _quantized_gemm, _write_kv_cache
 
     fake = emu.NumpyCupy()
     for module in (_arrays, _cupy, _launcher, _memory, _stream, _common, _paged_attention, _quantized_gemm,
@@ -63,7 +63,7 @@ def rel_err(out: Any, ref: np.ndarray) -> float:
 
 
 def run(op: str, backend: Any, host_args: dict[str, Any], *, host_arrays: bool = False) -> Any:
-    from hal_cuda.ops import OPS as CUDA_OPS
+    from hal_cupy.ops import OPS as CUDA_OPS
 
     impl = next(o for o in CUDA_OPS if o.op == op)
     args = dict(host_args) if host_arrays else OPS[op].map_arrays(host_args, to_dev)
@@ -176,7 +176,7 @@ def test_quantized_gemm_k0_is_zeros_without_launch(backend: Any, bits: int, m: i
 
 def test_write_kv_cache_refuses_an_odd_address(backend: Any, rng: np.random.Generator) -> None:
     """The kernel copies units of 2 bytes or more: an fp16 key at an odd address goes to the CPU path."""
-    from hal_cuda.ops import OPS as CUDA_OPS
+    from hal_cupy.ops import OPS as CUDA_OPS
 
     key = rng.standard_normal((2, 1, 64)).astype(np.float16)
     raw = np.zeros(key.nbytes + 1, np.uint8).view(emu.DevArray)

@@ -1,6 +1,6 @@
 """Numerics of the real kernel sources, compiled for the CPU (host-compiled kernels).
 
-The ``.cu`` files of ``hal_core.kernels`` are built with g++ through
+The ``.cu`` files of ``hal_cupy.kernels`` are built with g++ through
 ``host_compiled/prelude_host.cuh`` and launched with the grid, block and
 runtime arguments that the plugin's pure host rules (``_specializations.py``)
 compute, on fresh random inputs (seed printed), against the float64 references
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hal_cuda import _specializations as rules
+from hal_cupy import _specializations as rules
 from host_compiled.harness import HostKernelBuilder, HostLaunchError, HostModule, toolchain_problem
 
 from hal_core.arrays import BFLOAT16
@@ -44,12 +44,12 @@ MANY_CUS, ONE_CU = 132, 1
 
 @pytest.fixture(scope="session")
 def host_builder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostKernelBuilder]:
-    """Compiler for the kernel sources of ``hal_core.kernels``; skips when g++ cannot build the host prelude."""
+    """Compiler for the kernel sources of ``hal_cupy.kernels``; skips when g++ cannot build the host prelude."""
     problem = toolchain_problem(tmp_path_factory.mktemp("host_compiled_probe"))
     if problem is not None:
         pytest.skip(f"host-compiled kernels unavailable: {problem}")
     with contextlib.ExitStack() as stack:
-        kernel_dir = stack.enter_context(importlib.resources.as_file(importlib.resources.files("hal_core.kernels")))
+        kernel_dir = stack.enter_context(importlib.resources.as_file(importlib.resources.files("hal_cupy.kernels")))
         yield HostKernelBuilder(Path(kernel_dir), tmp_path_factory.mktemp("host_compiled_kernels"))
 
 

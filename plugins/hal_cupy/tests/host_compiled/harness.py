@@ -1,4 +1,4 @@
-"""Host-compiled kernels: the real ``hal_core/kernels`` sources built for the CPU with g++.
+"""Host-compiled kernels: the real ``hal_cupy/kernels`` sources built for the CPU with g++.
 
 Each kernel file is compiled together with ``prelude_host.cuh`` (a third
 vendor prelude that runs CTA threads as fibers, see its header) and a small

@@ -24,7 +24,8 @@ from .._specializations import Launch, Specialization
 
 __all__ = ["CudaOp", "assemble", "kernel_source", "kernels_for", "launch", "storage_device"]
 
-_KERNEL_PACKAGE = "hal_core.kernels"
+_KERNEL_PACKAGE = "hal_cupy.kernels"
+_PRELUDE_PACKAGES = {"cuda": "hal_cuda.kernels", "hip": "hal_rocm.kernels"}
 _COMMON = "hal_common.cuh"
 
 
@@ -54,8 +55,8 @@ def kernel_source(spec: Specialization, vendor: str = "cuda") -> KernelSource:
     """The :class:`~hal_core.KernelSource` of one specialisation, from hal-core's package data."""
     body = KernelSource.from_package(spec.source, spec.kernels, options=spec.options(), package=_KERNEL_PACKAGE)
     root = resources.files(_KERNEL_PACKAGE)
-    code = assemble(body.code, spec.source, root.joinpath(f"prelude_{vendor}.cuh").read_text(),
-                    root.joinpath(_COMMON).read_text())
+    prelude = resources.files(_PRELUDE_PACKAGES[vendor]).joinpath(f"prelude_{vendor}.cuh").read_text()
+    code = assemble(body.code, spec.source, prelude, root.joinpath(_COMMON).read_text())
     return KernelSource(spec.source, code, spec.kernels, spec.options())
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from hal_cuda._capabilities import ATTRIBUTE_NAMES, capabilities_from_properties
+
 from hal_core import AllocationPolicy, DeviceCapabilities, DeviceHandle
 
 from . import _env
-from ._capabilities import ATTRIBUTE_NAMES, capabilities_from_properties
 from ._cupy import cupy
 from ._launcher import CupyLauncher
 from ._memory import CupyAllocator

@@ -7,12 +7,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hal_cuda import _specializations as cat
-from hal_cuda.ops import _paged_attention as pa
-from hal_cuda.ops import _quantized_gemm as qg
-from hal_cuda.ops import _write_kv_cache as kv
-from hal_cuda.ops._common import CudaOp
-from nvidia_profiles import NVIDIA_PROFILES, PROFILE_IDS
+from gpu_profiles import NVIDIA_PROFILES, PROFILE_IDS
+from hal_cupy import _specializations as cat
+from hal_cupy.ops import _paged_attention as pa
+from hal_cupy.ops import _quantized_gemm as qg
+from hal_cupy.ops import _write_kv_cache as kv
+from hal_cupy.ops._common import CudaOp
 
 import hal_core
 from hal_core import LaunchConfig
@@ -205,7 +205,7 @@ def test_quantized_gemm_supported(rng: np.random.Generator, bits: int, group_siz
 
 def test_ops_register_with_priority() -> None:
     """register_ops adds one CUDA implementation per op."""
-    from hal_cuda.ops import register_ops
+    from hal_cupy.ops import register_ops
 
     from hal_core.ops import OpRegistry
 

@@ -10,8 +10,8 @@ catalogue on three architectures.
 from __future__ import annotations
 
 import pytest
-from hal_cuda import _specializations as cat
-from hal_cuda.ops._common import assemble, kernel_source
+from hal_cupy import _specializations as cat
+from hal_cupy.ops._common import assemble, kernel_source
 
 CUPY_OPTIONS = ("-ftz=true", "-std=c++17", "--device-as-default-execution-space")
 
@@ -76,6 +76,6 @@ def test_compile_errors_point_at_the_kernel_file(nvrtc) -> None:
         nvrtc.compile_source("\n".join(lines), source.name, source.options, "sm_90", resources=False)
     from importlib import resources
 
-    text = resources.files("hal_core.kernels").joinpath("write_kv_cache.cu").read_text().split("\n")
+    text = resources.files("hal_cupy.kernels").joinpath("write_kv_cache.cu").read_text().split("\n")
     line_no = next(i for i, line in enumerate(text, 1) if "const hal_i64 token = blockIdx.x;" in line)
     assert f"write_kv_cache.cu({line_no})" in info.value.log
