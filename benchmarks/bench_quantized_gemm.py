@@ -96,7 +96,7 @@ def bench_shape(cp: Any, be: Any, k: int, n: int, repeat: int, flush: Any) -> li
         t_ref, call_ref, why_ref = device_and_call_ms(cp, dense, repeat, flush)
         speedup = ratio(t_ref, t_q)
         target = gemm_target(m, (k, n) in LARGE)
-        row = {"k": k, "n": n, "m": m, "path": "fused" if uses_small_m(m) else "dequant+cublas",
+        row = {"k": k, "n": n, "m": m, "path": "fused" if uses_small_m(m, "cuda") else "dequant+cublas",
                "ms": t_q, "fp16_matmul_ms": t_ref, "speedup": speedup, "target": target,
                "verdict": verdict(speedup, target), "call_ms": call_q, "fp16_matmul_call_ms": call_ref,
                "call_speedup": ratio(call_ref, call_q), "graph_error": why_q or why_ref,

@@ -1,4 +1,4 @@
-"""A small fake of the few CuPy objects hal-cuda's runtime touches, for host-only tests.
+"""A small fake of the few CuPy objects hal-cupy's runtime touches, and a fake platform, for host-only tests.
 
 It models memory as byte counts (no data): enough to test the allocator's
 OOM retry and managed fallback, the launcher's compile cache, error mapping
@@ -10,6 +10,10 @@ from __future__ import annotations
 import itertools
 from types import SimpleNamespace
 from typing import Any, ClassVar
+
+from hal_cupy import GpuPlatform
+
+from hal_core import Availability, DeviceCapabilities
 
 _addresses = itertools.count(0x7F0000000000, 512)
 UINT64_MAX = 2**64 - 1
@@ -293,3 +297,22 @@ class FakeCupy:
 
     def get_default_memory_pool(self) -> MemoryPool:
         return self.default_pool
+
+
+class FakePlatform(GpuPlatform):
+    """A vendor interface for host-only tests: a one-line prelude, no compiler options of its own."""
+
+    name: ClassVar[str] = "fake"
+    dlpack_device_types: ClassVar[frozenset[int]] = frozenset({2})
+
+    def availability(self) -> Availability:
+        return Availability(True)
+
+    def capabilities(self, props: Any, attributes: Any, *, memory_free: int | None = None) -> DeviceCapabilities:
+        raise NotImplementedError("FakePlatform reads no device properties; use hal_core.load_profile")
+
+    def prelude(self) -> str:
+        return "#define HAL_PRELUDE 1\n"
+
+    def compile_options(self, *, fmad: bool) -> tuple[str, ...]:
+        return () if fmad else ("-fake-no-fmad",)

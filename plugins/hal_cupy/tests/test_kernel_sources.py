@@ -1,4 +1,4 @@
-"""The translation units the runtime hands to CuPy: assembled from hal-core's package data, and compilable.
+"""The translation units the runtime hands to CuPy: assembled from hal-cupy's package data, and compilable.
 
 The compile check uses NVRTC without a GPU (cuda-bindings + nvidia-cuda-nvrtc)
 with the options CuPy adds itself (``-ftz=true``, ``-std=c++17``,
@@ -10,6 +10,7 @@ catalogue on three architectures.
 from __future__ import annotations
 
 import pytest
+from hal_cuda import CUDA
 from hal_cupy import _specializations as cat
 from hal_cupy.ops._common import assemble, kernel_source
 
@@ -37,11 +38,11 @@ def test_assemble_inlines_common_header_with_line_directives() -> None:
 @pytest.mark.parametrize("spec", REPRESENTATIVE, ids=[s.id for s in REPRESENTATIVE])
 def test_kernel_source_is_self_contained(spec: cat.Specialization) -> None:
     """Every byte compiled is in the source text, so the digest (and CuPy's disk cache key) covers it."""
-    source = kernel_source(spec)
+    source = kernel_source(spec, CUDA)
     assert '#include "' not in source.code
     assert "HAL_PRELUDE" in source.code and "hal_warp_sum" in source.code
     assert source.entry_points == spec.kernels and source.options == spec.options()
-    assert kernel_source(spec) is source  # cached
+    assert kernel_source(spec, CUDA) is source  # cached
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def nvrtc():
 @pytest.mark.parametrize("spec", REPRESENTATIVE, ids=[s.id for s in REPRESENTATIVE])
 def test_assembled_source_compiles(nvrtc, spec: cat.Specialization) -> None:
     """The exact text the launcher compiles builds for sm_90 with CuPy's options, every entry point present."""
-    source = kernel_source(spec)
+    source = kernel_source(spec, CUDA)
     result = nvrtc.compile_source(source.code, source.name, source.options + CUPY_OPTIONS, "sm_90")
     assert set(spec.kernels) <= set(result.kernels), result.log
     for name, res in result.kernels.items():
@@ -68,7 +69,7 @@ def test_assembled_source_compiles(nvrtc, spec: cat.Specialization) -> None:
 
 def test_compile_errors_point_at_the_kernel_file(nvrtc) -> None:
     """#line directives make NVRTC name the original file and line."""
-    source = kernel_source(cat.write_kv_cache_spec(True))
+    source = kernel_source(cat.write_kv_cache_spec(True), CUDA)
     lines = source.code.split("\n")
     target = next(i for i, line in enumerate(lines) if "const hal_i64 token = blockIdx.x;" in line)
     lines[target] += " undefined_identifier;"

@@ -12,7 +12,7 @@ from hal_cupy import _specializations as cat
 from hal_cupy.ops import _paged_attention as pa
 from hal_cupy.ops import _quantized_gemm as qg
 from hal_cupy.ops import _write_kv_cache as kv
-from hal_cupy.ops._common import CudaOp
+from hal_cupy.ops._common import GpuOp
 
 import hal_core
 from hal_core import LaunchConfig
@@ -94,10 +94,10 @@ def test_grid_stride_grids(caps: Any) -> None:
 
 def test_small_m_threshold_is_configurable(monkeypatch: pytest.MonkeyPatch) -> None:
     """HAL_CUDA_SMALL_M_MAX moves the fused/dequantise boundary; the default is the catalogue's."""
-    assert qg.small_m_threshold() == cat.QGEMM_SMALL_M_MAX
-    assert qg.uses_small_m(cat.QGEMM_SMALL_M_MAX) and not qg.uses_small_m(cat.QGEMM_SMALL_M_MAX + 1)
+    assert qg.small_m_threshold("cuda") == cat.QGEMM_SMALL_M_MAX
+    assert qg.uses_small_m(cat.QGEMM_SMALL_M_MAX, "cuda") and not qg.uses_small_m(cat.QGEMM_SMALL_M_MAX + 1, "cuda")
     monkeypatch.setenv("HAL_CUDA_SMALL_M_MAX", "64")
-    assert qg.uses_small_m(64) and not qg.uses_small_m(65)
+    assert qg.uses_small_m(64, "cuda") and not qg.uses_small_m(65, "cuda")
 
 
 # -- supports(): reasons that send a call to the CPU path --------------------------------------------
@@ -127,7 +127,7 @@ def offload_everything(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.usefixtures("offload_everything")
 @pytest.mark.parametrize(("change", "reason"), [
-    (dict(head_size=100), "head_size 100 has no CUDA kernel"),
+    (dict(head_size=100), "head_size 100 has no GPU kernel"),
     (dict(head_size=48), "head_size 48"),
     (dict(block=64), "block_size 64"),
     (dict(block=1), "block_size 1"),
@@ -210,8 +210,8 @@ def test_ops_register_with_priority() -> None:
     from hal_core.ops import OpRegistry
 
     registry = OpRegistry(frozenset(OPS))
-    register_ops(registry)
+    register_ops(registry, "cuda")
     assert registry.ops() == sorted(OPS)
     for op in OPS:
         (impl,) = registry.implementations(op)
-        assert impl.name == f"cuda.{op}" and impl.priority == 100 and isinstance(impl.fn, CudaOp)
+        assert impl.name == f"cuda.{op}" and impl.priority == 100 and isinstance(impl.fn, GpuOp)

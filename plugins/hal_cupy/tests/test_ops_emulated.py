@@ -13,6 +13,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import fakecupy
 import kernel_emulator as emu
 import numpy as np
 import pytest
@@ -38,7 +39,7 @@ def backend(monkeypatch: pytest.MonkeyPatch) -> Any:
                    _write_kv_cache):
         monkeypatch.setattr(module, "cupy", lambda: fake)
     caps = hal_core.load_profile("H200")
-    device = SimpleNamespace(capabilities=caps, launcher=CupyLauncher(0, caps))
+    device = SimpleNamespace(capabilities=caps, launcher=CupyLauncher(0, caps), platform=fakecupy.FakePlatform())
     emu.LAUNCHED.clear()
     return SimpleNamespace(name="cuda", device=lambda index: device)
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hal_cupy._launcher import CupyLauncher, kernel_arg
 from hal_cupy._memory import CupyAllocator
-from hal_cupy._stream import CudaStream, native_stream, stream_handle
+from hal_cupy._stream import CupyStream, native_stream, stream_handle
 
 import hal_core
 from hal_core import AllocationPolicy, DeviceOutOfMemoryError, KernelCompileError, KernelSource, LaunchConfig
@@ -140,7 +140,9 @@ def test_launcher_compiles_once_per_digest(fake_cupy: Any) -> None:
 
 def test_fmad_off_is_an_option_and_a_cache_key(fake_cupy: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """HAL_CUDA_FMAD=0 adds -fmad=false and a distinct cache entry."""
-    launcher = CupyLauncher(0, hal_core.load_profile(H100))
+    from hal_cuda import CUDA
+
+    launcher = CupyLauncher(0, hal_core.load_profile(H100), platform=CUDA)
     key_on = launcher.cache_key(_source())
     monkeypatch.setenv("HAL_CUDA_FMAD", "0")
     assert launcher.compile_options(_source()) == ("-fmad=false",)
@@ -209,7 +211,7 @@ class TorchLikeStream:
 def test_foreign_streams_are_wrapped(fake_cupy: Any) -> None:
     """Any object with __cuda_stream__ becomes a hal stream on the same handle."""
     assert stream_handle(TorchLikeStream()) == 0xABC0
-    wrapped = CudaStream.wrap(TorchLikeStream(), 0)
+    wrapped = CupyStream.wrap(TorchLikeStream(), 0)
     assert wrapped.ptr == 0xABC0
     assert native_stream(wrapped, 0) is wrapped.native
     with pytest.raises(TypeError, match="__cuda_stream__"):
@@ -237,7 +239,7 @@ def test_stream_protocol_attribute_form() -> None:
 def test_foreign_stream_takes_the_given_device(fake_cupy: Any, producer: Any) -> None:
     """Stream.from_external records the current device: the wrap makes device_index current for it,
     whichever form of __cuda_stream__ the producer has; the CuPy stream keeps the producer alive."""
-    native = CudaStream.wrap(producer, 1).native
+    native = CupyStream.wrap(producer, 1).native
     assert (native.ptr, native.device_id) == (stream_handle(producer), 1)
     assert native.foreign.producer is producer
     assert fake_cupy.devices == [0]  # the current device is restored

@@ -1,4 +1,4 @@
-"""The CUDA backend: every visible NVIDIA GPU through CuPy.
+"""The CUDA backend: every visible NVIDIA GPU through the shared CuPy layer.
 
 Importing this module imports no CuPy; :meth:`CudaBackend.availability`
 probes the driver with ctypes first (see :mod:`hal_cuda._probe`).
@@ -6,64 +6,30 @@ probes the driver with ctypes first (see :mod:`hal_cuda._probe`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import ClassVar
 
-import numpy as np
-from hal_cupy._arrays import to_device, to_host
-from hal_cupy._cupy import cupy
-from hal_cupy._device import CudaDevice
+from hal_cupy import CupyBackend, CupyDevice, GpuPlatform
 
-from hal_core import Availability, Backend
-from hal_core.arrays import device_of
+from hal_core import AllocationPolicy
 
-from ._probe import probe
+from ._platform import CUDA
 
-if TYPE_CHECKING:
-    from hal_core.ops import OpRegistry
-
-__all__ = ["CudaBackend"]
-
-_CUDA_KINDS = ("cuda", "cuda_managed")
+__all__ = ["CudaBackend", "CudaDevice"]
 
 
-class CudaBackend(Backend):
+class CudaDevice(CupyDevice):
+    """A visible NVIDIA GPU (the shared CuPy device on the CUDA platform)."""
+
+    def __init__(self, index: int, *, policy: AllocationPolicy | str | None = None) -> None:
+        super().__init__(index, CUDA, policy=policy)
+
+
+class CudaBackend(CupyBackend):
     """NVIDIA GPUs: CuPy memory pools and streams, NVRTC-compiled kernels."""
 
     name = "cuda"
     priority = 100
+    platform: ClassVar[GpuPlatform] = CUDA
 
-    @classmethod
-    def availability(cls) -> Availability:
-        result = probe()
-        return Availability(result.ok, result.reason, result.remedy)
-
-    def __init__(self) -> None:
-        count = int(cupy().cuda.runtime.getDeviceCount())
-        self._devices = [CudaDevice(i) for i in range(count)]
-
-    def devices(self) -> Sequence[CudaDevice]:
-        return list(self._devices)
-
-    def current_device(self) -> CudaDevice:
-        """The device CuPy treats as current in this thread."""
-        return self._devices[int(cupy().cuda.runtime.getDevice())]
-
-    def register_ops(self, registry: OpRegistry) -> None:
-        from hal_cupy.ops import register_ops
-
-        register_ops(registry)
-
-    def owns(self, array: Any) -> bool:
-        if isinstance(array, np.ndarray):
-            return False
-        if device_of(array)[0] in _CUDA_KINDS:
-            return True
-        return hasattr(array, "__cuda_array_interface__")
-
-    def to_numpy(self, array: Any) -> np.ndarray:
-        return to_host(array)
-
-    def asarray(self, array: Any, device: int | None = None) -> Any:
-        index = int(cupy().cuda.runtime.getDevice()) if device is None else int(device)
-        return to_device(array, index)
+    def make_device(self, index: int) -> CudaDevice:
+        return CudaDevice(index)

@@ -1,11 +1,15 @@
-"""Kernel compilation and launch over ``cupy.RawModule`` (NVRTC, with CuPy's disk cache).
+"""Kernel compilation and launch over ``cupy.RawModule`` (NVRTC or HIPRTC, with CuPy's disk cache).
 
 A :class:`~hal_core.KernelSource` compiles on first use for the device's
-own architecture (CuPy passes ``-arch=sm_XY`` for the current device and
-writes the cubin to its disk cache, ``~/.cupy/kernel_cache``). Compiled
+own architecture (CuPy passes the current device's ``sm_XY`` or ``gfxNNN``
+and writes the binary to its disk cache, ``~/.cupy/kernel_cache``). Compiled
 modules are also kept in memory per launcher, keyed by (source digest
-including the options, arch). ``HAL_CUDA_FMAD=0`` (or ``fmad=False``) adds
-``-fmad=false`` for bit-reproducible results.
+including the options, arch). The platform adds its own options;
+``HAL_<BACKEND>_FMAD=0`` (or ``fmad=False``) asks it for no multiply-add
+contraction, for bit-reproducible results.
+
+A kernel compiled for one SIMD width (``-DHAL_WARP_SIZE=N``) is refused at
+launch on a device of another: its lane layout would silently drop columns.
 """
 
 from __future__ import annotations
@@ -31,12 +35,20 @@ from hal_core.arrays import untag
 
 from . import _env
 from ._cupy import cupy
+from ._platform import GpuPlatform
 from ._stream import native_stream
 
-__all__ = ["CupyKernel", "CupyLauncher", "kernel_arg"]
+__all__ = ["CupyKernel", "CupyLauncher", "compiled_simd_width", "kernel_arg"]
 
-#: Static shared memory a block may use without opting in (CUDA's fixed 48 KiB).
-STATIC_SHARED_LIMIT = 48 * 1024
+_WARP_DEFINE = "-DHAL_WARP_SIZE="
+
+
+def compiled_simd_width(options: Sequence[str]) -> int | None:
+    """The SIMD width a source is specialised for (its ``-DHAL_WARP_SIZE=N`` option), None when not specialised."""
+    for option in options:
+        if option.startswith(_WARP_DEFINE):
+            return int(option[len(_WARP_DEFINE):])
+    return None
 
 
 def kernel_arg(value: Any) -> Any:
@@ -59,10 +71,12 @@ def kernel_arg(value: Any) -> Any:
 class CupyKernel(CompiledKernel):
     """One entry point of a compiled ``cupy.RawModule``."""
 
-    def __init__(self, name: str, raw: Any, source_name: str = "") -> None:
+    def __init__(self, name: str, raw: Any, source_name: str = "", simd_width: int | None = None) -> None:
         self.name = name
         self.raw = raw
         self.source_name = source_name
+        #: The SIMD width the kernel was compiled for (None: not specialised by width).
+        self.simd_width = simd_width
         self._attributes: dict[str, int] | None = None
 
     @property
@@ -79,12 +93,18 @@ class CupyKernel(CompiledKernel):
 
 
 class CupyLauncher(KernelLauncher):
-    """Compiles with NVRTC through CuPy for one device and launches on its streams."""
+    """Compiles through ``cupy.RawModule`` for one device and launches on its streams.
+
+    ``platform`` supplies the compiler options and the shared-memory opt-in
+    limit; without one (tests, foreign sources) only the source's options are
+    passed and the block limit is the device's.
+    """
 
     def __init__(self, device_index: int, capabilities: DeviceCapabilities | Callable[[], DeviceCapabilities],
-                 *, fmad: bool | None = None) -> None:
+                 *, fmad: bool | None = None, platform: GpuPlatform | None = None) -> None:
         self._device_index = device_index
         self._caps = capabilities
+        self._platform = platform
         self._fmad = fmad
         self._cache: dict[tuple[str, str], dict[str, CompiledKernel]] = {}
         self._lock = threading.Lock()
@@ -100,9 +120,11 @@ class CupyLauncher(KernelLauncher):
         return self._device_index
 
     def compile_options(self, source: KernelSource) -> tuple[str, ...]:
-        """The options passed to NVRTC besides CuPy's own (``-arch``, ``-ftz=true``, ``-std=c++17``)."""
-        fmad = _env.fmad() if self._fmad is None else self._fmad
-        return (*source.options, *(() if fmad else ("-fmad=false",)))
+        """The options passed to the runtime compiler besides CuPy's own (arch, ``-std=c++17`` ...)."""
+        if self._platform is None:
+            return tuple(source.options)
+        fmad = _env.fmad(self._platform.name) if self._fmad is None else self._fmad
+        return (*source.options, *self._platform.compile_options(fmad=fmad))
 
     def cache_key(self, source: KernelSource) -> tuple[str, str]:
         """``(digest of code and every option, arch)``."""
@@ -128,7 +150,8 @@ class CupyLauncher(KernelLauncher):
             module = cp.RawModule(code=source.code, options=options)
             try:
                 module.compile()
-                kernels = {name: CupyKernel(name, module.get_function(name), source.name)
+                width = compiled_simd_width(source.options)
+                kernels = {name: CupyKernel(name, module.get_function(name), source.name, width)
                            for name in source.entry_points}
             except cp.cuda.compiler.CompileException as exc:
                 raise KernelCompileError(source.name, exc.get_message(), options) from exc
@@ -139,17 +162,23 @@ class CupyLauncher(KernelLauncher):
     def _launch(self, kernel: CompiledKernel, config: LaunchConfig, args: Sequence[Any], stream: Any) -> None:
         if not isinstance(kernel, CupyKernel):
             raise TypeError(f"CupyLauncher launches CupyKernel objects, got {type(kernel).__name__}")
+        caps = self.capabilities
+        if kernel.simd_width is not None and kernel.simd_width != caps.simd_width:
+            raise LaunchConfigError(
+                f"kernel {kernel.name!r} was compiled for a SIMD width of {kernel.simd_width} lanes but "
+                f"{caps.name} runs {caps.simd_width}; load the specialisation for {caps.simd_width} lanes"
+            )
         cp = cupy()
         attrs = kernel.attributes
         static = attrs.get("shared_size_bytes", 0)
-        optin = self.capabilities.shared_mem_per_block_optin
+        optin = caps.shared_mem_per_block_optin
         if static + config.shared_mem > optin:
             raise LaunchConfigError(
                 f"kernel {kernel.name!r} uses {static} bytes of static and asks {config.shared_mem} bytes of "
                 f"dynamic shared memory; {self.capabilities.name} allows {optin} per block"
             )
         with cp.cuda.Device(self._device_index):
-            if static + config.shared_mem > STATIC_SHARED_LIMIT and \
+            if static + config.shared_mem > self.shared_limit() and \
                     config.shared_mem > attrs.get("max_dynamic_shared_size_bytes", 0):
                 kernel.raw.max_dynamic_shared_size_bytes = config.shared_mem  # opt in beyond 48 KiB
                 kernel.forget_attributes()
@@ -157,8 +186,14 @@ class CupyLauncher(KernelLauncher):
                 kernel.raw(config.grid, config.block, tuple(kernel_arg(a) for a in args),
                            shared_mem=config.shared_mem)
 
+    def shared_limit(self) -> int:
+        """Shared memory per block usable without opting in (the platform's rule, else the device's limit)."""
+        if self._platform is None:
+            return self.capabilities.shared_mem_per_block
+        return self._platform.static_shared_limit(self.capabilities)
+
     def blocks_per_cu(self, kernel: CompiledKernel, threads_per_block: int, shared_mem: int = 0) -> int:
-        """Resident blocks per SM of ``kernel`` at this block size (CUDA's occupancy calculator)."""
+        """Resident blocks per compute unit of ``kernel`` at this block size (the runtime's occupancy calculator)."""
         if isinstance(kernel, CupyKernel):
             cp = cupy()
             with cp.cuda.Device(self._device_index):
@@ -173,7 +208,7 @@ class CupyLauncher(KernelLauncher):
 
     def config_for(self, kernel: CompiledKernel, work_items: int, *, threads_per_block: int | None = None,
                    shared_mem: int = 0) -> LaunchConfig:
-        """A 1-D grid-stride config: block from the kernel's limit, grid from SM count x occupancy."""
+        """A 1-D grid-stride config: block from the kernel's limit, grid from compute units x occupancy."""
         caps = self.capabilities
         base = super().config_for(kernel, work_items, threads_per_block=threads_per_block, shared_mem=shared_mem)
         threads = base.block[0]

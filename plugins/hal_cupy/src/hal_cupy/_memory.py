@@ -38,7 +38,7 @@ __all__ = ["CupyAllocator", "CupyBuffer", "is_out_of_memory"]
 
 log = logging.getLogger("hal")
 
-_CUDA_ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
+_CUDA_ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation; hipErrorOutOfMemory is 2 as well
 #: A limit at or above this means none: CuPy's MemoryAsyncPool stores "no limit" as UINT64_MAX.
 _NO_LIMIT = 2**63
 
@@ -121,13 +121,13 @@ class CupyAllocator(Allocator):
                  name: str = "", async_supported: bool = True, managed_supported: bool = True) -> None:
         policy = AllocationPolicy(policy)
         if policy is AllocationPolicy.HOST:
-            raise ValueError("the CUDA backend has no host allocator policy")
+            raise ValueError("a GPU backend has no host allocator policy")
         if policy is AllocationPolicy.ASYNC and not async_supported:
             log.info("hal: device %d has no stream-ordered memory pools; using the caching pool", device_index)
             policy = AllocationPolicy.CACHING
         self._device_index = device_index
         self._policy = policy
-        self._name = name or f"cuda:{device_index}"
+        self._name = name or f"gpu:{device_index}"
         self._managed_supported = managed_supported
         self._lock = threading.Lock()
         self._peak = 0

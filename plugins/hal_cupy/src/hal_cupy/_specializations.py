@@ -7,6 +7,11 @@ options are ``Specialization.options()``.  ``hal_cupy/kernels/README.md``
 documents every kernel parameter; the functions below turn shapes and device
 numbers (compute units, warp size, ...) into specialisations and launch
 configurations.
+
+Every specialisation names the SIMD width it is compiled for
+(``HAL_WARP_SIZE``: 32 for NVIDIA warps and RDNA wave32, 64 for CDNA
+wavefronts), read from the device's capabilities; the launcher refuses to
+run it on a device of another width.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ __all__ = [
     "QGEMM_M_TILES",
     "QGEMM_GROUP_SIZES",
     "QGEMM_SMALL_M_MAX",
+    "SIMD_WIDTHS",
     "Launch",
     "Specialization",
     "all_specializations",
@@ -64,6 +70,8 @@ QGEMM_KWARPS = 4
 #: Largest M that uses the fused small-M kernel; above it, dequantise + matmul.
 QGEMM_SMALL_M_MAX = 32
 QUTIL_THREADS = 256
+#: SIMD widths the kernels are written for (warp / wavefront lanes).
+SIMD_WIDTHS = (32, 64)
 
 _SOURCES = ("paged_attention.cu", "write_kv_cache.cu", "quant_gemm.cu", "quant_util.cu")
 
@@ -117,6 +125,12 @@ def _dtype_code(dtype: str | int) -> int:
         raise ValueError(f"unsupported dtype {dtype!r}") from None
 
 
+def _warp(warp_size: int) -> tuple[str, str]:
+    if warp_size not in SIMD_WIDTHS:
+        raise ValueError(f"warp_size must be one of {SIMD_WIDTHS}, got {warp_size}")
+    return ("HAL_WARP_SIZE", str(warp_size))
+
+
 def _pow2ceil(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
@@ -135,7 +149,7 @@ def paged_attention_gqa_tile(group_size: int) -> int:
     return min(_pow2ceil(group_size), 8)
 
 
-def paged_attention_spec(dtype: str | int, head_size: int, group_size: int) -> Specialization:
+def paged_attention_spec(dtype: str | int, head_size: int, group_size: int, warp_size: int = 32) -> Specialization:
     if head_size not in PA_HEAD_SIZES:
         raise ValueError(f"unsupported head_size {head_size}")
     return Specialization(
@@ -145,6 +159,7 @@ def paged_attention_spec(dtype: str | int, head_size: int, group_size: int) -> S
             ("HAL_DTYPE", str(_dtype_code(dtype))),
             ("HAL_HEAD_SIZE", str(head_size)),
             ("HAL_GQA", str(paged_attention_gqa_tile(group_size))),
+            _warp(warp_size),
         ),
     )
 
@@ -235,9 +250,10 @@ def paged_attention_launches(
 # --------------------------------------------------------------------------
 
 
-def write_kv_cache_spec(slot_int64: bool = True) -> Specialization:
+def write_kv_cache_spec(slot_int64: bool = True, warp_size: int = 32) -> Specialization:
     return Specialization(
-        "write_kv_cache.cu", ("hal_write_kv_cache",), (("HAL_SLOT_INT64", "1" if slot_int64 else "0"),)
+        "write_kv_cache.cu", ("hal_write_kv_cache",),
+        (("HAL_SLOT_INT64", "1" if slot_int64 else "0"), _warp(warp_size)),
     )
 
 
@@ -251,7 +267,7 @@ def write_kv_cache_launch(num_tokens: int) -> Launch:
 # --------------------------------------------------------------------------
 
 
-def quant_gemm_spec(dtype: str | int, bits: int, m_tile: int) -> Specialization:
+def quant_gemm_spec(dtype: str | int, bits: int, m_tile: int, warp_size: int = 32) -> Specialization:
     if bits not in (4, 8):
         raise ValueError("bits must be 4 or 8")
     if m_tile not in QGEMM_M_TILES:
@@ -260,15 +276,16 @@ def quant_gemm_spec(dtype: str | int, bits: int, m_tile: int) -> Specialization:
     return Specialization(
         "quant_gemm.cu",
         (kernel,),
-        (("HAL_DTYPE", str(_dtype_code(dtype))), ("HAL_QBITS", str(bits)), ("HAL_M_TILE", str(m_tile))),
+        (("HAL_DTYPE", str(_dtype_code(dtype))), ("HAL_QBITS", str(bits)), ("HAL_M_TILE", str(m_tile)),
+         _warp(warp_size)),
     )
 
 
-def quant_util_spec(dtype: str | int) -> Specialization:
+def quant_util_spec(dtype: str | int, warp_size: int = 32) -> Specialization:
     return Specialization(
         "quant_util.cu",
         ("hal_w4a16_dequant", "hal_w8_dequant", "hal_w8a8_quantize_rows", "hal_f32_to_dtype"),
-        (("HAL_DTYPE", str(_dtype_code(dtype))),),
+        (("HAL_DTYPE", str(_dtype_code(dtype))), _warp(warp_size)),
     )
 
 
@@ -343,18 +360,18 @@ def quant_util_launch(kernel: str, items: int, compute_units: int) -> Launch:
 # --------------------------------------------------------------------------
 
 
-def all_specializations() -> list[Specialization]:
-    """Every specialisation the CUDA plugin may request."""
+def all_specializations(warp_size: int = 32) -> list[Specialization]:
+    """Every specialisation the op implementations may request on a device of ``warp_size`` lanes."""
     specs: list[Specialization] = []
     for dtype in DTYPE_CODES:
         for hs in PA_HEAD_SIZES:
             for g in PA_GQA_TILES:
-                specs.append(paged_attention_spec(dtype, hs, g))
-    specs.append(write_kv_cache_spec(True))
-    specs.append(write_kv_cache_spec(False))
+                specs.append(paged_attention_spec(dtype, hs, g, warp_size))
+    specs.append(write_kv_cache_spec(True, warp_size))
+    specs.append(write_kv_cache_spec(False, warp_size))
     for dtype in DTYPE_CODES:
         for bits in (4, 8):
             for mt in QGEMM_M_TILES:
-                specs.append(quant_gemm_spec(dtype, bits, mt))
-        specs.append(quant_util_spec(dtype))
+                specs.append(quant_gemm_spec(dtype, bits, mt, warp_size))
+        specs.append(quant_util_spec(dtype, warp_size))
     return specs

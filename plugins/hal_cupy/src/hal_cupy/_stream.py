@@ -13,7 +13,7 @@ from hal_core import Event, Stream
 
 from ._cupy import cupy
 
-__all__ = ["CudaEvent", "CudaStream", "native_stream", "stream_handle"]
+__all__ = ["CupyEvent", "CupyStream", "native_stream", "stream_handle"]
 
 
 def stream_handle(obj: Any) -> int:
@@ -74,7 +74,7 @@ def native_stream(stream: Any, device_index: int) -> Any:
                     f"got {type(stream).__name__}")
 
 
-class CudaEvent(Event):
+class CupyEvent(Event):
     """A ``cupy.cuda.Event`` on one device."""
 
     def __init__(self, device_index: int, *, timing: bool = True, native: Any = None) -> None:
@@ -100,12 +100,12 @@ class CudaEvent(Event):
         self._native.synchronize()
 
     def elapsed_ms(self, end: Event) -> float:
-        if not isinstance(end, CudaEvent):
-            raise TypeError(f"elapsed_ms needs another CudaEvent, got {type(end).__name__}")
+        if not isinstance(end, CupyEvent):
+            raise TypeError(f"elapsed_ms needs another CupyEvent, got {type(end).__name__}")
         return float(cupy().cuda.get_elapsed_time(self._native, end._native))
 
 
-class CudaStream(Stream):
+class CupyStream(Stream):
     """A CuPy stream (owned, or a foreign one wrapped) on one device.
 
     As a context manager it makes its device and itself current, so ops run
@@ -118,7 +118,7 @@ class CudaStream(Stream):
         self._contexts: list[ExitStack] = []
 
     @classmethod
-    def wrap(cls, obj: Any, device_index: int) -> CudaStream:
+    def wrap(cls, obj: Any, device_index: int) -> CupyStream:
         """Wrap a CuPy stream or any object exposing ``__cuda_stream__`` (not owned)."""
         return cls(device_index, native_stream(obj, device_index))
 
@@ -131,13 +131,13 @@ class CudaStream(Stream):
         return int(self._native.ptr)
 
     def record_event(self, event: Event | None = None) -> Event:
-        event = event if event is not None else CudaEvent(self._device_index)
+        event = event if event is not None else CupyEvent(self._device_index)
         event.record(self)
         return event
 
     def wait_event(self, event: Event) -> None:
-        if not isinstance(event, CudaEvent):
-            raise TypeError(f"wait_event needs a CudaEvent, got {type(event).__name__}")
+        if not isinstance(event, CupyEvent):
+            raise TypeError(f"wait_event needs a CupyEvent, got {type(event).__name__}")
         with cupy().cuda.Device(self._device_index):
             self._native.wait_event(event.native)
 
@@ -147,7 +147,7 @@ class CudaStream(Stream):
     def synchronize(self) -> None:
         self._native.synchronize()
 
-    def __enter__(self) -> CudaStream:
+    def __enter__(self) -> CupyStream:
         stack = ExitStack()
         stack.enter_context(cupy().cuda.Device(self._device_index))
         stack.enter_context(self._native)
@@ -158,4 +158,4 @@ class CudaStream(Stream):
         self._contexts.pop().close()
 
     def __repr__(self) -> str:
-        return f"<CudaStream device={self._device_index} ptr={self.ptr:#x}>"
+        return f"<CupyStream device={self._device_index} ptr={self.ptr:#x}>"

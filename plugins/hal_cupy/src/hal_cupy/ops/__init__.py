@@ -1,19 +1,19 @@
-"""The CUDA op implementations, registered with a backend's op registry."""
+"""The GPU op implementations, shared by every CuPy platform, registered with a backend's op registry."""
 
 from __future__ import annotations
 
 from hal_core.ops import OpRegistry
 
 from . import _paged_attention, _quantized_gemm, _write_kv_cache
-from ._common import CudaOp
+from ._common import GpuOp
 
 __all__ = ["OPS", "register_ops"]
 
-#: Every CUDA op implementation.
-OPS: tuple[CudaOp, ...] = (_paged_attention.OP, _write_kv_cache.OP, _quantized_gemm.OP)
+#: Every GPU op implementation.
+OPS: tuple[GpuOp, ...] = (_paged_attention.OP, _write_kv_cache.OP, _quantized_gemm.OP)
 
 
-def register_ops(registry: OpRegistry) -> None:
-    """Register every CUDA implementation (priority 100, above any generic one)."""
+def register_ops(registry: OpRegistry, backend: str) -> None:
+    """Register every implementation for ``backend`` (named ``<backend>.<op>``, priority 100)."""
     for op in OPS:
-        registry.register(op.impl())
+        registry.register(op.impl(backend))

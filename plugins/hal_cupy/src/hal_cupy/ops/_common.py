@@ -1,9 +1,10 @@
-"""What every CUDA op implementation shares: kernel sources, the host-offload rule, launching.
+"""What every GPU op implementation shares: kernel sources, the host-offload rule, launching.
 
-Host (numpy) inputs given to the CUDA backend run on the GPU only when the
-call's FLOP count reaches ``HAL_CUDA_OFFLOAD_MIN_FLOPS``; then they are
-copied in, computed, and copied back. Below it ``supports`` says why and
-the dispatcher runs the CPU path.
+Host (numpy) inputs given to a GPU backend run on the GPU only when the
+call's FLOP count reaches ``HAL_<BACKEND>_OFFLOAD_MIN_FLOPS`` (e.g.
+``HAL_CUDA_OFFLOAD_MIN_FLOPS``); then they are copied in, computed, and
+copied back. Below it ``supports`` says why and the dispatcher runs the CPU
+path.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from hal_core.ops import OpCall, OpImpl
 from .. import _env
 from .._arrays import aligned, as_storage, to_device, to_host
 from .._cupy import cupy
+from .._platform import GpuPlatform
 from .._specializations import Launch, Specialization
 
-__all__ = ["CudaOp", "assemble", "kernel_source", "kernels_for", "launch", "storage_device"]
+__all__ = ["GpuOp", "assemble", "forget_kernels", "kernel_source", "kernels_for", "launch", "storage_device"]
 
 _KERNEL_PACKAGE = "hal_cupy.kernels"
-_PRELUDE_PACKAGES = {"cuda": "hal_cuda.kernels", "hip": "hal_rocm.kernels"}
 _COMMON = "hal_common.cuh"
 
 
@@ -51,12 +52,11 @@ def assemble(body: str, source_name: str, prelude: str, common: str) -> str:
 
 
 @functools.cache
-def kernel_source(spec: Specialization, vendor: str = "cuda") -> KernelSource:
-    """The :class:`~hal_core.KernelSource` of one specialisation, from hal-core's package data."""
+def kernel_source(spec: Specialization, platform: GpuPlatform) -> KernelSource:
+    """The :class:`~hal_core.KernelSource` of one specialisation: hal-cupy's sources after the platform's prelude."""
     body = KernelSource.from_package(spec.source, spec.kernels, options=spec.options(), package=_KERNEL_PACKAGE)
     root = resources.files(_KERNEL_PACKAGE)
-    prelude = resources.files(_PRELUDE_PACKAGES[vendor]).joinpath(f"prelude_{vendor}.cuh").read_text()
-    code = assemble(body.code, spec.source, prelude, root.joinpath(_COMMON).read_text())
+    code = assemble(body.code, spec.source, platform.prelude(), root.joinpath(_COMMON).read_text())
     return KernelSource(spec.source, code, spec.kernels, spec.options())
 
 
@@ -64,13 +64,20 @@ _loaded: dict[tuple[Any, Specialization, bool], dict[str, Any]] = {}
 _loaded_lock = threading.Lock()
 
 
+def forget_kernels() -> None:
+    """Drop the looked-up kernels (a backend reset; the launchers' own caches go with their devices)."""
+    with _loaded_lock:
+        _loaded.clear()
+
+
 def kernels_for(call: OpCall, device_index: int, spec: Specialization) -> dict[str, Any]:
     """Compiled kernels of ``spec`` on a device (compiled on first use, then looked up without hashing)."""
-    launcher = call.backend.device(device_index).launcher
-    key = (launcher, spec, _env.fmad())
+    device = call.backend.device(device_index)
+    launcher = device.launcher
+    key = (launcher, spec, _env.fmad(call.backend.name))
     found = _loaded.get(key)
     if found is None:
-        found = launcher.load(kernel_source(spec))
+        found = launcher.load(kernel_source(spec, device.platform))
         with _loaded_lock:
             _loaded[key] = found
     return found
@@ -99,23 +106,25 @@ def misaligned(call: OpCall, names: Sequence[str], alignment: int = 16) -> str:
     return ""
 
 
-class CudaOp:
+class GpuOp:
     """One op implementation: a device function, its ``supports`` rule, and the host-offload wrapper.
 
     ``check(call)`` returns "" when the kernels can run the call, else the
-    reason. ``run(call)`` computes on device arrays.
+    reason. ``run(call)`` computes on device arrays. The same object serves
+    every GPU backend; :meth:`impl` names it after the backend registering it.
     """
 
-    def __init__(self, op: str, name: str, check: Callable[[OpCall], str], run: Callable[[OpCall], Any],
+    def __init__(self, op: str, check: Callable[[OpCall], str], run: Callable[[OpCall], Any],
                  priority: int = 100) -> None:
-        self.op, self.name, self.priority = op, name, priority
+        self.op, self.priority = op, priority
         self._check, self._run = check, run
 
     def supports(self, call: OpCall) -> bool | str:
         if call.host_arrays:
-            threshold = _env.offload_min_flops()
+            variable = _env.variable(call.backend.name, "OFFLOAD_MIN_FLOPS")
+            threshold = _env.offload_min_flops(call.backend.name)
             if call.flops < threshold:
-                return (f"host (numpy) inputs with {call.flops} FLOPs, below HAL_CUDA_OFFLOAD_MIN_FLOPS="
+                return (f"host (numpy) inputs with {call.flops} FLOPs, below {variable}="
                         f"{threshold}: copying to the GPU would not pay; pass CuPy arrays to run on the GPU")
         reason = self._check(call)
         return reason or True
@@ -146,5 +155,7 @@ class CudaOp:
             return host_out
         return host
 
-    def impl(self) -> OpImpl:
-        return OpImpl(op=self.op, fn=self, name=self.name, priority=self.priority, supports=self.supports)
+    def impl(self, backend: str) -> OpImpl:
+        """The registry entry, named ``<backend>.<op>``."""
+        return OpImpl(op=self.op, fn=self, name=f"{backend}.{self.op}", priority=self.priority,
+                      supports=self.supports)

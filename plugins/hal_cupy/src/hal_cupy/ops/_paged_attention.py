@@ -1,4 +1,4 @@
-"""``paged_attention`` on CUDA: single-pass or split-KV kernels, chosen by the catalogue's rule."""
+"""``paged_attention`` on a GPU: single-pass or split-KV kernels, chosen by the catalogue's rule."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from .._specializations import (
     paged_attention_partitions,
     paged_attention_spec,
 )
-from ._common import CudaOp, kernels_for, launch, misaligned, storage_device
+from ._common import GpuOp, kernels_for, launch, misaligned, storage_device
 
 __all__ = ["OP", "check", "max_seq_len_hint", "run", "split_workspace_bytes"]
 
@@ -55,9 +55,9 @@ def check(call: OpCall) -> str:
     num_seqs, _, head_size = q.shape
     block_size = kc.shape[2]
     if head_size not in PA_HEAD_SIZES:
-        return f"head_size {head_size} has no CUDA kernel (built for {', '.join(map(str, PA_HEAD_SIZES))})"
+        return f"head_size {head_size} has no GPU kernel (built for {', '.join(map(str, PA_HEAD_SIZES))})"
     if block_size not in PA_BLOCK_SIZES:
-        return f"block_size {block_size} is not one the CUDA kernels are tested with ({PA_BLOCK_SIZES})"
+        return f"block_size {block_size} is not one the GPU kernels are tested with ({PA_BLOCK_SIZES})"
     caps = call.capabilities
     if num_seqs > caps.max_grid_dims[1]:
         return f"num_seqs {num_seqs} exceeds the grid's y limit {caps.max_grid_dims[1]} on {caps.name}"
@@ -76,8 +76,8 @@ def run(call: OpCall) -> Any:
     num_kv_heads, block_size = kc.shape[1], kc.shape[2]
     max_blocks = bt.shape[1]
     hal_dtype = dtype_name(query)
-    spec = paged_attention_spec(KERNEL_DTYPES[hal_dtype], head_size, num_heads // num_kv_heads)
     caps = call.backend.device(device_index).capabilities
+    spec = paged_attention_spec(KERNEL_DTYPES[hal_dtype], head_size, num_heads // num_kv_heads, caps.simd_width)
     with cp.cuda.Device(device_index):
         kernels = kernels_for(call, device_index, spec)
         out = call.out if call.out is not None else empty_like_dtype(tuple(q.shape), hal_dtype)
@@ -104,4 +104,4 @@ def run(call: OpCall) -> Any:
     return out
 
 
-OP = CudaOp("paged_attention", "cuda.paged_attention", check, run)
+OP = GpuOp("paged_attention", check, run)

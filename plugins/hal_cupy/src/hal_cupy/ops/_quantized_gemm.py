@@ -1,6 +1,6 @@
-"""``quantized_gemm`` on CUDA: a fused small-M kernel, or dequantise + cuBLAS (``cupy.matmul``) above it.
+"""``quantized_gemm`` on a GPU: a fused small-M kernel, or dequantise + cuBLAS (``cupy.matmul``) above it.
 
-- ``M <= HAL_CUDA_SMALL_M_MAX`` (default: the catalogue's ``QGEMM_SMALL_M_MAX``):
+- ``M <= HAL_<BACKEND>_SMALL_M_MAX`` (default: the catalogue's ``QGEMM_SMALL_M_MAX``):
   ``hal_w4a16_gemm`` / ``hal_w8a8_gemm`` (after ``hal_w8a8_quantize_rows``),
   split over K when N alone does not fill the GPU.
 - Larger M: the weight is dequantised to fp16 (fp16 activations) or fp32
@@ -32,7 +32,7 @@ from .._specializations import (
     quant_util_launch,
     quant_util_spec,
 )
-from ._common import CudaOp, kernels_for, launch, misaligned, storage_device
+from ._common import GpuOp, kernels_for, launch, misaligned, storage_device
 
 __all__ = ["OP", "check", "run", "small_m_threshold", "uses_small_m"]
 
@@ -41,13 +41,14 @@ _INT32_MAX = 2**31 - 1
 _WEIGHT_ALIGNMENT = {"qweight": 16, "scales": 8, "zeros": 4}
 
 
-def small_m_threshold() -> int:
-    """Largest M for the fused kernel: ``HAL_CUDA_SMALL_M_MAX``, else the catalogue's value."""
-    return _env.small_m_max(QGEMM_SMALL_M_MAX)
+def small_m_threshold(backend: str) -> int:
+    """Largest M for the fused kernel: ``HAL_<BACKEND>_SMALL_M_MAX``, else the catalogue's value."""
+    return _env.small_m_max(backend, QGEMM_SMALL_M_MAX)
 
 
-def uses_small_m(m: int) -> bool:
-    return 0 < m <= small_m_threshold()
+def uses_small_m(m: int, backend: str) -> bool:
+    """Whether ``backend`` runs an M-row GEMM with the fused small-M kernel."""
+    return 0 < m <= small_m_threshold(backend)
 
 
 def check(call: OpCall) -> str:
@@ -55,13 +56,13 @@ def check(call: OpCall) -> str:
     m, k = x.shape
     n = qw.shape[1]
     if qw.g_idx is not None:
-        return "act-order weights (g_idx) have no CUDA kernel"
+        return "act-order weights (g_idx) have no GPU kernel"
     if qw.group_size not in QGEMM_GROUP_SIZES:
-        return f"group_size {qw.group_size} has no CUDA kernel (built for {QGEMM_GROUP_SIZES})"
+        return f"group_size {qw.group_size} has no GPU kernel (built for {QGEMM_GROUP_SIZES})"
     if n % 4:
         return f"N={n} is not a multiple of 4 (the kernels write 4 columns per thread)"
     if dtype_name(qw.scales) != "fp16":
-        return (f"scales are {dtype_name(qw.scales)}; the CUDA kernels read float16 scales "
+        return (f"scales are {dtype_name(qw.scales)}; the GPU kernels read float16 scales "
                 "(quantize(..., scale_dtype=np.float16))")
     if max(m, n, k) > _INT32_MAX or m * n > _INT32_MAX * 4:
         return "dimensions too large for the kernels' 32-bit parameters"
@@ -71,6 +72,11 @@ def check(call: OpCall) -> str:
         if not call.host_arrays and name in _WEIGHT_ALIGNMENT and not aligned(value, _WEIGHT_ALIGNMENT[name]):
             return f"argument 'qweight.{name}' is not {_WEIGHT_ALIGNMENT[name]}-byte aligned"
     return misaligned(call, ("x",))
+
+
+def _width(call: OpCall, device_index: int) -> int:
+    """The device's SIMD width (the kernels are specialised by it)."""
+    return call.backend.device(device_index).capabilities.simd_width
 
 
 def _grid_stride(call: OpCall, device_index: int, kernel: Any, items: int, args: Sequence[Any]) -> None:
@@ -85,7 +91,7 @@ def _quantize_rows(call: OpCall, device_index: int, x: Any, kdtype: str) -> tupl
     m, k = x.shape
     xq = cp.empty((m, k), dtype=np.int8)
     sx = cp.empty((m,), dtype=np.float32)
-    util = kernels_for(call, device_index, quant_util_spec(kdtype))
+    util = kernels_for(call, device_index, quant_util_spec(kdtype, _width(call, device_index)))
     plan = quant_util_launch("hal_w8a8_quantize_rows", m, call.backend.device(device_index).capabilities.compute_units)
     launch(call, device_index, util, plan, (xq, sx, x, np.int32(k)))
     return xq, sx
@@ -99,14 +105,14 @@ def _small_m(call: OpCall, device_index: int, x: Any, out: Any, kdtype: str,
     n, g = qw.shape[1], qw.group_size
     caps = call.backend.device(device_index).capabilities
     activations = _quantize_rows(call, device_index, x, kdtype) if qw.bits == 8 else (x,)
-    gemm = kernels_for(call, device_index, quant_gemm_spec(kdtype, qw.bits, quant_gemm_m_tile(m)))
+    gemm = kernels_for(call, device_index, quant_gemm_spec(kdtype, qw.bits, quant_gemm_m_tile(m), caps.simd_width))
     plan, ksplit, per_split = quant_gemm_launch(qw.bits, m, n, k, g, caps.compute_units, caps.simd_width)
     ws = cp.zeros((m, n), dtype=np.float32) if ksplit > 1 else None
     launch(call, device_index, gemm, plan,
            (out, ws, *activations, *weights, np.int32(m), np.int32(n), np.int32(k), np.int32(g),
             np.int32(per_split)))
     if ws is not None:
-        util = kernels_for(call, device_index, quant_util_spec(kdtype))
+        util = kernels_for(call, device_index, quant_util_spec(kdtype, _width(call, device_index)))
         _grid_stride(call, device_index, util["hal_f32_to_dtype"], m * n, (out, ws, np.int64(m * n)))
 
 
@@ -117,7 +123,8 @@ def _large_m(call: OpCall, device_index: int, x: Any, out: Any, hal_dtype: str, 
     m, k = x.shape
     n, g = qw.shape[1], qw.group_size
     wdtype = np.float16 if hal_dtype == "fp16" else np.float32
-    util_w = kernels_for(call, device_index, quant_util_spec("float16" if hal_dtype == "fp16" else "float32"))
+    wname = "float16" if hal_dtype == "fp16" else "float32"
+    util_w = kernels_for(call, device_index, quant_util_spec(wname, _width(call, device_index)))
     w = cp.empty((k, n), dtype=wdtype)
     if qw.bits == 4:
         _grid_stride(call, device_index, util_w["hal_w4a16_dequant"], (k // 8) * (n // 4),
@@ -134,7 +141,7 @@ def _large_m(call: OpCall, device_index: int, x: Any, out: Any, hal_dtype: str, 
         a = x
     if hal_dtype == "bf16":
         y = cp.matmul(a, w)
-        util = kernels_for(call, device_index, quant_util_spec("bfloat16"))
+        util = kernels_for(call, device_index, quant_util_spec("bfloat16", _width(call, device_index)))
         _grid_stride(call, device_index, util["hal_f32_to_dtype"], m * n, (out, y, np.int64(m * n)))
     else:
         cp.matmul(a, w, out=out)
@@ -154,11 +161,11 @@ def run(call: OpCall) -> Any:
         out = call.out if call.out is not None else empty_like_dtype((m, qw.shape[1]), hal_dtype)
         if k == 0:  # an empty sum: zeros, no launch (the kernels' K-split needs at least one group)
             as_storage(out).fill(0)
-        elif uses_small_m(m):
+        elif uses_small_m(m, call.backend.name):
             _small_m(call, device_index, x, as_storage(out), kdtype, weights)
         else:
             _large_m(call, device_index, x, as_storage(out), hal_dtype, kdtype, weights)
     return out
 
 
-OP = CudaOp("quantized_gemm", "cuda.quantized_gemm", check, run)
+OP = GpuOp("quantized_gemm", check, run)

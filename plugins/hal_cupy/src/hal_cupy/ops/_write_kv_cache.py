@@ -1,4 +1,4 @@
-"""``write_kv_cache`` on CUDA: one byte-copying kernel for every dtype, int32 or int64 slots."""
+"""``write_kv_cache`` on a GPU: one byte-copying kernel for every dtype, int32 or int64 slots."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hal_core.ops import OpCall
 from .._arrays import as_storage
 from .._cupy import cupy
 from .._specializations import write_kv_cache_launch, write_kv_cache_spec
-from ._common import CudaOp, kernels_for, launch, misaligned, storage_device
+from ._common import GpuOp, kernels_for, launch, misaligned, storage_device
 
 __all__ = ["OP", "check", "run"]
 
@@ -35,7 +35,8 @@ def run(call: OpCall) -> None:
         as_storage(call[n]) for n in ("key", "value", "key_cache", "value_cache", "slot_mapping"))
     num_tokens, num_kv_heads, head_size = key.shape
     block_size = key_cache.shape[2]
-    spec = write_kv_cache_spec(slot_int64=slots.dtype == np.int64)
+    width = call.backend.device(device_index).capabilities.simd_width
+    spec = write_kv_cache_spec(slot_int64=slots.dtype == np.int64, warp_size=width)
     with cp.cuda.Device(device_index):
         kernels = kernels_for(call, device_index, spec)
         launch(call, device_index, kernels, write_kv_cache_launch(num_tokens),
@@ -44,4 +45,4 @@ def run(call: OpCall) -> None:
     return None
 
 
-OP = CudaOp("write_kv_cache", "cuda.write_kv_cache", check, run)
+OP = GpuOp("write_kv_cache", check, run)
