@@ -217,7 +217,8 @@ class Kernel:
         ws = _ptr(ws, np.float32, nullable=True)
         m_tile = self.defines["HAL_M_TILE"]
         ksplit = grid[1]
-        assert grid == (-(-n // 128), ksplit, -(-m // m_tile)), grid
+        columns = 4 * self.defines.get("HAL_WARP_SIZE", 32)  # four warps/wavefronts, one column each
+        assert grid == (-(-n // columns), ksplit, -(-m // m_tile)), grid
         assert (ws is None) == (ksplit == 1)
         groups = k // g
         for y in range(ksplit):

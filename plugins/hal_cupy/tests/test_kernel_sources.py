@@ -13,6 +13,7 @@ import pytest
 from hal_cuda import CUDA
 from hal_cupy import _specializations as cat
 from hal_cupy.ops._common import assemble, kernel_source
+from hal_cupy.testing import missing_compiler
 
 CUPY_OPTIONS = ("-ftz=true", "-std=c++17", "--device-as-default-execution-space")
 
@@ -52,7 +53,7 @@ def nvrtc():
     try:
         _nvrtc.nvrtc_version()
     except _nvrtc.NvrtcUnavailable as exc:
-        pytest.skip(f"NVRTC Python packages not installed (cuda-bindings, nvidia-cuda-nvrtc): {exc}")
+        missing_compiler(f"NVRTC Python packages not installed (cuda-bindings, nvidia-cuda-nvrtc): {exc}")
     return _nvrtc
 
 

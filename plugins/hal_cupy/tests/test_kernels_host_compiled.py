@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 from hal_cupy import _specializations as rules
+from hal_cupy.testing import missing_compiler
 from host_compiled.harness import HostKernelBuilder, HostLaunchError, HostModule, toolchain_problem
 
 from hal_core.arrays import BFLOAT16
@@ -47,7 +48,7 @@ def host_builder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostKerne
     """Compiler for the kernel sources of ``hal_cupy.kernels``; skips when g++ cannot build the host prelude."""
     problem = toolchain_problem(tmp_path_factory.mktemp("host_compiled_probe"))
     if problem is not None:
-        pytest.skip(f"host-compiled kernels unavailable: {problem}")
+        missing_compiler(f"host-compiled kernels unavailable: {problem}")
     with contextlib.ExitStack() as stack:
         kernel_dir = stack.enter_context(importlib.resources.as_file(importlib.resources.files("hal_cupy.kernels")))
         yield HostKernelBuilder(Path(kernel_dir), tmp_path_factory.mktemp("host_compiled_kernels"))

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from gpu_profiles import NVIDIA_PROFILES, PROFILE_IDS
+from gpu_profiles import GPU_PROFILES, PROFILE_IDS
 from hal_cupy import _specializations as cat
 from hal_cupy.ops import _paged_attention as pa
 from hal_cupy.ops import _quantized_gemm as qg
@@ -20,7 +20,7 @@ from hal_core.ops import OPS, OpCall
 from hal_core.quant import quantize
 
 
-@pytest.fixture(params=NVIDIA_PROFILES, ids=PROFILE_IDS)
+@pytest.fixture(params=GPU_PROFILES, ids=PROFILE_IDS)
 def caps(request: pytest.FixtureRequest) -> hal_core.DeviceCapabilities:
     return hal_core.load_profile(request.param)
 
@@ -54,6 +54,29 @@ def test_split_rule_on_h200() -> None:
     assert cat.choose_paged_attention_variant(32, 8, 4096, cus, num_heads=32) == "split"  # 256 CTAs < 2 x 132
     assert cat.choose_paged_attention_variant(64, 8, 4096, cus, num_heads=32) == "single"
     assert cat.choose_paged_attention_variant(32, 8, 512, cus, num_heads=32) == "single"
+
+
+def test_split_rule_on_amd_profiles() -> None:
+    """MI300X's 304 CUs want 608 CTAs before one pass pays; the 7900 XTX's 48 WGPs are busy with far fewer."""
+    mi300 = hal_core.load_profile("MI300X").compute_units
+    assert mi300 == 304
+    assert cat.choose_paged_attention_variant(64, 8, 4096, mi300, num_heads=32) == "split"  # 512 CTAs < 608
+    assert cat.choose_paged_attention_variant(128, 8, 4096, mi300, num_heads=32) == "single"
+    rdna = hal_core.load_profile("RX 7900 XTX").compute_units
+    assert cat.choose_paged_attention_variant(32, 8, 4096, rdna, num_heads=32) == "single"
+
+
+@pytest.mark.parametrize(("profile", "lanes"), [("MI300X", 64), ("MI250X", 64), ("RX 7900 XTX", 32), ("H100", 32)])
+def test_specialisations_follow_the_simd_width(profile: str, lanes: int) -> None:
+    """Kernels are specialised by the device's SIMD width; the GEMM block is four warps/wavefronts of it."""
+    caps = hal_core.load_profile(profile)
+    assert caps.simd_width == lanes
+    for spec in cat.all_specializations(caps.simd_width):
+        assert ("HAL_WARP_SIZE", str(lanes)) in spec.defines
+    plan, _, _ = cat.quant_gemm_launch(4, 1, 4096, 4096, 128, caps.compute_units, caps.simd_width)
+    assert plan.block == (4 * lanes, 1, 1) and plan.grid[0] == 4096 // (4 * lanes)
+    with pytest.raises(ValueError, match="warp_size"):
+        cat.write_kv_cache_spec(True, 16)
 
 
 def test_max_seq_len_hint_avoids_a_sync_while_cheap() -> None:

@@ -27,9 +27,9 @@ NP = {"fp32": np.float32, "fp16": np.float16, "bf16": BFLOAT16}
 TOL = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 1.5e-2}
 
 
-@pytest.fixture
-def backend(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """A stand-in CUDA backend on the H200 profile whose launcher compiles into the emulator."""
+@pytest.fixture(params=["H200", "MI300X"], ids=["warp32", "wave64"])
+def backend(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Any:
+    """A stand-in GPU backend on an H200 (warp 32) or MI300X (wave 64) whose launcher compiles into the emulator."""
     from hal_cupy import _arrays, _cupy, _launcher, _memory, _stream
     from hal_cupy._launcher import CupyLauncher
     from hal_cupy.ops import _common, _paged_attention, _quantized_gemm, _write_kv_cache
@@ -38,7 +38,7 @@ def backend(monkeypatch: pytest.MonkeyPatch) -> Any:
     for module in (_arrays, _cupy, _launcher, _memory, _stream, _common, _paged_attention, _quantized_gemm,
                    _write_kv_cache):
         monkeypatch.setattr(module, "cupy", lambda: fake)
-    caps = hal_core.load_profile("H200")
+    caps = hal_core.load_profile(request.param)
     device = SimpleNamespace(capabilities=caps, launcher=CupyLauncher(0, caps), platform=fakecupy.FakePlatform())
     emu.LAUNCHED.clear()
     return SimpleNamespace(name="cuda", device=lambda index: device)

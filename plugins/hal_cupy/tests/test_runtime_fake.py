@@ -151,6 +151,21 @@ def test_fmad_off_is_an_option_and_a_cache_key(fake_cupy: Any, monkeypatch: pyte
     assert fake_cupy.RawModule.compiled[-1][1] == ("-fmad=false",)
 
 
+@pytest.mark.parametrize(("profile", "compiled_for"), [("H100", 64), ("RX 7900 XTX", 64), ("MI300X", 32)])
+def test_launch_refused_on_another_simd_width(fake_cupy: Any, profile: str, compiled_for: int) -> None:
+    """A kernel specialised for one SIMD width is never launched on a device of another (columns would drop)."""
+    caps = hal_core.load_profile(profile)
+    launcher = CupyLauncher(0, caps)
+    kernel = launcher.load(_source(options=(f"-DHAL_WARP_SIZE={compiled_for}",)))["k"]
+    assert kernel.simd_width == compiled_for
+    with pytest.raises(hal_core.LaunchConfigError, match=f"SIMD width of {compiled_for} lanes"):
+        launcher.launch(kernel, LaunchConfig(grid=(1,), block=(128,)), [])
+    assert kernel.raw.calls == []
+    matching = launcher.load(_source(options=(f"-DHAL_WARP_SIZE={caps.simd_width}",)))["k"]
+    launcher.launch(matching, LaunchConfig(grid=(1,), block=(128,)), [])
+    assert len(matching.raw.calls) == 1
+
+
 def test_compile_error_carries_the_log(fake_cupy: Any) -> None:
     """An NVRTC failure becomes KernelCompileError with the compiler's log."""
     fake_cupy.RawModule.fail_with = 'k.cu(3): error: identifier "oops" is undefined'

@@ -1,18 +1,25 @@
-"""The kernel sources also compile as HIP (ROCm prelude) for AMD targets.
+"""Every kernel specialisation compiles as HIP for gfx90a, gfx942 and gfx1100, with the text HIPRTC would get.
 
-Needs ``hipcc`` with the AMD platform (e.g. Debian's ``hipcc`` package); skipped
-otherwise.  Each specialisation is compiled device-only to AMDGPU assembly
-without linking the ROCm device libraries (``-S -nogpulib``), so the check
-covers parsing, the prelude and ISA code generation even where the installed
-device libraries lack a target.  RDNA targets (gfx11) build with
-``-DHAL_WARP_SIZE=32``; the emitted wavefront size is checked as well.
+HIPRTC is clang with the HIP headers built in; the check runs clang (>= 17,
+e.g. Debian's ``clang-19``) in HIP mode over the HIP headers (Debian's
+``libamdhip64-dev``) on exactly the translation unit the launcher hands to
+``cupy.RawModule`` (hal-rocm's prelude, then the kernel file with its common
+header inlined) and the platform's options (``-munsafe-fp-atomics``). Each
+specialisation is compiled device-only to AMDGPU assembly without linking
+the ROCm device libraries (``-S -nogpulib``): parsing, the prelude, the
+target's builtins and ISA generation are all covered. Specialisations for
+CDNA (gfx90a, gfx942) use 64 lanes, for RDNA3 (gfx1100) 32, as the devices'
+``warpSize`` says; the emitted wavefront size is checked too.
 
-Set ``HAL_HIP_COMPILE_ALL=1`` to compile the whole catalogue; by default one
-representative set per source (every head size, dtype and option once) is used.
+No compiler: the tests skip with the reason, or fail where
+``HAL_REQUIRE_COMPILERS=1`` (CI). All compiles run once per session, in
+parallel, cached by a hash of (source text, options, target, compiler).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -20,84 +27,117 @@ import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hal_cupy import _specializations as S
+from hal_cupy.ops._common import kernel_source
+from hal_cupy.testing import missing_compiler
+from hal_rocm import ROCM
 
-#: (target, wavefront size); gfx940 stands in for CDNA3 where the compiler predates gfx942.
-TARGETS = (("gfx90a", 64), ("gfx942", 64), ("gfx940", 64), ("gfx1100", 32))
-
-
-def _selected():
-    specs = S.all_specializations()
-    if os.environ.get("HAL_HIP_COMPILE_ALL") == "1":
-        return specs
-    # Each define value at least once per source.
-    seen: set[tuple[str, str, str]] = set()
-    out = []
-    for s in specs:
-        keys = {(s.source, k, v) for k, v in s.defines}
-        if not keys <= seen:
-            seen |= keys
-            out.append(s)
-    return out
+#: (target, wavefront size the HIP runtime reports for it).
+TARGETS = (("gfx90a", 64), ("gfx942", 64), ("gfx1100", 32))
+#: Compilers tried in order (``HAL_HIP_CLANG`` first when set); clang 17+ knows gfx942.
+CANDIDATES = ("clang-19", "clang-20", "clang-21", "clang-18", "clang-17", "clang")
+BASE_FLAGS = ("-x", "hip", "--cuda-device-only", "-S", "-nogpulib", "-O3", "-std=c++17", "-Wno-pass-failed",
+              "-Wno-unused-command-line-argument")
+JOBS = [(spec, target, wave) for target, wave in TARGETS for spec in S.all_specializations(wave)]
+_PROBE = '#include <hip/hip_runtime.h>\nextern "C" __global__ void probe(float* p) { atomicAdd(p, 1.0f); }\n'
 
 
-SPECS = _selected()
-HIPCC = shutil.which("hipcc")
-PRELUDE = Path(__file__).resolve().parents[1] / "src" / "hal_rocm" / "kernels" / "prelude_hip.cuh"
+def _try_compiler(path: str, workdir: Path) -> str:
+    """Empty when ``path`` compiles HIP (with the HIP headers) for every target, else why not."""
+    source = workdir / "probe.hip"
+    source.write_text(_PROBE)
+    for target, _ in TARGETS:
+        cmd = [path, *BASE_FLAGS, f"--offload-arch={target}", str(source), "-o", str(workdir / "probe.s")]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            return f"{path} cannot compile HIP for {target}: {(proc.stderr.strip().splitlines() or ['?'])[0]}"
+    return ""
 
 
-def _compile(spec, target, wave):
-    kdir = S.kernel_source_dir()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "k.s"
-        cmd = [
-            HIPCC, "-x", "hip", f"--offload-arch={target}", "--cuda-device-only", "-S", "-nogpulib",
-            "-O3", "-Wno-pass-failed", "-Wno-unused-command-line-argument",
-            "-include", str(PRELUDE), f"-I{kdir}", f"-DHAL_WARP_SIZE={wave}",
-            *spec.options(), str(kdir / spec.source), "-o", str(out),
-        ]  # fmt: skip
-        env = dict(os.environ, HIP_PLATFORM="amd")
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        asm = out.read_text() if proc.returncode == 0 and out.exists() else ""
-    return proc.returncode, " ".join(cmd) + "\n" + proc.stdout + proc.stderr, asm
+@pytest.fixture(scope="session")
+def hip_clang(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A clang that compiles HIP for every target, or a skip (a failure in CI) naming what was tried."""
+    names = [os.environ["HAL_HIP_CLANG"]] if os.environ.get("HAL_HIP_CLANG") else list(CANDIDATES)
+    problems = []
+    workdir = tmp_path_factory.mktemp("hip-probe")
+    for name in names:
+        path = shutil.which(name)
+        if path is None:
+            continue
+        problem = _try_compiler(path, workdir)
+        if not problem:
+            return path
+        problems.append(problem)
+    missing_compiler("no clang with HIP headers that knows gfx90a, gfx942 and gfx1100 "
+                     f"({'; '.join(problems) or 'none of ' + ', '.join(names) + ' found'}); "
+                     "on Debian: apt-get install clang-19 libamdhip64-dev")
 
 
-@pytest.fixture(scope="module")
-def supported_targets():
-    if HIPCC is None:
-        pytest.skip("hipcc not found (install ROCm or Debian's hipcc, HIP_PLATFORM=amd)")
-    ok = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        probe = Path(tmp) / "probe.hip"
-        probe.write_text("__global__ void probe() {}\n")
-        for target, _ in TARGETS:
-            proc = subprocess.run(
-                [HIPCC, "-x", "hip", f"--offload-arch={target}", "--cuda-device-only", "-S",
-                 "-nogpulib", str(probe), "-o", str(Path(tmp) / "probe.s")],
-                capture_output=True, text=True, env=dict(os.environ, HIP_PLATFORM="amd"),
-            )  # fmt: skip
-            ok[target] = "invalid target" not in proc.stderr
-    return ok
+def _compile(clang: str, cache: Path, spec: S.Specialization, target: str) -> dict[str, Any]:
+    source = kernel_source(spec, ROCM)
+    options = (*ROCM.compile_options(fmad=True), *source.options)
+    key = hashlib.sha256("\0".join((source.code, *options, target, clang)).encode()).hexdigest()[:32]
+    hit = cache / f"{key}.json"
+    if hit.exists():
+        return json.loads(hit.read_text())
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        path = Path(tmp) / f"{spec.source.rsplit('.', 1)[0]}.hip"
+        path.write_text(source.code)
+        cmd = [clang, *BASE_FLAGS, f"--offload-arch={target}", *options, str(path), "-o", str(Path(tmp) / "k.s")]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        asm = (Path(tmp) / "k.s").read_text() if proc.returncode == 0 else ""
+    result = {
+        "rc": proc.returncode,
+        "log": " ".join(cmd) + "\n" + proc.stdout + proc.stderr,
+        "kernels": sorted(set(re.findall(r"^(hal_\w+):", asm, re.M))),
+        "wavefront_sizes": sorted(set(re.findall(r"\.wavefront_size:\s+(\d+)", asm))),
+        "dot4": len(re.findall(r"\bv_dot4c?_i32_(?:i8|iu8)", asm)),
+        "atomic_add_f32": len(re.findall(r"\bglobal_atomic_add_f32\b", asm)),
+        "atomic_cmpswap": len(re.findall(r"\bglobal_atomic_cmpswap\b", asm)),
+    }
+    hit.write_text(json.dumps(result))
+    return result
 
 
-@pytest.fixture(scope="module")
-def results(supported_targets):
-    jobs = [(s, t, w) for s in SPECS for t, w in TARGETS if supported_targets[t]]
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        done = list(pool.map(lambda j: _compile(*j), jobs))
-    return {(s.id, t): r for (s, t, _), r in zip(jobs, done, strict=True)}
+@pytest.fixture(scope="session")
+def compiled(hip_clang: str, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict[str, Any]]:
+    """Every (specialisation, target) compiled once, in parallel."""
+    cache = tmp_path_factory.mktemp("hip-cache")
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        done = list(pool.map(lambda job: _compile(hip_clang, cache, job[0], job[1]), JOBS))
+    return {(spec.id, target): result for (spec, target, _), result in zip(JOBS, done, strict=True)}
+
+
+@pytest.mark.parametrize(("spec", "target", "wave"), JOBS, ids=[f"{t}-{s.id}" for s, t, _ in JOBS])
+def test_hip_compiles(compiled: dict, spec: S.Specialization, target: str, wave: int) -> None:
+    """The specialisation builds for the target with every entry point, at the device's wavefront size."""
+    result = compiled[(spec.id, target)]
+    assert result["rc"] == 0, result["log"]
+    missing = set(spec.kernels) - set(result["kernels"])
+    assert not missing, f"kernels missing from the output: {sorted(missing)}\n{result['log']}"
+    assert result["wavefront_sizes"] == [str(wave)], f"wavefront sizes {result['wavefront_sizes']}, expected {wave}"
 
 
 @pytest.mark.parametrize(("target", "wave"), TARGETS, ids=[t for t, _ in TARGETS])
-@pytest.mark.parametrize("spec", SPECS, ids=[s.id for s in SPECS])
-def test_hip_compiles(results, supported_targets, spec, target, wave):
-    if not supported_targets[target]:
-        pytest.skip(f"this hipcc does not know {target}")
-    rc, log, asm = results[(spec.id, target)]
-    assert rc == 0, log
-    for kernel in spec.kernels:
-        assert re.search(rf"^{kernel}:", asm, re.M), f"{kernel} missing from the output\n{log}"
-    sizes = set(re.findall(r"\.wavefront_size:\s+(\d+)", asm))
-    assert sizes == {str(wave)}, f"wavefront sizes {sizes}, expected {wave}"
+def test_w8a8_uses_the_dot_product_unit(compiled: dict, target: str, wave: int) -> None:
+    """The int8 GEMM's byte dot products become v_dot4 instructions (signed on CDNA, mixed-sign on RDNA3)."""
+    spec = S.quant_gemm_spec("float16", 8, 4, wave)
+    assert compiled[(spec.id, target)]["dot4"] > 0, compiled[(spec.id, target)]["log"]
+
+
+@pytest.mark.parametrize("target", ["gfx90a", "gfx942"])
+def test_split_k_float_atomics_stay_hardware_atomics(compiled: dict, target: str) -> None:
+    """With -munsafe-fp-atomics the split-K accumulation is global_atomic_add_f32, not a compare-and-swap loop."""
+    spec = S.quant_gemm_spec("bfloat16", 4, 16, 64)
+    result = compiled[(spec.id, target)]
+    assert result["atomic_add_f32"] > 0 and result["atomic_cmpswap"] == 0, result["log"]
+
+
+def test_wrong_wavefront_size_does_not_compile(hip_clang: str, tmp_path: Path) -> None:
+    """A 64-lane specialisation for a wave32 target stops at the prelude's check instead of dropping lanes."""
+    result = _compile(hip_clang, tmp_path, S.write_kv_cache_spec(True, 64), "gfx1100")
+    assert result["rc"] != 0
+    assert "HAL_WARP_SIZE does not match the target's wavefront size" in result["log"]
