@@ -1,6 +1,6 @@
 """Registers and spills of every kernel specialisation, per CUDA arch.
 
-Compiles the hal_cuda specialisation catalogue offline with NVRTC (no GPU
+Compiles the shared specialisation catalogue (``hal_cupy``, warp 32) offline with NVRTC (no GPU
 needed) and writes ``benchmarks/kernel_resources.json`` and the table in
 ``docs/kernel-resources.md``.
 

@@ -5,8 +5,10 @@ The ``.cu`` files of ``hal_cupy.kernels`` are built with g++ through
 runtime arguments that the plugin's pure host rules (``_specializations.py``)
 compute, on fresh random inputs (seed printed), against the float64 references
 of ``hal_core.ops`` and ``hal_core.quant``, with the tolerances of
-``hal_core.testing.tolerances``.  No GPU is needed; without a usable g++ the
-tests skip with the reason.
+``hal_core.testing.tolerances``.  Every kernel runs at warp 32 (CUDA, RDNA
+wave32) and at wavefront 64 (CDNA), the widths the specialisations take from a
+device's capabilities.  No GPU is needed; without a usable g++ the tests skip
+with the reason (and fail where ``HAL_REQUIRE_COMPILERS=1``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import importlib.resources
 import importlib.util
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +71,16 @@ def _build(builder: HostKernelBuilder, spec: Any, rng: np.random.Generator, **ex
     return module
 
 
+def _at_every_width(cases: list[Any]) -> list[Any]:
+    """Each case at warp 32 (CUDA, RDNA) and wavefront 64 (CDNA); a case written for one width keeps only it."""
+    out = []
+    for case in cases:
+        out.append(case)
+        if case.warp_size == 32:
+            out.append(replace(case, warp_size=64))
+    return out
+
+
 def _assert_close(actual: np.ndarray, expected: np.ndarray, kind: str, dtype: str, what: str) -> None:
     atol, rtol = tolerance(kind, dtype)
     np.testing.assert_allclose(actual.astype(np.float64), expected, atol=atol, rtol=rtol, err_msg=what)
@@ -115,7 +127,7 @@ class AttentionCase:
                 f"-bs{self.block_size}-len{lens}{part}{warp}")
 
 
-ATTENTION_CASES = [
+ATTENTION_CASES = _at_every_width([
     # MHA (tile 1) with a zero-length and a length-1 sequence.
     AttentionCase("single", "fp32", 64, 4, 4, 16, (0, 1, 37)),
     AttentionCase("split", "fp32", 256, 16, 2, 32, (129, 5), partition_size=64),
@@ -134,7 +146,7 @@ ATTENTION_CASES = [
     # wave64 (HIP on CDNA): 64-lane shuffles and lane layout.
     AttentionCase("single", "fp16", 128, 8, 2, 16, (130, 0, 9), warp_size=64),
     AttentionCase("split", "fp16", 128, 8, 2, 16, (130, 0, 9), partition_size=64, warp_size=64),
-]
+])
 
 
 def _paged_inputs(case: AttentionCase, rng: np.random.Generator) -> dict[str, Any]:
@@ -176,9 +188,8 @@ def test_paged_attention(host_builder: HostKernelBuilder, host_rng: np.random.Ge
     """Single-pass or split+reduce paged attention matches the float64 reference; NaN slots past the end are ignored."""
     group = case.num_heads // case.num_kv_heads
     code = DTYPE_CODES[case.dtype]
-    spec = rules.paged_attention_spec(code, case.head_size, group)
-    extra = {"HAL_WARP_SIZE": case.warp_size} if case.warp_size != 32 else {}
-    module = _build(host_builder, spec, host_rng, **extra)
+    spec = rules.paged_attention_spec(code, case.head_size, group, case.warp_size)
+    module = _build(host_builder, spec, host_rng)
     assert module.warp_size() == case.warp_size
     gqa = rules.paged_attention_gqa_tile(group)
     assert module.static_shared_bytes() == rules.paged_attention_shared_bytes(
@@ -253,12 +264,14 @@ def _misaligned_copy(a: np.ndarray) -> np.ndarray:
     return out
 
 
+@pytest.mark.parametrize("warp_size", rules.SIMD_WIDTHS, ids=lambda w: f"warp{w}")
 @pytest.mark.parametrize("case", KV_WRITE_CASES, ids=lambda c: c.id)
-def test_write_kv_cache(host_builder: HostKernelBuilder, host_rng: np.random.Generator, case: KVWriteCase) -> None:
+def test_write_kv_cache(host_builder: HostKernelBuilder, host_rng: np.random.Generator, case: KVWriteCase,
+                        warp_size: int) -> None:
     """Rows land bit-exactly in their slots; a negative slot is skipped and other slots are untouched."""
     rng = host_rng
     dt = NUMPY_DTYPES[case.dtype]
-    spec = rules.write_kv_cache_spec(slot_int64=case.slot_dtype == "int64")
+    spec = rules.write_kv_cache_spec(slot_int64=case.slot_dtype == "int64", warp_size=warp_size)
     module = _build(host_builder, spec, rng)
     num_blocks = 4
     rows = (case.num_tokens, case.num_kv_heads, case.head_size)
@@ -308,7 +321,7 @@ class GemmCase:
         return f"{kind}-{self.dtype}-M{self.m}-N{self.n}-K{self.k}-G{self.group_size}-{zeros}-{split}{warp}"
 
 
-GEMM_CASES = [
+GEMM_CASES = _at_every_width([
     GemmCase(4, "fp16", 1, 256, 1024, 128, False, MANY_CUS, True),
     GemmCase(4, "bf16", 3, 132, 512, 32, True, MANY_CUS, True),  # N not a multiple of the 128-column tile
     GemmCase(4, "fp32", 20, 128, 256, 32, False, ONE_CU, False),  # M > 16: two M chunks
@@ -318,7 +331,7 @@ GEMM_CASES = [
     GemmCase(8, "fp32", 17, 128, 512, 128, False, MANY_CUS, False),  # two M chunks; 4 groups: no split
     GemmCase(4, "bf16", 2, 256, 512, 64, False, MANY_CUS, True, warp_size=64),
     GemmCase(8, "fp16", 4, 260, 256, 32, True, MANY_CUS, True, warp_size=64),
-]
+])
 
 
 def _random_weight(rng: np.random.Generator, k: int, n: int, bits: int, group_size: int,
@@ -338,9 +351,8 @@ def test_quantized_gemm(host_builder: HostKernelBuilder, host_rng: np.random.Gen
     launch, ksplit, per_split = rules.quant_gemm_launch(case.bits, m, n, k, g, case.compute_units, case.warp_size)
     assert (ksplit > 1) == case.split_k
     m_tile = rules.quant_gemm_m_tile(m)
-    extra = {"HAL_WARP_SIZE": case.warp_size} if case.warp_size != 32 else {}
-    gemm = _build(host_builder, rules.quant_gemm_spec(code, case.bits, m_tile), rng, **extra)
-    util = _build(host_builder, rules.quant_util_spec(code), rng, **extra)
+    gemm = _build(host_builder, rules.quant_gemm_spec(code, case.bits, m_tile, case.warp_size), rng)
+    util = _build(host_builder, rules.quant_util_spec(code, case.warp_size), rng)
     assert gemm.static_shared_bytes() == rules.quant_gemm_shared_bytes(m_tile, case.warp_size)
 
     qw = _random_weight(rng, k, n, case.bits, g, case.symmetric)
@@ -370,9 +382,10 @@ def test_quantized_gemm(host_builder: HostKernelBuilder, host_rng: np.random.Gen
     _assert_close(out, expected, "gemm", case.dtype, f"{case.id}: vs the float64 reference")
 
 
+@pytest.mark.parametrize("warp_size", rules.SIMD_WIDTHS, ids=lambda w: f"warp{w}")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_w8a8_quantize_rows_matches_quantize_activations(
-    host_builder: HostKernelBuilder, host_rng: np.random.Generator, dtype: str
+    host_builder: HostKernelBuilder, host_rng: np.random.Generator, dtype: str, warp_size: int
 ) -> None:
     """The activation quantiser gives exactly ``hal_core.quant.quantize_activations``'s codes and scales."""
     rng = host_rng
@@ -385,7 +398,7 @@ def test_w8a8_quantize_rows_matches_quantize_activations(
     x = x.astype(NUMPY_DTYPES[dtype])
     x[4] = 0  # a row holding only the dtype's smallest subnormal: its scale must not underflow to 0
     x[4, 0] = np.array(1, np.uint16 if dtype != "fp32" else np.uint32).view(NUMPY_DTYPES[dtype])[()]
-    util = _build(host_builder, rules.quant_util_spec(DTYPE_CODES[dtype]), rng)
+    util = _build(host_builder, rules.quant_util_spec(DTYPE_CODES[dtype], warp_size), rng)
     xq = np.full((m, k), 99, np.int8)
     sx = np.full(m, np.nan, np.float32)
     util.launch(rules.quant_util_launch("hal_w8a8_quantize_rows", m, ONE_CU), xq, sx, x, k)
@@ -426,12 +439,14 @@ DEQUANT_CASES = [
 ]
 
 
+@pytest.mark.parametrize("warp_size", rules.SIMD_WIDTHS, ids=lambda w: f"warp{w}")
 @pytest.mark.parametrize("case", DEQUANT_CASES, ids=lambda c: c.id)
-def test_dequant(host_builder: HostKernelBuilder, host_rng: np.random.Generator, case: DequantCase) -> None:
+def test_dequant(host_builder: HostKernelBuilder, host_rng: np.random.Generator, case: DequantCase,
+                 warp_size: int) -> None:
     """The dequantisation kernels equal ``QuantizedWeight.dequantize()`` rounded once to the dtype."""
     rng = host_rng
     qw = _random_weight(rng, case.k, case.n, case.bits, case.group_size, case.symmetric)
-    util = _build(host_builder, rules.quant_util_spec(DTYPE_CODES[case.dtype]), rng)
+    util = _build(host_builder, rules.quant_util_spec(DTYPE_CODES[case.dtype], warp_size), rng)
     dt = NUMPY_DTYPES[case.dtype]
     kernel = "hal_w4a16_dequant" if case.bits == 4 else "hal_w8_dequant"
     items = (case.k // 8) * (case.n // 4) if case.bits == 4 else case.k * (case.n // 4)
