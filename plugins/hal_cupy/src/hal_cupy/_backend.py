@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from hal_core import Availability, Backend
+from hal_core.arrays import TaggedArray
 
 from ._arrays import as_storage, to_device, to_host
 from ._cupy import cupy
@@ -86,7 +87,12 @@ class CupyBackend(Backend):
         return to_device(array, index)
 
     def from_dlpack(self, value: Any) -> Any:
-        """A CuPy array sharing ``value``'s memory (``__cuda_array_interface__`` or DLPack), never a copy."""
+        """A CuPy array sharing ``value``'s memory (``__cuda_array_interface__`` or DLPack), never a copy.
+
+        A :class:`~hal_core.arrays.TaggedArray` (bf16 storage) is already a device array and comes back as it is.
+        """
+        if isinstance(value, TaggedArray):
+            return value
         return as_storage(value)
 
     def on_reset(self) -> None:
