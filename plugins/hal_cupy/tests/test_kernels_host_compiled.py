@@ -71,13 +71,16 @@ def _build(builder: HostKernelBuilder, spec: Any, rng: np.random.Generator, **ex
     return module
 
 
-def _at_every_width(cases: list[Any]) -> list[Any]:
-    """Each case at warp 32 (CUDA, RDNA) and wavefront 64 (CDNA); a case written for one width keeps only it."""
+def _at_every_width(cases: list[Any], widen: Any = None) -> list[Any]:
+    """Each case at warp 32 (CUDA, RDNA) and wavefront 64 (CDNA); a case written for one width keeps only it.
+
+    ``widen(case)`` makes the 64-lane twin when more than the width changes with it.
+    """
     out = []
     for case in cases:
         out.append(case)
         if case.warp_size == 32:
-            out.append(replace(case, warp_size=64))
+            out.append(widen(case) if widen is not None else replace(case, warp_size=64))
     return out
 
 
@@ -321,6 +324,12 @@ class GemmCase:
         return f"{kind}-{self.dtype}-M{self.m}-N{self.n}-K{self.k}-G{self.group_size}-{zeros}-{split}{warp}"
 
 
+def _gemm_at_64(case: GemmCase) -> GemmCase:
+    """The 64-lane twin: a block covers twice the columns, so fewer CTAs may call for a K split."""
+    _, ksplit, _ = rules.quant_gemm_launch(case.bits, case.m, case.n, case.k, case.group_size, case.compute_units, 64)
+    return replace(case, warp_size=64, split_k=ksplit > 1)
+
+
 GEMM_CASES = _at_every_width([
     GemmCase(4, "fp16", 1, 256, 1024, 128, False, MANY_CUS, True),
     GemmCase(4, "bf16", 3, 132, 512, 32, True, MANY_CUS, True),  # N not a multiple of the 128-column tile
@@ -331,7 +340,7 @@ GEMM_CASES = _at_every_width([
     GemmCase(8, "fp32", 17, 128, 512, 128, False, MANY_CUS, False),  # two M chunks; 4 groups: no split
     GemmCase(4, "bf16", 2, 256, 512, 64, False, MANY_CUS, True, warp_size=64),
     GemmCase(8, "fp16", 4, 260, 256, 32, True, MANY_CUS, True, warp_size=64),
-])
+], widen=_gemm_at_64)
 
 
 def _random_weight(rng: np.random.Generator, k: int, n: int, bits: int, group_size: int,
