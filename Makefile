@@ -4,10 +4,11 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-# hal-cuda is optional at every step: installed when its pyproject exists (it also installs on a GPU-less host).
-CUDA_PYPROJECT := $(wildcard plugins/hal_cuda/pyproject.toml)
-CUDA_EDITABLE  := $(if $(CUDA_PYPROJECT),-e plugins/hal_cuda)
-PYPROJECTS     := pyproject.toml plugins/hal_cpu/pyproject.toml $(CUDA_PYPROJECT)
+# The GPU plugins (hal-cupy, the shared layer; hal-cuda; hal-rocm) are optional at every step: each is installed when
+# its pyproject exists. All three install on a GPU-less host (hal-rocm's CuPy is an extra, not installed here).
+GPU_PYPROJECTS := $(wildcard plugins/hal_cupy/pyproject.toml plugins/hal_cuda/pyproject.toml plugins/hal_rocm/pyproject.toml)
+GPU_EDITABLE   := $(foreach p,$(GPU_PYPROJECTS),-e $(patsubst %/,%,$(dir $(p))))
+PYPROJECTS     := pyproject.toml plugins/hal_cpu/pyproject.toml $(GPU_PYPROJECTS)
 
 # Test-only: torch (the CPU build) for the DLPack interop tests and torch.ops.hal, transformers for its attention
 # backend (pinned: 5.23.0 installs beside torch 2.13.0 without pulling another torch), NVRTC for the CUDA compile checks.
@@ -24,17 +25,17 @@ $(BIN)/python:
 
 # Stamps: re-install only when a pyproject (or this Makefile) changed.
 $(VENV)/.stamp-demo: $(PYPROJECTS) | $(BIN)/python
-	$(BIN)/python -m pip install -q -e . -e plugins/hal_cpu $(CUDA_EDITABLE)
+	$(BIN)/python -m pip install -q -e . -e plugins/hal_cpu $(GPU_EDITABLE)
 	touch $@
 
 $(VENV)/.stamp-test: $(VENV)/.stamp-demo Makefile
-	$(BIN)/python -m pip install -q -e '.[test]' -e plugins/hal_cpu $(CUDA_EDITABLE) $(TEST_DEPS)
+	$(BIN)/python -m pip install -q -e '.[test]' -e plugins/hal_cpu $(GPU_EDITABLE) $(TEST_DEPS)
 	touch $@
 
 demo: $(VENV)/.stamp-demo  ## run a checked decode loop on the best available backend
 	$(BIN)/hal demo
 
-test: $(VENV)/.stamp-test  ## ruff, mypy, then every test (hal-core and the plugins); fails if any fails
+test: $(VENV)/.stamp-test  ## ruff, mypy, then every test (hal-core, hal-cpu, hal-cupy, hal-cuda, hal-rocm); fails if any fails
 	@lint=0; $(BIN)/ruff check . || lint=$$?; \
 	types=0; $(BIN)/mypy || types=$$?; \
 	$(BIN)/python -m pytest -q || exit $$?; \

@@ -48,7 +48,7 @@ HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 32, 8, 128, 16
 
 
 def run_case(cp: Any, be: Any, case: dict[str, Any], copy_gbps: float, repeat: int, flush: Any) -> dict[str, Any]:
-    from hal_cuda import _specializations as cat
+    from hal_cupy import _specializations as cat
 
     from hal_core.ops import OPS
 

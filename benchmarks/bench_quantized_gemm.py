@@ -72,7 +72,7 @@ def device_and_call_ms(cp: Any, fn: Any, repeat: int, flush: Any) -> tuple[float
 
 
 def bench_shape(cp: Any, be: Any, k: int, n: int, repeat: int, flush: Any) -> list[dict[str, Any]]:
-    from hal_cuda.ops._quantized_gemm import uses_small_m
+    from hal_cupy.ops._quantized_gemm import uses_small_m
 
     qw = random_w4(cp, k, n)
     w32 = dequantize_on_device(cp, qw)
@@ -96,7 +96,7 @@ def bench_shape(cp: Any, be: Any, k: int, n: int, repeat: int, flush: Any) -> li
         t_ref, call_ref, why_ref = device_and_call_ms(cp, dense, repeat, flush)
         speedup = ratio(t_ref, t_q)
         target = gemm_target(m, (k, n) in LARGE)
-        row = {"k": k, "n": n, "m": m, "path": "fused" if uses_small_m(m) else "dequant+cublas",
+        row = {"k": k, "n": n, "m": m, "path": "fused" if uses_small_m(m, "cuda") else "dequant+cublas",
                "ms": t_q, "fp16_matmul_ms": t_ref, "speedup": speedup, "target": target,
                "verdict": verdict(speedup, target), "call_ms": call_q, "fp16_matmul_call_ms": call_ref,
                "call_speedup": ratio(call_ref, call_q), "graph_error": why_q or why_ref,

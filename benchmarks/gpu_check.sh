@@ -7,7 +7,7 @@
 #    stops at once, saying so, when pydantic, ml_dtypes, pluggy or cupy cannot be imported,
 # 2. makes hal-core, hal-cpu and hal-cuda importable with their entry points
 #    (benchmarks/offline_install.py: hand-written dist-info, no hatchling needed),
-# 3. fills CuPy's kernel cache in parallel (python -m hal_cuda._warmup),
+# 3. fills CuPy's kernel cache in parallel (python -m hal_cupy._warmup),
 # 4. runs the hal-cuda tests (GPU correctness per specialisation), the contract
 #    suite with --hal-backend=cuda, and hal-core's tests (GPU interop ones included),
 # 5. runs the benchmarks: the GPU-specific ones (CUDA graphs, L2 flushes, targets) and `hal bench`
@@ -108,7 +108,7 @@ if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
     --target "$SITE" "$ROOT"/.whl/*.whl
 fi
 step offline_install 10 "$PY" benchmarks/offline_install.py "$SITE" || exit 1
-export PYTHONPATH="$SITE:$ROOT/src:$ROOT/plugins/hal_cpu/src:$ROOT/plugins/hal_cuda/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$SITE:$ROOT/src:$ROOT/plugins/hal_cpu/src:$ROOT/plugins/hal_cupy/src:$ROOT/plugins/hal_cuda/src${PYTHONPATH:+:$PYTHONPATH}"
 if ! "$PY" -c "import pydantic, ml_dtypes, pluggy, cupy" >>"$LOG" 2>&1; then
   echo "deps 2 0" >>"$TMP/steps"
   echo "gpu_check: cannot import pydantic, ml_dtypes, pluggy or cupy (see $LOG)." \
@@ -117,10 +117,9 @@ if ! "$PY" -c "import pydantic, ml_dtypes, pluggy, cupy" >>"$LOG" 2>&1; then
 fi
 
 step info 15 "$PY" -c "import json, hal_core; print(json.dumps([i.__dict__ for i in hal_core.list_backends()], indent=1))"
-step warmup 60 "$PY" -m hal_cuda._warmup "$(nproc)"
-step cuda_tests 160 "$PY" -m pytest plugins/hal_cuda/tests -q -rs -p no:cacheprovider \
-  --ignore=plugins/hal_cuda/tests/test_nvrtc_compile.py --ignore=plugins/hal_cuda/tests/test_hip_compile.py \
-  --ignore=plugins/hal_cuda/tests/test_kernels_host_compiled.py \
+step warmup 60 "$PY" -m hal_cupy._warmup cuda "$(nproc)"
+step cuda_tests 160 "$PY" -m pytest plugins/hal_cuda/tests plugins/hal_cupy/tests -q -rs -p no:cacheprovider \
+  --ignore=plugins/hal_cuda/tests/test_nvrtc_compile.py --ignore=plugins/hal_cupy/tests/test_kernels_host_compiled.py \
   --junitxml="$RESULTS/cuda-tests.xml"
 step contract 45 "$PY" -m pytest -p hal_core.testing --pyargs hal_core.testing.suite -q -rs -p no:cacheprovider --hal-backend=cuda \
   --junitxml="$RESULTS/contract.xml"

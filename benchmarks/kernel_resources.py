@@ -1,6 +1,6 @@
 """Registers and spills of every kernel specialisation, per CUDA arch.
 
-Compiles the hal_cuda specialisation catalogue offline with NVRTC (no GPU
+Compiles the shared specialisation catalogue (``hal_cupy``, warp 32) offline with NVRTC (no GPU
 needed) and writes ``benchmarks/kernel_resources.json`` and the table in
 ``docs/kernel-resources.md``.
 
@@ -19,7 +19,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from hal_cuda import _nvrtc as N  # importing hal_cuda imports no CuPy
-from hal_cuda import _specializations as S
+from hal_cupy import _specializations as S
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ARCHS = ("sm_80", "sm_90", "sm_120")

@@ -1,8 +1,8 @@
-"""Make hal-core, hal-cpu and hal-cuda importable and discoverable on a machine without network or hatchling.
+"""Make hal-core, hal-cpu, hal-cupy and hal-cuda importable and discoverable on a machine without network or hatchling.
 
 Writes a ``<name>-<version>.dist-info`` (METADATA, entry_points.txt, RECORD)
 for each distribution into SITE, read from its pyproject.toml, and a
-``hal-src.pth`` naming the three source folders. With SITE and those folders
+``hal-src.pth`` naming the four source folders. With SITE and those folders
 on ``PYTHONPATH`` (what gpu_check.sh does), or with SITE a site-packages
 folder (whose ``.pth`` files Python reads), ``import hal_core`` works and
 ``importlib.metadata`` finds the ``hal`` entry points and the ``hal`` command as
@@ -23,6 +23,7 @@ import tomllib
 ROOT = Path(__file__).resolve().parents[1]
 #: (project folder, import package folder)
 PROJECTS = ((ROOT, ROOT / "src"), (ROOT / "plugins" / "hal_cpu", ROOT / "plugins" / "hal_cpu" / "src"),
+            (ROOT / "plugins" / "hal_cupy", ROOT / "plugins" / "hal_cupy" / "src"),
             (ROOT / "plugins" / "hal_cuda", ROOT / "plugins" / "hal_cuda" / "src"))
 
 

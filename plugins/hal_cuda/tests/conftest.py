@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # fakecupy, kernel_emulator, nvidia_profiles
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # nvidia_profiles
 
 import hal_core
 
@@ -53,15 +53,3 @@ def rng(request: pytest.FixtureRequest) -> np.random.Generator:
     """A generator with an explicit seed derived from the test id (reproducible, distinct per test)."""
     seed = zlib.crc32(request.node.nodeid.encode())
     return np.random.default_rng(seed)
-
-
-@pytest.fixture
-def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Replace the lazily imported CuPy with :class:`fakecupy.FakeCupy` in every hal-cuda module."""
-    import fakecupy
-    from hal_cuda import _cupy, _launcher, _memory, _stream
-
-    fake = fakecupy.FakeCupy()
-    for module in (_cupy, _launcher, _memory, _stream):
-        monkeypatch.setattr(module, "cupy", lambda: fake)
-    return fake

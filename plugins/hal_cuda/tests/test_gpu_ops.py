@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hal_cuda import _specializations as cat
+from hal_cupy import _specializations as cat
 
 from hal_core.arrays import BFLOAT16
 from hal_core.ops import OPS

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hal_cuda._memory import CupyAllocator
+from hal_cupy._memory import CupyAllocator
 
 import hal_core
 from hal_core import AllocationPolicy, DeviceOutOfMemoryError, KernelCompileError, KernelSource, LaunchConfig

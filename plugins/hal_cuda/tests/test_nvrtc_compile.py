@@ -11,7 +11,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 from hal_cuda import _nvrtc as nvrtc_mod
-from hal_cuda import _specializations as specs_mod
+from hal_cupy import _specializations as specs_mod
+from hal_cupy.testing import missing_compiler
 
 ARCHS = ("sm_80", "sm_90", "sm_120")
 SPECS = specs_mod.all_specializations()
@@ -32,7 +33,7 @@ def results():
     try:
         nvrtc_mod.nvrtc_version()
     except nvrtc_mod.NvrtcUnavailable as exc:
-        pytest.skip(f"NVRTC Python packages not installed (cuda-bindings, nvidia-cuda-nvrtc): {exc}")
+        missing_compiler(f"NVRTC Python packages not installed (cuda-bindings, nvidia-cuda-nvrtc): {exc}")
     jobs = [(s.source, s.options(), a) for s in SPECS for a in ARCHS]
     workers = max(1, min(len(jobs), os.cpu_count() or 1))
     with ProcessPoolExecutor(max_workers=workers) as pool:

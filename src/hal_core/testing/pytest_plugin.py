@@ -184,9 +184,14 @@ def hal_axpy_source(hal_device: Any) -> Any:
     from hal_core import KernelSource
 
     suffix = type(hal_device.launcher).source_suffix
-    package = "hal_core.testing.kernels"
-    names = sorted(f.name for f in resources.files(package).iterdir()
-                   if f.name.startswith("axpy") and f.name.endswith(suffix)) if suffix else []
-    if not names:
-        pytest.skip(f"the kit has no axpy kernel for source suffix {suffix!r}; override hal_axpy_source")
-    return KernelSource.from_package(names[0], ["hal_test_axpy"], package=package)
+    # the kit's own test kernels, then the ``kernels`` package beside the launcher's distribution
+    packages = ["hal_core.testing.kernels", type(hal_device.launcher).__module__.split(".")[0] + ".kernels"]
+    for package in packages:
+        try:
+            files = resources.files(package).iterdir()
+        except (ModuleNotFoundError, TypeError):
+            continue
+        names = sorted(f.name for f in files if f.name.startswith("axpy") and suffix and f.name.endswith(suffix))
+        if names:
+            return KernelSource.from_package(names[0], ["hal_test_axpy"], package=package)
+    pytest.skip(f"no axpy test kernel for source suffix {suffix!r} in {packages}; override hal_axpy_source")

@@ -85,7 +85,7 @@ def nvrtc_version() -> tuple[int, int]:
 
 def assemble_source(kernel_dir: Path, source: str, vendor: str = "cuda") -> str:
     """Prelude + kernel source text, as compiled by NVRTC/hiprtc."""
-    prelude = (kernel_dir / f"prelude_{vendor}.cuh").read_text()
+    prelude = (Path(__file__).resolve().parent / "kernels" / f"prelude_{vendor}.cuh").read_text()
     body = (kernel_dir / source).read_text()
     return f'{prelude}\n#line 1 "{source}"\n{body}'
 

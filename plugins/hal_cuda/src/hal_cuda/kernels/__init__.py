@@ -1,0 +1,1 @@
+"""The CUDA prelude of the hal kernel sources (package data)."""

@@ -1,0 +1,377 @@
+"""Catalogue of kernel specialisations and pure host-side launch rules.
+
+Everything here is plain Python (no CuPy, no driver): the kernel sources live
+in ``hal_cupy/kernels`` and are specialised by preprocessor defines.  A
+compiled module is identified by (source text hash, options, arch), where the
+options are ``Specialization.options()``.  ``hal_cupy/kernels/README.md``
+documents every kernel parameter; the functions below turn shapes and device
+numbers (compute units, warp size, ...) into specialisations and launch
+configurations.
+
+Every specialisation names the SIMD width it is compiled for
+(``HAL_WARP_SIZE``: 32 for NVIDIA warps and RDNA wave32, 64 for CDNA
+wavefronts), read from the device's capabilities; the launcher refuses to
+run it on a device of another width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "DTYPE_CODES",
+    "PA_HEAD_SIZES",
+    "PA_BLOCK_SIZES",
+    "PA_GQA_TILES",
+    "PA_NUM_THREADS",
+    "QGEMM_M_TILES",
+    "QGEMM_GROUP_SIZES",
+    "QGEMM_SMALL_M_MAX",
+    "SIMD_WIDTHS",
+    "Launch",
+    "Specialization",
+    "all_specializations",
+    "kernel_source_dir",
+    "paged_attention_spec",
+    "paged_attention_gqa_tile",
+    "paged_attention_shared_bytes",
+    "choose_paged_attention_variant",
+    "paged_attention_partitions",
+    "paged_attention_launches",
+    "write_kv_cache_spec",
+    "write_kv_cache_launch",
+    "quant_gemm_spec",
+    "quant_util_spec",
+    "quant_gemm_m_tile",
+    "use_small_m_gemm",
+    "quant_gemm_launch",
+    "quant_gemm_shared_bytes",
+    "quant_util_launch",
+]
+
+#: HAL_DTYPE codes by dtype name (x/query/out element type).
+DTYPE_CODES: dict[str, int] = {"float32": 0, "float16": 1, "bfloat16": 2}
+_ELEM_BYTES = {0: 4, 1: 2, 2: 2}
+
+PA_HEAD_SIZES = (64, 80, 96, 112, 128, 192, 256)
+#: Block sizes are runtime arguments; any positive value works, these are tested.
+PA_BLOCK_SIZES = (8, 16, 32)
+#: Query heads per CTA (HAL_GQA); a group of G heads uses tile min(pow2ceil(G), 8).
+PA_GQA_TILES = (1, 2, 4, 8)
+PA_NUM_THREADS = 128
+PA_UNROLL = 4
+#: Tokens per split-KV partition (runtime argument of the split kernel).
+PA_PARTITION_SIZE = 512
+
+QGEMM_M_TILES = (1, 2, 4, 8, 16)
+QGEMM_GROUP_SIZES = (32, 64, 128)
+QGEMM_KWARPS = 4
+#: Largest M that uses the fused small-M kernel; above it, dequantise + matmul.
+QGEMM_SMALL_M_MAX = 32
+QUTIL_THREADS = 256
+#: SIMD widths the kernels are written for (warp / wavefront lanes).
+SIMD_WIDTHS = (32, 64)
+
+_SOURCES = ("paged_attention.cu", "write_kv_cache.cu", "quant_gemm.cu", "quant_util.cu")
+
+
+def kernel_source_dir() -> Path:
+    """Directory holding the kernel sources (``hal_cupy/kernels``, package data next to this module)."""
+    d = Path(__file__).resolve().parent / "kernels"
+    if (d / "hal_common.cuh").is_file():
+        return d
+    raise FileNotFoundError(f"hal-cupy kernel sources not found in {d}")
+
+
+@dataclass(frozen=True)
+class Specialization:
+    """One compile unit: a source file built with a fixed set of defines."""
+
+    source: str
+    kernels: tuple[str, ...]
+    defines: tuple[tuple[str, str], ...]
+
+    def options(self) -> tuple[str, ...]:
+        """``-D`` options for the compiler (arch and include path not included)."""
+        return tuple(f"-D{k}={v}" for k, v in self.defines)
+
+    @property
+    def id(self) -> str:
+        """Short readable name, e.g. ``paged_attention[DTYPE=1,HEAD_SIZE=128,GQA=8]``."""
+        stem = self.source.rsplit(".", 1)[0]
+        args = ",".join(f"{k.removeprefix('HAL_')}={v}" for k, v in self.defines)
+        return f"{stem}[{args}]"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A kernel launch: grid and block as (x, y, z), dynamic shared memory bytes."""
+
+    kernel: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_mem: int = 0
+
+
+def _dtype_code(dtype: str | int) -> int:
+    if isinstance(dtype, int):
+        if dtype not in _ELEM_BYTES:
+            raise ValueError(f"unknown HAL_DTYPE code {dtype}")
+        return dtype
+    try:
+        return DTYPE_CODES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r}") from None
+
+
+def _warp(warp_size: int) -> tuple[str, str]:
+    if warp_size not in SIMD_WIDTHS:
+        raise ValueError(f"warp_size must be one of {SIMD_WIDTHS}, got {warp_size}")
+    return ("HAL_WARP_SIZE", str(warp_size))
+
+
+def _pow2ceil(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+# --------------------------------------------------------------------------
+# Paged attention
+# --------------------------------------------------------------------------
+
+PA_KERNELS = ("hal_paged_attention", "hal_paged_attention_split", "hal_paged_attention_reduce")
+
+
+def paged_attention_gqa_tile(group_size: int) -> int:
+    """HAL_GQA for ``group_size = num_heads // num_kv_heads`` query heads per KV head."""
+    if group_size < 1:
+        raise ValueError("group_size must be >= 1")
+    return min(_pow2ceil(group_size), 8)
+
+
+def paged_attention_spec(dtype: str | int, head_size: int, group_size: int, warp_size: int = 32) -> Specialization:
+    if head_size not in PA_HEAD_SIZES:
+        raise ValueError(f"unsupported head_size {head_size}")
+    return Specialization(
+        "paged_attention.cu",
+        PA_KERNELS,
+        (
+            ("HAL_DTYPE", str(_dtype_code(dtype))),
+            ("HAL_HEAD_SIZE", str(head_size)),
+            ("HAL_GQA", str(paged_attention_gqa_tile(group_size))),
+            _warp(warp_size),
+        ),
+    )
+
+
+def _pa_layout(dtype: int, head_size: int, warp_size: int) -> dict[str, int]:
+    """Mirror of the constexpr lane layout in paged_attention.cu."""
+    epv = 16 // _ELEM_BYTES[dtype]
+    nvec = head_size // epv
+    lpt = min(_pow2ceil(nvec), warp_size)
+    spw = warp_size // lpt
+    slots = (PA_NUM_THREADS // warp_size) * spw
+    return {"epv": epv, "nvec": nvec, "lpt": lpt, "vpl": -(-nvec // lpt), "chunk": slots * PA_UNROLL}
+
+
+def paged_attention_shared_bytes(dtype: str | int, head_size: int, gqa_tile: int, warp_size: int = 32) -> int:
+    """Static shared memory of the attention kernels (no dynamic shared memory is used).
+
+    ``4 * (GQA * CHUNK + GQA * HEAD_SIZE + 3 * GQA)`` with
+    ``CHUNK = (128 / warp) * (warp / LPT) * 4`` and ``LPT = min(pow2ceil(HEAD_SIZE / EPV), warp)``.
+    """
+    chunk = _pa_layout(_dtype_code(dtype), head_size, warp_size)["chunk"]
+    return 4 * (gqa_tile * chunk + gqa_tile * head_size + 3 * gqa_tile)
+
+
+def choose_paged_attention_variant(
+    num_seqs: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    compute_units: int,
+    num_heads: int | None = None,
+    partition_size: int = PA_PARTITION_SIZE,
+) -> str:
+    """``"single"`` or ``"split"``.
+
+    Split when the sequence is longer than one partition and the single-pass
+    grid (num_seqs * num_kv_heads * gqa_tiles CTAs) would not give every
+    compute unit two CTAs, or when a sequence is very long (> 8 partitions),
+    which would serialise one CTA over many tokens.
+    """
+    if max_seq_len <= partition_size:
+        return "single"
+    tiles = 1
+    if num_heads is not None:
+        group = num_heads // num_kv_heads
+        tiles = -(-group // paged_attention_gqa_tile(group))
+    ctas = num_seqs * num_kv_heads * tiles
+    if ctas < 2 * compute_units or max_seq_len > 8 * partition_size:
+        return "split"
+    return "single"
+
+
+def paged_attention_partitions(max_seq_len: int, partition_size: int = PA_PARTITION_SIZE) -> int:
+    """max_partitions = ceil(max_seq_len / partition_size) (at least 1)."""
+    return max(1, -(-max_seq_len // partition_size))
+
+
+def paged_attention_launches(
+    variant: str,
+    num_seqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    partition_size: int = PA_PARTITION_SIZE,
+) -> list[Launch]:
+    """Launches (in order) for one decode step.
+
+    The split variant also needs fp32 workspaces ``tmp_out [num_seqs, num_heads,
+    max_partitions, head_size]``, ``max_logits`` and ``exp_sums`` ``[num_seqs,
+    num_heads, max_partitions]`` (uninitialised is fine).
+    """
+    group = num_heads // num_kv_heads
+    tiles = -(-group // paged_attention_gqa_tile(group))
+    block = (PA_NUM_THREADS, 1, 1)
+    gx = num_kv_heads * tiles
+    if variant == "single":
+        return [Launch("hal_paged_attention", (gx, num_seqs, 1), block)]
+    if variant != "split":
+        raise ValueError(variant)
+    parts = paged_attention_partitions(max_seq_len, partition_size)
+    return [
+        Launch("hal_paged_attention_split", (gx, num_seqs, parts), block),
+        Launch("hal_paged_attention_reduce", (num_heads, num_seqs, 1), block),
+    ]
+
+
+# --------------------------------------------------------------------------
+# KV cache write
+# --------------------------------------------------------------------------
+
+
+def write_kv_cache_spec(slot_int64: bool = True, warp_size: int = 32) -> Specialization:
+    return Specialization(
+        "write_kv_cache.cu", ("hal_write_kv_cache",),
+        (("HAL_SLOT_INT64", "1" if slot_int64 else "0"), _warp(warp_size)),
+    )
+
+
+def write_kv_cache_launch(num_tokens: int) -> Launch:
+    """One CTA of 128 threads per token; row_bytes = head_size * element size."""
+    return Launch("hal_write_kv_cache", (num_tokens, 1, 1), (128, 1, 1))
+
+
+# --------------------------------------------------------------------------
+# Quantised GEMM
+# --------------------------------------------------------------------------
+
+
+def quant_gemm_spec(dtype: str | int, bits: int, m_tile: int, warp_size: int = 32) -> Specialization:
+    if bits not in (4, 8):
+        raise ValueError("bits must be 4 or 8")
+    if m_tile not in QGEMM_M_TILES:
+        raise ValueError(f"m_tile must be one of {QGEMM_M_TILES}")
+    kernel = "hal_w4a16_gemm" if bits == 4 else "hal_w8a8_gemm"
+    return Specialization(
+        "quant_gemm.cu",
+        (kernel,),
+        (("HAL_DTYPE", str(_dtype_code(dtype))), ("HAL_QBITS", str(bits)), ("HAL_M_TILE", str(m_tile)),
+         _warp(warp_size)),
+    )
+
+
+def quant_util_spec(dtype: str | int, warp_size: int = 32) -> Specialization:
+    return Specialization(
+        "quant_util.cu",
+        ("hal_w4a16_dequant", "hal_w8_dequant", "hal_w8a8_quantize_rows", "hal_f32_to_dtype"),
+        (("HAL_DTYPE", str(_dtype_code(dtype))), _warp(warp_size)),
+    )
+
+
+def use_small_m_gemm(m: int, bits: int = 4) -> bool:
+    """True: fused small-M kernel; False: dequantise to ``[K, N]`` and use a dense matmul.
+
+    The fused kernel reads the packed weights once per 16 rows of x, while the
+    dense path writes and re-reads a full fp16/bf16 weight; up to M = 32 the
+    fused kernel moves fewer bytes.
+    """
+    del bits
+    return 0 < m <= QGEMM_SMALL_M_MAX
+
+
+def quant_gemm_m_tile(m: int) -> int:
+    """Smallest tile >= m, capped at 16 (larger M loops over grid.z chunks)."""
+    for t in QGEMM_M_TILES:
+        if m <= t:
+            return t
+    return QGEMM_M_TILES[-1]
+
+
+def quant_gemm_launch(
+    bits: int, m: int, n: int, k: int, group_size: int, compute_units: int, warp_size: int = 32
+) -> tuple[Launch, int, int]:
+    """(launch, ksplit, groups_per_split) for hal_w4a16_gemm / hal_w8a8_gemm.
+
+    grid = (ceil(N / (4 * warp)), ksplit, ceil(M / m_tile)), block = 4 * warp.
+    ksplit spreads the K groups over CTAs until there are about 2 CTAs per
+    compute unit, keeping at least ``4`` groups (one per warp) per CTA.
+    When ksplit > 1 the kernel atomically adds into a zero-filled fp32
+    workspace ``ws [M, N]`` and ``hal_f32_to_dtype`` writes ``out``.
+    """
+    if k <= 0 or n % 4 or k % group_size or group_size not in QGEMM_GROUP_SIZES:
+        raise ValueError("need K > 0, N % 4 == 0 and K % group_size == 0 with a supported group size")
+    kernel_m_tile = quant_gemm_m_tile(m)
+    n_tiles = -(-n // (4 * warp_size))
+    m_chunks = -(-m // kernel_m_tile)
+    groups = k // group_size
+    ctas = n_tiles * m_chunks
+    ksplit = 1
+    if ctas < 2 * compute_units:
+        ksplit = min(-(-2 * compute_units // ctas), max(1, groups // QGEMM_KWARPS))
+    per_split = -(-groups // ksplit)
+    ksplit = -(-groups // per_split)
+    kernel = "hal_w4a16_gemm" if bits == 4 else "hal_w8a8_gemm"
+    launch = Launch(kernel, (n_tiles, ksplit, m_chunks), (QGEMM_KWARPS * warp_size, 1, 1))
+    return launch, ksplit, per_split
+
+
+def quant_gemm_shared_bytes(m_tile: int, warp_size: int = 32) -> int:
+    """Static shared memory of the quantised GEMM kernels: ``4 * m_tile * 4 * warp``."""
+    return 4 * m_tile * 4 * warp_size
+
+
+def quant_util_launch(kernel: str, items: int, compute_units: int) -> Launch:
+    """Launch for a quant_util kernel.
+
+    ``items``: (K/8)*(N/4) for hal_w4a16_dequant, K*(N/4) for hal_w8_dequant,
+    M for hal_w8a8_quantize_rows (one CTA per row), element count for
+    hal_f32_to_dtype.  Grid-stride kernels use at most 8 CTAs per compute unit.
+    """
+    block = (QUTIL_THREADS, 1, 1)
+    if kernel == "hal_w8a8_quantize_rows":
+        return Launch(kernel, (items, 1, 1), block)
+    blocks = max(1, min(-(-items // QUTIL_THREADS), 8 * compute_units))
+    return Launch(kernel, (blocks, 1, 1), block)
+
+
+# --------------------------------------------------------------------------
+# Catalogue
+# --------------------------------------------------------------------------
+
+
+def all_specializations(warp_size: int = 32) -> list[Specialization]:
+    """Every specialisation the op implementations may request on a device of ``warp_size`` lanes."""
+    specs: list[Specialization] = []
+    for dtype in DTYPE_CODES:
+        for hs in PA_HEAD_SIZES:
+            for g in PA_GQA_TILES:
+                specs.append(paged_attention_spec(dtype, hs, g, warp_size))
+    specs.append(write_kv_cache_spec(True, warp_size))
+    specs.append(write_kv_cache_spec(False, warp_size))
+    for dtype in DTYPE_CODES:
+        for bits in (4, 8):
+            for mt in QGEMM_M_TILES:
+                specs.append(quant_gemm_spec(dtype, bits, mt, warp_size))
+        specs.append(quant_util_spec(dtype, warp_size))
+    return specs

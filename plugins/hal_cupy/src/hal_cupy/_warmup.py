@@ -1,0 +1,68 @@
+"""Fill CuPy's kernel disk cache ahead of time, compiling specialisations in parallel processes.
+
+Kernels compile on first use, which costs about a second each with NVRTC or
+HIPRTC. ``python -m hal_cupy._warmup BACKEND [PROCESSES]`` (or
+:func:`precompile`) compiles the whole catalogue (or a chosen list) for
+device 0's architecture and SIMD width in worker processes; later processes
+load the binaries from ``~/.cupy/kernel_cache`` (``CUPY_CACHE_DIR``)
+instead of compiling.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+
+from ._platform import GpuPlatform
+from ._specializations import Specialization, all_specializations
+
+__all__ = ["precompile"]
+
+
+def _compile_one(spec: Specialization, platform: GpuPlatform, device_index: int, fmad: bool) -> str:
+    from ._cupy import cupy
+    from .ops._common import kernel_source
+
+    cp = cupy()
+    source = kernel_source(spec, platform)
+    options = (*source.options, *platform.compile_options(fmad=fmad))
+    with cp.cuda.Device(device_index):
+        module = cp.RawModule(code=source.code, options=options)
+        module.compile()
+        for name in source.entry_points:
+            module.get_function(name)
+    return spec.id
+
+
+def precompile(platform: GpuPlatform, specs: Sequence[Specialization] | None = None, *,
+               processes: int | None = None, device_index: int = 0, fmad: bool | None = None) -> tuple[int, float]:
+    """Compile ``specs`` (default: the catalogue at the device's SIMD width) into CuPy's disk cache.
+
+    Returns ``(count, seconds)``.
+    """
+    from . import _env
+    from ._cupy import cupy
+
+    if specs is None:
+        width = int(cupy().cuda.runtime.getDeviceProperties(device_index)["warpSize"])
+        specs = all_specializations(width)
+    specs = list(specs)
+    fmad = _env.fmad(platform.name) if fmad is None else fmad
+    workers = max(1, min(len(specs), processes or (os.cpu_count() or 1)))
+    start = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
+        done = list(pool.map(_compile_one, specs, [platform] * len(specs), [device_index] * len(specs),
+                             [fmad] * len(specs)))
+    return len(done), time.perf_counter() - start
+
+
+if __name__ == "__main__":  # pragma: no cover - a command-line convenience
+    import hal_core
+
+    backend = hal_core.get_backend(sys.argv[1] if len(sys.argv) > 1 else None)
+    count, seconds = precompile(backend.platform, processes=int(sys.argv[2]) if len(sys.argv) > 2 else None)
+    print(f"hal-cupy: {count} specialisations compiled for {backend.name} into CuPy's kernel cache in {seconds:.1f} s")

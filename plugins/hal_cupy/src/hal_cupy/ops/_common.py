@@ -1,0 +1,161 @@
+"""What every GPU op implementation shares: kernel sources, the host-offload rule, launching.
+
+Host (numpy) inputs given to a GPU backend run on the GPU only when the
+call's FLOP count reaches ``HAL_<BACKEND>_OFFLOAD_MIN_FLOPS`` (e.g.
+``HAL_CUDA_OFFLOAD_MIN_FLOPS``); then they are copied in, computed, and
+copied back. Below it ``supports`` says why and the dispatcher runs the CPU
+path.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from importlib import resources
+from typing import Any
+
+from hal_core import KernelSource, LaunchConfig
+from hal_core.ops import OpCall, OpImpl
+
+from .. import _env
+from .._arrays import aligned, as_storage, to_device, to_host
+from .._cupy import cupy
+from .._platform import GpuPlatform
+from .._specializations import Launch, Specialization
+
+__all__ = ["GpuOp", "assemble", "forget_kernels", "kernel_source", "kernels_for", "launch", "storage_device"]
+
+_KERNEL_PACKAGE = "hal_cupy.kernels"
+_COMMON = "hal_common.cuh"
+
+
+def _strip_pragma_once(text: str) -> str:
+    # Inlined into one translation unit; a blank line keeps the line numbers.
+    return "\n".join("" if line.strip() == "#pragma once" else line for line in text.split("\n"))
+
+
+def assemble(body: str, source_name: str, prelude: str, common: str) -> str:
+    """One self-contained translation unit: prelude, then the kernel file with ``hal_common.cuh`` inlined.
+
+    ``#line`` directives keep compiler messages pointing at the original files.
+    Inlining (instead of an include path) makes the source text cover every
+    byte compiled, so CuPy's disk cache and our digest can never go stale.
+    """
+    out = [_strip_pragma_once(prelude), f'#line 1 "{source_name}"']
+    for number, line in enumerate(body.split("\n"), start=1):
+        if line.strip() == f'#include "{_COMMON}"':
+            out += [f'#line 1 "{_COMMON}"', _strip_pragma_once(common), f'#line {number + 1} "{source_name}"']
+        else:
+            out.append(line)
+    return "\n".join(out)
+
+
+@functools.cache
+def kernel_source(spec: Specialization, platform: GpuPlatform) -> KernelSource:
+    """The :class:`~hal_core.KernelSource` of one specialisation: hal-cupy's sources after the platform's prelude."""
+    body = KernelSource.from_package(spec.source, spec.kernels, options=spec.options(), package=_KERNEL_PACKAGE)
+    root = resources.files(_KERNEL_PACKAGE)
+    code = assemble(body.code, spec.source, platform.prelude(), root.joinpath(_COMMON).read_text())
+    return KernelSource(spec.source, code, spec.kernels, spec.options())
+
+
+_loaded: dict[tuple[Any, Specialization, bool], dict[str, Any]] = {}
+_loaded_lock = threading.Lock()
+
+
+def forget_kernels() -> None:
+    """Drop the looked-up kernels (a backend reset; the launchers' own caches go with their devices)."""
+    with _loaded_lock:
+        _loaded.clear()
+
+
+def kernels_for(call: OpCall, device_index: int, spec: Specialization) -> dict[str, Any]:
+    """Compiled kernels of ``spec`` on a device (compiled on first use, then looked up without hashing)."""
+    device = call.backend.device(device_index)
+    launcher = device.launcher
+    key = (launcher, spec, _env.fmad(call.backend.name))
+    found = _loaded.get(key)
+    if found is None:
+        found = launcher.load(kernel_source(spec, device.platform))
+        with _loaded_lock:
+            _loaded[key] = found
+    return found
+
+
+def launch(call: OpCall, device_index: int, kernels: dict[str, Any], plan: Launch, args: Sequence[Any]) -> None:
+    """Validate and enqueue one catalogue launch on the current stream."""
+    launcher = call.backend.device(device_index).launcher
+    config = LaunchConfig(grid=plan.grid, block=plan.block, shared_mem=plan.shared_mem)
+    launcher.launch(kernels[plan.kernel], config, args)
+
+
+def storage_device(array: Any) -> int:
+    """The device index of a device array."""
+    return int(as_storage(array).device.id)
+
+
+def misaligned(call: OpCall, names: Sequence[str], alignment: int = 16) -> str:
+    """Empty when every named device array argument is ``alignment``-byte aligned, else which is not."""
+    if call.host_arrays:
+        return ""  # copied into fresh (aligned) allocations
+    for name in names:
+        value = call.args.get(name)
+        if value is not None and not aligned(value, alignment):
+            return f"argument {name!r} is not {alignment}-byte aligned (a sliced view?); pass a fresh array"
+    return ""
+
+
+class GpuOp:
+    """One op implementation: a device function, its ``supports`` rule, and the host-offload wrapper.
+
+    ``check(call)`` returns "" when the kernels can run the call, else the
+    reason. ``run(call)`` computes on device arrays. The same object serves
+    every GPU backend; :meth:`impl` names it after the backend registering it.
+    """
+
+    def __init__(self, op: str, check: Callable[[OpCall], str], run: Callable[[OpCall], Any],
+                 priority: int = 100) -> None:
+        self.op, self.priority = op, priority
+        self._check, self._run = check, run
+
+    def supports(self, call: OpCall) -> bool | str:
+        if call.host_arrays:
+            variable = _env.variable(call.backend.name, "OFFLOAD_MIN_FLOPS")
+            threshold = _env.offload_min_flops(call.backend.name)
+            if call.flops < threshold:
+                return (f"host (numpy) inputs with {call.flops} FLOPs, below {variable}="
+                        f"{threshold}: copying to the GPU would not pay; pass CuPy arrays to run on the GPU")
+        reason = self._check(call)
+        return reason or True
+
+    def __call__(self, call: OpCall) -> Any:
+        if call.host_arrays:
+            return self._offload(call)
+        return self._run(call)
+
+    def _offload(self, call: OpCall) -> Any:
+        """Copy host inputs to the current device, compute there, copy the results back."""
+        backend = call.backend
+        device_index = int(cupy().cuda.runtime.getDevice())
+        host_out = call.out
+        device_args = call.spec.map_arrays(call.args, lambda a: to_device(a, device_index))
+        if "out" in device_args:
+            device_args["out"] = None
+        device_call = OpCall(spec=call.spec, args=device_args, backend=backend, device_index=device_index)
+        with cupy().cuda.Device(device_index):
+            result = self._run(device_call)
+            for name in call.spec.inplace_args:
+                call.args[name][...] = to_host(device_args[name])
+            if result is None:
+                return None
+            host = to_host(result)
+        if host_out is not None:
+            host_out[...] = host
+            return host_out
+        return host
+
+    def impl(self, backend: str) -> OpImpl:
+        """The registry entry, named ``<backend>.<op>``."""
+        return OpImpl(op=self.op, fn=self, name=f"{backend}.{self.op}", priority=self.priority,
+                      supports=self.supports)

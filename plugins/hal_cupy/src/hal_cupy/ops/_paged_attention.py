@@ -1,0 +1,107 @@
+"""``paged_attention`` on a GPU: single-pass or split-KV kernels, chosen by the catalogue's rule."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from hal_core.arrays import dtype_name
+from hal_core.ops import OpCall
+
+from .._arrays import KERNEL_DTYPES, as_storage, empty_like_dtype
+from .._cupy import cupy
+from .._specializations import (
+    PA_BLOCK_SIZES,
+    PA_HEAD_SIZES,
+    PA_PARTITION_SIZE,
+    choose_paged_attention_variant,
+    paged_attention_launches,
+    paged_attention_partitions,
+    paged_attention_spec,
+)
+from ._common import GpuOp, kernels_for, launch, misaligned, storage_device
+
+__all__ = ["OP", "check", "max_seq_len_hint", "run", "split_workspace_bytes"]
+
+#: Largest split-KV workspace sized from the block table's capacity (no device-to-host copy);
+#: above it the actual ``max(seq_lens)`` is read from the device.
+CAPACITY_WORKSPACE_BYTES = 64 << 20
+
+
+def split_workspace_bytes(num_seqs: int, num_heads: int, head_size: int, max_seq_len: int) -> int:
+    """fp32 bytes of ``tmp_out``, ``max_logits`` and ``exp_sums`` for the split-KV variant."""
+    parts = paged_attention_partitions(max_seq_len, PA_PARTITION_SIZE)
+    return 4 * num_seqs * num_heads * parts * (head_size + 2)
+
+
+def max_seq_len_hint(num_seqs: int, num_heads: int, head_size: int, capacity: int,
+                     actual: Any = None) -> int:
+    """The ``max_seq_len`` the variant and workspaces are sized for.
+
+    The block table's capacity (``max_blocks_per_seq * block_size``) bounds
+    every ``seq_len`` (validation checks it) and costs no synchronisation;
+    it is used while its split workspace stays under
+    :data:`CAPACITY_WORKSPACE_BYTES`. Otherwise ``actual()`` reads the real
+    maximum from the device.
+    """
+    if actual is None or split_workspace_bytes(num_seqs, num_heads, head_size, capacity) <= CAPACITY_WORKSPACE_BYTES:
+        return capacity
+    return min(capacity, int(actual()))
+
+
+def check(call: OpCall) -> str:
+    q, kc, bt = call["query"], call["key_cache"], call["block_tables"]
+    num_seqs, _, head_size = q.shape
+    block_size = kc.shape[2]
+    if head_size not in PA_HEAD_SIZES:
+        return f"head_size {head_size} has no GPU kernel (built for {', '.join(map(str, PA_HEAD_SIZES))})"
+    if block_size not in PA_BLOCK_SIZES:
+        return f"block_size {block_size} is not one the GPU kernels are tested with ({PA_BLOCK_SIZES})"
+    caps = call.capabilities
+    if num_seqs > caps.max_grid_dims[1]:
+        return f"num_seqs {num_seqs} exceeds the grid's y limit {caps.max_grid_dims[1]} on {caps.name}"
+    if paged_attention_partitions(bt.shape[1] * block_size) > caps.max_grid_dims[2]:
+        return "the block table's capacity needs more split-KV partitions than the grid's z limit"
+    return misaligned(call, ("query", "key_cache", "value_cache", "out"))
+
+
+def run(call: OpCall) -> Any:
+    cp = cupy()
+    query = call["query"]
+    device_index = storage_device(query)
+    q, kc, vc, bt, sl = (as_storage(call[n]) for n in ("query", "key_cache", "value_cache",
+                                                         "block_tables", "seq_lens"))
+    num_seqs, num_heads, head_size = q.shape
+    num_kv_heads, block_size = kc.shape[1], kc.shape[2]
+    max_blocks = bt.shape[1]
+    hal_dtype = dtype_name(query)
+    caps = call.backend.device(device_index).capabilities
+    spec = paged_attention_spec(KERNEL_DTYPES[hal_dtype], head_size, num_heads // num_kv_heads, caps.simd_width)
+    with cp.cuda.Device(device_index):
+        kernels = kernels_for(call, device_index, spec)
+        out = call.out if call.out is not None else empty_like_dtype(tuple(q.shape), hal_dtype)
+        max_seq_len = max_seq_len_hint(num_seqs, num_heads, head_size, max_blocks * block_size,
+                                       actual=lambda: sl.max())
+        variant = choose_paged_attention_variant(num_seqs, num_kv_heads, max_seq_len, caps.compute_units,
+                                                 num_heads=num_heads, partition_size=PA_PARTITION_SIZE)
+        plans = paged_attention_launches(variant, num_seqs, num_heads, num_kv_heads, max_seq_len,
+                                         partition_size=PA_PARTITION_SIZE)
+        shared = (q, kc, vc, bt, sl, np.float32(call["scale"]), np.int32(num_heads), np.int32(num_kv_heads),
+                  np.int32(block_size), np.int32(max_blocks))
+        if variant == "single":
+            launch(call, device_index, kernels, plans[0], (as_storage(out), *shared))
+            return out
+        parts = paged_attention_partitions(max_seq_len, PA_PARTITION_SIZE)
+        tmp_out = cp.empty((num_seqs, num_heads, parts, head_size), dtype=np.float32)
+        max_logits = cp.empty((num_seqs, num_heads, parts), dtype=np.float32)
+        exp_sums = cp.empty((num_seqs, num_heads, parts), dtype=np.float32)
+        launch(call, device_index, kernels, plans[0],
+               (tmp_out, max_logits, exp_sums, *shared, np.int32(PA_PARTITION_SIZE), np.int32(parts)))
+        launch(call, device_index, kernels, plans[1],
+               (as_storage(out), tmp_out, max_logits, exp_sums, sl, np.int32(num_heads),
+                np.int32(PA_PARTITION_SIZE), np.int32(parts)))
+    return out
+
+
+OP = GpuOp("paged_attention", check, run)

@@ -1,0 +1,338 @@
+"""numpy emulations of the hal kernels, following ``hal_cupy/kernels/README.md`` parameter by parameter.
+
+With :class:`NumpyCupy` standing in for CuPy (device arrays are an ndarray
+subclass), the CUDA op implementations run end to end on the host: argument
+order and count, workspaces, split-KV and split-K flows, the W8A8 and
+dequantise + matmul paths are checked without a GPU. Each emulated kernel
+asserts the types of its parameters and the grid the README prescribes.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import fakecupy
+import numpy as np
+
+from hal_core.arrays import BFLOAT16
+
+
+class DevArray(np.ndarray):
+    """A host array posing as a CuPy device array (``.data.ptr``, ``.device.id``, ``.get()``)."""
+
+    @property
+    def data(self) -> Any:  # type: ignore[override]
+        return SimpleNamespace(ptr=self.__array_interface__["data"][0])
+
+    @property
+    def device(self) -> Any:  # type: ignore[override]
+        return SimpleNamespace(id=0)
+
+    def get(self) -> np.ndarray:
+        return np.array(self)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (2, 0)
+
+
+def dev(array: np.ndarray) -> DevArray:
+    """A DevArray copy of a host array (bf16 as uint16 storage, like the CUDA backend)."""
+    array = np.ascontiguousarray(array)
+    if array.dtype == BFLOAT16:
+        array = array.view(np.uint16)
+    return np.array(array).view(DevArray)
+
+
+def _floats(array: np.ndarray, code: int) -> np.ndarray:
+    base = np.asarray(array)
+    if code == 2:
+        assert base.dtype == np.uint16, base.dtype
+        return base.view(BFLOAT16).astype(np.float32)
+    assert base.dtype == (np.float16 if code == 1 else np.float32), (code, base.dtype)
+    return base.astype(np.float32)
+
+
+def _store(target: np.ndarray, values: np.ndarray, code: int) -> None:
+    values = np.asarray(values, np.float32)
+    if code == 2:
+        target[...] = values.astype(BFLOAT16).view(np.uint16)
+    else:
+        target[...] = values.astype(np.float16 if code == 1 else np.float32)
+
+
+def _ptr(value: Any, dtype: Any = None, nullable: bool = False) -> np.ndarray | None:
+    if isinstance(value, np.uint64) and nullable:
+        assert int(value) == 0
+        return None
+    assert isinstance(value, DevArray), f"expected a device array, got {type(value).__name__}"
+    assert value.flags["C_CONTIGUOUS"]
+    if dtype is not None:
+        assert value.dtype == np.dtype(dtype), (value.dtype, dtype)
+    return np.asarray(value)
+
+
+def _i32(value: Any) -> int:
+    assert isinstance(value, np.int32), f"expected np.int32, got {type(value).__name__}"
+    return int(value)
+
+
+def _codes4(qweight: np.ndarray) -> np.ndarray:
+    shifts = (4 * np.arange(8, dtype=np.uint32))[None, :, None]
+    return ((qweight[:, None, :] >> shifts) & 15).reshape(qweight.shape[0] * 8, qweight.shape[1])
+
+
+def _dequant(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, g: int, default: int) -> np.ndarray:
+    groups = np.arange(codes.shape[0]) // g
+    z = default if zeros is None else zeros.astype(np.float32)[groups]
+    return (codes.astype(np.float32) - z) * scales.astype(np.float32)[groups]
+
+
+def _attend(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, table: np.ndarray, t0: int, t1: int, scale: float,
+            kv_head: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Unnormalised output, max logit and exp-sum of query heads ``q [G, D]`` over tokens ``[t0, t1)``."""
+    t = np.arange(t0, t1)
+    block_size = kc.shape[2]
+    keys = kc[table[t // block_size], kv_head, t % block_size]
+    values = vc[table[t // block_size], kv_head, t % block_size]
+    logits = (q @ keys.T) * scale
+    m = logits.max(axis=1)
+    p = np.exp(logits - m[:, None])
+    return p @ values, m, p.sum(axis=1)
+
+
+#: Names of the kernels launched, in order (tests clear it).
+LAUNCHED: list[str] = []
+
+
+class Kernel:
+    """One emulated entry point; ``defines`` come from the module's ``-D`` options."""
+
+    def __init__(self, name: str, defines: dict[str, int]) -> None:
+        self.name, self.defines = name, defines
+        self.kernel = SimpleNamespace(ptr=id(self))
+        self._attributes = {"max_threads_per_block": 256 if "quant_util" in name else 1024, "num_regs": 64,
+                            "shared_size_bytes": 4096, "max_dynamic_shared_size_bytes": 48 * 1024 - 4096}
+        self.calls: list[tuple[Any, ...]] = []
+
+    @property
+    def attributes(self) -> dict[str, int]:
+        return dict(self._attributes)
+
+    def __call__(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: tuple[Any, ...], *,
+                 shared_mem: int = 0) -> None:
+        assert shared_mem == 0, "no hal kernel uses dynamic shared memory"
+        self.calls.append((grid, block))
+        LAUNCHED.append(self.name)
+        getattr(self, self.name)(grid, block, *args)
+
+    # -- paged_attention.cu ------------------------------------------------------------------
+
+    def _pa_common(self, q: Any, kc: Any, vc: Any, bt: Any, sl: Any, scale: Any, nh: Any, nkv: Any, bs: Any,
+                   maxb: Any) -> tuple[Any, ...]:
+        code = self.defines["HAL_DTYPE"]
+        q, kc, vc = (_floats(_ptr(a), code) for a in (q, kc, vc))
+        bt, sl = _ptr(bt, np.int32), _ptr(sl, np.int32)
+        assert isinstance(scale, np.float32)
+        nh, nkv, bs, maxb = _i32(nh), _i32(nkv), _i32(bs), _i32(maxb)
+        assert q.shape[2] == self.defines["HAL_HEAD_SIZE"] and kc.shape[1:3] == (nkv, bs)
+        assert bt.shape[1] == maxb
+        return q, kc, vc, bt, sl, float(scale), nh, nkv
+
+    def _tiles(self, nh: int, nkv: int) -> int:
+        group = nh // nkv
+        return -(-group // self.defines["HAL_GQA"])
+
+    def hal_paged_attention(self, grid: Any, block: Any, out: Any, *rest: Any) -> None:
+        assert len(rest) == 10, "hal_paged_attention takes 11 parameters"
+        q, kc, vc, bt, sl, scale, nh, nkv = self._pa_common(*rest)
+        assert grid == (nkv * self._tiles(nh, nkv), q.shape[0], 1) and block == (128, 1, 1)
+        o = _ptr(out)
+        group = nh // nkv
+        result = np.zeros(q.shape, np.float32)
+        for s in range(q.shape[0]):
+            for kv in range(nkv):
+                if sl[s] == 0:
+                    continue
+                heads = slice(kv * group, (kv + 1) * group)
+                acc, _, lsum = _attend(q[s, heads], kc, vc, bt[s], 0, int(sl[s]), scale, kv)
+                result[s, heads] = acc / lsum[:, None]
+        _store(o, result, self.defines["HAL_DTYPE"])
+
+    def hal_paged_attention_split(self, grid: Any, block: Any, tmp_out: Any, max_logits: Any, exp_sums: Any,
+                                  *rest: Any) -> None:
+        assert len(rest) == 12, "hal_paged_attention_split takes 15 parameters"
+        q, kc, vc, bt, sl, scale, nh, nkv = self._pa_common(*rest[:10])
+        ps, parts = _i32(rest[10]), _i32(rest[11])
+        assert grid == (nkv * self._tiles(nh, nkv), q.shape[0], parts)
+        tmp, ml, es = _ptr(tmp_out, np.float32), _ptr(max_logits, np.float32), _ptr(exp_sums, np.float32)
+        assert tmp.shape == (q.shape[0], nh, parts, q.shape[2]) and ml.shape == es.shape == (q.shape[0], nh, parts)
+        group = nh // nkv
+        for s in range(q.shape[0]):
+            for p in range(parts):
+                t0 = p * ps
+                if t0 >= sl[s]:
+                    continue  # writes nothing
+                for kv in range(nkv):
+                    heads = slice(kv * group, (kv + 1) * group)
+                    acc, m, lsum = _attend(q[s, heads], kc, vc, bt[s], t0, min(t0 + ps, int(sl[s])), scale, kv)
+                    tmp[s, heads, p], ml[s, heads, p], es[s, heads, p] = acc, m, lsum
+
+    def hal_paged_attention_reduce(self, grid: Any, block: Any, out: Any, tmp_out: Any, max_logits: Any,
+                                   exp_sums: Any, seq_lens: Any, nh: Any, ps: Any, parts: Any) -> None:
+        o = _ptr(out)
+        tmp, ml, es = _ptr(tmp_out, np.float32), _ptr(max_logits, np.float32), _ptr(exp_sums, np.float32)
+        sl, nh, ps, parts = _ptr(seq_lens, np.int32), _i32(nh), _i32(ps), _i32(parts)
+        assert grid == (nh, o.shape[0], 1)
+        result = np.zeros(o.shape, np.float32)
+        for s in range(o.shape[0]):
+            n = min(-(-int(sl[s]) // ps), parts)
+            if n <= 0:
+                continue
+            m = ml[s, :, :n].max(axis=1, keepdims=True)
+            w = np.exp(ml[s, :, :n] - m)
+            result[s] = (w[:, :, None] * tmp[s, :, :n]).sum(axis=1) / (w * es[s, :, :n]).sum(axis=1)[:, None]
+        _store(o, result, self.defines["HAL_DTYPE"])
+
+    # -- write_kv_cache.cu -------------------------------------------------------------------
+
+    def hal_write_kv_cache(self, grid: Any, block: Any, key: Any, value: Any, key_cache: Any, value_cache: Any,
+                           slots: Any, nkv: Any, bs: Any, row_bytes: Any) -> None:
+        slot_dtype = np.int64 if self.defines["HAL_SLOT_INT64"] else np.int32
+        k, v, kc, vc = (_ptr(a) for a in (key, value, key_cache, value_cache))
+        slots = _ptr(slots, slot_dtype)
+        nkv, bs, row_bytes = _i32(nkv), _i32(bs), _i32(row_bytes)
+        assert grid == (k.shape[0], 1, 1) and row_bytes == k.shape[2] * k.dtype.itemsize
+        for t, slot in enumerate(slots):
+            if slot >= 0:
+                kc[slot // bs, :, slot % bs] = k[t]
+                vc[slot // bs, :, slot % bs] = v[t]
+
+    # -- quant_gemm.cu -----------------------------------------------------------------------
+
+    def _gemm(self, grid: Any, out: Any, ws: Any, acts: np.ndarray, weight: np.ndarray, row_scale: Any,
+              m: int, n: int, k: int, g: int, per_split: int) -> None:
+        code = self.defines["HAL_DTYPE"]
+        o = _ptr(out)
+        ws = _ptr(ws, np.float32, nullable=True)
+        m_tile = self.defines["HAL_M_TILE"]
+        ksplit = grid[1]
+        columns = 4 * self.defines.get("HAL_WARP_SIZE", 32)  # four warps/wavefronts, one column each
+        assert grid == (-(-n // columns), ksplit, -(-m // m_tile)), grid
+        assert (ws is None) == (ksplit == 1)
+        groups = k // g
+        for y in range(ksplit):
+            lo, hi = y * per_split * g, min((y + 1) * per_split, groups) * g
+            part = acts[:, lo:hi] @ weight[lo:hi]
+            if row_scale is not None:
+                part = part * row_scale[:, None]
+            if ksplit == 1:
+                _store(o, part, code)
+            else:
+                ws += part
+
+    def hal_w4a16_gemm(self, grid: Any, block: Any, out: Any, ws: Any, x: Any, qweight: Any, scales: Any,
+                       zeros: Any, m: Any, n: Any, k: Any, g: Any, per_split: Any) -> None:
+        assert self.defines["HAL_QBITS"] == 4
+        m, n, k, g = _i32(m), _i32(n), _i32(k), _i32(g)
+        xf = _floats(_ptr(x), self.defines["HAL_DTYPE"])
+        w = _dequant(_codes4(_ptr(qweight, np.uint32)), _ptr(scales, np.float16),
+                     _ptr(zeros, np.uint8, nullable=True), g, 8)
+        self._gemm(grid, out, ws, xf, w, None, m, n, k, g, _i32(per_split))
+
+    def hal_w8a8_gemm(self, grid: Any, block: Any, out: Any, ws: Any, xq: Any, sx: Any, qweight: Any, scales: Any,
+                      zeros: Any, m: Any, n: Any, k: Any, g: Any, per_split: Any) -> None:
+        assert self.defines["HAL_QBITS"] == 8
+        m, n, k, g = _i32(m), _i32(n), _i32(k), _i32(g)
+        w = _dequant(_ptr(qweight, np.uint8), _ptr(scales, np.float16), _ptr(zeros, np.uint8, nullable=True), g, 128)
+        acts = _ptr(xq, np.int8).astype(np.float32)
+        self._gemm(grid, out, ws, acts, w, _ptr(sx, np.float32), m, n, k, g, _i32(per_split))
+
+    # -- quant_util.cu -----------------------------------------------------------------------
+
+    def hal_w4a16_dequant(self, grid: Any, block: Any, w: Any, qweight: Any, scales: Any, zeros: Any, k: Any,
+                          n: Any, g: Any) -> None:
+        assert block == (256, 1, 1)
+        _store(_ptr(w), _dequant(_codes4(_ptr(qweight, np.uint32)), _ptr(scales, np.float16),
+                                 _ptr(zeros, np.uint8, nullable=True), _i32(g), 8), self.defines["HAL_DTYPE"])
+
+    def hal_w8_dequant(self, grid: Any, block: Any, w: Any, qweight: Any, scales: Any, zeros: Any, k: Any,
+                       n: Any, g: Any) -> None:
+        assert block == (256, 1, 1)
+        _store(_ptr(w), _dequant(_ptr(qweight, np.uint8), _ptr(scales, np.float16),
+                                 _ptr(zeros, np.uint8, nullable=True), _i32(g), 128), self.defines["HAL_DTYPE"])
+
+    def hal_w8a8_quantize_rows(self, grid: Any, block: Any, xq: Any, sx: Any, x: Any, k: Any) -> None:
+        xf = _floats(_ptr(x), self.defines["HAL_DTYPE"])
+        assert grid == (xf.shape[0], 1, 1) and _i32(k) == xf.shape[1]
+        finite = np.isfinite(xf).all(axis=1)  # a row holding NaN or inf: sx NaN, xq 0
+        xf = np.where(finite[:, None], xf, np.float32(0))
+        amax = np.abs(xf).max(axis=1)
+        tiny = np.finfo(np.float32).smallest_subnormal
+        scale = np.where(amax > 0, np.maximum(amax / np.float32(127), tiny), np.float32(1)).astype(np.float32)
+        _ptr(sx, np.float32)[...] = np.where(finite, scale, np.float32(np.nan))
+        _ptr(xq, np.int8)[...] = np.clip(np.rint(xf / scale[:, None]), -127, 127).astype(np.int8)
+
+    def hal_f32_to_dtype(self, grid: Any, block: Any, out: Any, ws: Any, count: Any) -> None:
+        assert isinstance(count, np.int64)
+        o = _ptr(out)
+        assert o.size == int(count)
+        _store(o, _ptr(ws, np.float32), self.defines["HAL_DTYPE"])
+
+
+class EmulatedModule:
+    """``cupy.RawModule`` over the emulated kernels; records what was compiled."""
+
+    compiled: list[tuple[str, tuple[str, ...]]] = []  # noqa: RUF012 - a log shared by every module
+
+    def __init__(self, code: str, options: tuple[str, ...] = ()) -> None:
+        self.code, self.options = code, tuple(options)
+        self.defines = {o[2:].split("=")[0]: int(o.split("=")[1]) for o in options if o.startswith("-D")}
+
+    def compile(self) -> None:
+        EmulatedModule.compiled.append((self.code, self.options))
+
+    def get_function(self, name: str) -> Kernel:
+        assert f"void {name}" in self.code or f"\n{name}(" in self.code, f"{name} is not in the source"
+        return Kernel(name, self.defines)
+
+
+class NumpyCupy(fakecupy.FakeCupy):
+    """The fake CuPy of fakecupy.py plus numpy-backed array functions returning DevArray."""
+
+    def __init__(self) -> None:
+        super().__init__(total=1 << 34)
+        self.ndarray = DevArray
+        self.RawModule = EmulatedModule
+        EmulatedModule.compiled = []
+
+    @staticmethod
+    def empty(shape: Any, dtype: Any = np.float32) -> DevArray:
+        return _poison(shape, dtype)
+
+    @staticmethod
+    def asarray(array: Any) -> DevArray:
+        return np.array(array).view(DevArray)
+
+    @staticmethod
+    def zeros(shape: Any, dtype: Any = np.float32) -> DevArray:
+        return np.zeros(shape, dtype).view(DevArray)
+
+    @staticmethod
+    def ascontiguousarray(array: Any) -> DevArray:
+        return np.ascontiguousarray(array).view(DevArray)
+
+    @staticmethod
+    def matmul(a: Any, b: Any, out: Any = None) -> DevArray:
+        result = np.matmul(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        if out is not None:
+            out[...] = result.astype(out.dtype)
+            return out
+        return result.astype(np.result_type(a.dtype, b.dtype)).view(DevArray)
+
+
+def _poison(shape: Any, dtype: Any) -> DevArray:
+    """Uninitialised memory: NaN for floats, 0x5A bytes otherwise (never zeros)."""
+    dtype = np.dtype(dtype)
+    fill = np.nan if dtype.kind == "f" else (0x5A if dtype.itemsize == 1 else 0x5A5A)
+    return np.full(shape, fill, dtype).view(DevArray)

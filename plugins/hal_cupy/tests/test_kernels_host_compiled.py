@@ -1,0 +1,550 @@
+"""Numerics of the real kernel sources, compiled for the CPU (host-compiled kernels).
+
+The ``.cu`` files of ``hal_cupy.kernels`` are built with g++ through
+``host_compiled/prelude_host.cuh`` and launched with the grid, block and
+runtime arguments that the plugin's pure host rules (``_specializations.py``)
+compute, on fresh random inputs (seed printed), against the float64 references
+of ``hal_core.ops`` and ``hal_core.quant``, with the tolerances of
+``hal_core.testing.tolerances``.  Every kernel runs at warp 32 (CUDA, RDNA
+wave32) and at wavefront 64 (CDNA), the widths the specialisations take from a
+device's capabilities.  No GPU is needed; without a usable g++ the tests skip
+with the reason (and fail where ``HAL_REQUIRE_COMPILERS=1``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.resources
+import importlib.util
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hal_cupy import _specializations as rules
+from hal_cupy.testing import missing_compiler
+from host_compiled.harness import HostKernelBuilder, HostLaunchError, HostModule, toolchain_problem
+
+from hal_core.arrays import BFLOAT16
+from hal_core.ops import OPS
+from hal_core.quant import QuantizedWeight, quantize, quantize_activations
+from hal_core.testing.inputs import assert_close
+from hal_core.testing.tolerances import tolerance
+
+DTYPES = ("fp32", "fp16", "bf16")
+NUMPY_DTYPES: dict[str, Any] = {"fp32": np.float32, "fp16": np.float16, "bf16": BFLOAT16}
+DTYPE_CODES = {"fp32": 0, "fp16": 1, "bf16": 2}
+#: Compute units given to the host rules: an H100's 132 (small grids, so split-K / split-KV) or 1 (no split).
+MANY_CUS, ONE_CU = 132, 1
+
+
+# --------------------------------------------------------------------------
+# Fixtures
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def host_builder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostKernelBuilder]:
+    """Compiler for the kernel sources of ``hal_cupy.kernels``; skips when g++ cannot build the host prelude."""
+    problem = toolchain_problem(tmp_path_factory.mktemp("host_compiled_probe"))
+    if problem is not None:
+        missing_compiler(f"host-compiled kernels unavailable: {problem}")
+    with contextlib.ExitStack() as stack:
+        kernel_dir = stack.enter_context(importlib.resources.as_file(importlib.resources.files("hal_cupy.kernels")))
+        yield HostKernelBuilder(Path(kernel_dir), tmp_path_factory.mktemp("host_compiled_kernels"))
+
+
+@pytest.fixture
+def host_rng(request: pytest.FixtureRequest, hal_seed: int) -> np.random.Generator:
+    """Fresh inputs each run: seeded from the run's ``--hal-seed`` and the test id, printed for failures."""
+    test_seed = zlib.crc32(request.node.nodeid.encode())
+    print(f"hal seed: --hal-seed={hal_seed} (test stream {test_seed})")
+    return np.random.default_rng([hal_seed, test_seed])
+
+
+def _build(builder: HostKernelBuilder, spec: Any, rng: np.random.Generator, **extra: int) -> HostModule:
+    """Build a plugin :class:`Specialization` (plus extra defines) and seed its thread interleaving."""
+    module = builder.build(spec.source, {**dict(spec.defines), **extra})
+    module.seed(int(rng.integers(1, 2**63)))
+    return module
+
+
+def _at_every_width(cases: list[Any], widen: Any = None) -> list[Any]:
+    """Each case at warp 32 (CUDA, RDNA) and wavefront 64 (CDNA); a case written for one width keeps only it.
+
+    ``widen(case)`` makes the 64-lane twin when more than the width changes with it.
+    """
+    out = []
+    for case in cases:
+        out.append(case)
+        if case.warp_size == 32:
+            out.append(widen(case) if widen is not None else replace(case, warp_size=64))
+    return out
+
+
+def _assert_close(actual: np.ndarray, expected: np.ndarray, kind: str, dtype: str, what: str) -> None:
+    atol, rtol = tolerance(kind, dtype)
+    np.testing.assert_allclose(actual.astype(np.float64), expected, atol=atol, rtol=rtol, err_msg=what)
+
+
+# --------------------------------------------------------------------------
+# Host runtime self-check
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("warp_size", [32, 64])
+def test_host_runtime_shuffle_and_deadlock(host_builder: HostKernelBuilder, warp_size: int) -> None:
+    """The host prelude exchanges lanes within a warp and reports a barrier not every thread reaches."""
+    probe = host_builder.build_probe(warp_size)
+    out = np.full(2 * warp_size, np.nan, np.float32)
+    assert probe.probe_shuffle(out.ctypes.data) == 0
+    np.testing.assert_array_equal(out, np.arange(2 * warp_size) ^ 1)
+    assert probe.probe_deadlock() == -2
+
+
+# --------------------------------------------------------------------------
+# paged_attention
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    variant: str  # "single" or "split"
+    dtype: str
+    head_size: int
+    num_heads: int
+    num_kv_heads: int
+    block_size: int
+    seq_lens: tuple[int, ...]
+    partition_size: int = rules.PA_PARTITION_SIZE
+    warp_size: int = 32
+
+    @property
+    def id(self) -> str:
+        lens = "_".join(map(str, self.seq_lens))
+        warp = f"-warp{self.warp_size}" if self.warp_size != 32 else ""
+        part = f"-part{self.partition_size}" if self.variant == "split" else ""
+        return (f"{self.variant}-{self.dtype}-hs{self.head_size}-h{self.num_heads}kv{self.num_kv_heads}"
+                f"-bs{self.block_size}-len{lens}{part}{warp}")
+
+
+ATTENTION_CASES = _at_every_width([
+    # MHA (tile 1) with a zero-length and a length-1 sequence.
+    AttentionCase("single", "fp32", 64, 4, 4, 16, (0, 1, 37)),
+    AttentionCase("split", "fp32", 256, 16, 2, 32, (129, 5), partition_size=64),
+    # group 6 -> tile 8 with two masked heads.
+    AttentionCase("single", "fp16", 80, 12, 2, 8, (1, 70)),
+    # group 12 -> two tiles of 8 per KV head, one partly masked.
+    AttentionCase("split", "fp16", 128, 12, 1, 16, (200, 0, 33), partition_size=64),
+    AttentionCase("single", "bf16", 128, 8, 2, 32, (100, 0)),
+    AttentionCase("split", "bf16", 80, 4, 4, 8, (150, 1), partition_size=32),
+    AttentionCase("single", "bf16", 256, 4, 2, 16, (45,)),
+    AttentionCase("single", "fp32", 96, 4, 2, 8, (61,)),  # tile 2
+    # group 3 -> tile 4 with one masked head.
+    AttentionCase("split", "bf16", 112, 6, 2, 32, (300, 2), partition_size=128),
+    AttentionCase("single", "fp16", 192, 8, 1, 16, (33,)),
+    AttentionCase("split", "fp16", 64, 8, 1, 16, (0, 97), partition_size=32),
+    # wave64 (HIP on CDNA): 64-lane shuffles and lane layout.
+    AttentionCase("single", "fp16", 128, 8, 2, 16, (130, 0, 9), warp_size=64),
+    AttentionCase("split", "fp16", 128, 8, 2, 16, (130, 0, 9), partition_size=64, warp_size=64),
+])
+
+
+def _paged_inputs(case: AttentionCase, rng: np.random.Generator) -> dict[str, Any]:
+    """Query, caches and block tables; every cache slot no sequence uses is NaN (the kernels must not read it)."""
+    dt = NUMPY_DTYPES[case.dtype]
+    bs, hs, nkv = case.block_size, case.head_size, case.num_kv_heads
+    num_seqs = len(case.seq_lens)
+    used = [-(-n // bs) for n in case.seq_lens]
+    max_blocks = max(1, max(used)) + 1  # one table column beyond the longest sequence
+    spare = 2  # blocks owned by nobody: table entries past a sequence's end point there
+    num_blocks = sum(used) + spare
+    shape = (num_blocks, nkv, bs, hs)
+    key_cache = rng.standard_normal(shape).astype(dt)
+    value_cache = rng.standard_normal(shape).astype(dt)
+    perm = rng.permutation(num_blocks).astype(np.int32)
+    block_tables = np.empty((num_seqs, max_blocks), np.int32)
+    nxt = 0
+    for s, (n, nb) in enumerate(zip(case.seq_lens, used, strict=True)):
+        block_tables[s, :nb] = perm[nxt:nxt + nb]
+        nxt += nb
+        block_tables[s, nb:] = perm[num_blocks - spare:][(np.arange(max_blocks - nb) % spare)]
+        if n % bs:  # the tail of the last block
+            key_cache[block_tables[s, nb - 1], :, n % bs:] = np.nan
+            value_cache[block_tables[s, nb - 1], :, n % bs:] = np.nan
+    key_cache[perm[num_blocks - spare:]] = np.nan
+    value_cache[perm[num_blocks - spare:]] = np.nan
+    return {
+        "query": rng.standard_normal((num_seqs, case.num_heads, hs)).astype(dt),
+        "key_cache": key_cache,
+        "value_cache": value_cache,
+        "block_tables": block_tables,
+        "seq_lens": np.array(case.seq_lens, np.int32),
+        "scale": float(hs) ** -0.5,
+    }
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: c.id)
+def test_paged_attention(host_builder: HostKernelBuilder, host_rng: np.random.Generator, case: AttentionCase) -> None:
+    """Single-pass or split+reduce paged attention matches the float64 reference; NaN slots past the end are ignored."""
+    group = case.num_heads // case.num_kv_heads
+    code = DTYPE_CODES[case.dtype]
+    spec = rules.paged_attention_spec(code, case.head_size, group, case.warp_size)
+    module = _build(host_builder, spec, host_rng)
+    assert module.warp_size() == case.warp_size
+    gqa = rules.paged_attention_gqa_tile(group)
+    assert module.static_shared_bytes() == rules.paged_attention_shared_bytes(
+        code, case.head_size, gqa, case.warp_size)
+
+    num_seqs, max_len = len(case.seq_lens), max(case.seq_lens)
+    assert rules.choose_paged_attention_variant(
+        num_seqs, case.num_kv_heads, max_len, MANY_CUS, case.num_heads, case.partition_size) == case.variant
+    launches = rules.paged_attention_launches(
+        case.variant, num_seqs, case.num_heads, case.num_kv_heads, max_len, case.partition_size)
+
+    args = _paged_inputs(case, host_rng)
+    q, kc, vc, bt, sl = (args[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens"))
+    common = (q, kc, vc, bt, sl, args["scale"], case.num_heads, case.num_kv_heads, case.block_size, bt.shape[1])
+    out = np.full(q.shape, np.nan, q.dtype)
+    if case.variant == "single":
+        (single,) = launches
+        module.launch(single, out, *common)
+    else:
+        split, reduce = launches
+        parts = rules.paged_attention_partitions(max_len, case.partition_size)
+        assert split.grid[2] == parts
+        # Workspaces need no initialisation: NaN-filled, so a read of an unwritten partition shows.
+        tmp_out = np.full((num_seqs, case.num_heads, parts, case.head_size), np.nan, np.float32)
+        max_logits = np.full((num_seqs, case.num_heads, parts), np.nan, np.float32)
+        exp_sums = np.full_like(max_logits, np.nan)
+        module.launch(split, tmp_out, max_logits, exp_sums, *common, case.partition_size, parts)
+        module.launch(reduce, out, tmp_out, max_logits, exp_sums, sl, case.num_heads, case.partition_size, parts)
+
+    expected = OPS["paged_attention"].reference(args)
+    _assert_close(out, expected, "attention", case.dtype, case.id)
+    assert not out[sl == 0].astype(np.float64).any(), "a zero-length sequence must give zeros"
+
+
+NON_FINITE_CASES = [
+    AttentionCase("single", "fp32", 64, 8, 2, 16, (37, 90, 5)),
+    AttentionCase("split", "fp16", 64, 8, 2, 16, (37, 300, 5), partition_size=64),
+    AttentionCase("split", "bf16", 64, 8, 2, 16, (37, 300, 5), partition_size=64),
+]
+
+
+@pytest.mark.parametrize("poison", ["query-nan", "query-inf", "key-nan", "key-inf", "value-nan", "value-inf"])
+@pytest.mark.parametrize("case", NON_FINITE_CASES, ids=lambda c: c.id)
+def test_paged_attention_non_finite(host_builder: HostKernelBuilder, host_rng: np.random.Generator,
+                                    case: AttentionCase, poison: str) -> None:
+    """NaN/inf in the query or a used key/value give exactly the reference's NaN/inf pattern (single and split)."""
+    group = case.num_heads // case.num_kv_heads
+    module = _build(host_builder, rules.paged_attention_spec(DTYPE_CODES[case.dtype], case.head_size, group),
+                    host_rng)
+    num_seqs, max_len = len(case.seq_lens), max(case.seq_lens)
+    launches = rules.paged_attention_launches(
+        case.variant, num_seqs, case.num_heads, case.num_kv_heads, max_len, case.partition_size)
+    args = _paged_inputs(case, host_rng)
+    q, kc, vc, bt, sl = (args[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens"))
+
+    def slot(s: int, t: int) -> tuple[int, int]:
+        return int(bt[s, t // case.block_size]), t % case.block_size
+
+    late = max_len - 20  # a token of the longest sequence, in its last partition when split
+    target = {"query-nan": None, "query-inf": None, "key-nan": (1, late, 1, 4), "key-inf": (0, 10, 0, 0),
+              "value-nan": (0, 3, 0, 7), "value-inf": (1, 20, 1, 9)}[poison]
+    bad = np.nan if poison.endswith("nan") else np.inf
+    if target is None:
+        q[0 if poison == "query-nan" else 1, 3, 10] = bad
+    else:
+        s, t, head, d = target
+        block, offset = slot(s, t)
+        (kc if poison.startswith("key") else vc)[block, head, offset, d] = bad
+    common = (q, kc, vc, bt, sl, args["scale"], case.num_heads, case.num_kv_heads, case.block_size, bt.shape[1])
+    out = np.full(q.shape, 7.0, q.dtype)
+    if case.variant == "single":
+        (single,) = launches
+        module.launch(single, out, *common)
+    else:
+        split, reduce = launches
+        parts = rules.paged_attention_partitions(max_len, case.partition_size)
+        tmp_out = np.full((num_seqs, case.num_heads, parts, case.head_size), np.nan, np.float32)
+        max_logits = np.full((num_seqs, case.num_heads, parts), np.nan, np.float32)
+        exp_sums = np.full_like(max_logits, np.nan)
+        module.launch(split, tmp_out, max_logits, exp_sums, *common, case.partition_size, parts)
+        module.launch(reduce, out, tmp_out, max_logits, exp_sums, sl, case.num_heads, case.partition_size, parts)
+    expected = OPS["paged_attention"].reference(args)
+    if poison != "key-inf":  # +inf in a key gives a +inf (row NaN) or -inf (token dropped) score, by q's sign
+        assert not np.isfinite(expected).all()
+    assert_close(out, expected, kind="attention", dtype=case.dtype, what=f"{case.id} {poison}")
+
+
+# --------------------------------------------------------------------------
+# write_kv_cache
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KVWriteCase:
+    dtype: str
+    slot_dtype: str
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    num_tokens: int
+    misaligned: bool = False  # key starts 2 bytes (one fp16 element) past a 16-byte boundary
+
+    @property
+    def id(self) -> str:
+        row = self.head_size * np.dtype(NUMPY_DTYPES[self.dtype]).itemsize
+        tail = "-misaligned" if self.misaligned else ""
+        return f"{self.dtype}-{self.slot_dtype}-kv{self.num_kv_heads}-hs{self.head_size}-row{row}B{tail}"
+
+
+KV_WRITE_CASES = [
+    KVWriteCase("fp16", "int64", 2, 128, 16, 9),  # 16-byte copies
+    KVWriteCase("bf16", "int32", 3, 36, 8, 7),  # 72-byte rows: 8-byte copies
+    KVWriteCase("fp32", "int64", 2, 3, 8, 5),  # 12-byte rows: 4-byte copies
+    KVWriteCase("fp16", "int32", 1, 5, 32, 6),  # 10-byte rows: 2-byte copies
+    KVWriteCase("fp16", "int64", 2, 64, 16, 5, misaligned=True),  # 128-byte rows, key 2 bytes off: 2-byte copies
+]
+
+
+def _misaligned_copy(a: np.ndarray) -> np.ndarray:
+    """``a`` copied to an address one element (2 bytes for fp16) past a 16-byte boundary, as a sliced view."""
+    buf = np.empty(a.nbytes + 32, np.uint8)
+    start = (-buf.ctypes.data) % 16 + a.itemsize
+    out = buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+@pytest.mark.parametrize("warp_size", rules.SIMD_WIDTHS, ids=lambda w: f"warp{w}")
+@pytest.mark.parametrize("case", KV_WRITE_CASES, ids=lambda c: c.id)
+def test_write_kv_cache(host_builder: HostKernelBuilder, host_rng: np.random.Generator, case: KVWriteCase,
+                        warp_size: int) -> None:
+    """Rows land bit-exactly in their slots; a negative slot is skipped and other slots are untouched."""
+    rng = host_rng
+    dt = NUMPY_DTYPES[case.dtype]
+    spec = rules.write_kv_cache_spec(slot_int64=case.slot_dtype == "int64", warp_size=warp_size)
+    module = _build(host_builder, spec, rng)
+    num_blocks = 4
+    rows = (case.num_tokens, case.num_kv_heads, case.head_size)
+    key = rng.standard_normal(rows).astype(dt)
+    value = rng.standard_normal(rows).astype(dt)
+    if case.misaligned:
+        key = _misaligned_copy(key)
+    cache_shape = (num_blocks, case.num_kv_heads, case.block_size, case.head_size)
+    key_cache = rng.standard_normal(cache_shape).astype(dt)
+    value_cache = rng.standard_normal(cache_shape).astype(dt)
+    slots = rng.choice(num_blocks * case.block_size, case.num_tokens, replace=False).astype(case.slot_dtype)
+    slots[rng.integers(case.num_tokens)] = -1
+    args = {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache, "slot_mapping": slots}
+    expected_k, expected_v = OPS["write_kv_cache"].reference(args)
+
+    row_bytes = case.head_size * key.itemsize
+    module.launch(rules.write_kv_cache_launch(case.num_tokens), key, value, key_cache, value_cache, slots,
+                  case.num_kv_heads, case.block_size, row_bytes)
+    _assert_close(key_cache, expected_k, "copy", case.dtype, f"{case.id}: key_cache")
+    _assert_close(value_cache, expected_v, "copy", case.dtype, f"{case.id}: value_cache")
+
+
+# --------------------------------------------------------------------------
+# quantized_gemm (small M), activation quantiser, dequantisation
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GemmCase:
+    bits: int
+    dtype: str
+    m: int
+    n: int
+    k: int
+    group_size: int
+    symmetric: bool
+    compute_units: int
+    split_k: bool  # what the host rule must choose for this shape
+    warp_size: int = 32
+
+    @property
+    def id(self) -> str:
+        kind = "W4A16" if self.bits == 4 else "W8A8"
+        zeros = "sym" if self.symmetric else "zeros"
+        split = "splitK" if self.split_k else "noSplit"
+        warp = f"-warp{self.warp_size}" if self.warp_size != 32 else ""
+        return f"{kind}-{self.dtype}-M{self.m}-N{self.n}-K{self.k}-G{self.group_size}-{zeros}-{split}{warp}"
+
+
+def _gemm_at_64(case: GemmCase) -> GemmCase:
+    """The 64-lane twin: a block covers twice the columns, so fewer CTAs may call for a K split."""
+    _, ksplit, _ = rules.quant_gemm_launch(case.bits, case.m, case.n, case.k, case.group_size, case.compute_units, 64)
+    return replace(case, warp_size=64, split_k=ksplit > 1)
+
+
+GEMM_CASES = _at_every_width([
+    GemmCase(4, "fp16", 1, 256, 1024, 128, False, MANY_CUS, True),
+    GemmCase(4, "bf16", 3, 132, 512, 32, True, MANY_CUS, True),  # N not a multiple of the 128-column tile
+    GemmCase(4, "fp32", 20, 128, 256, 32, False, ONE_CU, False),  # M > 16: two M chunks
+    GemmCase(4, "fp16", 1, 128, 256, 128, True, ONE_CU, False),
+    GemmCase(8, "fp16", 1, 256, 512, 64, True, MANY_CUS, True),
+    GemmCase(8, "bf16", 5, 132, 256, 32, False, ONE_CU, False),
+    GemmCase(8, "fp32", 17, 128, 512, 128, False, MANY_CUS, False),  # two M chunks; 4 groups: no split
+    GemmCase(4, "bf16", 2, 256, 512, 64, False, MANY_CUS, True, warp_size=64),
+    GemmCase(8, "fp16", 4, 260, 256, 32, True, MANY_CUS, True, warp_size=64),
+], widen=_gemm_at_64)
+
+
+def _random_weight(rng: np.random.Generator, k: int, n: int, bits: int, group_size: int,
+                   symmetric: bool) -> QuantizedWeight:
+    """Weights scaled so that ``x @ w`` is O(1) for standard normal ``x``."""
+    w = rng.standard_normal((k, n)) / np.sqrt(k)
+    return quantize(w, bits=bits, group_size=group_size, symmetric=symmetric)
+
+
+@pytest.mark.parametrize("case", GEMM_CASES, ids=lambda c: c.id)
+def test_quantized_gemm(host_builder: HostKernelBuilder, host_rng: np.random.Generator, case: GemmCase) -> None:
+    """The small-M GEMM (with the W8A8 activation quantiser and the split-K cast) matches the reference."""
+    _check_gemm(host_builder, host_rng, case, non_finite=False)
+
+
+@pytest.mark.parametrize("case", [c for c in GEMM_CASES if c.m >= 3], ids=lambda c: c.id)
+def test_quantized_gemm_non_finite_rows(host_builder: HostKernelBuilder, host_rng: np.random.Generator,
+                                        case: GemmCase) -> None:
+    """Rows of x holding NaN, +inf or -inf give the reference's result (W8A8: NaN rows), split-K or not."""
+    _check_gemm(host_builder, host_rng, case, non_finite=True)
+
+
+def _check_gemm(host_builder: HostKernelBuilder, rng: np.random.Generator, case: GemmCase, *,
+                non_finite: bool) -> None:
+    code, dt = DTYPE_CODES[case.dtype], NUMPY_DTYPES[case.dtype]
+    m, n, k, g = case.m, case.n, case.k, case.group_size
+    assert rules.use_small_m_gemm(m, case.bits)
+    launch, ksplit, per_split = rules.quant_gemm_launch(case.bits, m, n, k, g, case.compute_units, case.warp_size)
+    assert (ksplit > 1) == case.split_k
+    m_tile = rules.quant_gemm_m_tile(m)
+    gemm = _build(host_builder, rules.quant_gemm_spec(code, case.bits, m_tile, case.warp_size), rng)
+    util = _build(host_builder, rules.quant_util_spec(code, case.warp_size), rng)
+    assert gemm.static_shared_bytes() == rules.quant_gemm_shared_bytes(m_tile, case.warp_size)
+
+    qw = _random_weight(rng, k, n, case.bits, g, case.symmetric)
+    x = rng.standard_normal((m, k))
+    if case.bits == 8:  # row 0 holds the quantiser's rounding tie (see the quantize_rows test)
+        x[0] = np.clip(x[0], -3.0, 3.0)
+        x[0, :2] = (3.25, 1.625)
+    x = x.astype(dt)
+    if non_finite:  # rows 0 and the rest stay finite
+        x[1, 5], x[2, [7, k - 1]] = np.nan, (np.inf, -np.inf) if case.bits == 8 else (np.inf, np.inf)
+    out = np.full((m, n), np.nan, dt)
+    ws = np.zeros((m, n), np.float32) if ksplit > 1 else None
+    tail = (m, n, k, g, per_split)
+    if case.bits == 4:
+        gemm.launch(launch, out, ws, x, qw.qweight, qw.scales, qw.zeros, *tail)
+    else:
+        xq = np.zeros((m, k), np.int8)
+        sx = np.full(m, np.nan, np.float32)
+        util.launch(rules.quant_util_launch("hal_w8a8_quantize_rows", m, case.compute_units), xq, sx, x, k)
+        gemm.launch(launch, out, ws, xq, sx, qw.qweight, qw.scales, qw.zeros, *tail)
+    if ws is not None:
+        assert np.isnan(out.astype(np.float32)).all(), "with split-K the GEMM must leave out to the cast"
+        util.launch(rules.quant_util_launch("hal_f32_to_dtype", m * n, case.compute_units), out, ws, m * n)
+    if case.bits == 8:  # the GEMM alone, on the activations the kernel quantised
+        own = sx.astype(np.float64)[:, None] * (xq.astype(np.float64) @ qw.dequantize(np.float64))
+        _assert_close(out, own, "gemm", case.dtype, f"{case.id}: GEMM of the kernel-quantised activations")
+
+    expected = OPS["quantized_gemm"].reference({"x": x, "qweight": qw})
+    if non_finite:
+        assert np.isnan(expected[1]).all() and not np.isfinite(expected[2]).all()
+        assert_close(out, expected, kind="gemm", dtype=case.dtype, what=f"{case.id}: non-finite rows")
+    else:
+        _assert_close(out, expected, "gemm", case.dtype, f"{case.id}: vs the float64 reference")
+
+
+@pytest.mark.parametrize("warp_size", rules.SIMD_WIDTHS, ids=lambda w: f"warp{w}")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_w8a8_quantize_rows_matches_quantize_activations(
+    host_builder: HostKernelBuilder, host_rng: np.random.Generator, dtype: str, warp_size: int
+) -> None:
+    """The activation quantiser gives exactly ``hal_core.quant.quantize_activations``'s codes and scales."""
+    rng = host_rng
+    m, k = 5, 384  # K > 256 threads: each thread quantises several elements
+    x = np.clip(rng.standard_normal((m, k)), -3.0, 3.0)
+    x[1] = 0.0  # an all-zero row
+    # A rounding tie for one formula only: 1.625 * (127 / 3.25) = 63.5 in float32,
+    # 1.625 / (3.25 / 127) = 63.499996.  The codes must agree here too.
+    x[3, :2] = (3.25, 1.625)
+    x = x.astype(NUMPY_DTYPES[dtype])
+    x[4] = 0  # a row holding only the dtype's smallest subnormal: its scale must not underflow to 0
+    x[4, 0] = np.array(1, np.uint16 if dtype != "fp32" else np.uint32).view(NUMPY_DTYPES[dtype])[()]
+    x = np.concatenate([x, x[:3].copy()])  # rows 5..7 non-finite: sx NaN (their codes do not matter)
+    x[5, 300], x[6, 7], x[7, [0, 383]] = np.nan, -np.inf, (np.inf, np.nan)
+    m = x.shape[0]
+    util = _build(host_builder, rules.quant_util_spec(DTYPE_CODES[dtype], warp_size), rng)
+    xq = np.full((m, k), 99, np.int8)
+    sx = np.full(m, 7.0, np.float32)  # not NaN: the NaN scales must be written
+    util.launch(rules.quant_util_launch("hal_w8a8_quantize_rows", m, ONE_CU), xq, sx, x, k)
+
+    ref_xq, ref_sx = quantize_activations(x)
+    np.testing.assert_array_equal(sx, ref_sx)  # the zero row included: sx = 1, xq = 0; NaN where non-finite
+    assert np.isnan(sx[5:]).all()
+    mismatch = np.argwhere(xq[:5] != ref_xq[:5])
+    detail = "; ".join(
+        f"x[{i},{j}]={float(x[i, j])!r} amax={float(np.abs(x[i].astype(np.float32)).max())!r}: "
+        f"kernel {int(xq[i, j])}, reference {int(ref_xq[i, j])}"
+        for i, j in mismatch[:5]
+    )
+    assert len(mismatch) == 0, f"{len(mismatch)} codes differ from quantize_activations: {detail}"
+
+
+@dataclass(frozen=True)
+class DequantCase:
+    bits: int
+    dtype: str
+    k: int
+    n: int
+    group_size: int
+    symmetric: bool
+
+    @property
+    def id(self) -> str:
+        zeros = "sym" if self.symmetric else "zeros"
+        return f"W{self.bits}-{self.dtype}-K{self.k}-N{self.n}-G{self.group_size}-{zeros}"
+
+
+DEQUANT_CASES = [
+    DequantCase(4, "fp16", 512, 256, 128, False),
+    DequantCase(4, "bf16", 256, 132, 32, True),
+    DequantCase(4, "fp32", 256, 128, 64, False),
+    DequantCase(8, "fp16", 256, 256, 64, True),
+    DequantCase(8, "bf16", 128, 132, 32, False),
+    DequantCase(8, "fp32", 256, 128, 128, True),
+]
+
+
+@pytest.mark.parametrize("warp_size", rules.SIMD_WIDTHS, ids=lambda w: f"warp{w}")
+@pytest.mark.parametrize("case", DEQUANT_CASES, ids=lambda c: c.id)
+def test_dequant(host_builder: HostKernelBuilder, host_rng: np.random.Generator, case: DequantCase,
+                 warp_size: int) -> None:
+    """The dequantisation kernels equal ``QuantizedWeight.dequantize()`` rounded once to the dtype."""
+    rng = host_rng
+    qw = _random_weight(rng, case.k, case.n, case.bits, case.group_size, case.symmetric)
+    util = _build(host_builder, rules.quant_util_spec(DTYPE_CODES[case.dtype], warp_size), rng)
+    dt = NUMPY_DTYPES[case.dtype]
+    kernel = "hal_w4a16_dequant" if case.bits == 4 else "hal_w8_dequant"
+    items = (case.k // 8) * (case.n // 4) if case.bits == 4 else case.k * (case.n // 4)
+    launch = rules.quant_util_launch(kernel, items, ONE_CU)  # at most 8 CTAs: the grid-stride loop repeats
+    w = np.full((case.k, case.n), np.nan, dt)
+    util.launch(launch, w, qw.qweight, qw.scales, qw.zeros, case.k, case.n, case.group_size)
+    # (q - z) * s is exact in float32 (an integer below 256 times an fp16 scale), so the only
+    # rounding is the final one to the dtype: the result must be bit-exact, stricter than any tolerance.
+    np.testing.assert_array_equal(w, qw.dequantize(np.float64).astype(dt), err_msg=case.id)
+
+
+def test_launch_errors_are_reported(host_builder: HostKernelBuilder, host_rng: np.random.Generator) -> None:
+    """An empty grid is refused, as the host never launches for empty work."""
+    util = _build(host_builder, rules.quant_util_spec(0), host_rng)
+    empty = rules.Launch("hal_f32_to_dtype", (0, 1, 1), (256, 1, 1))
+    with pytest.raises(HostLaunchError, match="empty grid"):
+        util.launch(empty, np.zeros(1, np.float32), np.zeros(1, np.float32), 0)

@@ -1,0 +1,240 @@
+"""Launch plans, kernel choice and op ``supports`` rules, checked against saved GPU profiles (no GPU)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from gpu_profiles import GPU_PROFILES, PROFILE_IDS
+from hal_cupy import _specializations as cat
+from hal_cupy.ops import _paged_attention as pa
+from hal_cupy.ops import _quantized_gemm as qg
+from hal_cupy.ops import _write_kv_cache as kv
+from hal_cupy.ops._common import GpuOp
+
+import hal_core
+from hal_core import LaunchConfig
+from hal_core.ops import OPS, OpCall
+from hal_core.quant import quantize
+
+
+@pytest.fixture(params=GPU_PROFILES, ids=PROFILE_IDS)
+def caps(request: pytest.FixtureRequest) -> hal_core.DeviceCapabilities:
+    return hal_core.load_profile(request.param)
+
+
+def _config(plan: cat.Launch) -> LaunchConfig:
+    return LaunchConfig(grid=plan.grid, block=plan.block, shared_mem=plan.shared_mem)
+
+
+@pytest.mark.parametrize(("num_seqs", "num_heads", "num_kv_heads", "max_seq_len"), [
+    (1, 32, 8, 32768), (32, 32, 8, 4096), (256, 64, 8, 2048), (4, 28, 4, 100), (1, 16, 1, 200_000),
+], ids=["1x32k", "32x4k", "256x2k-gqa8", "short", "mqa-200k"])
+def test_paged_attention_plans_fit(caps: Any, num_seqs: int, num_heads: int, num_kv_heads: int,
+                                   max_seq_len: int) -> None:
+    """Every launch of the chosen variant passes the device's limits; static shared memory fits 48 KiB."""
+    variant = cat.choose_paged_attention_variant(num_seqs, num_kv_heads, max_seq_len, caps.compute_units,
+                                                 num_heads=num_heads)
+    for plan in cat.paged_attention_launches(variant, num_seqs, num_heads, num_kv_heads, max_seq_len):
+        _config(plan).validate(caps)
+    group = num_heads // num_kv_heads
+    for head_size in cat.PA_HEAD_SIZES:
+        for dtype in cat.DTYPE_CODES:
+            shared = cat.paged_attention_shared_bytes(dtype, head_size, cat.paged_attention_gqa_tile(group),
+                                                      caps.simd_width)
+            assert shared <= caps.shared_mem_per_block
+
+
+def test_split_rule_on_h200() -> None:
+    """The benchmark shapes on an H200 (132 SMs): both long-context cases use split-KV, short ones single."""
+    cus = hal_core.load_profile("H200").compute_units
+    assert cat.choose_paged_attention_variant(1, 8, 32768, cus, num_heads=32) == "split"
+    assert cat.choose_paged_attention_variant(32, 8, 4096, cus, num_heads=32) == "split"  # 256 CTAs < 2 x 132
+    assert cat.choose_paged_attention_variant(64, 8, 4096, cus, num_heads=32) == "single"
+    assert cat.choose_paged_attention_variant(32, 8, 512, cus, num_heads=32) == "single"
+
+
+def test_split_rule_on_amd_profiles() -> None:
+    """MI300X's 304 CUs want 608 CTAs before one pass pays; the 7900 XTX's 48 WGPs are busy with far fewer."""
+    mi300 = hal_core.load_profile("MI300X").compute_units
+    assert mi300 == 304
+    assert cat.choose_paged_attention_variant(64, 8, 4096, mi300, num_heads=32) == "split"  # 512 CTAs < 608
+    assert cat.choose_paged_attention_variant(128, 8, 4096, mi300, num_heads=32) == "single"
+    rdna = hal_core.load_profile("RX 7900 XTX").compute_units
+    assert cat.choose_paged_attention_variant(32, 8, 4096, rdna, num_heads=32) == "single"
+
+
+@pytest.mark.parametrize(("profile", "lanes"), [("MI300X", 64), ("MI250X", 64), ("RX 7900 XTX", 32), ("H100", 32)])
+def test_specialisations_follow_the_simd_width(profile: str, lanes: int) -> None:
+    """Kernels are specialised by the device's SIMD width; the GEMM block is four warps/wavefronts of it."""
+    caps = hal_core.load_profile(profile)
+    assert caps.simd_width == lanes
+    for spec in cat.all_specializations(caps.simd_width):
+        assert ("HAL_WARP_SIZE", str(lanes)) in spec.defines
+    plan, _, _ = cat.quant_gemm_launch(4, 1, 4096, 4096, 128, caps.compute_units, caps.simd_width)
+    assert plan.block == (4 * lanes, 1, 1) and plan.grid[0] == 4096 // (4 * lanes)
+    with pytest.raises(ValueError, match="warp_size"):
+        cat.write_kv_cache_spec(True, 16)
+
+
+def test_max_seq_len_hint_avoids_a_sync_while_cheap() -> None:
+    """The block-table capacity sizes the workspace unless that would exceed 64 MiB; then max(seq_lens) is read."""
+    def never() -> int:
+        raise AssertionError("no device read expected")
+
+    assert pa.max_seq_len_hint(32, 32, 128, 4096, actual=never) == 4096
+    big = pa.max_seq_len_hint(256, 64, 128, 131072, actual=lambda: 900)
+    assert big == 900
+    assert pa.split_workspace_bytes(32, 32, 128, 4096) == 4 * 32 * 32 * 8 * 130
+
+
+@pytest.mark.parametrize(("k", "n"), [(4096, 4096), (4096, 11008), (8192, 28672)], ids=["4k", "11k", "28k"])
+@pytest.mark.parametrize("m", [1, 16, 32], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quant_gemm_plans_fit(caps: Any, m: int, k: int, n: int, bits: int) -> None:
+    """Small-M GEMM grids fit the device and cover every K group exactly once."""
+    plan, ksplit, per_split = cat.quant_gemm_launch(bits, m, n, k, 128, caps.compute_units, caps.simd_width)
+    _config(plan).validate(caps)
+    groups = k // 128
+    assert (ksplit - 1) * per_split < groups <= ksplit * per_split
+    assert plan.grid[0] * 4 * caps.simd_width >= n
+
+
+def test_quant_gemm_plan_refuses_k0(caps: Any) -> None:
+    """K = 0 has no K group to split (the op answers it with zeros before planning)."""
+    with pytest.raises(ValueError, match="K > 0"):
+        cat.quant_gemm_launch(4, 1, 128, 0, 128, caps.compute_units, caps.simd_width)
+
+
+def test_grid_stride_grids(caps: Any) -> None:
+    """Grid-stride kernels: grid from SM count x resident blocks, never above the work."""
+    blocks = max(1, caps.max_threads_per_cu // 256)
+    assert hal_core.grid_for(caps, 10**9, 256, blocks_per_cu=blocks) == caps.compute_units * blocks
+    assert hal_core.grid_for(caps, 300, 256) == 2
+
+
+def test_small_m_threshold_is_configurable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HAL_CUDA_SMALL_M_MAX moves the fused/dequantise boundary; the default is the catalogue's."""
+    assert qg.small_m_threshold("cuda") == cat.QGEMM_SMALL_M_MAX
+    assert qg.uses_small_m(cat.QGEMM_SMALL_M_MAX, "cuda") and not qg.uses_small_m(cat.QGEMM_SMALL_M_MAX + 1, "cuda")
+    monkeypatch.setenv("HAL_CUDA_SMALL_M_MAX", "64")
+    assert qg.uses_small_m(64, "cuda") and not qg.uses_small_m(65, "cuda")
+
+
+# -- supports(): reasons that send a call to the CPU path --------------------------------------------
+
+
+def _call(op: str, caps: Any, host: bool = True, **args: Any) -> OpCall:
+    backend = SimpleNamespace(device=lambda index: SimpleNamespace(capabilities=caps), name="cuda")
+    spec = OPS[op]
+    spec.validate(args, np.asarray)
+    return OpCall(spec=spec, args=args, backend=backend, host_arrays=host)
+
+
+def _attention(num_seqs: int = 2, heads: int = 8, kv_heads: int = 2, head_size: int = 128, block: int = 16,
+               dtype: Any = np.float16, tokens: int = 64) -> dict[str, Any]:
+    blocks = -(-tokens // block)
+    return dict(query=np.zeros((num_seqs, heads, head_size), dtype),
+                key_cache=np.zeros((num_seqs * blocks, kv_heads, block, head_size), dtype),
+                value_cache=np.zeros((num_seqs * blocks, kv_heads, block, head_size), dtype),
+                block_tables=np.arange(num_seqs * blocks, dtype=np.int32).reshape(num_seqs, blocks),
+                seq_lens=np.full(num_seqs, tokens, np.int32), scale=0.1, out=None)
+
+
+@pytest.fixture
+def offload_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HAL_CUDA_OFFLOAD_MIN_FLOPS", "0")
+
+
+@pytest.mark.usefixtures("offload_everything")
+@pytest.mark.parametrize(("change", "reason"), [
+    (dict(head_size=100), "head_size 100 has no GPU kernel"),
+    (dict(head_size=48), "head_size 48"),
+    (dict(block=64), "block_size 64"),
+    (dict(block=1), "block_size 1"),
+], ids=["hs100", "hs48", "bs64", "bs1"])
+def test_paged_attention_unsupported(change: dict[str, Any], reason: str) -> None:
+    call = _call("paged_attention", hal_core.load_profile("H100"), **_attention(**change))
+    verdict = pa.OP.supports(call)
+    assert isinstance(verdict, str) and reason in verdict
+
+
+@pytest.mark.usefixtures("offload_everything")
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, hal_core.arrays.BFLOAT16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("head_size", cat.PA_HEAD_SIZES)
+@pytest.mark.parametrize("block", cat.PA_BLOCK_SIZES)
+def test_paged_attention_supported(dtype: Any, head_size: int, block: int) -> None:
+    call = _call("paged_attention", hal_core.load_profile("RTX 5090"),
+                 **_attention(head_size=head_size, block=block, dtype=dtype))
+    assert pa.OP.supports(call) is True
+
+
+def test_host_arrays_below_offload_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """numpy inputs run on the GPU only from HAL_CUDA_OFFLOAD_MIN_FLOPS; below, the reason names it."""
+    args = _attention()
+    call = _call("paged_attention", hal_core.load_profile("H100"), **args)
+    verdict = pa.OP.supports(call)
+    assert isinstance(verdict, str) and "HAL_CUDA_OFFLOAD_MIN_FLOPS" in verdict
+    monkeypatch.setenv("HAL_CUDA_OFFLOAD_MIN_FLOPS", str(call.flops))
+    assert pa.OP.supports(_call("paged_attention", hal_core.load_profile("H100"), **args)) is True
+
+
+def test_write_kv_cache_never_offloads_by_default() -> None:
+    """A pure copy has no FLOPs: host caches always stay on the CPU path."""
+    k = np.zeros((4, 2, 64), np.float16)
+    cache = np.zeros((2, 2, 16, 64), np.float16)
+    call = _call("write_kv_cache", hal_core.load_profile("H100"), key=k, value=k.copy(), key_cache=cache,
+                 value_cache=cache.copy(), slot_mapping=np.arange(4, dtype=np.int64))
+    assert "HAL_CUDA_OFFLOAD_MIN_FLOPS" in kv.OP.supports(call)
+
+
+def _gemm_args(rng: np.random.Generator, k: int = 256, n: int = 64, m: int = 4, **quant: Any) -> dict[str, Any]:
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    return dict(x=rng.standard_normal((m, k)).astype(np.float16), qweight=quantize(w, **quant), out=None)
+
+
+@pytest.mark.usefixtures("offload_everything")
+@pytest.mark.parametrize(("quant", "n", "reason"), [
+    (dict(group_size=256), 64, "group_size 256"),
+    (dict(group_size=16), 64, "group_size 16"),
+    (dict(scale_dtype=np.float32), 64, "float16 scales"),
+    (dict(), 66, "multiple of 4"),
+], ids=["G256", "G16", "fp32-scales", "N66"])
+def test_quantized_gemm_unsupported(rng: np.random.Generator, quant: dict[str, Any], n: int, reason: str) -> None:
+    call = _call("quantized_gemm", hal_core.load_profile("A100"), **_gemm_args(rng, n=n, **quant))
+    verdict = qg.OP.supports(call)
+    assert isinstance(verdict, str) and reason in verdict
+
+
+@pytest.mark.usefixtures("offload_everything")
+def test_quantized_gemm_act_order_unsupported(rng: np.random.Generator) -> None:
+    args = _gemm_args(rng)
+    qw = args["qweight"]
+    args["qweight"] = type(qw)(qweight=qw.qweight, scales=qw.scales, zeros=qw.zeros, bits=4, group_size=128,
+                               shape=qw.shape, g_idx=(np.arange(256) // 128).astype(np.int32))
+    assert "g_idx" in qg.OP.supports(_call("quantized_gemm", hal_core.load_profile("A100"), **args))
+
+
+@pytest.mark.usefixtures("offload_everything")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", cat.QGEMM_GROUP_SIZES)
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "zeros"])
+def test_quantized_gemm_supported(rng: np.random.Generator, bits: int, group_size: int, symmetric: bool) -> None:
+    args = _gemm_args(rng, bits=bits, group_size=group_size, symmetric=symmetric)
+    assert qg.OP.supports(_call("quantized_gemm", hal_core.load_profile("A100"), **args)) is True
+
+
+def test_ops_register_with_priority() -> None:
+    """register_ops adds one CUDA implementation per op."""
+    from hal_cupy.ops import register_ops
+
+    from hal_core.ops import OpRegistry
+
+    registry = OpRegistry(frozenset(OPS))
+    register_ops(registry, "cuda")
+    assert registry.ops() == sorted(OPS)
+    for op in OPS:
+        (impl,) = registry.implementations(op)
+        assert impl.name == f"cuda.{op}" and impl.priority == 100 and isinstance(impl.fn, GpuOp)

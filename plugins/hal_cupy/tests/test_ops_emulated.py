@@ -1,0 +1,214 @@
+"""The CUDA op implementations end to end on the host, over numpy emulations of the kernels.
+
+``kernel_emulator.NumpyCupy`` replaces CuPy (device arrays are an ndarray
+subclass; kernels are numpy code written from the kernels README). This
+checks the host side without a GPU: argument lists, workspaces, the
+single/split-KV and fused/split-K/dequantise flows, bf16 storage, the
+offload round trip. The kernels themselves are checked on a GPU by
+test_gpu_ops.py.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import fakecupy
+import kernel_emulator as emu
+import numpy as np
+import pytest
+
+import hal_core
+from hal_core.arrays import BFLOAT16, TaggedArray
+from hal_core.ops import OPS, OpCall
+from hal_core.quant import quantize
+
+NP = {"fp32": np.float32, "fp16": np.float16, "bf16": BFLOAT16}
+TOL = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 1.5e-2}
+
+
+@pytest.fixture(params=["H200", "MI300X"], ids=["warp32", "wave64"])
+def backend(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Any:
+    """A stand-in GPU backend on an H200 (warp 32) or MI300X (wave 64) whose launcher compiles into the emulator."""
+    from hal_cupy import _arrays, _cupy, _launcher, _memory, _stream
+    from hal_cupy._launcher import CupyLauncher
+    from hal_cupy.ops import _common, _paged_attention, _quantized_gemm, _write_kv_cache
+
+    fake = emu.NumpyCupy()
+    for module in (_arrays, _cupy, _launcher, _memory, _stream, _common, _paged_attention, _quantized_gemm,
+                   _write_kv_cache):
+        monkeypatch.setattr(module, "cupy", lambda: fake)
+    caps = hal_core.load_profile(request.param)
+    device = SimpleNamespace(capabilities=caps, launcher=CupyLauncher(0, caps), platform=fakecupy.FakePlatform())
+    emu.LAUNCHED.clear()
+    return SimpleNamespace(name="cuda", device=lambda index: device)
+
+
+def to_dev(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        storage = emu.dev(value)
+        return TaggedArray(storage, "bf16") if value.dtype == BFLOAT16 else storage
+    return value
+
+
+def host(value: Any) -> np.ndarray:
+    if isinstance(value, TaggedArray):
+        return np.asarray(value.storage).view(BFLOAT16)
+    return np.asarray(value)
+
+
+def rel_err(out: Any, ref: np.ndarray) -> float:
+    out64 = host(out).astype(np.float64)
+    assert np.isfinite(out64).all(), "an output element was not written"
+    return float(np.linalg.norm(out64 - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def run(op: str, backend: Any, host_args: dict[str, Any], *, host_arrays: bool = False) -> Any:
+    from hal_cupy.ops import OPS as CUDA_OPS
+
+    impl = next(o for o in CUDA_OPS if o.op == op)
+    args = dict(host_args) if host_arrays else OPS[op].map_arrays(host_args, to_dev)
+    OPS[op].validate(args, host)
+    call = OpCall(spec=OPS[op], args=args, backend=backend, host_arrays=host_arrays)
+    assert impl.supports(call) is True
+    return impl(call), args
+
+
+def attention(rng: np.random.Generator, dtype: str, seq_lens: list[int], heads: int = 8, kv_heads: int = 2,
+              head_size: int = 64, block: int = 16) -> dict[str, Any]:
+    max_blocks = max(1, -(-max(seq_lens) // block))
+    n = len(seq_lens)
+    table = rng.permutation(n * max_blocks + 2)[: n * max_blocks].reshape(n, max_blocks).astype(np.int32)
+    shape = (n * max_blocks + 2, kv_heads, block, head_size)
+    return dict(query=rng.standard_normal((n, heads, head_size)).astype(NP[dtype]),
+                key_cache=rng.standard_normal(shape).astype(NP[dtype]),
+                value_cache=rng.standard_normal(shape).astype(NP[dtype]),
+                block_tables=table, seq_lens=np.array(seq_lens, np.int32), scale=0.125, out=None)
+
+
+@pytest.mark.parametrize("dtype", list(NP))
+@pytest.mark.parametrize(("seq_lens", "kernels"), [
+    ([0, 37, 300], ["hal_paged_attention"]),
+    ([1, 700, 2100], ["hal_paged_attention_split", "hal_paged_attention_reduce"]),
+], ids=["single", "split"])
+def test_paged_attention(backend: Any, rng: np.random.Generator, dtype: str, seq_lens: list[int],
+                         kernels: list[str]) -> None:
+    args = attention(rng, dtype, seq_lens)
+    out, _ = run("paged_attention", backend, args)
+    assert kernels == emu.LAUNCHED
+    assert rel_err(out, OPS["paged_attention"].reference(args)) < TOL[dtype]
+
+
+def test_paged_attention_into_out_gqa_tiles(backend: Any, rng: np.random.Generator) -> None:
+    """A group of 16 query heads per KV head (two GQA tiles), written into a given out."""
+    args = attention(rng, "fp16", [100, 513], heads=32, kv_heads=2, head_size=128)
+    args["out"] = np.full(args["query"].shape, np.nan, np.float16)
+    result, dev_args = run("paged_attention", backend, args)
+    assert result is dev_args["out"]
+    assert rel_err(result, OPS["paged_attention"].reference(args)) < TOL["fp16"]
+
+
+@pytest.mark.parametrize("slot_dtype", [np.int32, np.int64], ids=["slot32", "slot64"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_write_kv_cache(backend: Any, rng: np.random.Generator, dtype: str, slot_dtype: Any) -> None:
+    key = rng.standard_normal((5, 2, 64)).astype(NP[dtype])
+    cache = rng.standard_normal((3, 2, 16, 64)).astype(NP[dtype])
+    slots = np.array([3, -1, 40, 17, 0], slot_dtype)
+    args = dict(key=key, value=key * 2, key_cache=cache, value_cache=cache.copy(), slot_mapping=slots)
+    result, dev_args = run("write_kv_cache", backend, args)
+    want_k, want_v = OPS["write_kv_cache"].reference(args)
+    assert result is None
+    np.testing.assert_array_equal(host(dev_args["key_cache"]).astype(np.float64), want_k)
+    np.testing.assert_array_equal(host(dev_args["value_cache"]).astype(np.float64), want_v)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_write_kv_cache_strided_key_value(backend: Any, rng: np.random.Generator, dtype: str) -> None:
+    """Key/value views of a fused QKV array ([T, 3, H, D][:, 1] and [:, 2]) are written like dense rows."""
+    qkv = rng.standard_normal((5, 3, 2, 64)).astype(NP[dtype])
+    cache = rng.standard_normal((3, 2, 16, 64)).astype(NP[dtype])
+    slots = np.array([3, -1, 40, 17, 0], np.int64)
+    dense = dict(key=qkv[:, 1].copy(), value=qkv[:, 2].copy(), key_cache=cache, value_cache=cache.copy(),
+                 slot_mapping=slots)
+    dev_qkv = to_dev(qkv)
+    args = OPS["write_kv_cache"].map_arrays(dict(dense, key=None, value=None), to_dev)
+    args.update(key=dev_qkv[:, 1], value=dev_qkv[:, 2])
+    OPS["write_kv_cache"].validate(args, host)
+    call = OpCall(spec=OPS["write_kv_cache"], args=args, backend=backend, host_arrays=False)
+    from hal_cupy.ops import OPS as CUDA_OPS
+
+    impl = next(o for o in CUDA_OPS if o.op == "write_kv_cache")
+    assert impl.supports(call) is True
+    impl(call)
+    want_k, want_v = OPS["write_kv_cache"].reference(dense)
+    np.testing.assert_array_equal(host(args["key_cache"]).astype(np.float64), want_k)
+    np.testing.assert_array_equal(host(args["value_cache"]).astype(np.float64), want_v)
+
+
+@pytest.mark.parametrize("m", [1, 5, 17, 40], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("dtype", list(NP))
+@pytest.mark.parametrize("bits", [4, 8], ids=["W4A16", "W8A8"])
+def test_quantized_gemm(backend: Any, rng: np.random.Generator, bits: int, dtype: str, m: int) -> None:
+    """Fused with split-K (M <= 32, few columns), and dequantise + matmul above; asymmetric weights."""
+    qw = quantize(rng.standard_normal((1024, 256)).astype(np.float32) * 0.1, bits=bits, group_size=64,
+                  symmetric=False)
+    x = rng.standard_normal((m, 1024)).astype(NP[dtype])
+    args = dict(x=x, qweight=qw, out=None)
+    out, _ = run("quantized_gemm", backend, args)
+    fused = m <= 32
+    names = set(emu.LAUNCHED)
+    assert (f"hal_w{bits}a{'16' if bits == 4 else '8'}_gemm" in names) == fused
+    assert ("hal_f32_to_dtype" in names) == (fused or dtype == "bf16")  # split-K cast / bf16 matmul output
+    assert (bits == 8) == ("hal_w8a8_quantize_rows" in names)
+    tol = TOL[dtype] if dtype != "fp32" else 1e-4
+    assert rel_err(out, OPS["quantized_gemm"].reference(args)) < tol
+
+
+def test_offload_round_trip(backend: Any, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host inputs are copied in, computed on the 'device' and copied back into the given out."""
+    monkeypatch.setenv("HAL_CUDA_OFFLOAD_MIN_FLOPS", "0")
+    qw = quantize(rng.standard_normal((256, 128)).astype(np.float32))
+    x = rng.standard_normal((3, 256)).astype(np.float16)
+    out = np.full((3, 128), np.nan, np.float16)
+    result, _ = run("quantized_gemm", backend, dict(x=x, qweight=qw, out=out), host_arrays=True)
+    assert result is out and type(result) is np.ndarray
+    assert rel_err(out, OPS["quantized_gemm"].reference(dict(x=x, qweight=qw))) < TOL["fp16"]
+
+
+def test_offload_in_place(backend: Any, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """write_kv_cache on host caches (with the threshold at 0) writes the host caches back."""
+    monkeypatch.setenv("HAL_CUDA_OFFLOAD_MIN_FLOPS", "0")
+    key = rng.standard_normal((2, 1, 64)).astype(np.float16)
+    cache = np.zeros((1, 1, 16, 64), np.float16)
+    vcache = np.zeros_like(cache)
+    run("write_kv_cache", backend, dict(key=key, value=key, key_cache=cache, value_cache=vcache,
+                                         slot_mapping=np.array([4, 9], np.int64)), host_arrays=True)
+    np.testing.assert_array_equal(cache[0, 0, 4], key[0, 0])
+    np.testing.assert_array_equal(vcache[0, 0, 9], key[1, 0])
+
+
+@pytest.mark.parametrize("m", [3, 40], ids=["fused", "dequant"])
+@pytest.mark.parametrize("bits", [4, 8], ids=["W4A16", "W8A8"])
+def test_quantized_gemm_k0_is_zeros_without_launch(backend: Any, bits: int, m: int) -> None:
+    """K = 0 (an empty sum): zeros of [M, N], written into a given out, and no kernel launched."""
+    qw = quantize(np.zeros((0, 128), np.float32), bits=bits, group_size=64)
+    out = np.full((m, 128), np.nan, np.float16)
+    result, dev_args = run("quantized_gemm", backend, dict(x=np.zeros((m, 0), np.float16), qweight=qw, out=out))
+    assert result is dev_args["out"] and emu.LAUNCHED == []
+    np.testing.assert_array_equal(host(result), np.zeros((m, 128), np.float16))
+
+
+def test_write_kv_cache_refuses_an_odd_address(backend: Any, rng: np.random.Generator) -> None:
+    """The kernel copies units of 2 bytes or more: an fp16 key at an odd address goes to the CPU path."""
+    from hal_cupy.ops import OPS as CUDA_OPS
+
+    key = rng.standard_normal((2, 1, 64)).astype(np.float16)
+    raw = np.zeros(key.nbytes + 1, np.uint8).view(emu.DevArray)
+    odd = raw[1:].view(np.float16).reshape(key.shape)
+    odd[...] = key
+    cache = emu.dev(np.zeros((1, 1, 16, 64), np.float16))
+    args = dict(key=odd, value=emu.dev(key), key_cache=cache, value_cache=emu.dev(np.zeros_like(cache)),
+                slot_mapping=emu.dev(np.array([1, 2], np.int64)))
+    call = OpCall(spec=OPS["write_kv_cache"], args=args, backend=backend, host_arrays=False)
+    impl = next(o for o in CUDA_OPS if o.op == "write_kv_cache")
+    assert impl.supports(call) == "argument 'key' is not 2-byte aligned (a sliced view?); pass a fresh array"

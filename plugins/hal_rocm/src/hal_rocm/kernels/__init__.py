@@ -1,0 +1,1 @@
+"""The HIP prelude of the hal kernel sources (package data)."""
