@@ -34,6 +34,8 @@ inline V::f vload(const typename S::T *p) {
 
 //: Tokens scored per step (a block, or a slice of a long block); a multiple of every W.
 constexpr int kChunk = 32;
+//: Tokens ahead of the current chunk whose K/V rows are prefetched (a few blocks; they fit in L2).
+constexpr int64_t kLookahead = 96;
 
 struct AttnArgs {
     const void *query;
@@ -119,7 +121,7 @@ inline void prefetch_rows(const T *base, int rows, int64_t stride, int d) {
     const int64_t bytes = int64_t(d) * sizeof(T);
     for (int r = 0; r < rows; ++r) {
         const char *row = reinterpret_cast<const char *>(base + r * stride);
-        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
+        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
     }
 }
 
@@ -144,17 +146,20 @@ void attn_task(const AttnArgs &a, int s, int kvh, int64_t t0, int64_t t1, float 
     std::fill(acc, acc + size_t(gq) * d, 0.0f);
     const T *kc = static_cast<const T *>(a.kc), *vc = static_cast<const T *>(a.vc);
     const int bs = a.block_size;
+    int64_t prefetched = t0;
     for (int64_t t = t0; t < t1;) {
         const int64_t j = t / bs, off = t % bs;
         const int T_ = int(std::min<int64_t>({int64_t(bs) - off, t1 - t, int64_t(kChunk)}));
         const int64_t blk = a.bt[s * a.bts + j];
         const int64_t base = blk * a.cb + kvh * a.ch + off * a.ct;
-        if (t + T_ < t1) {  // blocks are scattered: fetch the next chunk's rows while this one computes
-            const int64_t tn = t + T_, jn = tn / bs, offn = tn % bs;
-            const int Tn = int(std::min<int64_t>({int64_t(bs) - offn, t1 - tn, int64_t(kChunk)}));
+        // Blocks are scattered: keep the rows of the next kLookahead tokens in flight while this chunk computes.
+        for (const int64_t until = std::min(t1, t + T_ + kLookahead); prefetched < until;) {
+            const int64_t jn = prefetched / bs, offn = prefetched % bs;
+            const int Tn = int(std::min<int64_t>(int64_t(bs) - offn, until - prefetched));
             const int64_t nbase = int64_t(a.bt[s * a.bts + jn]) * a.cb + kvh * a.ch + offn * a.ct;
             prefetch_rows(kc + nbase, Tn, a.ct, d);
             prefetch_rows(vc + nbase, Tn, a.ct, d);
+            prefetched += Tn;
         }
         if (T_ < kChunk)
             for (int g = 0; g < gq; ++g) std::fill(sc + g * kChunk + T_, sc + (g + 1) * kChunk, -kInf);
@@ -400,13 +405,18 @@ template <class SS, int NV>
 inline void w4_rows(int64_t rows, const float *xs, int64_t k, const float *xsum, int64_t ngroups,
                     const uint32_t *qw, int64_t n, int64_t n0, const typename SS::T *sc, const uint8_t *zeros,
                     float zdef, int64_t gsize, float *y) {
-    constexpr int MB = NV >= 4 ? 1 : (W >= 16 ? 4 : 2);
-    int64_t r = 0;
-    for (; r + MB <= rows; r += MB)
-        w4_tile<SS, MB, NV>(xs + r * k, k, xsum + r * ngroups, ngroups, qw, n, n0, sc, zeros, zdef, gsize,
-                            y + r * n, n);
-    for (; r < rows; ++r)
-        w4_tile<SS, 1, NV>(xs + r * k, k, xsum + r * ngroups, ngroups, qw, n, n0, sc, zeros, zdef, gsize, y + r * n, n);
+    constexpr int MB = NV >= 4 ? 1 : (W >= 16 ? 6 : 2);  // accumulators and totals fill the register file
+    for (int64_t r = 0; r < rows;) {
+        const int64_t left = std::min<int64_t>(MB, rows - r);
+#define HAL_W4_ROWS(R) w4_tile<SS, R, NV>(xs + r * k, k, xsum + r * ngroups, ngroups, qw, n, n0, sc, zeros, zdef, \
+                                          gsize, y + r * n, n)
+        if (left >= MB) HAL_W4_ROWS(MB);
+        else if (MB > 4 && left >= 4) { HAL_W4_ROWS(4 <= MB ? 4 : 1); r += 4; continue; }
+        else if (left >= 2) { HAL_W4_ROWS(2 <= MB ? 2 : 1); r += 2; continue; }
+        else HAL_W4_ROWS(1);
+#undef HAL_W4_ROWS
+        r += left >= MB ? MB : 1;
+    }
 }
 
 template <class SS>
@@ -576,12 +586,18 @@ template <class SS, int NV>
 inline void w8_rows(int64_t rows, const float *xq, int64_t k, const float *xqsum, int64_t nseg, const Segment *segs,
                     const int32_t *perm, const uint8_t *qw, int64_t n, int64_t n0, const typename SS::T *sc,
                     const uint8_t *zeros, float zdef, float *y) {
-    constexpr int MB = NV >= 4 ? 1 : (W >= 16 ? 4 : 2);
-    int64_t r = 0;
-    for (; r + MB <= rows; r += MB)
-        w8_tile<SS, MB, NV>(xq + r * k, k, xqsum + r * nseg, nseg, segs, perm, qw, n, n0, sc, zeros, zdef, y + r * n, n);
-    for (; r < rows; ++r)
-        w8_tile<SS, 1, NV>(xq + r * k, k, xqsum + r * nseg, nseg, segs, perm, qw, n, n0, sc, zeros, zdef, y + r * n, n);
+    constexpr int MB = NV >= 4 ? 1 : (W >= 16 ? 6 : 2);
+    for (int64_t r = 0; r < rows;) {
+        const int64_t left = std::min<int64_t>(MB, rows - r);
+#define HAL_W8_ROWS(R) w8_tile<SS, R, NV>(xq + r * k, k, xqsum + r * nseg, nseg, segs, perm, qw, n, n0, sc, zeros, \
+                                          zdef, y + r * n, n)
+        if (left >= MB) HAL_W8_ROWS(MB);
+        else if (MB > 4 && left >= 4) { HAL_W8_ROWS(4 <= MB ? 4 : 1); r += 4; continue; }
+        else if (left >= 2) { HAL_W8_ROWS(2 <= MB ? 2 : 1); r += 2; continue; }
+        else HAL_W8_ROWS(1);
+#undef HAL_W8_ROWS
+        r += left >= MB ? MB : 1;
+    }
 }
 
 template <class SS>

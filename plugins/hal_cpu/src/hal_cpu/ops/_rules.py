@@ -25,7 +25,7 @@ SERIAL_BYTES = 256 * 1024
 #: W4A16: the largest M served by the in-register kernel; above it, dequantised tiles feed BLAS.
 SMALL_M_MAX = 32
 #: W4A16 large M: bytes of one dequantised float32 tile ``[K, n_tile]`` (cache-sized, bounded).
-DEQUANT_TILE_BYTES = 4 * 1024 * 1024
+DEQUANT_TILE_BYTES = 16 * 1024 * 1024
 #: paged_attention: tasks wanted per thread before sequences are split into partitions.
 TASKS_PER_THREAD = 4
 #: paged_attention: the shortest partition worth a task (its merge costs one row per head).
