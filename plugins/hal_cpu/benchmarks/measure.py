@@ -155,7 +155,7 @@ def gemm_cases(rng: np.random.Generator, repeat: int, copy_bw: float, blas: floa
                        "weight_GB/s": packed / t / 1e9, "of_copy_bw": packed / t / copy_bw,
                        "GFLOP/s": flops / t / 1e9, "of_blas": flops / t / blas}
                 if peer is not None:
-                    tx = torch.from_numpy(x.view(np.uint16).astype(np.int32)).to(torch.int16).view(torch.bfloat16)
+                    tx = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
                     with torch.inference_mode():
                         tt = timed(lambda peer=peer, tx=tx: peer(tx), repeat)
                     row["torch_ms"] = tt * 1e3

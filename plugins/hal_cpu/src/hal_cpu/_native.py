@@ -23,7 +23,7 @@ import numpy as np
 
 __all__ = ["Native", "NativeUnavailable", "load", "pointer", "try_load"]
 
-_log = logging.getLogger("hal_cpu")
+_log = logging.getLogger("hal")
 _LIBRARY = Path(__file__).with_name("_kernels.so")
 #: Environment variable forcing an instruction-set variant (testing and diagnosis only).
 ISA_ENV = "HAL_CPU_ISA"
