@@ -121,7 +121,7 @@ def attention_cases(rng: np.random.Generator, repeat: int, copy_bw: float, torch
 
 def _torch_int4(torch: Any, qw: QuantizedWeight) -> Callable[[Any], Any]:
     """torch's int4 CPU kernel on the same codes, scales and zero points (bf16 activations)."""
-    codes = torch.from_numpy(qw.codes().T.astype(np.int32).copy())  # [N, K]
+    codes = torch.from_numpy(qw.codes().T.astype(np.int32).copy()).clone()  # [N, K], torch-aligned
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
     scales = torch.from_numpy(np.asarray(qw.scales).astype(np.float32))  # [K/G, N]
     # torch dequantises (q - 8) * s + zero: zero = (8 - z) * s for the asymmetric case
@@ -144,7 +144,7 @@ def gemm_cases(rng: np.random.Generator, repeat: int, copy_bw: float, blas: floa
                 if bits == 4:
                     peer = _torch_int4(torch, qw)
                 else:
-                    w8 = torch.from_numpy((qw.codes().astype(np.int16) - 128).T.astype(np.int8).copy())
+                    w8 = torch.from_numpy((qw.codes().astype(np.int16) - 128).T.astype(np.int8).copy()).clone()
                     s8 = torch.ones(n, dtype=torch.bfloat16)
                     peer = lambda x, w8=w8, s8=s8: torch.ops.aten._weight_int8pack_mm(x, w8, s8)  # noqa: E731
             for m in ms:
@@ -155,7 +155,7 @@ def gemm_cases(rng: np.random.Generator, repeat: int, copy_bw: float, blas: floa
                        "weight_GB/s": packed / t / 1e9, "of_copy_bw": packed / t / copy_bw,
                        "GFLOP/s": flops / t / 1e9, "of_blas": flops / t / blas}
                 if peer is not None:
-                    tx = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+                    tx = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).clone()  # torch-aligned
                     with torch.inference_mode():
                         tt = timed(lambda peer=peer, tx=tx: peer(tx), repeat)
                     row["torch_ms"] = tt * 1e3

@@ -60,8 +60,12 @@ inline void qk_row(const float *q, int d, const typename S::T *k, float *sc) {
         V::f kv = vload<S>(k + c);
         for (int g = 0; g < G; ++g) acc[g] = V::fma(V::load(q + g * d + c), kv, acc[g]);
     }
-    for (int g = 0; g < G; ++g) {
-        float s = V::hsum(acc[g]);
+    float sums[G + 3];
+    int g = 0;
+    for (; g + 4 <= G; g += 4) V::hsum4(acc[g], acc[g + 1], acc[g + 2], acc[g + 3], sums + g);
+    for (; g < G; ++g) sums[g] = V::hsum(acc[g]);
+    for (g = 0; g < G; ++g) {
+        float s = sums[g];
         for (int e = c; e < d; ++e) s += q[g * d + e] * S::scalar(k + e);
         sc[g * kChunk] = s;
     }
@@ -340,8 +344,6 @@ inline void w4_tile(const float *xs, int64_t k, const float *xsum, int64_t ngrou
     V::f tot[MB][NV];
     for (int mb = 0; mb < MB; ++mb)
         for (int v = 0; v < NV; ++v) tot[mb][v] = V::zero();
-    const V::i masks[7] = {V::seti(0xFu), V::seti(0xF0u), V::seti(0xF00u), V::seti(0xF000u), V::seti(0xF0000u),
-                           V::seti(0xF00000u), V::seti(0xF000000u)};
     const int64_t words = gsize / 8;
     for (int64_t g = 0; g < ngroups; ++g) {
         V::f acc[MB][NV];
@@ -361,14 +363,14 @@ inline void w4_tile(const float *xs, int64_t k, const float *xsum, int64_t ngrou
             for (int v = 0; v < NV; ++v) acc[mb][v] = V::fma(xb, wf[v], acc[mb][v]);       \
         }                                                                                  \
     }
-            HAL_W4_STEP(0, V::andi(w[v], masks[0]))
-            HAL_W4_STEP(1, V::andi(w[v], masks[1]))
-            HAL_W4_STEP(2, V::andi(w[v], masks[2]))
-            HAL_W4_STEP(3, V::andi(w[v], masks[3]))
-            HAL_W4_STEP(4, V::andi(w[v], masks[4]))
-            HAL_W4_STEP(5, V::andi(w[v], masks[5]))
-            HAL_W4_STEP(6, V::andi(w[v], masks[6]))
-            HAL_W4_STEP(7, V::andi(V::srli<4>(w[v]), masks[6]))
+            HAL_W4_STEP(0, V::andi(w[v], V::seti(0xFu << 0)))
+            HAL_W4_STEP(1, V::andi(w[v], V::seti(0xFu << 4)))
+            HAL_W4_STEP(2, V::andi(w[v], V::seti(0xFu << 8)))
+            HAL_W4_STEP(3, V::andi(w[v], V::seti(0xFu << 12)))
+            HAL_W4_STEP(4, V::andi(w[v], V::seti(0xFu << 16)))
+            HAL_W4_STEP(5, V::andi(w[v], V::seti(0xFu << 20)))
+            HAL_W4_STEP(6, V::andi(w[v], V::seti(0xFu << 24)))
+            HAL_W4_STEP(7, V::andi(V::srli<4>(w[v]), V::seti(0xFu << 24)))
 #undef HAL_W4_STEP
         }
         for (int v = 0; v < NV; ++v) {
