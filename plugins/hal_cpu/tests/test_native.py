@@ -46,14 +46,15 @@ def test_forcing_the_baseline_by_environment() -> None:
 
 def test_every_variant_gives_the_same_attention(native: _native.Native, rng: np.random.Generator) -> None:
     """Every variant that runs here agrees with the others to float32 rounding (different FMA contraction)."""
-    from conftest import isa
-
     args = paged_attention_inputs(rng, seq_lens=[50, 3, 200], num_heads=8, num_kv_heads=2, head_size=128,
                                   block_size=16, dtype="fp16")
     results = {}
-    for name in native.available:
-        with isa(native, name):
+    try:
+        for name in native.available:
+            assert native.lib.hal_cpu_select_isa(name.encode()) == name.encode()
             results[name] = paged_attention.attend(args["query"], args["key_cache"], args["value_cache"],
                                                    args["block_tables"], args["seq_lens"], args["scale"])
+    finally:
+        native.lib.hal_cpu_select_isa(native.isa.encode())
     for name, got in results.items():
         np.testing.assert_allclose(got, results["baseline"], rtol=1e-5, atol=1e-6, err_msg=name)
