@@ -166,21 +166,25 @@ def gemm_cases(rng: np.random.Generator, repeat: int, copy_bw: float, blas: floa
 
 
 def rss_case(count: int, m: int) -> dict[str, Any]:
-    """Peak RSS growth (MiB) over the weights themselves, calling ``count`` distinct 4096x11008 W4A16 weights once."""
+    """Peak RSS growth (MiB) over what is resident once the weights exist, calling ``count`` distinct 4096x11008
+    W4A16 weights once each (the peak is reset through /proc/self/clear_refs first; Linux only)."""
     code = f"""
-import resource, numpy as np
+import numpy as np
 from hal_core.quant import QuantizedWeight
 from hal_cpu.ops import quantized_gemm
 rng = np.random.default_rng(0)
 k, n, g = 4096, 11008, 128
-weights = [QuantizedWeight(rng.integers(0, 2**32, (k // 8, n), dtype=np.uint32), np.full((k // g, n), 0.01, np.float16),
-                           None, 4, g, (k, n)) for _ in range({count})]
+# filled in place (no temporaries that would raise the peak before the calls)
+weights = [QuantizedWeight(np.full((k // 8, n), 0x89ABCDEF + i, np.uint32), np.full((k // g, n), 0.01, np.float16),
+                           None, 4, g, (k, n)) for i in range({count})]
 x = rng.uniform(-1, 1, ({m}, k)).astype(np.float16)
-quantized_gemm.gemm(x, weights[0])
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+status = lambda key: int(next(line for line in open("/proc/self/status") if line.startswith(key)).split()[1])
+with open("/proc/self/clear_refs", "w") as f:  # reset the peak (VmHWM) to what is resident now
+    f.write("5")
+before = status("VmRSS")  # the weights and x exist; no call yet
 for w in weights:
     quantized_gemm.gemm(x, w)
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+after = status("VmHWM")
 print((after - before) / 1024, sum(w.nbytes for w in weights) / 2**20)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()

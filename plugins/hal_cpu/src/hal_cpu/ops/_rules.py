@@ -24,7 +24,8 @@ __all__ = [
 SERIAL_BYTES = 256 * 1024
 #: W4A16: the largest M served by the in-register kernel; above it, dequantised tiles feed BLAS.
 SMALL_M_MAX = 32
-#: W4A16 large M: bytes of one dequantised float32 tile ``[K, n_tile]`` (cache-sized, bounded).
+#: W4A16 large M: bytes of one dequantised float32 tile ``[K, columns]`` (bounded; large enough that few BLAS
+#: calls amortise their threading overhead, small enough to keep peak memory within 64 MiB of the weights).
 DEQUANT_TILE_BYTES = 16 * 1024 * 1024
 #: paged_attention: tasks wanted per thread before sequences are split into partitions.
 TASKS_PER_THREAD = 4
