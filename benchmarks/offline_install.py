@@ -31,7 +31,12 @@ def _version(project: Path, config: dict) -> str:
     static = config["project"].get("version")
     if static:
         return static
-    path = project / config["tool"]["hatch"]["version"]["path"]
+    tool = config["tool"]
+    if "hatch" in tool:
+        path = project / tool["hatch"]["version"]["path"]
+    else:  # setuptools: version = {attr = "pkg.module.__version__"}, packages under src/
+        module = tool["setuptools"]["dynamic"]["version"]["attr"].rsplit(".", 1)[0]
+        path = project / "src" / (module.replace(".", "/") + ".py")
     match = re.search(r'^__version__\s*=\s*["\']([^"\']+)["\']', path.read_text(), re.M)
     if match is None:
         raise SystemExit(f"no __version__ in {path}")

@@ -19,7 +19,7 @@ __all__ = ["CpuBackend"]
 
 
 class CpuBackend(Backend):
-    """Runs every op with vectorised numpy on the host; available everywhere.
+    """Runs every op with compiled SIMD kernels on the host (numpy if they fail to load); available everywhere.
 
     Its arrays are numpy arrays (bf16 as ml_dtypes' ``bfloat16``).
     """

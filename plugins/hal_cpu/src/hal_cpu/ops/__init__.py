@@ -1,8 +1,10 @@
 """The CPU implementations of hal's ops, registered with :func:`register_ops`.
 
-One module per op, named like hal_core's op modules. Every implementation
-is vectorised numpy: a Python loop runs at most over a few chunks bounded
-by a memory budget, never per token, head or block.
+One module per op, named like hal_core's op modules. Each is a thin wrapper
+around a compiled kernel (``hal_cpu._native``, sources in ``csrc/``); the
+tunables' built-in choices live in :mod:`._rules`. The ``_fallback_*``
+modules are numpy versions used only when the compiled library cannot be
+loaded (logged once).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ __all__ = ["paged_attention", "quantized_gemm", "register_ops", "write_kv_cache"
 
 
 def register_ops(registry: OpRegistry) -> None:
-    """Register the numpy implementation of every op (priority 0; they support every valid call)."""
+    """Register the implementation of every op (priority 0; they support every valid call)."""
     registry.register("paged_attention", paged_attention.paged_attention, name="cpu.paged_attention")
     registry.register("write_kv_cache", write_kv_cache.write_kv_cache, name="cpu.write_kv_cache")
     registry.register("quantized_gemm", quantized_gemm.quantized_gemm, name="cpu.quantized_gemm")

@@ -1,41 +1,31 @@
-"""``paged_attention`` on the host: gather, masked softmax and matmul in float32, all vectorised.
+"""``paged_attention`` on the host: the compiled kernel (csrc/kernels.cpp), one task per (sequence, KV head, partition).
 
-Sequences are sorted by length and grouped in chunks whose padded K/V
-(storage copy plus float32 copy) fit :data:`CHUNK_BUDGET_BYTES`; each
-chunk's tokens are split in partitions of at most :data:`PARTITION_TOKENS`.
-Every (chunk, partition) runs as one task on a thread per core and yields
-its softmax max, denominator and unnormalised ``P @ V``; a reduce step
-merges the partitions (vLLM's v2 idea), so memory stays bounded and long
-contexts use every core. Python loops run only over chunks and partitions.
+Each task walks its sequence's block table and reads every used K/V row once,
+in its storage dtype (fp16/bf16/fp32, widened in registers), for all query
+heads of its GQA group; the softmax is online, in float32. Sequences are
+split into partitions (split-KV) when there are too few (sequence, KV head)
+pairs for the cores; partitions merge by log-sum-exp. Unused cache slots are
+never read. A NaN score (a NaN query or used key), or a maximum score of
++/-inf, gives NaN for that head, and a non-finite used value reaches the
+result, as in the float64 reference.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import numpy as np
 
 from hal_core.ops import OpCall
 
-from ._common import finish, parallel_for, widen, workspace
+from .. import _native
+from . import _fallback_attention, _rules
+from ._common import finish
+from ._native_args import dtype_code, element_strides, last_contiguous
 
-__all__ = ["CHUNK_BUDGET_BYTES", "PARTITION_TOKENS", "attend", "paged_attention"]
-
-#: Bytes of gathered K/V (and scores) one chunk may hold; small enough to stay cache-warm.
-CHUNK_BUDGET_BYTES = 8 * 1024 * 1024
-#: Tokens per partition: one task each, merged by the reduce step.
-PARTITION_TOKENS = 1024
-
-
-def to_float32(array: np.ndarray) -> np.ndarray:
-    """``array`` as float32 (``array`` itself when it already is); fp16/bf16 widen exactly by bit arithmetic."""
-    if array.dtype == np.float32:
-        return array
-    return widen(np.ascontiguousarray(array), np.empty(array.shape, dtype=np.float32))
+__all__ = ["attend", "paged_attention"]
 
 
 def paged_attention(call: OpCall) -> np.ndarray:
-    """The registered implementation: computes in float32, writes ``out`` only when done."""
+    """The registered implementation: float32 result, written to ``out`` only when done."""
     result = attend(
         np.asarray(call["query"]), np.asarray(call["key_cache"]), np.asarray(call["value_cache"]),
         np.asarray(call["block_tables"]), np.asarray(call["seq_lens"]), call["scale"],
@@ -51,125 +41,45 @@ def attend(
     seq_lens: np.ndarray,
     scale: float,
     *,
-    budget: int | None = None,
     partition_tokens: int | None = None,
+    threads: int | None = None,
 ) -> np.ndarray:
-    """Paged decode attention of validated numpy inputs, as float32 ``[num_seqs, num_heads, head_size]``."""
-    budget = CHUNK_BUDGET_BYTES if budget is None else budget
-    partition_tokens = PARTITION_TOKENS if partition_tokens is None else partition_tokens
+    """Paged decode attention of validated numpy inputs, as float32 ``[num_seqs, num_heads, head_size]``.
+
+    ``partition_tokens`` (0: no split) and ``threads`` default to
+    :func:`~hal_cpu.ops._rules.attention_partition_tokens` and
+    :func:`~hal_cpu.ops._rules.threads_for`.
+    """
+    native = _native.try_load()
+    if native is None:
+        return _fallback_attention.attend(query, key_cache, value_cache, block_tables, seq_lens, scale)
     num_seqs, num_heads, head_size = query.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
-    group = num_heads // num_kv_heads
-    out = np.zeros((num_seqs, num_heads, head_size), dtype=np.float32)
-    lens = seq_lens.astype(np.int64)
-    order = np.argsort(lens, kind="stable")
-    order = order[lens[order] > 0]  # empty sequences stay zero
-    if order.size == 0:
+    out = np.empty((num_seqs, num_heads, head_size), dtype=np.float32)
+    if num_seqs == 0 or head_size == 0:
         return out
-    # [S, kv_heads, head_size, group]: the scores come out of one contiguous matmul per (seq, kv head)
-    q_t = np.ascontiguousarray(
-        (to_float32(query) * np.float32(scale)).reshape(num_seqs, num_kv_heads, group, head_size).swapaxes(-1, -2)
-    )
-    part_blocks = max(1, partition_tokens // block_size)
-    per_token = num_kv_heads * head_size * (key_cache.dtype.itemsize + 4) + 2 * 4 * num_heads
-    sorted_lens = lens[order]
-    tasks: list[tuple[np.ndarray, int, int]] = []  # (sequences, first block, end block)
-    start = 0
-    while start < order.size:  # chunks of similar-length sequences within the budget
-        padded = np.minimum(-(-sorted_lens[start:] // block_size), part_blocks) * block_size
-        cost = np.arange(1, padded.size + 1) * padded * per_token  # non-decreasing
-        rows = max(1, int(np.searchsorted(cost, budget, side="right")))
-        idx = order[start:start + rows]
-        used_blocks = int(-(-sorted_lens[start + idx.size - 1] // block_size))
-        tasks.extend((idx, b0, min(used_blocks, b0 + part_blocks)) for b0 in range(0, used_blocks, part_blocks))
-        start += rows
-    partials: list[Any] = [None] * len(tasks)  # filled by the tasks
-
-    def run(task: int) -> None:
-        idx, b0, b1 = tasks[task]
-        partials[task] = _partition(q_t[idx], key_cache, value_cache, block_tables[idx], lens[idx], b0, b1)
-
-    parallel_for(run, range(len(tasks)))  # chunks and partitions of long sequences run in parallel
-    first = 0
-    while first < len(tasks):  # merge each chunk's partitions (vLLM v2's reduce step)
-        last = first
-        while last + 1 < len(tasks) and tasks[last + 1][0] is tasks[first][0]:
-            last += 1
-        idx = tasks[first][0]
-        out[idx] = _merge(partials[first:last + 1]).reshape(idx.size, num_heads, head_size)
-        first = last + 1
+    query = last_contiguous(query)
+    if key_cache.strides != value_cache.strides:
+        key_cache, value_cache = np.ascontiguousarray(key_cache), np.ascontiguousarray(value_cache)
+    key_cache, value_cache = last_contiguous(key_cache), last_contiguous(value_cache)
+    if key_cache.strides != value_cache.strides:
+        key_cache, value_cache = np.ascontiguousarray(key_cache), np.ascontiguousarray(value_cache)
+    block_tables = np.ascontiguousarray(block_tables, dtype=np.int32)
+    seq_lens = np.ascontiguousarray(seq_lens, dtype=np.int32)
+    if threads is None or partition_tokens is None:
+        total = int(seq_lens.sum(dtype=np.int64))
+        kv_bytes = 2 * total * num_kv_heads * head_size * key_cache.itemsize
+        threads = _rules.threads_for(kv_bytes, native.threads) if threads is None else threads
+        if partition_tokens is None:
+            max_len = int(seq_lens.max()) if num_seqs else 0
+            partition_tokens = _rules.attention_partition_tokens(num_seqs, num_kv_heads, max_len, block_size, threads)
+    qs, qh, _ = element_strides(query)
+    cb, ch, ct, _ = element_strides(key_cache)
+    rc = native.lib.hal_cpu_paged_attention(
+        _native.pointer(query), qs, qh, _native.pointer(key_cache), _native.pointer(value_cache), cb, ch, ct,
+        _native.pointer(block_tables), block_tables.shape[1], _native.pointer(seq_lens), _native.pointer(out),
+        num_seqs, num_heads, num_kv_heads, block_size, head_size, dtype_code(query), scale,
+        int(partition_tokens), int(threads))
+    if rc:
+        raise MemoryError("paged_attention: the CPU kernel could not allocate its partition workspace")
     return out
-
-
-def _merge(partials: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> np.ndarray:
-    """Combine per-partition ``(max, denominator, accumulator)`` into normalised outputs."""
-    top = partials[0][0]
-    for part_max, _, _ in partials[1:]:
-        top = np.maximum(top, part_max)
-    safe_top = np.where(np.isfinite(top), top, np.float32(0))
-    denom = np.zeros_like(top)
-    acc = np.zeros_like(partials[0][2])
-    for part_max, part_denom, part_acc in partials:
-        weight = np.exp(part_max - safe_top)  # [C, kv_heads, 1, group]; 0 for empty partitions
-        denom += part_denom * weight
-        acc += part_acc * weight.swapaxes(-1, -2)
-    denom = denom.swapaxes(-1, -2)
-    result = np.divide(acc, denom, out=np.zeros_like(acc), where=denom > 0)
-    # a NaN or infinite maximum (NaN in q or a used key, +-inf scores) makes the reference's softmax NaN
-    result[np.broadcast_to(~np.isfinite(top).swapaxes(-1, -2), result.shape)] = np.nan
-    return result
-
-
-def _gather(cache: np.ndarray, blocks: np.ndarray, invalid: np.ndarray) -> np.ndarray:
-    """Blocks ``[C, nb]`` of ``cache`` as float32 ``[C, kv_heads, nb * block_size, head_size]`` (a workspace).
-
-    Rows of tokens marked in ``invalid`` ``[C, nb, block_size]`` (past a
-    sequence's length, or in blocks it does not use) come out as zeros, so
-    whatever the cache holds there (NaN, Inf) never reaches a result.
-    """
-    chunk, nb = blocks.shape
-    _, num_kv_heads, block_size, head_size = cache.shape
-    picked = workspace("picked", (chunk, nb, num_kv_heads, block_size, head_size), cache.dtype)
-    np.take(cache, blocks, axis=0, out=picked, mode="clip")  # one contiguous copy per block
-    ragged = np.flatnonzero(invalid.any(axis=(0, 2)))  # blocks holding any invalid row
-    if ragged.size:  # zero the storage bits (0 is +0.0 in every float format), only from the first such block
-        first = int(ragged[0])
-        bits = picked.view(np.dtype(f"u{cache.dtype.itemsize}"))[:, first:]
-        np.copyto(bits, 0, where=invalid[:, first:, None, :, None])
-    if cache.dtype != np.float32:  # widen contiguously: a cast from a strided view is several times slower
-        picked = widen(picked, workspace("widened", picked.shape, np.float32))
-    wide = workspace("wide", (chunk, num_kv_heads, nb, block_size, head_size), np.float32)
-    np.copyto(wide, picked.transpose(0, 2, 1, 3, 4))
-    return wide.reshape(chunk, num_kv_heads, nb * block_size, head_size)
-
-
-def _partition(
-    q_t: np.ndarray,
-    key_cache: np.ndarray,
-    value_cache: np.ndarray,
-    block_tables: np.ndarray,
-    lens: np.ndarray,
-    b0: int,
-    b1: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Blocks ``b0:b1`` of a chunk: ``(max, denominator, unnormalised P @ V)``.
-
-    ``q_t`` is float32 ``[C, kv_heads, d, group]``; the results are
-    ``[C, kv_heads, 1, group]`` twice and ``[C, kv_heads, group, d]``.
-    """
-    block_size = key_cache.shape[2]
-    chunk = q_t.shape[0]
-    tokens = np.arange(b0 * block_size, b1 * block_size)
-    valid = tokens[None, :] < lens[:, None]  # [C, T]
-    invalid = ~valid.reshape(chunk, b1 - b0, block_size)
-    used = ~invalid[:, :, 0]
-    blocks = np.where(used, block_tables[:, b0:b1], 0).astype(np.intp)  # unused entries may hold anything
-    scores = workspace("scores", (chunk, q_t.shape[1], tokens.size, q_t.shape[3]), np.float32)
-    np.matmul(_gather(key_cache, blocks, invalid), q_t, out=scores)  # [C, kv_heads, T, group]
-    scores += np.where(valid, np.float32(0), np.float32(-np.inf))[:, None, :, None]  # zero keys: finite + -inf
-    top = scores.max(axis=2, keepdims=True)
-    scores -= np.where(np.isfinite(top), top, np.float32(0))
-    np.exp(scores, out=scores)
-    denom = scores.sum(axis=2, keepdims=True)
-    acc = scores.swapaxes(-1, -2) @ _gather(value_cache, blocks, invalid)  # 0 * zeroed value rows: 0
-    return top, denom, acc

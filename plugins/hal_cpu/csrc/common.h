@@ -1,0 +1,37 @@
+// Shared by every kernel variant: the thread pool's entry point (defined once, in dispatch.cpp).
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+extern "C" void hal_cpu_parallel_for(int64_t n, int32_t threads, void (*fn)(void *, int64_t), void *ctx);
+
+namespace hal {
+
+// Run f(i) for i in [0, n) on up to `threads` threads (dynamic scheduling; the caller works too).
+template <class F>
+inline void parallel_for(int64_t n, int32_t threads, F &&f) {
+    using Fn = std::remove_reference_t<F>;
+    hal_cpu_parallel_for(n, threads, [](void *ctx, int64_t i) { (*static_cast<Fn *>(ctx))(i); }, &f);
+}
+
+// The kernels of one instruction-set variant; dispatch.cpp holds one table per compiled variant.
+struct KernelTable {
+    int (*paged_attention)(const void *, int64_t, int64_t, const void *, const void *, int64_t, int64_t, int64_t,
+                           const int32_t *, int64_t, const int32_t *, float *, int32_t, int32_t, int32_t, int32_t,
+                           int32_t, int32_t, float, int32_t, int32_t);
+    int (*to_float32)(const void *, int32_t, int64_t, int64_t, int64_t, float *, int32_t);
+    int (*w4a16_gemv)(const void *, int32_t, int64_t, int64_t, int64_t, int64_t, const uint32_t *, const void *,
+                      int32_t, const uint8_t *, int32_t, int64_t, float *, int64_t, int32_t);
+    int (*dequant_tile)(const void *, int32_t, const void *, int32_t, const uint8_t *, int32_t, const int32_t *,
+                        int64_t, int64_t, int64_t, int64_t, int64_t, float *, int64_t, int32_t);
+    int (*w8a8_gemm)(const void *, int32_t, int64_t, int64_t, int64_t, int64_t, const uint8_t *, const void *,
+                     int32_t, const uint8_t *, int32_t, const int32_t *, const int64_t *, const int32_t *, int64_t,
+                     float *, int64_t, int32_t);
+};
+
+}  // namespace hal
+
+extern "C" const hal::KernelTable *hal_kernels_avx512();
+extern "C" const hal::KernelTable *hal_kernels_avx2();
+extern "C" const hal::KernelTable *hal_kernels_baseline();

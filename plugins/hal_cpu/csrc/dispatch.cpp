@@ -1,0 +1,250 @@
+// The entry points of the compiled library: instruction-set selection, the thread pool,
+// and the kernels that need no SIMD (write_kv_cache is a scatter of contiguous rows).
+//
+// Compiled for the portable baseline. Each SIMD variant of kernels.cpp is linked in when
+// the build compiled it (HAL_HAVE_AVX512 / HAL_HAVE_AVX2); hal_cpu_select_isa picks the best
+// one this CPU and OS support, unless a name is forced (HAL_CPU_ISA, for testing and diagnosis).
+#include <pthread.h>
+#include <sched.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common.h"
+#include "hal_cpu_kernels.h"
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Thread pool: workers block on a condition variable between jobs (no spinning, so they never
+// compete with BLAS or another runtime's threads); the calling thread works too.
+// ---------------------------------------------------------------------------------------------
+class Pool {
+  public:
+    explicit Pool(int workers) {
+        for (int w = 0; w < workers; ++w) threads_.emplace_back([this, w] { loop(w); });
+    }
+    int size() const { return int(threads_.size()); }
+
+    // Returns false when another job is running (the caller then runs its job inline).
+    bool run(int64_t n, int helpers, void (*fn)(void *, int64_t), void *ctx) {
+        std::unique_lock<std::mutex> busy(submit_, std::try_to_lock);
+        if (!busy.owns_lock()) return false;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            fn_ = fn;
+            ctx_ = ctx;
+            n_ = n;
+            next_.store(0);
+            helpers_ = std::min(helpers, size());
+            pending_ = helpers_;
+            ++generation_;
+        }
+        cv_.notify_all();
+        work();
+        std::unique_lock<std::mutex> lock(mu_);
+        done_.wait(lock, [this] { return pending_ == 0; });
+        return true;
+    }
+
+  private:
+    void work() {
+        for (int64_t i; (i = next_.fetch_add(1)) < n_;) fn_(ctx_, i);
+    }
+    void loop(int w) {
+        uint64_t seen = 0;
+        for (;;) {
+            {
+                std::unique_lock<std::mutex> lock(mu_);
+                cv_.wait(lock, [&] { return generation_ != seen; });
+                seen = generation_;
+                if (w >= helpers_) continue;
+            }
+            work();
+            std::lock_guard<std::mutex> lock(mu_);
+            if (--pending_ == 0) done_.notify_all();
+        }
+    }
+
+    std::vector<std::thread> threads_;
+    std::mutex submit_, mu_;
+    std::condition_variable cv_, done_;
+    void (*fn_)(void *, int64_t) = nullptr;
+    void *ctx_ = nullptr;
+    int64_t n_ = 0;
+    std::atomic<int64_t> next_{0};
+    int helpers_ = 0, pending_ = 0;
+    uint64_t generation_ = 0;
+};
+
+int cpu_count() {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+    return std::max(1u, std::thread::hardware_concurrency());
+}
+
+std::mutex pool_mu;
+Pool *pool = nullptr;  // made on first use; abandoned (not joined) in a forked child
+
+void forget_pool_after_fork() { pool = nullptr; }
+
+Pool *get_pool() {
+    std::lock_guard<std::mutex> lock(pool_mu);
+    if (!pool) {
+        static bool registered = false;
+        if (!registered) {
+            pthread_atfork(nullptr, nullptr, forget_pool_after_fork);
+            registered = true;
+        }
+        pool = new Pool(cpu_count() - 1);
+    }
+    return pool;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Instruction-set selection
+// ---------------------------------------------------------------------------------------------
+struct Variant {
+    const char *name;
+    const hal::KernelTable *(*table)();
+    bool (*supported)();
+};
+
+#if defined(__x86_64__) || defined(__i386__)
+bool has_avx512() {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("fma") && __builtin_cpu_supports("avx2");
+}
+bool has_avx2() {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("avx");
+}
+#endif
+bool always() { return true; }
+
+const Variant variants[] = {
+#ifdef HAL_HAVE_AVX512
+    {"avx512", hal_kernels_avx512, has_avx512},
+#endif
+#ifdef HAL_HAVE_AVX2
+    {"avx2", hal_kernels_avx2, has_avx2},
+#endif
+    {"baseline", hal_kernels_baseline, always},
+};
+
+const Variant *chosen = nullptr;
+
+const hal::KernelTable *kernels() {
+    if (!chosen) hal_cpu_select_isa(nullptr);
+    return chosen->table();
+}
+
+}  // namespace
+
+extern "C" {
+
+void hal_cpu_parallel_for(int64_t n, int32_t threads, void (*fn)(void *, int64_t), void *ctx) {
+    if (n <= 0) return;
+    if (threads > 1 && n > 1) {
+        Pool *p = get_pool();
+        const int helpers = int(std::min<int64_t>(std::min(threads - 1, p->size()), n - 1));
+        if (helpers > 0 && p->run(n, helpers, fn, ctx)) return;
+    }
+    for (int64_t i = 0; i < n; ++i) fn(ctx, i);
+}
+
+const char *hal_cpu_select_isa(const char *forced) {
+    for (const Variant &v : variants) {
+        if (forced && *forced && std::strcmp(forced, v.name) != 0) continue;
+        if (v.supported()) {
+            chosen = &v;
+            return v.name;
+        }
+    }
+    return nullptr;  // the forced variant is not built or not supported here: nothing changed
+}
+
+const char *hal_cpu_isa(void) {
+    kernels();
+    return chosen->name;
+}
+
+const char *hal_cpu_available_isas(void) {
+    static std::string names;
+    if (names.empty())
+        for (const Variant &v : variants)
+            if (v.supported()) names += std::string(names.empty() ? "" : ",") + v.name;
+    return names.c_str();
+}
+
+int hal_cpu_default_threads(void) { return cpu_count(); }
+
+int hal_cpu_paged_attention(const void *query, int64_t qs, int64_t qh, const void *kc, const void *vc, int64_t cb,
+                            int64_t ch, int64_t ct, const int32_t *bt, int64_t bts, const int32_t *sl, float *out,
+                            int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads, int32_t block_size,
+                            int32_t head_size, int32_t dtype, float scale, int32_t partition_tokens,
+                            int32_t threads) {
+    return kernels()->paged_attention(query, qs, qh, kc, vc, cb, ch, ct, bt, bts, sl, out, num_seqs, num_heads,
+                                      num_kv_heads, block_size, head_size, dtype, scale, partition_tokens, threads);
+}
+
+int hal_cpu_to_float32(const void *x, int32_t dtype, int64_t stride, int64_t m, int64_t k, float *out,
+                       int32_t threads) {
+    return kernels()->to_float32(x, dtype, stride, m, k, out, threads);
+}
+
+int hal_cpu_w4a16_gemv(const void *x, int32_t xdt, int64_t xs, int64_t m, int64_t k, int64_t n, const uint32_t *qw,
+                       const void *scales, int32_t sdt, const uint8_t *zeros, int32_t zdef, int64_t gsize, float *y,
+                       int64_t n_tile, int32_t threads) {
+    return kernels()->w4a16_gemv(x, xdt, xs, m, k, n, qw, scales, sdt, zeros, zdef, gsize, y, n_tile, threads);
+}
+
+int hal_cpu_dequant_tile(const void *qweight, int32_t bits, const void *scales, int32_t sdt, const uint8_t *zeros,
+                         int32_t zdef, const int32_t *g_idx, int64_t gsize, int64_t k, int64_t n, int64_t n0,
+                         int64_t n1, float *out, int64_t ld, int32_t threads) {
+    return kernels()->dequant_tile(qweight, bits, scales, sdt, zeros, zdef, g_idx, gsize, k, n, n0, n1, out, ld,
+                                   threads);
+}
+
+int hal_cpu_w8a8_gemm(const void *x, int32_t xdt, int64_t xs, int64_t m, int64_t k, int64_t n, const uint8_t *qw,
+                      const void *scales, int32_t sdt, const uint8_t *zeros, int32_t zdef, const int32_t *perm,
+                      const int64_t *starts, const int32_t *group_of_run, int64_t runs, float *y, int64_t n_tile,
+                      int32_t threads) {
+    return kernels()->w8a8_gemm(x, xdt, xs, m, k, n, qw, scales, sdt, zeros, zdef, perm, starts, group_of_run, runs,
+                                y, n_tile, threads);
+}
+
+int hal_cpu_write_kv_cache(const void *key, int64_t kts, int64_t khs, const void *value, int64_t vts, int64_t vhs,
+                           void *key_cache, void *value_cache, int64_t cb, int64_t ch, int64_t ct, const void *slots,
+                           int32_t slot_bytes, int64_t num_tokens, int32_t num_kv_heads, int32_t block_size,
+                           int32_t head_size, int32_t elem_bytes, int32_t threads) {
+    const size_t row = size_t(head_size) * elem_bytes;
+    const char *k = static_cast<const char *>(key), *v = static_cast<const char *>(value);
+    char *kc = static_cast<char *>(key_cache), *vc = static_cast<char *>(value_cache);
+    const int64_t per_task = 16;
+    hal::parallel_for((num_tokens + per_task - 1) / per_task, threads, [&](int64_t t) {
+        const int64_t i1 = std::min(num_tokens, (t + 1) * per_task);
+        for (int64_t i = t * per_task; i < i1; ++i) {
+            const int64_t slot = slot_bytes == 8 ? static_cast<const int64_t *>(slots)[i]
+                                                 : static_cast<const int32_t *>(slots)[i];
+            if (slot < 0) continue;
+            const int64_t dst = (slot / block_size) * cb + (slot % block_size) * ct;
+            for (int32_t h = 0; h < num_kv_heads; ++h) {
+                std::memcpy(kc + (dst + h * ch) * elem_bytes, k + (i * kts + h * khs) * elem_bytes, row);
+                std::memcpy(vc + (dst + h * ch) * elem_bytes, v + (i * vts + h * vhs) * elem_bytes, row);
+            }
+        }
+    });
+    return HAL_OK;
+}
+
+}  // extern "C"

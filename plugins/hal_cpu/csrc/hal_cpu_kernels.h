@@ -1,0 +1,75 @@
+/* The plain C ABI of hal-cpu's compiled kernels (loaded with ctypes by hal_cpu._native).
+ *
+ * Every kernel validates nothing: the Python wrappers pass validated shapes,
+ * strides in elements (the last dimension always contiguous) and dtype codes.
+ * Return value: 0 on success, HAL_ENOMEM when a bounded workspace could not
+ * be allocated (nothing has been written to the outputs then).
+ */
+#ifndef HAL_CPU_KERNELS_H
+#define HAL_CPU_KERNELS_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#pragma GCC visibility push(default)
+
+enum { HAL_F32 = 0, HAL_F16 = 1, HAL_BF16 = 2 };
+enum { HAL_OK = 0, HAL_ENOMEM = 1 };
+
+/* The variant chosen at load time ("avx512", "avx2", "baseline"); forced = NULL or "" picks the best. */
+const char *hal_cpu_select_isa(const char *forced);
+const char *hal_cpu_isa(void);
+const char *hal_cpu_available_isas(void);
+int hal_cpu_default_threads(void);
+
+int hal_cpu_paged_attention(
+    const void *query, int64_t q_seq_stride, int64_t q_head_stride,
+    const void *key_cache, const void *value_cache,
+    int64_t c_block_stride, int64_t c_head_stride, int64_t c_token_stride,
+    const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+    float *out, int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads, int32_t block_size,
+    int32_t head_size, int32_t dtype, float scale, int32_t partition_tokens, int32_t threads);
+
+int hal_cpu_write_kv_cache(
+    const void *key, int64_t k_token_stride, int64_t k_head_stride,
+    const void *value, int64_t v_token_stride, int64_t v_head_stride,
+    void *key_cache, void *value_cache,
+    int64_t c_block_stride, int64_t c_head_stride, int64_t c_token_stride,
+    const void *slots, int32_t slot_bytes, int64_t num_tokens, int32_t num_kv_heads, int32_t block_size,
+    int32_t head_size, int32_t elem_bytes, int32_t threads);
+
+/* x [M, K] (row stride x_stride) to float32 [M, K] (contiguous). */
+int hal_cpu_to_float32(const void *x, int32_t dtype, int64_t x_stride, int64_t m, int64_t k, float *out,
+                       int32_t threads);
+
+/* W4A16 without act-order, group_size % 8 == 0: y [M, N] fp32 = x @ dequant(w), int4 unpacked in registers. */
+int hal_cpu_w4a16_gemv(
+    const void *x, int32_t x_dtype, int64_t x_stride, int64_t m, int64_t k, int64_t n,
+    const uint32_t *qweight, const void *scales, int32_t s_dtype, const uint8_t *zeros, int32_t default_zero,
+    int64_t group_size, float *y, int64_t n_tile, int32_t threads);
+
+/* Columns [n0, n1) of the dequantised weight (int4 or int8) as float32 [K, n1 - n0] (row stride ld). */
+int hal_cpu_dequant_tile(
+    const void *qweight, int32_t bits, const void *scales, int32_t s_dtype, const uint8_t *zeros,
+    int32_t default_zero, const int32_t *g_idx, int64_t group_size, int64_t k, int64_t n, int64_t n0, int64_t n1,
+    float *out, int64_t ld, int32_t threads);
+
+/* W8A8: per-token int8 quantisation fused, exact integer sums per group, y [M, N] fp32.
+ * perm (nullable) orders rows so groups are contiguous runs (act-order); group_starts [groups + 1]
+ * bounds those runs in the permuted order. A row of x holding NaN or Inf gives a row of NaN. */
+int hal_cpu_w8a8_gemm(
+    const void *x, int32_t x_dtype, int64_t x_stride, int64_t m, int64_t k, int64_t n,
+    const uint8_t *qweight, const void *scales, int32_t s_dtype, const uint8_t *zeros, int32_t default_zero,
+    const int32_t *perm, const int64_t *group_starts, const int32_t *group_of_run, int64_t runs,
+    float *y, int64_t n_tile, int32_t threads);
+
+#pragma GCC visibility pop
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

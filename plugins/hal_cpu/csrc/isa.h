@@ -1,0 +1,204 @@
+// The vector layer every kernel is written against, one definition per instruction set.
+//
+// kernels.cpp is compiled once per variant with HAL_ISA_AVX512, HAL_ISA_AVX2 or
+// neither (the portable baseline, plain loops the compiler vectorises for the
+// target's base ISA: SSE2 on x86-64, NEON on aarch64). Each variant offers the
+// same names: V::f (W float lanes), V::i (W int32 lanes) and the operations below.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(HAL_ISA_AVX512) || defined(HAL_ISA_AVX2)
+#include <immintrin.h>
+#endif
+
+namespace hal {
+
+// Exact scalar conversions (tails and the baseline variant).
+inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = uint32_t(h & 0x8000u) << 16;
+    uint32_t mag = h & 0x7fffu;
+    uint32_t bits = mag << 13;
+    float f;
+    if (mag >= 0x7c00u) {  // inf / nan: exponent all ones
+        bits |= 0x7f800000u;
+        std::memcpy(&f, &bits, 4);
+    } else {
+        std::memcpy(&f, &bits, 4);
+        f *= 5.192296858534828e+33f;  // 2**112 rebiases the exponent, subnormals included
+    }
+    std::memcpy(&bits, &f, 4);
+    bits |= sign;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+struct F32 { using T = float; static float scalar(const T *p) { return *p; } };
+struct F16 { using T = uint16_t; static float scalar(const T *p) { return f16_to_f32(*p); } };
+struct BF16 { using T = uint16_t; static float scalar(const T *p) { return bf16_to_f32(*p); } };
+
+#if defined(HAL_ISA_AVX512)
+#define HAL_ISA_NAME avx512
+struct V {
+    static constexpr int W = 16;
+    using f = __m512;
+    using i = __m512i;
+    static f zero() { return _mm512_setzero_ps(); }
+    static f set1(float x) { return _mm512_set1_ps(x); }
+    static f load(const float *p) { return _mm512_loadu_ps(p); }
+    static f load(const F32 *, const float *p) { return _mm512_loadu_ps(p); }
+    static f load(const F16 *, const uint16_t *p) {
+        return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)));
+    }
+    static f load(const BF16 *, const uint16_t *p) {
+        __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    }
+    static f load_u8(const uint8_t *p) {
+        return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p))));
+    }
+    static void store(float *p, f v) { _mm512_storeu_ps(p, v); }
+    static f add(f a, f b) { return _mm512_add_ps(a, b); }
+    static f sub(f a, f b) { return _mm512_sub_ps(a, b); }
+    static f mul(f a, f b) { return _mm512_mul_ps(a, b); }
+    static f fma(f a, f b, f c) { return _mm512_fmadd_ps(a, b, c); }
+    static f fnma(f a, f b, f c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
+    static float hsum(f v) { return _mm512_reduce_add_ps(v); }
+    // out[i] = hsum(a_i) for four vectors at once (13 shuffles and adds instead of four reductions).
+    static void hsum4(f a0, f a1, f a2, f a3, float *out) {
+        f s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+        f s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+        f s = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xEE));
+        s = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, 0x4E));
+        s = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, 0xB1));
+        _mm_storeu_ps(out, _mm512_castps512_ps128(s));
+    }
+    static i loadi(const uint32_t *p) { return _mm512_loadu_si512(p); }
+    static i seti(uint32_t x) { return _mm512_set1_epi32(int(x)); }
+    static i andi(i a, i b) { return _mm512_and_si512(a, b); }
+    template <int S> static i srli(i a) { return _mm512_srli_epi32(a, S); }
+    static f cvt(i a) { return _mm512_cvtepi32_ps(a); }
+    // exp for x <= 0 (NaN in, NaN out; 0 below the float range): 2**n * p(r), |rel err| < 2e-7.
+    static f exp(f x) {
+        const f lo = set1(-87.3f);
+        __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+        f n = _mm512_roundscale_ps(_mm512_mul_ps(x, set1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+        f r = _mm512_fnmadd_ps(n, set1(0.693359375f), x);
+        r = _mm512_fnmadd_ps(n, set1(-2.12194440e-4f), r);
+        f p = poly(r);
+        f e = _mm512_scalef_ps(p, n);
+        return _mm512_mask_mov_ps(e, under, zero());
+    }
+    static f poly(f r) {
+        f p = set1(1.9875691500e-4f);
+        p = fma(p, r, set1(1.3981999507e-3f));
+        p = fma(p, r, set1(8.3334519073e-3f));
+        p = fma(p, r, set1(4.1665795894e-2f));
+        p = fma(p, r, set1(1.6666665459e-1f));
+        p = fma(p, r, set1(5.0000001201e-1f));
+        p = fma(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, set1(1.0f)));
+        return p;
+    }
+};
+#elif defined(HAL_ISA_AVX2)
+#define HAL_ISA_NAME avx2
+struct V {
+    static constexpr int W = 8;
+    using f = __m256;
+    using i = __m256i;
+    static f zero() { return _mm256_setzero_ps(); }
+    static f set1(float x) { return _mm256_set1_ps(x); }
+    static f load(const float *p) { return _mm256_loadu_ps(p); }
+    static f load(const F32 *, const float *p) { return _mm256_loadu_ps(p); }
+    static f load(const F16 *, const uint16_t *p) {
+        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+    }
+    static f load(const BF16 *, const uint16_t *p) {
+        __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    }
+    static f load_u8(const uint8_t *p) {
+        return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p))));
+    }
+    static void store(float *p, f v) { _mm256_storeu_ps(p, v); }
+    static f add(f a, f b) { return _mm256_add_ps(a, b); }
+    static f sub(f a, f b) { return _mm256_sub_ps(a, b); }
+    static f mul(f a, f b) { return _mm256_mul_ps(a, b); }
+    static f fma(f a, f b, f c) { return _mm256_fmadd_ps(a, b, c); }
+    static f fnma(f a, f b, f c) { return _mm256_fnmadd_ps(a, b, c); }
+    static float hsum(f v) {
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        return _mm_cvtss_f32(s);
+    }
+    static void hsum4(f a0, f a1, f a2, f a3, float *out) {
+        out[0] = hsum(a0); out[1] = hsum(a1); out[2] = hsum(a2); out[3] = hsum(a3);
+    }
+    static i loadi(const uint32_t *p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)); }
+    static i seti(uint32_t x) { return _mm256_set1_epi32(int(x)); }
+    static i andi(i a, i b) { return _mm256_and_si256(a, b); }
+    template <int S> static i srli(i a) { return _mm256_srli_epi32(a, S); }
+    static f cvt(i a) { return _mm256_cvtepi32_ps(a); }
+    static f exp(f x) {
+        f under = _mm256_cmp_ps(x, set1(-87.3f), _CMP_LT_OQ);
+        f n = _mm256_round_ps(_mm256_mul_ps(x, set1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        f r = _mm256_fnmadd_ps(n, set1(0.693359375f), x);
+        r = _mm256_fnmadd_ps(n, set1(-2.12194440e-4f), r);
+        f p = set1(1.9875691500e-4f);
+        p = fma(p, r, set1(1.3981999507e-3f));
+        p = fma(p, r, set1(8.3334519073e-3f));
+        p = fma(p, r, set1(4.1665795894e-2f));
+        p = fma(p, r, set1(1.6666665459e-1f));
+        p = fma(p, r, set1(5.0000001201e-1f));
+        p = fma(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, set1(1.0f)));
+        // 2**n for n in [-126, 0]: (n + 127) << 23; NaN lanes keep NaN through the multiply.
+        f nc = _mm256_max_ps(n, set1(-126.0f));
+        __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(nc), _mm256_set1_epi32(127)), 23);
+        f e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+        return _mm256_andnot_ps(under, e);
+    }
+};
+#else
+#define HAL_ISA_NAME baseline
+// Portable: fixed-size arrays in plain loops, vectorised by the compiler for the base ISA.
+struct V {
+    static constexpr int W = 4;
+    struct f { float v[4]; };
+    struct i { uint32_t v[4]; };
+    static f zero() { return f{{0, 0, 0, 0}}; }
+    static f set1(float x) { return f{{x, x, x, x}}; }
+    static f load(const float *p) { f r; std::memcpy(r.v, p, 16); return r; }
+    static f load(const F32 *, const float *p) { return load(p); }
+    static f load(const F16 *, const uint16_t *p) { f r; for (int l = 0; l < 4; ++l) r.v[l] = f16_to_f32(p[l]); return r; }
+    static f load(const BF16 *, const uint16_t *p) { f r; for (int l = 0; l < 4; ++l) r.v[l] = bf16_to_f32(p[l]); return r; }
+    static f load_u8(const uint8_t *p) { f r; for (int l = 0; l < 4; ++l) r.v[l] = float(p[l]); return r; }
+    static void store(float *p, f a) { std::memcpy(p, a.v, 16); }
+    static f add(f a, f b) { for (int l = 0; l < 4; ++l) a.v[l] += b.v[l]; return a; }
+    static f sub(f a, f b) { for (int l = 0; l < 4; ++l) a.v[l] -= b.v[l]; return a; }
+    static f mul(f a, f b) { for (int l = 0; l < 4; ++l) a.v[l] *= b.v[l]; return a; }
+    static f fma(f a, f b, f c) { for (int l = 0; l < 4; ++l) c.v[l] += a.v[l] * b.v[l]; return c; }  // no FMA unit assumed
+    static f fnma(f a, f b, f c) { for (int l = 0; l < 4; ++l) c.v[l] -= a.v[l] * b.v[l]; return c; }
+    static float hsum(f a) { return (a.v[0] + a.v[2]) + (a.v[1] + a.v[3]); }
+    static void hsum4(f a0, f a1, f a2, f a3, float *out) {
+        out[0] = hsum(a0); out[1] = hsum(a1); out[2] = hsum(a2); out[3] = hsum(a3);
+    }
+    static i loadi(const uint32_t *p) { i r; std::memcpy(r.v, p, 16); return r; }
+    static i seti(uint32_t x) { return i{{x, x, x, x}}; }
+    static i andi(i a, i b) { for (int l = 0; l < 4; ++l) a.v[l] &= b.v[l]; return a; }
+    template <int S> static i srli(i a) { for (int l = 0; l < 4; ++l) a.v[l] >>= S; return a; }
+    static f cvt(i a) { f r; for (int l = 0; l < 4; ++l) r.v[l] = float(int32_t(a.v[l])); return r; }
+    static f exp(f a) { for (int l = 0; l < 4; ++l) a.v[l] = a.v[l] < -87.3f ? 0.0f : std::exp(a.v[l]); return a; }
+};
+#endif
+
+}  // namespace hal

@@ -1,0 +1,80 @@
+"""Builds hal-cpu's compiled kernels: ``csrc/kernels.cpp`` once per instruction-set variant, one library.
+
+The library is a plain shared object with a C ABI (``csrc/hal_cpu_kernels.h``),
+loaded with ctypes by ``hal_cpu._native``; it is not a Python extension module,
+so it does not depend on the Python version. Variants (x86-64): ``avx512``
+(AVX-512 F/BW/VL/DQ, FMA, F16C), ``avx2`` (AVX2, FMA, F16C) and ``baseline``
+(the architecture's base ISA); other architectures build the baseline only.
+``dispatch.cpp`` picks one at load time. ``HAL_CPU_BUILD_VARIANTS=baseline``
+(comma-separated names) limits what is built, e.g. for a compiler without
+AVX-512 support.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from concurrent.futures import ThreadPoolExecutor
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+CSRC = "csrc"
+COMMON = ["-std=c++17", "-O3", "-fPIC", "-fvisibility=hidden", "-fno-math-errno", "-Wall",
+          "-Wno-maybe-uninitialized"]
+X86_VARIANTS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "baseline": [],
+}
+
+
+def _variants() -> dict[str, list[str]]:
+    machine = platform.machine().lower()
+    variants = X86_VARIANTS if machine in ("x86_64", "amd64") else {"baseline": []}
+    wanted = os.environ.get("HAL_CPU_BUILD_VARIANTS")
+    if wanted:
+        names = {name.strip() for name in wanted.split(",")} | {"baseline"}
+        variants = {name: flags for name, flags in variants.items() if name in names}
+    return variants
+
+
+class BuildKernels(build_ext):
+    """Compile the kernel variants in parallel and link them with the dispatcher into one library."""
+
+    def get_ext_filename(self, fullname: str) -> str:
+        return os.path.join(*fullname.split(".")[:-1], "_kernels.so")
+
+    def build_extension(self, ext: Extension) -> None:
+        variants = _variants()
+        compiler = self.compiler
+        for name in ("compiler_so", "compiler_cxx", "linker_so"):  # a C++ compiler for the .cpp sources
+            cmd = getattr(compiler, name, None)
+            if cmd and os.path.basename(cmd[0]).startswith(("gcc", "cc")) and name != "compiler_cxx":
+                cmd[0] = os.environ.get("CXX", "g++")
+
+        def compile_variant(item: tuple[str, list[str]]) -> list[str]:
+            name, flags = item
+            macros = [(f"HAL_ISA_{name.upper()}", "1")] if name != "baseline" else []
+            return compiler.compile([os.path.join(CSRC, "kernels.cpp")], output_dir=os.path.join(self.build_temp, name),
+                                    macros=macros, extra_postargs=COMMON + flags, depends=ext.depends)
+
+        with ThreadPoolExecutor(max(1, min(len(variants), os.cpu_count() or 1))) as pool:
+            objects = [obj for objs in pool.map(compile_variant, variants.items()) for obj in objs]
+        have = [(f"HAL_HAVE_{name.upper()}", "1") for name in variants if name != "baseline"]
+        objects += compiler.compile([os.path.join(CSRC, "dispatch.cpp")],
+                                    output_dir=os.path.join(self.build_temp, "dispatch"), macros=have,
+                                    extra_postargs=COMMON, depends=ext.depends)
+        target = self.get_ext_fullpath(ext.name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        compiler.link_shared_object(objects, target, extra_postargs=["-pthread", "-static-libstdc++", "-static-libgcc"],
+                                    target_lang="c++")
+
+
+KERNELS = Extension(
+    "hal_cpu._kernels",
+    sources=[os.path.join(CSRC, "kernels.cpp"), os.path.join(CSRC, "dispatch.cpp")],
+    depends=[os.path.join(CSRC, name) for name in ("common.h", "isa.h", "hal_cpu_kernels.h")],
+)
+
+setup(ext_modules=[KERNELS], cmdclass={"build_ext": BuildKernels})

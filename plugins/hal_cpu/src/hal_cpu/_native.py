@@ -1,0 +1,132 @@
+"""The compiled kernels: loads ``_kernels.so`` (built by setup.py) with ctypes, once, on first use.
+
+Nothing here runs on ``import hal_cpu``: :func:`load` is called when an op
+first runs. The library holds every instruction-set variant of the kernels
+built for this architecture and picks the best one the CPU supports;
+``HAL_CPU_ISA=baseline|avx2|avx512`` forces one (for testing and diagnosis
+only; an unknown or unsupported name is logged and ignored). When the
+library cannot be loaded (a source checkout whose build failed), the ops
+fall back to their numpy paths and say so once in the log.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hal_core import env
+
+__all__ = ["Native", "NativeUnavailable", "load", "pointer", "try_load"]
+
+_log = logging.getLogger("hal")
+_LIBRARY = Path(__file__).with_name("_kernels.so")
+#: Environment variable forcing an instruction-set variant (testing and diagnosis only).
+ISA_ENV = "HAL_CPU_ISA"
+
+_i32, _i64, _f32, _p = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
+    "hal_cpu_select_isa": (ctypes.c_char_p, [ctypes.c_char_p]),
+    "hal_cpu_isa": (ctypes.c_char_p, []),
+    "hal_cpu_available_isas": (ctypes.c_char_p, []),
+    "hal_cpu_default_threads": (ctypes.c_int, []),
+    "hal_cpu_paged_attention": (ctypes.c_int, [_p, _i64, _i64, _p, _p, _i64, _i64, _i64, _p, _i64, _p, _p,
+                                               _i32, _i32, _i32, _i32, _i32, _i32, _f32, _i32, _i32]),
+    "hal_cpu_write_kv_cache": (ctypes.c_int, [_p, _i64, _i64, _p, _i64, _i64, _p, _p, _i64, _i64, _i64, _p, _i32,
+                                              _i64, _i32, _i32, _i32, _i32, _i32]),
+    "hal_cpu_to_float32": (ctypes.c_int, [_p, _i32, _i64, _i64, _i64, _p, _i32]),
+    "hal_cpu_w4a16_gemv": (ctypes.c_int, [_p, _i32, _i64, _i64, _i64, _i64, _p, _p, _i32, _p, _i32, _i64, _p,
+                                          _i64, _i32]),
+    "hal_cpu_dequant_tile": (ctypes.c_int, [_p, _i32, _p, _i32, _p, _i32, _p, _i64, _i64, _i64, _i64, _i64, _p,
+                                            _i64, _i32]),
+    "hal_cpu_w8a8_gemm": (ctypes.c_int, [_p, _i32, _i64, _i64, _i64, _i64, _p, _p, _i32, _p, _i32, _p, _p, _p,
+                                         _i64, _p, _i64, _i32]),
+}
+
+
+class NativeUnavailable(RuntimeError):
+    """The compiled kernels could not be loaded; the message says why and how to rebuild."""
+
+
+@dataclass(frozen=True)
+class Native:
+    """The loaded library: its ctypes functions, the chosen variant and the host's thread count."""
+
+    lib: ctypes.CDLL
+    isa: str
+    available: tuple[str, ...]
+    threads: int
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.lib, f"hal_cpu_{name}")
+
+
+_lock = threading.Lock()
+_native: Native | None = None
+_failure: NativeUnavailable | None = None
+
+
+def _open() -> Native:
+    if not _LIBRARY.exists():
+        raise NativeUnavailable(f"{_LIBRARY} is missing; rebuild with `pip install -e plugins/hal_cpu` "
+                                "(needs a C++17 compiler)")
+    try:
+        lib = ctypes.CDLL(str(_LIBRARY))
+    except OSError as exc:
+        raise NativeUnavailable(f"cannot load {_LIBRARY}: {exc}") from exc
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    available = tuple(lib.hal_cpu_available_isas().decode().split(","))
+    forced = (env.text(ISA_ENV) or "").strip().lower()
+    chosen = lib.hal_cpu_select_isa(forced.encode()) if forced else None
+    if forced and chosen is None:
+        _log.warning("hal-cpu: %s=%r is not one of the variants this CPU runs (%s); using the best one",
+                     ISA_ENV, forced, ", ".join(available))
+    if chosen is None:
+        chosen = lib.hal_cpu_select_isa(b"")
+    return Native(lib=lib, isa=chosen.decode(), available=available, threads=int(lib.hal_cpu_default_threads()))
+
+
+def load() -> Native:
+    """The compiled kernels (loaded on the first call); raises :class:`NativeUnavailable` when they cannot be."""
+    global _native, _failure
+    if _native is not None:
+        return _native
+    with _lock:
+        if _native is None:
+            if _failure is not None:
+                raise _failure
+            try:
+                _native = _open()
+            except NativeUnavailable as exc:
+                _failure = exc
+                raise
+    return _native
+
+
+_warned = False
+
+
+def try_load() -> Native | None:
+    """:func:`load`, or None after logging once why the numpy fallback runs instead."""
+    global _warned
+    if _native is not None:
+        return _native
+    try:
+        return load()
+    except NativeUnavailable as exc:
+        if not _warned:
+            _warned = True
+            _log.warning("hal-cpu: compiled kernels unavailable (%s); running the slower numpy fallback", exc)
+        return None
+
+
+def pointer(array: np.ndarray | None) -> int | None:
+    """The address of ``array``'s first element (None for None), for a ctypes ``c_void_p`` argument."""
+    return None if array is None else array.__array_interface__["data"][0]

@@ -1,0 +1,85 @@
+"""The built-in choices of the CPU kernels' tunables, as pure functions of the shapes and the host.
+
+Every op wrapper takes its knobs as explicit keyword arguments (``threads``,
+``partition_tokens``, ``kernel``, ``n_tile``, ``tile_bytes``) and asks these
+functions only for those left as None, so a persisted per-device choice can
+replace any rule without touching the kernels. Each function depends only
+on its arguments (no global state, no measurement).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DEQUANT_TILE_BYTES",
+    "SERIAL_BYTES",
+    "SMALL_M_MAX",
+    "attention_partition_tokens",
+    "dequant_tile_columns",
+    "gemm_kernel",
+    "gemv_column_tile",
+    "threads_for",
+]
+
+#: Work (bytes moved) below which an op runs on the calling thread: waking the pool costs more.
+SERIAL_BYTES = 256 * 1024
+#: W4A16: the largest M served by the in-register kernel; above it, dequantised tiles feed BLAS.
+SMALL_M_MAX = 32
+#: W4A16 large M: bytes of one dequantised float32 tile ``[K, columns]`` (bounded; large enough that few BLAS
+#: calls amortise their threading overhead, small enough to keep peak memory within 64 MiB of the weights).
+DEQUANT_TILE_BYTES = 16 * 1024 * 1024
+#: paged_attention: tasks wanted per thread before sequences are split into partitions.
+TASKS_PER_THREAD = 4
+#: paged_attention: the shortest partition worth a task (its merge costs one row per head).
+MIN_PARTITION_TOKENS = 256
+
+
+def threads_for(nbytes: int, host_threads: int) -> int:
+    """Threads for an op moving ``nbytes``: 1 below :data:`SERIAL_BYTES`, else every core of the host."""
+    return 1 if nbytes < SERIAL_BYTES else max(1, host_threads)
+
+
+def attention_partition_tokens(num_seqs: int, num_kv_heads: int, max_len: int, block_size: int,
+                               threads: int) -> int:
+    """Tokens per split-KV partition, 0 for no split.
+
+    A (sequence, KV head) pair is one task; when there are fewer than
+    :data:`TASKS_PER_THREAD` per thread (small batches, long contexts), each
+    sequence is cut into partitions of at least :data:`MIN_PARTITION_TOKENS`
+    tokens (a multiple of ``block_size``) so every core has work; the
+    partitions are merged by log-sum-exp.
+    """
+    pairs = max(1, num_seqs * num_kv_heads)
+    wanted = TASKS_PER_THREAD * max(1, threads)
+    if threads <= 1 or pairs >= wanted or max_len <= MIN_PARTITION_TOKENS:
+        return 0
+    parts = -(-wanted // pairs)
+    tokens = max(MIN_PARTITION_TOKENS, -(-max_len // parts))
+    tokens = -(-tokens // block_size) * block_size
+    return 0 if tokens >= max_len else tokens
+
+
+def gemm_kernel(m: int, bits: int, group_size: int, act_order: bool) -> str:
+    """``'registers'`` (codes unpacked in registers, bound by the packed bytes) or ``'tiles'`` (dequantised
+    tiles fed to BLAS) for W4A16; W8A8 always runs ``'registers'`` (exact integer sums per group).
+
+    The in-register int4 kernel needs groups made of whole packed words
+    (``group_size % 8 == 0``) without act-order; it wins while M is small
+    (:data:`SMALL_M_MAX`), BLAS on bounded tiles wins above.
+    """
+    if bits == 8:
+        return "registers"
+    if act_order or group_size % 8:
+        return "tiles"
+    return "registers" if m <= SMALL_M_MAX else "tiles"
+
+
+def gemv_column_tile(n: int, threads: int) -> int:
+    """Columns per task of the in-register kernels: about 8 tasks per thread, at least 64 columns."""
+    per_task = -(-n // max(1, 8 * threads))
+    return max(64, -(-per_task // 64) * 64)
+
+
+def dequant_tile_columns(k: int, n: int, tile_bytes: int = DEQUANT_TILE_BYTES) -> int:
+    """Columns of one dequantised float32 tile ``[K, columns]`` within ``tile_bytes`` (a multiple of 16, >= 16)."""
+    columns = max(16, (tile_bytes // max(1, 4 * k)) // 16 * 16)
+    return min(columns, max(16, n))

@@ -1,0 +1,147 @@
+"""The compiled quantized_gemm kernels against the float64 reference: W4A16 (both kernels) and W8A8."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hal_cpu.ops import _rules, quantized_gemm
+
+from hal_core.ops import OPS
+from hal_core.quant import quantize_activations
+from hal_core.testing.inputs import assert_close, quantized_gemm_inputs
+
+REFERENCE = OPS["quantized_gemm"].reference
+M_VALUES = [1, 3, 16, 64, 257]
+
+
+@pytest.mark.parametrize("m", M_VALUES)
+@pytest.mark.parametrize("kernel", ["registers", "tiles"])
+@pytest.mark.parametrize(("group_size", "symmetric"), [(32, True), (64, False), (128, True), (128, False)])
+def test_w4a16_matches_reference(variant: str, rng: np.random.Generator, m: int, kernel: str, group_size: int,
+                                 symmetric: bool) -> None:
+    """Both W4A16 kernels, every M class, symmetric or with zero points; N leaves a ragged column tail."""
+    args = quantized_gemm_inputs(rng, m=m, k=2 * group_size, n=83, bits=4, group_size=group_size,
+                                 symmetric=symmetric, dtype="fp32")
+    got = quantized_gemm.gemm(args["x"], args["qweight"], kernel=kernel, tile_bytes=4096)
+    assert_close(got, REFERENCE(args), kind="gemm", dtype="fp32", what=f"{variant} W4A16 {kernel}")
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("scale_dtype", [np.float16, np.float32, "bf16"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_activation_and_scale_dtypes(variant: str, rng: np.random.Generator, dtype: str, scale_dtype: object,
+                                     bits: int) -> None:
+    """fp16/bf16/fp32 activations and scales are read in their storage dtype."""
+    from hal_core.arrays import BFLOAT16
+
+    args = quantized_gemm_inputs(rng, m=5, k=256, n=70, bits=bits, group_size=64, symmetric=False, dtype=dtype)
+    qw = args["qweight"]
+    args["qweight"] = replace(qw, scales=np.asarray(qw.scales).astype(BFLOAT16 if scale_dtype == "bf16"
+                                                                       else scale_dtype))
+    got = quantized_gemm.gemm(args["x"], args["qweight"]).astype(args["x"].dtype)
+    assert_close(got, REFERENCE(args), kind="gemm", dtype=dtype, what=f"{variant} int{bits} scales {scale_dtype}")
+
+
+@pytest.mark.parametrize("m", M_VALUES)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_act_order(variant: str, rng: np.random.Generator, m: int, bits: int) -> None:
+    """Act-order weights (g_idx): int4 through dequantised tiles, int8 with its rows grouped by a permutation."""
+    args = quantized_gemm_inputs(rng, m=m, k=256, n=40, bits=bits, group_size=32, symmetric=False, dtype="fp32",
+                                 act_order=True)
+    assert_close(quantized_gemm.gemm(args["x"], args["qweight"]), REFERENCE(args), kind="gemm", dtype="fp32",
+                 what=f"{variant} int{bits} act-order")
+
+
+@pytest.mark.parametrize("m", M_VALUES)
+@pytest.mark.parametrize(("group_size", "symmetric"), [(32, False), (128, True), (1024, False)])
+def test_w8a8_matches_reference(variant: str, rng: np.random.Generator, m: int, group_size: int,
+                                symmetric: bool) -> None:
+    """W8A8: exact integer group sums (groups past 512 rows included), scaled once per group and token."""
+    k = max(256, group_size)
+    args = quantized_gemm_inputs(rng, m=m, k=k, n=77, bits=8, group_size=group_size, symmetric=symmetric,
+                                 dtype="fp32")
+    got = quantized_gemm.gemm(args["x"], args["qweight"])
+    assert_close(got, REFERENCE(args), kind="gemm", dtype="fp32", what=f"{variant} W8A8")
+
+
+def test_w8a8_quantises_activations_like_the_reference(rng: np.random.Generator) -> None:
+    """With a one-hot weight the kernel's output exposes its quantised activations: they equal the reference's."""
+    from hal_core.quant import QuantizedWeight
+
+    k = 64
+    x = (rng.standard_normal((9, k)) * 10.0 ** rng.integers(-3, 3, (9, 1))).astype(np.float32)
+    x[3] = 0.0  # an all-zero row: scale 1
+    x[4, :] = np.float32(1e-44)  # subnormals: the scale never underflows
+    codes = np.full((k, k), 128, dtype=np.uint8) + np.eye(k, dtype=np.uint8)  # (q - z) = identity
+    qw = QuantizedWeight(codes, np.ones((1, k), np.float32), None, 8, k, (k, k))
+    xq, sx = quantize_activations(x)
+    np.testing.assert_array_equal(quantized_gemm.gemm(x, qw), xq.astype(np.float32) * sx[:, None])
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_w8a8_non_finite_row_gives_nan_row(rng: np.random.Generator, bad: float) -> None:
+    """A row of x holding NaN or Inf gives a NaN output row; the other rows are unaffected."""
+    args = quantized_gemm_inputs(rng, m=4, k=128, n=40, bits=8, group_size=64, symmetric=True, dtype="fp32")
+    clean = REFERENCE(args)
+    args["x"][2, 17] = bad
+    got = quantized_gemm.gemm(args["x"], args["qweight"])
+    assert np.isnan(got[2]).all()
+    rows = [0, 1, 3]
+    assert_close(got[rows], clean[rows], kind="gemm", dtype="fp32", what="W8A8 clean rows")
+
+
+def test_w4a16_nan_activation_propagates(rng: np.random.Generator) -> None:
+    """A NaN activation reaches every output of its row in both W4A16 kernels (no masking by zero codes)."""
+    args = quantized_gemm_inputs(rng, m=3, k=128, n=48, bits=4, group_size=32, symmetric=True, dtype="fp32")
+    args["x"][1, 9] = np.nan
+    for kernel in ("registers", "tiles"):
+        got = quantized_gemm.gemm(args["x"], args["qweight"], kernel=kernel)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(REFERENCE(args)))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("n_tile", [64, 128, 4096])
+def test_tiling_and_threads_agree(rng: np.random.Generator, threads: int, n_tile: int) -> None:
+    """Column tiles and thread counts only change which task computes a column, never its value."""
+    args = quantized_gemm_inputs(rng, m=3, k=256, n=300, bits=4, group_size=64, symmetric=False, dtype="fp32")
+    serial = quantized_gemm.gemm(args["x"], args["qweight"], kernel="registers", threads=1, n_tile=64)
+    got = quantized_gemm.gemm(args["x"], args["qweight"], kernel="registers", threads=threads, n_tile=n_tile)
+    np.testing.assert_array_equal(got, serial)
+
+
+def test_registers_kernel_refuses_act_order(rng: np.random.Generator) -> None:
+    """Asking the in-register int4 kernel for an act-order weight is an error, not a wrong answer."""
+    args = quantized_gemm_inputs(rng, m=2, k=64, n=16, bits=4, group_size=32, symmetric=True, dtype="fp32",
+                                 act_order=True)
+    with pytest.raises(ValueError, match="registers"):
+        quantized_gemm.gemm(args["x"], args["qweight"], kernel="registers")
+
+
+def test_no_float_weight_cache(rng: np.random.Generator) -> None:
+    """No dequantised weight outlives a call: the module keeps no cache, and memory after a call is back to
+    what it was, while a large-M call allocates only its bounded tile (not the K x N float weight)."""
+    import tracemalloc
+
+    assert not [name for name in vars(quantized_gemm) if "cache" in name.lower() and not name.startswith("__")]
+    args = quantized_gemm_inputs(rng, m=40, k=1024, n=2048, bits=4, group_size=128, symmetric=True, dtype="fp32")
+    float_weight = 1024 * 2048 * 4
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        y = quantized_gemm.gemm(args["x"], args["qweight"], kernel="tiles", tile_bytes=256 * 1024)
+        current, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert current - before <= y.nbytes + 4096
+    assert peak - before < y.nbytes + 2 * 256 * 1024 + 64 * 1024 < float_weight // 4
+
+
+def test_rules_pick_kernels() -> None:
+    """The crossover rule: in-register int4 kernel for small M, tiles above or for act-order/odd groups."""
+    assert _rules.gemm_kernel(1, 4, 128, False) == "registers"
+    assert _rules.gemm_kernel(_rules.SMALL_M_MAX + 1, 4, 128, False) == "tiles"
+    assert _rules.gemm_kernel(1, 4, 128, True) == "tiles"
+    assert _rules.gemm_kernel(1, 4, 4, False) == "tiles"
+    assert _rules.gemm_kernel(1000, 8, 128, True) == "registers"

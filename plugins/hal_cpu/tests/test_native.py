@@ -1,0 +1,60 @@
+"""The compiled library: loaded lazily, an ISA variant chosen at load time, forcing one by HAL_CPU_ISA."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+from hal_cpu import _native
+from hal_cpu.ops import paged_attention
+
+from hal_core.testing.inputs import paged_attention_inputs
+
+
+def _python(code: str, **env: str) -> str:
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, **env}, check=True)
+    return result.stdout.strip()
+
+
+def test_a_variant_is_chosen(native: _native.Native) -> None:
+    """The chosen variant is one this CPU runs, the best of them, and the baseline is always there."""
+    assert native.isa in native.available
+    assert native.available[0] == native.isa
+    assert "baseline" in native.available
+    assert native.threads >= 1
+
+
+def test_import_loads_no_library() -> None:
+    """Importing hal_core, hal_cpu and its ops loads no compiled library; the first op does."""
+    code = ("import sys, hal_core, hal_cpu, hal_cpu.ops\n"
+            "maps = lambda: open('/proc/self/maps').read()\n"
+            "print('_kernels.so' in maps())\n"
+            "from hal_cpu import _native; _native.load(); print('_kernels.so' in maps())")
+    assert _python(code).split() == ["False", "True"]
+
+
+def test_forcing_the_baseline_by_environment() -> None:
+    """HAL_CPU_ISA=baseline selects the portable variant; an unknown name falls back to the best, logged."""
+    code = "from hal_cpu import _native; print(_native.load().isa)"
+    assert _python(code, HAL_CPU_ISA="baseline") == "baseline"
+    best = _python(code)
+    assert _python(code, HAL_CPU_ISA="no-such-isa") == best
+
+
+def test_every_variant_gives_the_same_attention(native: _native.Native, rng: np.random.Generator) -> None:
+    """Every variant that runs here agrees with the others to float32 rounding (different FMA contraction)."""
+    args = paged_attention_inputs(rng, seq_lens=[50, 3, 200], num_heads=8, num_kv_heads=2, head_size=128,
+                                  block_size=16, dtype="fp16")
+    results = {}
+    try:
+        for name in native.available:
+            assert native.lib.hal_cpu_select_isa(name.encode()) == name.encode()
+            results[name] = paged_attention.attend(args["query"], args["key_cache"], args["value_cache"],
+                                                   args["block_tables"], args["seq_lens"], args["scale"])
+    finally:
+        native.lib.hal_cpu_select_isa(native.isa.encode())
+    for name, got in results.items():
+        np.testing.assert_allclose(got, results["baseline"], rtol=1e-5, atol=1e-6, err_msg=name)
