@@ -85,19 +85,21 @@ def make_case(op: str, flag: str = "--op", **values: int | str) -> Case:
 def _check(op: str, p: dict[str, int | str], flag: str) -> None:
     if p["dtype"] not in _DTYPES:
         raise BenchArgumentError(f"argument {flag}: dtype must be one of {', '.join(_DTYPES)}, got {p['dtype']!r}")
+    n: dict[str, int] = {}
     for key, value in p.items():
         if key == "dtype":
             continue
         if not isinstance(value, int) or value < (0 if key == "blocks" else 1):
             raise BenchArgumentError(f"argument {flag}: {key} must be a positive integer, got {value!r}")
-    if op == "paged_attention" and p["heads"] % p["kv_heads"]:
+        n[key] = value
+    if op == "paged_attention" and n["heads"] % n["kv_heads"]:
         raise BenchArgumentError(f"argument {flag}: kv_heads={p['kv_heads']} must divide heads={p['heads']}")
-    if op == "write_kv_cache" and p["blocks"] and p["blocks"] * p["block"] < p["tokens"]:
+    if op == "write_kv_cache" and n["blocks"] and n["blocks"] * n["block"] < n["tokens"]:
         raise BenchArgumentError(f"argument {flag}: blocks*block must hold tokens={p['tokens']}")
     if op == "quantized_gemm":
         if p["bits"] not in (4, 8):
             raise BenchArgumentError(f"argument {flag}: bits must be 4 or 8, got {p['bits']}")
-        if p["k"] % p["group"] or (p["bits"] == 4 and p["k"] % 8):
+        if n["k"] % n["group"] or (n["bits"] == 4 and n["k"] % 8):
             raise BenchArgumentError(
                 f"argument {flag}: K={p['k']} must be a multiple of group={p['group']} (and of 8 for bits=4)")
 

@@ -11,6 +11,7 @@ when a peer is built; a missing peer is reported, never fatal.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -125,7 +126,7 @@ def _torch_int4(inputs: Sequence[dict[str, Any]], xp: Any) -> Runner:
         scale_zero = torch.stack([scales, torch.zeros_like(scales)], dim=-1).to(torch.bfloat16).contiguous()
         x = torch.from_numpy(np.asarray(args["x"], dtype=np.float32)).to(torch.bfloat16)
         group = qw.group_size
-        calls.append(_inference(torch, lambda x=x, p=packed, g=group, sz=scale_zero: mm(x, p, g, sz)))
+        calls.append(_inference(torch, functools.partial(mm, x, packed, group, scale_zero)))
     calls[0]()
     return _rotating(calls)
 
@@ -140,7 +141,7 @@ def _torch_int8(inputs: Sequence[dict[str, Any]], xp: Any) -> Runner:
         w = torch.from_numpy(np.ascontiguousarray(codes.T))  # [N, K] int8
         scales = torch.from_numpy(np.asarray(qw.scales, dtype=np.float32).max(axis=0)).to(torch.bfloat16)
         x = torch.from_numpy(np.asarray(args["x"], dtype=np.float32)).to(torch.bfloat16)
-        calls.append(_inference(torch, lambda x=x, w=w, s=scales: mm(x, w, s)))
+        calls.append(_inference(torch, functools.partial(mm, x, w, scales)))
     calls[0]()
     return _rotating(calls)
 

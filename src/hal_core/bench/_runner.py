@@ -145,6 +145,7 @@ def _run_case(backend: Any, case: Case, settings: BenchSettings, llc: int, sync:
     for peer in [] if wanted == [] else peers_for(case, host, wanted):
         step(f"{case.label} vs {peer.name}")
         entry: dict[str, Any] = {"name": peer.name}
+        runner: Callable[[int], object] | None = None
         try:
             runner = peer.build(host_sets, np if host else array_module(backend))
             samples = measure(runner, settings.policy, sync=sync)

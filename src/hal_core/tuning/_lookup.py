@@ -116,7 +116,7 @@ def knob_value(call: OpCall, knob: Knob) -> Hashable:
         if per_knob:
             value = per_knob.get(bucket(call.op, call.args), _MISSING)
             if value is not _MISSING and value in knob.candidates:
-                return value  # type: ignore[return-value]
+                return value
     return knob.rule(call)
 
 

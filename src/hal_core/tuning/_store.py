@@ -149,8 +149,9 @@ def load_table(key: dict[str, Any], folder: Path | None = None) -> TuneTable | N
 
 
 def _bounded(table: TuneTable) -> None:
-    for per_op in (*table.choices.values(), *table.measurements.values(),
-                   *(knob for op in table.knobs.values() for knob in op.values())):
+    per_ops: list[dict[str, Any]] = [*table.choices.values(), *table.measurements.values(),
+                                     *(knob for op in table.knobs.values() for knob in op.values())]
+    for per_op in per_ops:
         while len(per_op) > MAX_BUCKETS:
             per_op.pop(next(iter(per_op)))
 

@@ -179,7 +179,7 @@ def probe(
     version = ctypes.c_int(0)
     rc = int(lib.hipRuntimeGetVersion(ctypes.byref(version)))
     runtime = version.value if rc == _HIP_SUCCESS else 0
-    found = {"device_count": count.value, "runtime_version": runtime, "library": library}
+    found: dict[str, Any] = {"device_count": count.value, "runtime_version": runtime, "library": library}
     if find_spec("cupy") is None:
         return ProbeResult(False, "CuPy for ROCm is not installed", PIP_INSTALL, **found)
     if runtime:

@@ -2,7 +2,7 @@
 
 One module per op, named like hal_core's op modules. Each is a thin wrapper
 around a compiled kernel (``hal_cpu._native``, sources in ``csrc/``); the
-tunables' built-in choices live in :mod:`._rules`. The ``_fallback_*``
+tunables' built-in choices live in :mod:`._rules`, and :mod:`._knobs` exposes them to ``hal tune``. The ``_fallback_*``
 modules are numpy versions used only when the compiled library cannot be
 loaded (logged once).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import paged_attention, quantized_gemm, write_kv_cache
+from . import _knobs, paged_attention, quantized_gemm, write_kv_cache
 
 if TYPE_CHECKING:
     from hal_core.ops import OpRegistry
@@ -21,6 +21,8 @@ __all__ = ["paged_attention", "quantized_gemm", "register_ops", "write_kv_cache"
 
 def register_ops(registry: OpRegistry) -> None:
     """Register the implementation of every op (priority 0; they support every valid call)."""
-    registry.register("paged_attention", paged_attention.paged_attention, name="cpu.paged_attention")
+    registry.register("paged_attention", paged_attention.paged_attention, name="cpu.paged_attention",
+                      knobs=(_knobs.PARTITION_TOKENS,))
     registry.register("write_kv_cache", write_kv_cache.write_kv_cache, name="cpu.write_kv_cache")
-    registry.register("quantized_gemm", quantized_gemm.quantized_gemm, name="cpu.quantized_gemm")
+    registry.register("quantized_gemm", quantized_gemm.quantized_gemm, name="cpu.quantized_gemm",
+                      knobs=(_knobs.GEMM_KERNEL,))

@@ -23,7 +23,7 @@ TILE_COLUMNS = 256
 def _tile(qweight: QuantizedWeight, n0: int, n1: int, dtype: type) -> tuple[np.ndarray, np.ndarray]:
     """Centred codes ``q - z`` and per-row scales of columns ``n0:n1``, both ``dtype`` ``[K, n1 - n0]``."""
     packed = np.asarray(qweight.qweight)[:, n0:n1]
-    codes = (unpack_int4(packed) if qweight.bits == 4 else packed).astype(dtype)
+    codes: np.ndarray = (unpack_int4(packed) if qweight.bits == 4 else packed).astype(dtype)
     groups = qweight.group_index()
     zeros = dtype(qweight.default_zero) if qweight.zeros is None else \
         np.asarray(qweight.zeros)[:, n0:n1].astype(dtype)[groups]

@@ -17,7 +17,7 @@ import numpy as np
 from hal_core.ops import OpCall
 
 from .. import _native
-from . import _fallback_attention, _rules
+from . import _fallback_attention, _knobs, _rules
 from ._common import finish
 from ._native_args import dtype_code, element_strides, last_contiguous
 
@@ -25,10 +25,11 @@ __all__ = ["attend", "paged_attention"]
 
 
 def paged_attention(call: OpCall) -> np.ndarray:
-    """The registered implementation: float32 result, written to ``out`` only when done."""
+    """The registered implementation: float32 result; the partition size is the ``partition_tokens`` knob."""
     result = attend(
         np.asarray(call["query"]), np.asarray(call["key_cache"]), np.asarray(call["value_cache"]),
         np.asarray(call["block_tables"]), np.asarray(call["seq_lens"]), call["scale"],
+        partition_tokens=_knobs.partition_tokens(call),
     )
     return finish(call, result)
 

@@ -23,7 +23,7 @@ from hal_core.ops import OpCall
 from hal_core.quant import QuantizedWeight
 
 from .. import _native
-from . import _fallback_gemm, _rules
+from . import _fallback_gemm, _knobs, _rules
 from ._common import finish
 from ._native_args import dtype_code
 
@@ -31,8 +31,12 @@ __all__ = ["gemm", "quantized_gemm"]
 
 
 def quantized_gemm(call: OpCall) -> np.ndarray:
-    """The registered implementation for int4 (W4A16) and int8 (W8A8) weights."""
-    return finish(call, gemm(np.asarray(call["x"]), call["qweight"]))
+    """The registered implementation for int4 (W4A16) and int8 (W8A8) weights; W4A16's kernel is a knob."""
+    qweight = call["qweight"]
+    kernel = str(_knobs.GEMM_KERNEL.value(call))
+    if kernel == "registers" and qweight.bits == 4 and (qweight.g_idx is not None or qweight.group_size % 8):
+        kernel = "tiles"  # a stored choice the in-register kernel cannot serve for this weight
+    return finish(call, gemm(np.asarray(call["x"]), qweight, kernel=kernel))
 
 
 def gemm(

@@ -31,7 +31,7 @@ def scatter(key: np.ndarray, value: np.ndarray, key_cache: np.ndarray, value_cac
     item = key_cache.itemsize
     direct = (native is not None and key_cache.strides == value_cache.strides
               and key_cache.strides[-1] == item and all(s % item == 0 for s in key_cache.strides))
-    if not direct:
+    if native is None or not direct:
         _numpy_scatter(key, value, key_cache, value_cache, slot_mapping)
         return
     key, value = last_contiguous(key), last_contiguous(value)

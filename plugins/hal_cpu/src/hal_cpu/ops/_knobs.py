@@ -1,0 +1,54 @@
+"""The CPU kernels' tunables as :class:`hal_core.tuning.Knob` objects: ``hal tune`` measures them per device.
+
+Each knob's built-in rule is the matching pure function of :mod:`._rules`;
+the op wrappers read ``knob.value(call)``, which is a persisted per-device
+winner for the call's shape bucket when ``hal tune`` stored one, else that
+rule.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hal_core.ops import OpCall
+from hal_core.tuning import Knob
+
+from .. import _native
+from . import _rules
+
+__all__ = ["GEMM_KERNEL", "PARTITION_TOKENS", "host_threads", "partition_tokens"]
+
+
+def host_threads() -> int:
+    """Worker threads of the compiled kernels' pool (1 when the library is not loaded)."""
+    native = _native.try_load()
+    return native.threads if native is not None else 1
+
+
+def _partition_rule(call: OpCall) -> int:
+    query, key_cache, seq_lens = call["query"], call["key_cache"], np.asarray(call["seq_lens"])
+    num_seqs = query.shape[0]
+    _, num_kv_heads, block_size, head_size = key_cache.shape
+    total = int(seq_lens.sum(dtype=np.int64))
+    threads = _rules.threads_for(2 * total * num_kv_heads * head_size * key_cache.itemsize, host_threads())
+    max_len = int(seq_lens.max()) if num_seqs else 0
+    return _rules.attention_partition_tokens(num_seqs, num_kv_heads, max_len, block_size, threads)
+
+
+def _gemm_kernel_rule(call: OpCall) -> str:
+    qweight = call["qweight"]
+    return _rules.gemm_kernel(call["x"].shape[0], qweight.bits, qweight.group_size, qweight.g_idx is not None)
+
+
+#: paged_attention: tokens per split-KV partition (0: no split).
+PARTITION_TOKENS = Knob("partition_tokens", (0, 256, 512, 1024, 2048), rule=_partition_rule,
+                        doc="tokens per split-KV partition (0: one task per sequence and KV head)")
+def partition_tokens(call: OpCall) -> int:
+    """The ``partition_tokens`` value for ``call`` (a stored winner or the rule)."""
+    value = PARTITION_TOKENS.value(call)
+    return value if isinstance(value, int) else _partition_rule(call)
+
+
+#: quantized_gemm W4A16: the in-register kernel or dequantised tiles fed to BLAS (the small-M / large-M crossover).
+GEMM_KERNEL = Knob("kernel", ("registers", "tiles"), rule=_gemm_kernel_rule,
+                   doc="W4A16: 'registers' (int4 unpacked in registers) or 'tiles' (dequantised tiles + BLAS)")

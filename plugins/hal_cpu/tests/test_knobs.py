@@ -1,0 +1,73 @@
+"""hal-cpu's tunables are declared to hal tune, and every candidate a stored choice may pick gives the reference."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hal_cpu.ops import _knobs, paged_attention
+
+import hal_core
+from hal_core.ops import OPS
+from hal_core.quant import quantize
+from hal_core.testing.inputs import assert_close
+from hal_core.tuning import override
+
+SEED = 20261201
+
+
+@pytest.fixture
+def cpu() -> hal_core.Backend:
+    return hal_core.get_backend("cpu")
+
+
+def test_knobs_are_registered(cpu: hal_core.Backend) -> None:
+    """paged_attention declares partition_tokens and quantized_gemm declares kernel, as hal info lists them."""
+    names = {impl.op: [k.name for k in impl.knobs] for op in ("paged_attention", "quantized_gemm")
+             for impl in cpu.ops.registry.implementations(op)}
+    assert names == {"paged_attention": ["partition_tokens"], "quantized_gemm": ["kernel"]}
+
+
+@pytest.mark.parametrize("tokens", _knobs.PARTITION_TOKENS.candidates)
+def test_every_partition_size_matches_the_reference(cpu: hal_core.Backend, tokens: int,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever partition size a stored choice names reaches the kernel, and the result is the reference's."""
+    seen: list[int] = []
+    original = paged_attention.attend
+
+    def spy(*args: Any, **kwargs: Any) -> np.ndarray:
+        seen.append(kwargs["partition_tokens"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(paged_attention, "attend", spy)
+    rng = np.random.default_rng(SEED)
+    print(f"seed={SEED}")
+    seqs, heads, kv_heads, d, block = 3, 8, 2, 64, 16
+    lens = np.array([1, 700, 1500], np.int32)
+    blocks = -(-int(lens.max()) // block)
+    table = rng.permutation(seqs * blocks).reshape(seqs, blocks).astype(np.int32)
+    kc = rng.standard_normal((seqs * blocks, kv_heads, block, d)).astype(np.float16)
+    vc = rng.standard_normal(kc.shape).astype(np.float16)
+    q = rng.standard_normal((seqs, heads, d)).astype(np.float16)
+    args = dict(query=q, key_cache=kc, value_cache=vc, block_tables=table, seq_lens=lens, scale=0.125)
+    with override({"partition_tokens": tokens}):
+        got = cpu.ops.paged_attention(**args)
+    assert seen == [tokens]
+    assert_close(got, OPS["paged_attention"].reference(args), kind="attention", dtype="fp16",
+                 what=f"partition_tokens={tokens}")
+
+
+@pytest.mark.parametrize("group", [128, 36])  # 36: groups that split a packed word, which only 'tiles' serves
+@pytest.mark.parametrize("kernel", _knobs.GEMM_KERNEL.candidates)
+def test_every_gemm_kernel_matches_the_reference(cpu: hal_core.Backend, kernel: str, group: int) -> None:
+    """Both W4A16 kernels give the reference; a choice the weight cannot use falls back to the one it can."""
+    rng = np.random.default_rng(SEED + group)
+    print(f"seed={SEED + group}")
+    k = 4 * group if group % 8 == 0 else 8 * group
+    qw = quantize(rng.standard_normal((k, 96)).astype(np.float32), bits=4, group_size=group)
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    with override({"kernel": kernel}):
+        got = cpu.ops.quantized_gemm(x, qw)
+    assert_close(got, OPS["quantized_gemm"].reference({"x": x, "qweight": qw}), kind="gemm", dtype="fp32",
+                 what=f"kernel={kernel}, group={group}")
