@@ -92,14 +92,17 @@ class PagedAttention(OpSpec):
     @staticmethod
     def _check_indices(bt: np.ndarray, sl: np.ndarray, num_blocks: int, block_size: int) -> None:
         max_blocks = bt.shape[1]
-        if (sl < 0).any():
+        low, high = int(sl.min()), int(sl.max())  # two reductions answer the common, valid case
+        if low < 0:
             s = int(np.flatnonzero(sl < 0)[0])
             raise fail("seq_lens", "lengths >= 0", f"seq_lens[{s}] = {int(sl[s])}")
         capacity = max_blocks * block_size
-        if (sl > capacity).any():
+        if high > capacity:
             s = int(np.flatnonzero(sl > capacity)[0])
             raise fail("seq_lens", f"lengths <= max_blocks_per_seq * block_size = {capacity} "
                        "(seq_len beyond its block table)", f"seq_lens[{s}] = {int(sl[s])}")
+        if bt.size and int(bt.min()) >= 0 and int(bt.max()) < num_blocks:
+            return  # every entry is in range, used or not
         used = np.arange(max_blocks)[None, :] < -(-sl[:, None] // block_size)
         bad = used & ((bt < 0) | (bt >= num_blocks))
         if bad.any():
