@@ -69,6 +69,7 @@ struct Runtime {
     void (*body)(void*) = nullptr;
     void* arg = nullptr;
     unsigned long long rng = 0x9e3779b97f4a7c15ull;
+    unsigned long long cta_serial = 0;  // counts CTAs run, to tell one CTA's per-thread state from the next
 };
 static Runtime rt;
 static float exchange[2][kMaxThreads];  // shuffle buffers, alternating by warp barrier generation
@@ -128,6 +129,7 @@ static int launch(const unsigned* grid, const unsigned* block, void (*body)(void
         for (unsigned y = 0; y < grid[1]; ++y)
             for (unsigned x = 0; x < grid[0]; ++x) {
                 blockIdx = {x, y, z};
+                ++rt.cta_serial;
                 for (unsigned t = 0; t < nt; ++t) {
                     ucontext_t& f = rt.fibers[t];
                     getcontext(&f);
@@ -220,3 +222,8 @@ HAL_DEVICE float hal_atomic_add(float* p, float v) {
     *p = old + v;
     return old;
 }
+
+// Warp-level matrix instructions and cp.async (hal_mma.cuh), for 32-lane warps.
+#if HAL_WARP_SIZE == 32
+#include "mma_host.cuh"
+#endif
