@@ -36,12 +36,21 @@ def _compile_one(spec: Specialization, device_index: int, fmad: bool) -> str:
     return spec.id
 
 
+def _device_sm(device_index: int) -> int:
+    """Compute capability of the device as major * 10 + minor (selects the tensor-core sources)."""
+    from ._cupy import cupy
+
+    return int(cupy().cuda.Device(device_index).compute_capability)
+
+
 def precompile(specs: Sequence[Specialization] | None = None, *, processes: int | None = None,
                device_index: int = 0, fmad: bool | None = None) -> tuple[int, float]:
     """Compile ``specs`` (default: every catalogue entry) into CuPy's disk cache; ``(count, seconds)``."""
     from . import _env
 
-    specs = list(all_specializations() if specs is None else specs)
+    if specs is None:
+        specs = [s for s in all_specializations() if s.min_sm <= _device_sm(device_index)]
+    specs = list(specs)
     fmad = _env.fmad() if fmad is None else fmad
     workers = max(1, min(len(specs), processes or (os.cpu_count() or 1)))
     start = time.perf_counter()

@@ -39,6 +39,7 @@ _SHIMS = {
     "write_kv_cache.cu": "write_kv_cache_host.cpp",
     "quant_gemm.cu": "quant_gemm_host.cpp",
     "quant_util.cu": "quant_util_host.cpp",
+    "quant_gemm_tc.cu": "quant_gemm_tc_host.cpp",
 }
 
 # ctypes parameter kinds after (grid, block), in kernel parameter order:
@@ -54,6 +55,9 @@ _SIGNATURES: dict[str, str] = {
     "hal_w8_dequant": "ppppiii",
     "hal_w8a8_quantize_rows": "pppi",
     "hal_f32_to_dtype": "ppq",
+    "hal_w4a16_gemm_tc": "ppppppiiiii",
+    "hal_w8a8_gemm_tc": "pppppppiiiii",
+    "hal_tc_reduce": "ppqi",
 }
 _CTYPES = {"p": ctypes.c_void_p, "f": ctypes.c_float, "i": ctypes.c_int, "q": ctypes.c_longlong}
 _UINT3 = ctypes.c_uint * 3
