@@ -215,3 +215,49 @@ def test_ops_register_with_priority() -> None:
     for op in OPS:
         (impl,) = registry.implementations(op)
         assert impl.name == f"cuda.{op}" and impl.priority == 100 and isinstance(impl.fn, CudaOp)
+
+
+# -- tensor-core quantised GEMM ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("bits", "m", "n", "k", "g"), [
+    (4, 1, 28672, 8192, 128), (4, 16, 4096, 4096, 128), (4, 64, 8192, 8192, 64), (4, 128, 1024, 4096, 32),
+    (8, 1, 4096, 4096, 64), (8, 2048, 28672, 8192, 128), (4, 7, 136, 96, 32),
+], ids=["w4-1x28k", "w4-16x4k", "w4-64x8k", "w4-128x1k", "w8-1x4k", "w8-2048x28k", "w4-tiny"])
+def test_tensor_core_gemm_plans_fit(caps: Any, bits: int, m: int, n: int, k: int, g: int) -> None:
+    """Grid covers every column tile, M chunk and k-block exactly once; the split stays within its workspace bound."""
+    plan, ksplit, per_split = cat.quant_gemm_tc_launch(bits, m, n, k, g, caps.compute_units)
+    _config(plan).validate(caps)
+    frags = cat.quant_gemm_tc_m_frags(m)
+    kblocks = k // 32
+    assert plan.grid == (-(-n // 128), ksplit, -(-m // (16 * frags))) and plan.block == (128, 1, 1)
+    assert (ksplit - 1) * per_split < kblocks <= ksplit * per_split  # no empty stripe, none missing
+    assert ksplit == 1 or ksplit * m * n * 4 <= cat.QGEMM_TC_MAX_WORKSPACE
+    ctas = plan.grid[0] * plan.grid[2]
+    if ctas < 2 * caps.compute_units and kblocks >= 16:
+        assert ksplit > 1  # a small grid is split over K to fill the device
+    assert cat.quant_gemm_tc_shared_bytes(bits, frags) <= 48 * 1024
+    _config(cat.quant_gemm_tc_reduce_launch(m, n, caps.compute_units)).validate(caps)
+
+
+def test_tensor_core_selection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sm_80+ NVIDIA with fp16/bf16 activations; W4A16 up to QGEMM_TC_M_MAX rows; HAL_CUDA_TENSOR_CORES=0 opts out."""
+    a100 = hal_core.load_profile("NVIDIA A100-SXM4-80GB")
+    assert qg.uses_tensor_cores(a100, "fp16", 4, 1) and qg.uses_tensor_cores(a100, "bf16", 4, cat.QGEMM_TC_M_MAX)
+    assert not qg.uses_tensor_cores(a100, "bf16", 4, cat.QGEMM_TC_M_MAX + 1)
+    assert qg.uses_tensor_cores(a100, "bf16", 8, 4096)
+    assert not qg.uses_tensor_cores(a100, "fp32", 4, 1)
+    turing = a100.model_copy(update={"arch": "sm_75"})
+    amd = a100.model_copy(update={"vendor": "amd", "arch": "gfx942"})
+    assert not qg.uses_tensor_cores(turing, "fp16", 4, 1) and not qg.uses_tensor_cores(amd, "fp16", 4, 1)
+    monkeypatch.setenv("HAL_CUDA_TENSOR_CORES", "0")
+    assert not qg.uses_tensor_cores(a100, "fp16", 4, 1)
+
+
+def test_tensor_core_specs_are_cuda_only() -> None:
+    """The tensor-core sources carry min_sm (HIP builds and pre-sm_80 warm-ups leave them out)."""
+    tc = [s for s in cat.all_specializations() if s.source == "quant_gemm_tc.cu"]
+    assert len(tc) == 2 * 2 * len(cat.QGEMM_TC_M_FRAGS) and all(s.min_sm == 80 for s in tc)
+    assert all(s.min_sm == 0 for s in cat.all_specializations() if s.source != "quant_gemm_tc.cu")
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        cat.quant_gemm_tc_spec("float32", 4, 1)

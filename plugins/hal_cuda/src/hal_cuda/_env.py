@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["allocator_policy", "fmad", "offload_min_flops", "small_m_max"]
+__all__ = ["allocator_policy", "fmad", "offload_min_flops", "packed_cache_bytes", "small_m_max", "tensor_cores"]
 
 #: Default of ``HAL_CUDA_OFFLOAD_MIN_FLOPS``: 2**24 (about 16.8 MFLOP), roughly a millisecond of
 #: numpy work against the ~0.1 ms fixed cost of a host-device round trip (see docs/cuda.md).
@@ -42,3 +42,13 @@ def allocator_policy() -> str:
     if value not in {"caching", "async", "managed"}:
         raise ValueError(f"HAL_CUDA_ALLOCATOR={value!r}; expected caching, async or managed")
     return value
+
+
+def tensor_cores() -> bool:
+    """``HAL_CUDA_TENSOR_CORES=0`` keeps quantized_gemm on the CUDA-core kernels even where tensor cores exist."""
+    return os.environ.get("HAL_CUDA_TENSOR_CORES", "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
+def packed_cache_bytes() -> int:
+    """``HAL_CUDA_PACKED_CACHE_MB``: bound of the tensor-core weight cache per process (default 16384 MiB)."""
+    return _int("HAL_CUDA_PACKED_CACHE_MB", 16384) << 20

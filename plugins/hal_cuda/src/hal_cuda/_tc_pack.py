@@ -82,27 +82,27 @@ def pack_weight(qw: Any, xp: Any = np) -> PackedWeight:
     npad = padded_columns(n)
     kb, cg = k // K_BLOCK, npad // 32
     if qw.bits == 4:
-        packed = xp.asarray(qw.qweight).astype(xp.uint32)
-        shifts = (4 * xp.arange(8, dtype=xp.uint32))[None, :, None]
-        codes = ((packed[:, None, :] >> shifts) & xp.uint32(0xF)).reshape(k, n)
+        packed = xp.asarray(qw.qweight).astype(np.uint32)
+        shifts = (4 * xp.arange(8, dtype=np.uint32))[None, :, None]
+        codes = ((packed[:, None, :] >> shifts) & np.uint32(0xF)).reshape(k, n)
         codes = _pad_columns(xp, codes, npad)
         # k = 32 kb + 16 s + 8 r + 2 t + e;  n = 32 cg + 8 j + g
         c = codes.reshape(kb, 2, 2, 4, 2, cg, 4, 8).transpose(0, 5, 7, 3, 6, 1, 2, 4)  # kb cg g t j s r e
         nibble = (2 * xp.arange(2)[:, None, None] + xp.arange(2)[None, :, None]
-                  + 4 * xp.arange(2)[None, None, :]).astype(xp.uint32)  # [s, r, e] -> 2 s + r + 4 e
-        words = (c << (4 * nibble)).sum(axis=(5, 6, 7), dtype=xp.uint32)  # kb cg g t j
-        qtc = xp.ascontiguousarray(words.reshape(kb, npad * 4).astype(xp.uint32))
+                  + 4 * xp.arange(2)[None, None, :]).astype(np.uint32)  # [s, r, e] -> 2 s + r + 4 e
+        words = (c << (4 * nibble)).sum(axis=(5, 6, 7), dtype=np.uint32)  # kb cg g t j
+        qtc = xp.ascontiguousarray(words.reshape(kb, npad * 4).astype(np.uint32))
     elif qw.bits == 8:
-        codes = _pad_columns(xp, xp.asarray(qw.qweight).astype(xp.uint8), npad) ^ xp.uint8(0x80)  # int8 q - 128
+        codes = _pad_columns(xp, xp.asarray(qw.qweight).astype(np.uint8), npad) ^ np.uint8(0x80)  # int8 q - 128
         # k = 32 kb + 16 i + 4 t + b;  n = 32 cg + 8 j + g
         c = codes.reshape(kb, 2, 4, 4, cg, 4, 8).transpose(0, 4, 6, 2, 5, 1, 3)  # kb cg g t j i b
-        qtc = xp.ascontiguousarray(c).reshape(kb, npad * 32).view(xp.uint32)
+        qtc = xp.ascontiguousarray(c).reshape(kb, npad * 32).view(np.uint32)
     else:
         raise ValueError(f"bits must be 4 or 8, got {qw.bits}")
     scales = _pad_columns(xp, xp.asarray(qw.scales), npad)
-    if scales.dtype != xp.float16:
+    if scales.dtype != np.float16:
         raise ValueError(f"the tensor-core kernels read float16 scales, got {scales.dtype}")
-    zeros = None if qw.zeros is None else _pad_columns(xp, xp.asarray(qw.zeros).astype(xp.uint8), npad)
+    zeros = None if qw.zeros is None else _pad_columns(xp, xp.asarray(qw.zeros).astype(np.uint8), npad)
     return PackedWeight(qtc, scales, zeros, qw.bits, qw.group_size, (k, n))
 
 
