@@ -112,7 +112,23 @@ static void fiber_entry() {
 
 // Runs body(arg) for every thread of every CTA.  0: ok, -1: bad block size,
 // -2: deadlock (a barrier or shuffle not reached by all threads).
+static int launch_threads(const unsigned* grid, const unsigned* block, void (*body)(void*), void* arg);
+// HAL_HOST_FTZ=1 builds run kernels with the SSE flush-to-zero and denormals-are-zero modes
+// on, as GPU code compiled with -ftz=true treats float32 subnormals (SSE applies them to
+// double too, which is stricter than the GPU).
 static int launch(const unsigned* grid, const unsigned* block, void (*body)(void*), void* arg) {
+#if defined(HAL_HOST_FTZ) && HAL_HOST_FTZ
+    const unsigned saved = __builtin_ia32_stmxcsr();
+    __builtin_ia32_ldmxcsr(saved | 0x8040u);  // FTZ (bit 15) | DAZ (bit 6)
+    const int rc = launch_threads(grid, block, body, arg);
+    __builtin_ia32_ldmxcsr(saved);
+    return rc;
+#else
+    return launch_threads(grid, block, body, arg);
+#endif
+}
+
+static int launch_threads(const unsigned* grid, const unsigned* block, void (*body)(void*), void* arg) {
     const unsigned nt = block[0];
     if (nt == 0 || nt > kMaxThreads || nt % HAL_WARP_SIZE || block[1] != 1 || block[2] != 1) return -1;
     rt.body = body;
