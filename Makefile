@@ -9,9 +9,11 @@ CUDA_PYPROJECT := $(wildcard plugins/hal_cuda/pyproject.toml)
 CUDA_EDITABLE  := $(if $(CUDA_PYPROJECT),-e plugins/hal_cuda)
 PYPROJECTS     := pyproject.toml plugins/hal_cpu/pyproject.toml $(CUDA_PYPROJECT)
 
-# Test-only: torch for the DLPack interop tests (the CPU build), NVRTC for the offline CUDA compile checks.
+# Test-only: torch for the DLPack interop tests (the CPU build), NVRTC for the offline CUDA compile checks,
+# cuobjdump/nvdisasm for the SASS budget of the tensor-core kernels.
 TEST_DEPS := pytest hypothesis ruff "torch==2.13.0" \
-             "cuda-bindings>=13,<14" "nvidia-cuda-nvrtc>=13,<14" "nvidia-cuda-runtime>=13,<14"
+             "cuda-bindings>=13,<14" "nvidia-cuda-nvrtc>=13,<14" "nvidia-cuda-runtime>=13,<14" \
+             "nvidia-cuda-cuobjdump>=13,<14" "nvidia-cuda-nvdisasm>=13,<14"
 
 .PHONY: demo test lint clean
 

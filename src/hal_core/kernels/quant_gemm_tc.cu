@@ -34,6 +34,14 @@
 #error "quant_gemm_tc.cu: HAL_DTYPE must be 1 (f16) or 2 (bf16)"
 #endif
 
+// At least two CTAs per SM: without the hint ptxas caps some builds below what their
+// accumulators need and spills (the host build ignores it).
+#if defined(HAL_CUDA)
+#define HAL_TC_LAUNCH_BOUNDS __launch_bounds__(128, 2)
+#else
+#define HAL_TC_LAUNCH_BOUNDS
+#endif
+
 namespace tc {
 
 constexpr int THREADS = 128;
@@ -59,30 +67,37 @@ constexpr int STAGE_BYTES = Z_OFF + Z_BYTES;
 constexpr int B_CHUNKS = B_BYTES / 16, A_CHUNKS_ROW = A_ROW / 16, A_CHUNKS = MT * A_CHUNKS_ROW;
 constexpr int S_CHUNKS = S_BYTES / 16, Z_CHUNKS = Z_BYTES / 16;
 
-// Issues the cp.async copies of k-block kb into one stage (every thread a share).
+// Issues the cp.async copies of k-block kb (of quantisation group g) into one stage: every
+// thread copies fixed 16-byte chunks (unrolled, no division).
 HAL_DEVICE void load_stage(hal_u8* stage, const hal_u8* qtc, const hal_u8* x, const hal_u16* scales,
-                           const hal_u8* zeros, int kb, int m0, int M, int K, int npad, int group_size) {
-    const int ct = blockIdx.x;
+                           const hal_u8* zeros, int kb, int g, int m0, int M, int K, int npad) {
+    const int tid = threadIdx.x, ct = blockIdx.x;
     const hal_u8* bsrc = qtc + ((hal_i64)kb * npad + (hal_i64)ct * COLS) * (B_BYTES / COLS);
-    const hal_i64 g = (hal_i64)kb * KB / group_size;
-    const int total = B_CHUNKS + A_CHUNKS + S_CHUNKS + (zeros ? Z_CHUNKS : 0);
-    for (int c = threadIdx.x; c < total; c += THREADS) {
-        if (c < B_CHUNKS) {
-            hal_cp_async_cg16(stage + B_OFF + 16 * c, bsrc + 16 * c, 16);
-        } else if (c < B_CHUNKS + A_CHUNKS) {
-            const int i = c - B_CHUNKS, r = i / A_CHUNKS_ROW, part = i % A_CHUNKS_ROW;
+#pragma unroll
+    for (int i = 0; i < B_CHUNKS / THREADS; ++i)
+        hal_cp_async_cg16(stage + B_OFF + 16 * (tid + i * THREADS), bsrc + 16 * (tid + i * THREADS), 16);
+#pragma unroll
+    for (int i = 0; i < (A_CHUNKS + THREADS - 1) / THREADS; ++i) {
+        const int c = tid + i * THREADS;
+        if (A_CHUNKS % THREADS == 0 || c < A_CHUNKS) {
+            const int r = c / A_CHUNKS_ROW, part = c % A_CHUNKS_ROW;  // powers of two
             const bool valid = m0 + r < M;
-            const hal_u8* src = valid ? x + ((hal_i64)(m0 + r) * K + (hal_i64)kb * KB) * A_ELEM + 16 * part : x;
+            const hal_u8* src =
+                valid ? x + ((hal_i64)(m0 + r) * K + (hal_i64)kb * KB) * A_ELEM + 16 * part : x;
             hal_cp_async_cg16(stage + A_OFF + r * A_STRIDE + 16 * part, src, valid ? 16 : 0);
-        } else if (c < B_CHUNKS + A_CHUNKS + S_CHUNKS) {
-            const int i = c - B_CHUNKS - A_CHUNKS;
-            const hal_u16* src = scales + g * npad + (hal_i64)ct * COLS + 8 * i;
-            hal_cp_async_cg16(stage + S_OFF + 16 * i, src, 16);
-        } else {
-            const int i = c - B_CHUNKS - A_CHUNKS - S_CHUNKS;
-            hal_cp_async_cg16(stage + Z_OFF + 16 * i, zeros + g * npad + (hal_i64)ct * COLS + 16 * i, 16);
         }
     }
+    const hal_i64 col0 = (hal_i64)g * npad + (hal_i64)ct * COLS;
+    if (tid < S_CHUNKS) hal_cp_async_cg16(stage + S_OFF + 16 * tid, scales + col0 + 8 * tid, 16);
+    if (zeros && tid >= S_CHUNKS && tid < S_CHUNKS + Z_CHUNKS)
+        hal_cp_async_cg16(stage + Z_OFF + 16 * (tid - S_CHUNKS), zeros + col0 + 16 * (tid - S_CHUNKS), 16);
+}
+
+// log2 of the k-blocks per quantisation group (group sizes are powers of two).
+HAL_DEVICE int group_shift(int group_size) {
+    int shift = 0;
+    while ((KB << shift) < group_size) ++shift;
+    return shift;
 }
 
 HAL_DEVICE float stage_scale(const hal_u8* stage, int col) {
@@ -166,7 +181,7 @@ HAL_DEVICE void store(float (*acc)[4][4], const float* sx, hal_t* HAL_RESTRICT o
 #if HAL_QBITS == 4
 // W4A16.  qtc: the packed records; scales fp16 [K / G, npad]; zeros uint8
 // [K / G, npad] or null (zero point 8).
-HAL_GLOBAL void HAL_LAUNCH_BOUNDS(tc::THREADS)
+HAL_GLOBAL void HAL_TC_LAUNCH_BOUNDS
 hal_w4a16_gemm_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT ws, const hal_t* HAL_RESTRICT x,
                   const hal_u32* HAL_RESTRICT qtc, const hal_u16* HAL_RESTRICT scales,
                   const hal_u8* HAL_RESTRICT zeros, int M, int N, int K, int group_size, int kb_per_split) {
@@ -175,7 +190,7 @@ hal_w4a16_gemm_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT ws, const hal_t* 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = lane >> 2, tig = lane & 3;
     const int npad = gridDim.x * COLS;
     const int m0 = blockIdx.z * MT;
-    const int kblocks = K / KB, kpg = group_size / KB;
+    const int kblocks = K / KB, gshift = group_shift(group_size), kpg_mask = (1 << gshift) - 1;
     const int kb_begin = blockIdx.y * kb_per_split;
     const int kb_end = kb_begin + kb_per_split < kblocks ? kb_begin + kb_per_split : kblocks;
     const hal_u8* xb = reinterpret_cast<const hal_u8*>(x);
@@ -192,7 +207,7 @@ hal_w4a16_gemm_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT ws, const hal_t* 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (kb_begin + s < kb_end)
-            load_stage(smem[s], qb, xb, scales, zeros, kb_begin + s, m0, M, K, npad, group_size);
+            load_stage(smem[s], qb, xb, scales, zeros, kb_begin + s, (kb_begin + s) >> gshift, m0, M, K, npad);
         hal_cp_async_commit();
     }
     hal_u32 zlo[4], zhi[4];
@@ -202,13 +217,13 @@ hal_w4a16_gemm_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT ws, const hal_t* 
         {
             const int next = kb + STAGES - 1;
             if (next < kb_end)
-                load_stage(smem[(next - kb_begin) % STAGES], qb, xb, scales, zeros, next, m0, M, K, npad,
-                           group_size);
+                load_stage(smem[(next - kb_begin) % STAGES], qb, xb, scales, zeros, next, next >> gshift, m0, M,
+                           K, npad);
             hal_cp_async_commit();
         }
         const hal_u8* stage = smem[(kb - kb_begin) % STAGES];
-        const bool first = kb == kb_begin || kb % kpg == 0;
-        const bool last = kb + 1 == kb_end || (kb + 1) % kpg == 0;
+        const bool first = kb == kb_begin || (kb & kpg_mask) == 0;
+        const bool last = kb + 1 == kb_end || ((kb + 1) & kpg_mask) == 0;
         if (first) {
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
@@ -261,7 +276,7 @@ hal_w4a16_gemm_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT ws, const hal_t* 
 // zero point 128) [K / G, npad].  Per group: sum_k xq (q - z) =
 // sum_k xq (q - 128) + (128 - z) sum_k xq, the row sums taken by one more MMA
 // against a B of ones.
-HAL_GLOBAL void HAL_LAUNCH_BOUNDS(tc::THREADS)
+HAL_GLOBAL void HAL_TC_LAUNCH_BOUNDS
 hal_w8a8_gemm_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT ws, const hal_i8* HAL_RESTRICT xq,
                  const float* HAL_RESTRICT sx, const hal_u32* HAL_RESTRICT qtc, const hal_u16* HAL_RESTRICT scales,
                  const hal_u8* HAL_RESTRICT zeros, int M, int N, int K, int group_size, int kb_per_split) {
@@ -270,7 +285,7 @@ hal_w8a8_gemm_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT ws, const hal_i8* 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, tig = lane & 3;
     const int npad = gridDim.x * COLS;
     const int m0 = blockIdx.z * MT;
-    const int kblocks = K / KB, kpg = group_size / KB;
+    const int kblocks = K / KB, gshift = group_shift(group_size), kpg_mask = (1 << gshift) - 1;
     const int kb_begin = blockIdx.y * kb_per_split;
     const int kb_end = kb_begin + kb_per_split < kblocks ? kb_begin + kb_per_split : kblocks;
     const hal_u8* xb = reinterpret_cast<const hal_u8*>(xq);
@@ -289,7 +304,7 @@ hal_w8a8_gemm_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT ws, const hal_i8* 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (kb_begin + s < kb_end)
-            load_stage(smem[s], qb, xb, scales, zeros, kb_begin + s, m0, M, K, npad, group_size);
+            load_stage(smem[s], qb, xb, scales, zeros, kb_begin + s, (kb_begin + s) >> gshift, m0, M, K, npad);
         hal_cp_async_commit();
     }
     for (int kb = kb_begin; kb < kb_end; ++kb) {
@@ -298,13 +313,13 @@ hal_w8a8_gemm_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT ws, const hal_i8* 
         {
             const int next = kb + STAGES - 1;
             if (next < kb_end)
-                load_stage(smem[(next - kb_begin) % STAGES], qb, xb, scales, zeros, next, m0, M, K, npad,
-                           group_size);
+                load_stage(smem[(next - kb_begin) % STAGES], qb, xb, scales, zeros, next, next >> gshift, m0, M,
+                           K, npad);
             hal_cp_async_commit();
         }
         const hal_u8* stage = smem[(kb - kb_begin) % STAGES];
-        const bool first = kb == kb_begin || kb % kpg == 0;
-        const bool last = kb + 1 == kb_end || (kb + 1) % kpg == 0;
+        const bool first = kb == kb_begin || (kb & kpg_mask) == 0;
+        const bool last = kb + 1 == kb_end || ((kb + 1) & kpg_mask) == 0;
         if (first) {
 #pragma unroll
             for (int mf = 0; mf < MF; ++mf)

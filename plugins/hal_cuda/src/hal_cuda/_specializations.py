@@ -416,8 +416,8 @@ def quant_gemm_tc_launch(
     below ``QGEMM_TC_MAX_WORKSPACE``.  ksplit > 1: partials go to ``ws`` and
     :func:`quant_gemm_tc_reduce_launch` sums them in split order (deterministic).
     """
-    if m <= 0 or n <= 0 or k <= 0 or k % group_size or group_size % QGEMM_TC_KBLOCK:
-        raise ValueError("need M, N, K > 0 and K % group_size == 0 with group_size a multiple of 32")
+    if m <= 0 or n <= 0 or k <= 0 or k % group_size or group_size % QGEMM_TC_KBLOCK or group_size & (group_size - 1):
+        raise ValueError("need M, N, K > 0 and K % group_size == 0 with group_size a power of two >= 32")
     frags = quant_gemm_tc_m_frags(m)
     n_tiles = -(-n // QGEMM_TC_COLS)
     m_chunks = -(-m // (16 * frags))
