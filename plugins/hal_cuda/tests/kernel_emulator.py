@@ -341,8 +341,11 @@ class Kernel:
         amax = np.abs(xf).max(axis=1)
         tiny = np.finfo(np.float32).smallest_subnormal
         scale = np.where(amax > 0, np.maximum(amax / np.float32(127), tiny), np.float32(1)).astype(np.float32)
+        scale[np.isnan(amax)] = np.nan  # a row holding a NaN gets a NaN scale (README)
         _ptr(sx, np.float32)[...] = scale
-        _ptr(xq, np.int8)[...] = np.clip(np.rint(xf / scale[:, None]), -127, 127).astype(np.int8)
+        with np.errstate(invalid="ignore"):
+            codes = np.nan_to_num(np.clip(np.rint(xf / scale[:, None]), -127, 127), nan=0.0)
+        _ptr(xq, np.int8)[...] = codes.astype(np.int8)
 
     def hal_f32_to_dtype(self, grid: Any, block: Any, out: Any, ws: Any, count: Any) -> None:
         assert isinstance(count, np.int64)
