@@ -266,7 +266,9 @@ hal_paged_attention_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT tmp_out, flo
     const int g = lane >> 2, tig = lane & 3;
     int kv_head, head0, n_valid;
     head_tile(num_heads, num_kv_heads, &kv_head, &head0, &n_valid);
-    const int seq_len = seq_lens[s];
+    // A length beyond the block table (only possible unvalidated, HAL_CHECK_INDICES=0) never reads past its row.
+    const int capacity = max_blocks_per_seq * block_size;
+    const int seq_len = seq_lens[s] < 0 ? 0 : seq_lens[s] > capacity ? capacity : seq_lens[s];
     const int t0 = part * partition_size;
     // One partition covers the whole sequence.
     const int t1 = max_partitions == 1 || seq_len - t0 < partition_size ? seq_len : t0 + partition_size;
