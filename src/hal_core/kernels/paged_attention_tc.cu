@@ -27,7 +27,7 @@
 // logits over all (or half, when CHUNK is 16) of the head dimension, Q held in
 // A fragments in registers.  Softmax: every warp reads all logits in the C
 // fragment layout, which is the A fragment layout of P V, and updates the same
-// running max and exp-sum (fp32, online; identical in every warp).  P V: warp w
+// running max and exp-sum (fp32, online, in base 2 with exp2; identical in every warp).  P V: warp w
 // owns output columns [w * HS / 4, (w + 1) * HS / 4); V fragments come from
 // ldmatrix.trans.  P is rounded to the cache dtype for the MMA and the exp-sum
 // adds the rounded values, so the output is a convex combination of V rows.
@@ -64,6 +64,8 @@ static_assert(HAL_DTYPE == HAL_F16 || HAL_DTYPE == HAL_BF16, "tensor-core attent
 static_assert(HS % 64 == 0 && HS <= 256, "HAL_HEAD_SIZE must be 64, 128, 192 or 256");
 static_assert(KSTEPS % 2 == 0 && OTILES % 2 == 0 && NTPW >= 1 && PSTEPS >= 1, "chunk layout");
 static_assert((CHUNK * VECS) % NT == 0, "a chunk is whole rounds of 16-byte copies");
+constexpr float LOG2E = 1.4426950408889634f;  // logits are kept in base 2: exp(x) = exp2(x * log2(e))
+constexpr float LN2 = 0.6931471805599453f;
 
 HAL_DEVICE void mma(float* d, const unsigned* a, const unsigned* b) {
 #if HAL_DTYPE == HAL_F16
@@ -86,27 +88,50 @@ struct alignas(16) Shared {
     int bt[PA_TC_BT];
 };
 
-// Queues the cp.async copies of K and V for tokens [c0, c0 + CHUNK) into stage st (zeros past t1).
+// This thread's copies: token rows tok0 + r * TPR of a chunk (r < ROUNDS), 16-byte piece `vec` of each, when
+// whole rows fit a round (FIXED_ROWS: every head size but 192); otherwise piece tid + r * NT of the chunk.
+constexpr int ROUNDS = CHUNK * VECS / NT;
+constexpr bool FIXED_ROWS = NT % VECS == 0;
+constexpr int TPR = FIXED_ROWS ? NT / VECS : 1;  // token rows per round of 128 copies
+
+// Where this thread's first token row of the next chunk is: table entry j (from b0), row rem in that block.
+// Advanced by whole chunks with a few subtractions instead of a division per row.
+struct Cursor {
+    int j, rem;
+};
+HAL_DEVICE void advance(Cursor& c, int tokens, int block_size) {
+    c.rem += tokens;
+    while (c.rem >= block_size) {
+        c.rem -= block_size;
+        ++c.j;
+    }
+}
+
+// Queues the cp.async copies of K and V for tokens [c0, c0 + CHUNK) into stage st (zeros past t1, no read).
+// `cur` is this thread's first row of the chunk; `head_off` = kv_head * block_size * HS (+ vec * 8 with FIXED_ROWS),
+// `block_stride` = num_kv_heads * block_size * HS.
 HAL_DEVICE void load_chunk(Shared& sm, int st, const hal_t* HAL_RESTRICT key_cache,
-                           const hal_t* HAL_RESTRICT value_cache, const int* HAL_RESTRICT block_table,
-                           int b0, int c0, int t1, int num_kv_heads, int kv_head, int block_size) {
-    constexpr int ROUNDS = CHUNK * VECS / NT;
-    const int tid = threadIdx.x;
+                           const hal_t* HAL_RESTRICT value_cache, const int* HAL_RESTRICT block_table, int b0,
+                           int c0, int t1, Cursor cur, hal_i64 block_stride, hal_i64 head_off, int block_size) {
 #pragma unroll
     for (int r = 0; r < ROUNDS; ++r) {
-        const int piece = tid + r * NT;
+        const int piece = threadIdx.x + r * NT;
         const int tok = piece / VECS, vec = piece % VECS;
-        const int t = c0 + tok;
         hal_i64 off = 0;
         int bytes = 0;
-        if (t < t1) {
-            const int j = t / block_size - b0;
+        if (c0 + tok < t1) {
+            int j = cur.j, rem = cur.rem;
+            if (!FIXED_ROWS) {  // head size 192: rows are not fixed per thread, one division per row
+                j = (c0 + tok) / block_size - b0;
+                rem = (c0 + tok) % block_size;
+            }
             const hal_i64 phys = j < PA_TC_BT ? sm.bt[j] : block_table[b0 + j];
-            off = ((phys * num_kv_heads + kv_head) * block_size + t % block_size) * HS + vec * 8;
+            off = phys * block_stride + head_off + (hal_i64)rem * HS + (FIXED_ROWS ? 0 : vec * 8);
             bytes = 16;
         }
         hal_cp_async_cg16(&sm.k[st][tok][vec * 8], key_cache + off, bytes);
         hal_cp_async_cg16(&sm.v[st][tok][vec * 8], value_cache + off, bytes);
+        if (FIXED_ROWS && r + 1 < ROUNDS) advance(cur, TPR, block_size);
     }
     hal_cp_async_commit();
 }
@@ -148,14 +173,22 @@ HAL_DEVICE void attend(Shared& sm, const hal_t* HAL_RESTRICT query, const hal_t*
     l[0] = l[1] = 0.f;
     hal_barrier();  // the block-table slice
 
-    load_chunk(sm, 0, key_cache, value_cache, block_table, b0, t0, t1, num_kv_heads, kv_head, block_size);
+    const hal_i64 block_stride = (hal_i64)num_kv_heads * block_size * HS;
+    const hal_i64 head_off = (hal_i64)kv_head * block_size * HS + (FIXED_ROWS ? (tid % VECS) * 8 : 0);
+    const int tfirst = t0 + tid / VECS;  // this thread's first row of chunk 0
+    Cursor cur = {tfirst / block_size - b0, tfirst % block_size};
+    const float scale2 = scale * LOG2E;
+    load_chunk(sm, 0, key_cache, value_cache, block_table, b0, t0, t1, cur, block_stride, head_off, block_size);
+    advance(cur, CHUNK, block_size);
     int st = 0;
     for (int c0 = t0; c0 < t1; c0 += CHUNK, st ^= 1) {
         hal_cp_async_wait_all();
         hal_barrier();  // (A) chunk c0 visible; stage st ^ 1 and the logits free
-        if (c0 + CHUNK < t1)
-            load_chunk(sm, st ^ 1, key_cache, value_cache, block_table, b0, c0 + CHUNK, t1, num_kv_heads,
-                       kv_head, block_size);
+        if (c0 + CHUNK < t1) {
+            load_chunk(sm, st ^ 1, key_cache, value_cache, block_table, b0, c0 + CHUNK, t1, cur, block_stride,
+                       head_off, block_size);
+            advance(cur, CHUNK, block_size);
+        }
 
         // Logits of this warp's column tiles over its head-dimension slice.
 #pragma unroll
@@ -186,7 +219,7 @@ HAL_DEVICE void attend(Shared& sm, const hal_t* HAL_RESTRICT query, const hal_t*
                 float v = sm.logit[0][row][col];
 #pragma unroll
                 for (int q = 1; q < KSL; ++q) v += sm.logit[q][row][col];
-                v = c0 + col < t1 ? v * scale : HAL_NEG_INF;
+                v = c0 + col < t1 ? v * scale2 : HAL_NEG_INF;
                 p[nt][i] = v;
                 mx[i >> 1] = fmaxf(mx[i >> 1], v);
             }
@@ -197,7 +230,7 @@ HAL_DEVICE void attend(Shared& sm, const hal_t* HAL_RESTRICT query, const hal_t*
             mx[r] = fmaxf(mx[r], hal_shfl_xor(mx[r], 2));
             const float m_new = fmaxf(m[r], mx[r]);  // NaN logits are ignored here and poison the sum
             msafe[r] = m_new == HAL_NEG_INF ? 0.f : m_new;
-            alpha[r] = expf(m[r] - msafe[r]);
+            alpha[r] = exp2f(m[r] - msafe[r]);
             m[r] = m_new;
         }
         float sum[2] = {0.f, 0.f};
@@ -205,7 +238,7 @@ HAL_DEVICE void attend(Shared& sm, const hal_t* HAL_RESTRICT query, const hal_t*
         for (int nt = 0; nt < NTILES; ++nt)
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const float e = rounded(expf(p[nt][i] - msafe[i >> 1]));
+                const float e = rounded(exp2f(p[nt][i] - msafe[i >> 1]));
                 p[nt][i] = e;
                 sum[i >> 1] += e;
             }
@@ -304,7 +337,7 @@ hal_paged_attention_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT tmp_out, flo
                 const hal_i64 sp = sh * max_partitions + part;
                 tmp_out[sp * HS + d] = acc[nt][i];
                 if (warp == 0 && nt == 0 && tig == 0 && (i & 1) == 0) {
-                    max_logits[sp] = m[i >> 1];
+                    max_logits[sp] = m[i >> 1] * LN2;  // natural-log units, as the reduce step reads
                     exp_sums[sp] = l[i >> 1];
                 }
             }
