@@ -75,11 +75,23 @@ HAL_DEVICE void mma(float* d, const unsigned* a, const unsigned* b) {
 #endif
 }
 
-// Two floats rounded to the cache dtype, packed (lower element in the lower half).
+// Two floats rounded (to nearest even) to the cache dtype, packed, the lower element in the lower half: one
+// cvt.rn.{f16,bf16}x2.f32 on the GPU; the host build rounds each with hal_from_float, the same function.
 HAL_DEVICE unsigned pack2(float lo, float hi) {
+#if defined(HAL_CUDA) && HAL_DTYPE == HAL_BF16
+    unsigned d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+#elif defined(HAL_CUDA)
+    unsigned d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+#else
     return (unsigned)hal_from_float(lo) | ((unsigned)hal_from_float(hi) << 16);
+#endif
 }
-HAL_DEVICE float rounded(float v) { return hal_to_float(hal_from_float(v)); }
+HAL_DEVICE float low_half(unsigned w) { return hal_to_float(static_cast<hal_t>(w & 0xffffu)); }
+HAL_DEVICE float high_half(unsigned w) { return hal_to_float(static_cast<hal_t>(w >> 16)); }
 
 struct alignas(16) Shared {
     hal_t k[2][CHUNK][STRIDE];
@@ -233,14 +245,16 @@ HAL_DEVICE void attend(Shared& sm, const hal_t* HAL_RESTRICT query, const hal_t*
             alpha[r] = exp2f(m[r] - msafe[r]);
             m[r] = m_new;
         }
+        // P rounded to the cache dtype in A-fragment words (row g: word 0, row g + 8: word 1 of each tile).
+        unsigned pw[NTILES][2];
         float sum[2] = {0.f, 0.f};
 #pragma unroll
         for (int nt = 0; nt < NTILES; ++nt)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const float e = rounded(exp2f(p[nt][i] - msafe[i >> 1]));
-                p[nt][i] = e;
-                sum[i >> 1] += e;
+            for (int h = 0; h < 2; ++h) {
+                const unsigned w = pack2(exp2f(p[nt][2 * h] - msafe[h]), exp2f(p[nt][2 * h + 1] - msafe[h]));
+                pw[nt][h] = w;
+                sum[h] += low_half(w) + high_half(w);
             }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -256,9 +270,7 @@ HAL_DEVICE void attend(Shared& sm, const hal_t* HAL_RESTRICT query, const hal_t*
             for (int i = 0; i < 4; ++i) acc[nt][i] *= alpha[i >> 1];
 #pragma unroll
         for (int kk = 0; kk < PSTEPS; ++kk) {
-            const unsigned a[4] = {pack2(p[2 * kk][0], p[2 * kk][1]), pack2(p[2 * kk][2], p[2 * kk][3]),
-                                   pack2(p[2 * kk + 1][0], p[2 * kk + 1][1]),
-                                   pack2(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+            const unsigned a[4] = {pw[2 * kk][0], pw[2 * kk][1], pw[2 * kk + 1][0], pw[2 * kk + 1][1]};
 #pragma unroll
             for (int nt = 0; nt < OTILES; nt += 2) {
                 unsigned b[4];
