@@ -45,7 +45,8 @@ def allocator_policy() -> str:
 
 
 def tensor_cores() -> bool:
-    """``HAL_CUDA_TENSOR_CORES=0`` keeps quantized_gemm on the CUDA-core kernels even where tensor cores exist."""
+    """``HAL_CUDA_TENSOR_CORES=0`` keeps quantized_gemm and paged_attention on the CUDA-core kernels even where
+    tensor cores exist."""
     return os.environ.get("HAL_CUDA_TENSOR_CORES", "1").strip().lower() not in {"0", "false", "no", "off"}
 
 
