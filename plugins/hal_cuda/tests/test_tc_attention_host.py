@@ -49,8 +49,8 @@ def rng(request: pytest.FixtureRequest, hal_seed: int) -> np.random.Generator:
     return np.random.default_rng([hal_seed, test_seed])
 
 
-def _module(builder: HostKernelBuilder, spec: Any, rng: np.random.Generator) -> HostModule:
-    module = builder.build(spec.source, dict(spec.defines))
+def _module(builder: HostKernelBuilder, spec: Any, rng: np.random.Generator, ftz: bool = False) -> HostModule:
+    module = builder.build(spec.source, {**dict(spec.defines), **({"HAL_HOST_FTZ": 1} if ftz else {})})
     module.seed(int(rng.integers(1, 2**63)))
     return module
 
@@ -67,12 +67,13 @@ class Case:
     #: otherwise this partition size (partitions crossing blocks and chunks).
     partition: int | None = None
     nonfinite: bool = False  # NaN in one query head, +inf in one used key, NaN in one used value element
+    ftz: bool = False  # run with float32 subnormals flushed to zero, as CuPy's -ftz=true build does
 
     @property
     def id(self) -> str:
         lens = "_".join(map(str, self.seq_lens))
         part = "rule" if self.partition is None else "nosplit" if self.partition == 0 else f"part{self.partition}"
-        nf = "-nonfinite" if self.nonfinite else ""
+        nf = ("-nonfinite" if self.nonfinite else "") + ("-ftz" if self.ftz else "")
         return (f"{self.dtype}-hs{self.head_size}-h{self.num_heads}kv{self.num_kv_heads}-bs{self.block_size}"
                 f"-len{lens}-{part}{nf}")
 
@@ -97,6 +98,7 @@ CASES = [
     # Non-finite inputs propagate as the float64 reference says, split and not.
     Case("fp16", 128, 8, 2, 16, (50, 90), partition=0, nonfinite=True),
     Case("bf16", 64, 8, 1, 8, (50, 90), partition=32, nonfinite=True),
+    Case("fp16", 128, 32, 8, 16, (3, 200), partition=64, nonfinite=True, ftz=True),
 ]
 
 
@@ -147,7 +149,7 @@ def _run(builder: HostKernelBuilder, rng: np.random.Generator, case: Case, args:
     code = DTYPE_CODES[case.dtype]
     q, kc, vc, bt, sl = (args[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens"))
     num_seqs, max_len = len(case.seq_lens), max(case.seq_lens)
-    tc = _module(builder, rules.paged_attention_tc_spec(code, case.head_size), rng)
+    tc = _module(builder, rules.paged_attention_tc_spec(code, case.head_size), rng, case.ftz)
     assert tc.static_shared_bytes() == rules.paged_attention_tc_shared_bytes(case.head_size)
     assert tc.static_shared_bytes() <= 48 << 10  # static shared memory needs no opt-in
     if case.partition is None or case.partition == 0:
@@ -172,7 +174,7 @@ def _run(builder: HostKernelBuilder, rng: np.random.Generator, case: Case, args:
     exp_sums = np.full_like(max_logits, np.nan)
     tc.launch(split, None, tmp_out, max_logits, exp_sums, *common, size, parts)
     simt = _module(builder, rules.paged_attention_spec(code, case.head_size, case.num_heads // case.num_kv_heads),
-                   rng)
+                   rng, case.ftz)
     simt.launch(reduce, out, tmp_out, max_logits, exp_sums, sl, case.num_heads, size, parts)
     return out
 
