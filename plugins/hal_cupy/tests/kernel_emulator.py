@@ -195,6 +195,42 @@ class Kernel:
             result[s] = (w[:, :, None] * tmp[s, :, :n]).sum(axis=1) / (w * es[s, :, :n]).sum(axis=1)[:, None]
         _store(o, result, self.defines["HAL_DTYPE"])
 
+    # -- paged_attention_tc.cu ----------------------------------------------------------------
+
+    def hal_paged_attention_tc(self, grid: Any, block: Any, out: Any, tmp_out: Any, max_logits: Any,
+                               exp_sums: Any, *rest: Any) -> None:
+        assert len(rest) == 12, "hal_paged_attention_tc takes 16 parameters"
+        q, kc, vc, bt, sl, scale, nh, nkv = self._pa_common(*rest[:10])
+        ps, parts = _i32(rest[10]), _i32(rest[11])
+        group = nh // nkv
+        assert grid == (nkv * -(-group // 16), q.shape[0], parts) and block == (128, 1, 1)
+        assert ps % {64: 64, 128: 32}.get(q.shape[2], 16) == 0, "partitions are whole chunks"
+        if parts == 1:
+            assert _ptr(tmp_out, nullable=True) is None and _ptr(max_logits, nullable=True) is None
+            assert _ptr(exp_sums, nullable=True) is None
+            o = _ptr(out)
+            result = np.zeros(q.shape, np.float32)
+            for s in range(q.shape[0]):
+                for kv in range(nkv):
+                    if sl[s] > 0:
+                        heads = slice(kv * group, (kv + 1) * group)
+                        acc, _, lsum = _attend(q[s, heads], kc, vc, bt[s], 0, int(sl[s]), scale, kv)
+                        result[s, heads] = acc / lsum[:, None]
+            _store(o, result, self.defines["HAL_DTYPE"])
+            return
+        assert _ptr(out, nullable=True) is None
+        tmp, ml, es = _ptr(tmp_out, np.float32), _ptr(max_logits, np.float32), _ptr(exp_sums, np.float32)
+        assert tmp.shape == (q.shape[0], nh, parts, q.shape[2]) and ml.shape == es.shape == (q.shape[0], nh, parts)
+        for s in range(q.shape[0]):
+            for p in range(parts):
+                t0 = p * ps
+                if t0 >= sl[s]:
+                    continue  # writes nothing
+                for kv in range(nkv):
+                    heads = slice(kv * group, (kv + 1) * group)
+                    acc, m, lsum = _attend(q[s, heads], kc, vc, bt[s], t0, min(t0 + ps, int(sl[s])), scale, kv)
+                    tmp[s, heads, p], ml[s, heads, p], es[s, heads, p] = acc, m, lsum
+
     # -- write_kv_cache.cu -------------------------------------------------------------------
 
     def hal_write_kv_cache(self, grid: Any, block: Any, key: Any, value: Any, key_cache: Any, value_cache: Any,

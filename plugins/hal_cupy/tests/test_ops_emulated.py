@@ -93,12 +93,42 @@ def attention(rng: np.random.Generator, dtype: str, seq_lens: list[int], heads: 
     ([0, 37, 300], ["hal_paged_attention"]),
     ([1, 700, 2100], ["hal_paged_attention_split", "hal_paged_attention_reduce"]),
 ], ids=["single", "split"])
-def test_paged_attention(backend: Any, rng: np.random.Generator, dtype: str, seq_lens: list[int],
-                         kernels: list[str]) -> None:
+def test_paged_attention_simt(backend: Any, rng: np.random.Generator, dtype: str, seq_lens: list[int],
+                              kernels: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SIMT kernels: fp32 always, fp16/bf16 with HAL_CUDA_TENSOR_CORES=0 (or a group below 4)."""
+    monkeypatch.setenv("HAL_CUDA_TENSOR_CORES", "0")
     args = attention(rng, dtype, seq_lens)
     out, _ = run("paged_attention", backend, args)
     assert kernels == emu.LAUNCHED
     assert rel_err(out, OPS["paged_attention"].reference(args)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize(("seq_lens", "kernels"), [
+    ([0, 37, 300] * 40, ["hal_paged_attention_tc"]),  # 120 sequences x 2 KV heads fill the device: no split
+    ([1, 700, 2100], ["hal_paged_attention_tc", "hal_paged_attention_reduce"]),
+], ids=["single", "split"])
+def test_paged_attention_tensor_cores(backend: Any, rng: np.random.Generator, dtype: str, seq_lens: list[int],
+                                      kernels: list[str]) -> None:
+    """GQA group 4 in fp16/bf16 at level 90: the tensor-core kernel, split-KV merged by the SIMT reduce; a
+    platform without warp matrix instructions runs the SIMT kernels."""
+    args = attention(rng, dtype, seq_lens)
+    out, _ = run("paged_attention", backend, args)
+    if backend.platform.mma_level:
+        assert kernels == emu.LAUNCHED
+    else:
+        assert emu.LAUNCHED and not any(name.endswith("_tc") for name in emu.LAUNCHED)
+    assert rel_err(out, OPS["paged_attention"].reference(args)) < TOL[dtype]
+
+
+def test_paged_attention_small_group_and_fp32_stay_simt(backend: Any, rng: np.random.Generator) -> None:
+    """A group of 2 and fp32 caches keep the SIMT kernels on a tensor-core GPU."""
+    for dtype, heads in (("fp16", 4), ("fp32", 8)):
+        emu.LAUNCHED.clear()
+        args = attention(rng, dtype, [50, 9], heads=heads, kv_heads=2)
+        out, _ = run("paged_attention", backend, args)
+        assert emu.LAUNCHED == ["hal_paged_attention"]
+        assert rel_err(out, OPS["paged_attention"].reference(args)) < TOL[dtype]
 
 
 def test_paged_attention_into_out_gqa_tiles(backend: Any, rng: np.random.Generator) -> None:

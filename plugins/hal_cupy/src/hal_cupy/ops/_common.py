@@ -24,7 +24,8 @@ from .._cupy import cupy
 from .._platform import GpuPlatform
 from .._specializations import Launch, Specialization
 
-__all__ = ["GpuOp", "assemble", "forget_kernels", "kernel_source", "kernels_for", "launch", "storage_device"]
+__all__ = ["GpuOp", "assemble", "forget_kernels", "kernel_source", "kernels_for", "launch", "storage_device",
+           "tensor_cores_available"]
 
 _KERNEL_PACKAGE = "hal_cupy.kernels"
 _COMMON = "hal_common.cuh"
@@ -167,3 +168,15 @@ class GpuOp:
         """The registry entry, named ``<backend>.<op>``."""
         return OpImpl(op=self.op, fn=self, name=f"{backend}.{self.op}", priority=self.priority,
                       supports=self.supports)
+
+
+def tensor_cores_available(backend: Any, device_index: int, min_level: int) -> bool:
+    """Whether ``backend``'s device has the warp matrix instructions of ``min_level`` and they are not switched off.
+
+    ``HAL_<BACKEND>_TENSOR_CORES=0`` switches them off; the level comes from the platform
+    (:meth:`hal_cupy.GpuPlatform.warp_mma_level`), never from a vendor name.
+    """
+    if not _env.tensor_cores(backend.name):
+        return False
+    caps = backend.device(device_index).capabilities
+    return bool(backend.platform.warp_mma_level(caps) >= min_level)

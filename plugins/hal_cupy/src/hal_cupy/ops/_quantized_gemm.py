@@ -51,10 +51,9 @@ from .._specializations import (
     quant_util_spec,
 )
 from .._tc_pack import PackedWeight, PackedWeightCache, pack_weight
-from ._common import GpuOp, kernels_for, launch, misaligned, storage_device
+from ._common import GpuOp, kernels_for, launch, misaligned, storage_device, tensor_cores_available
 
-__all__ = ["OP", "PACKED", "check", "run", "small_m_threshold", "tensor_cores_available", "uses_small_m",
-           "uses_tensor_cores"]
+__all__ = ["OP", "PACKED", "check", "run", "small_m_threshold", "uses_small_m", "uses_tensor_cores"]
 
 #: Tensor-core layouts of the weights seen, per (weight, device), one cache per backend name;
 #: each bounded by ``HAL_<BACKEND>_PACKED_CACHE_MB`` when first used.
@@ -79,18 +78,6 @@ def small_m_threshold(backend: str) -> int:
 def uses_small_m(m: int, backend: str) -> bool:
     """Whether ``backend`` runs an M-row GEMM with the fused small-M kernel."""
     return 0 < m <= small_m_threshold(backend)
-
-
-def tensor_cores_available(backend: Any, device_index: int, min_level: int) -> bool:
-    """Whether ``backend``'s device has the warp matrix instructions of ``min_level`` and they are not switched off.
-
-    ``HAL_<BACKEND>_TENSOR_CORES=0`` switches them off; the level comes from the platform
-    (:meth:`hal_cupy.GpuPlatform.warp_mma_level`), never from a vendor name.
-    """
-    if not _env.tensor_cores(backend.name):
-        return False
-    caps = backend.device(device_index).capabilities
-    return bool(backend.platform.warp_mma_level(caps) >= min_level)
 
 
 def uses_tensor_cores(backend: Any, device_index: int, hal_dtype: str, bits: int, m: int) -> bool:
