@@ -11,9 +11,11 @@ GPU_EDITABLE   := $(foreach p,$(GPU_PYPROJECTS),-e $(patsubst %/,%,$(dir $(p))))
 PYPROJECTS     := pyproject.toml plugins/hal_cpu/pyproject.toml $(GPU_PYPROJECTS)
 
 # Test-only: torch (the CPU build) for the DLPack interop tests and torch.ops.hal, transformers for its attention
-# backend (pinned: 5.23.0 installs beside torch 2.13.0 without pulling another torch), NVRTC for the CUDA compile checks.
+# backend (pinned: 5.23.0 installs beside torch 2.13.0 without pulling another torch), NVRTC for the CUDA compile checks,
+# cuobjdump/nvdisasm for the SASS budget of the tensor-core kernels.
 TEST_DEPS := pytest hypothesis ruff "torch==2.13.0" "transformers==5.23.0" \
-             "cuda-bindings>=13,<14" "nvidia-cuda-nvrtc>=13,<14" "nvidia-cuda-runtime>=13,<14"
+             "cuda-bindings>=13,<14" "nvidia-cuda-nvrtc>=13,<14" "nvidia-cuda-runtime>=13,<14" \
+             "nvidia-cuda-cuobjdump>=13,<14" "nvidia-cuda-nvdisasm>=13,<14"
 
 # The type checker `make test` runs over src/ and every plugin's src/ (configured in pyproject.toml).
 TEST_DEPS += mypy

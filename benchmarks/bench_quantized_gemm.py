@@ -71,9 +71,16 @@ def device_and_call_ms(cp: Any, fn: Any, repeat: int, flush: Any) -> tuple[float
     return median_ms(time_ms(cp, replay, warmup=2, repeat=repeat, before=flush)), call, ""
 
 
-def bench_shape(cp: Any, be: Any, k: int, n: int, repeat: int, flush: Any) -> list[dict[str, Any]]:
-    from hal_cupy.ops._quantized_gemm import uses_small_m
+def _path(be: Any, m: int) -> str:
+    """Which quantized_gemm path serves M rows of fp16 W4A16 on this device (see hal_cupy.ops._quantized_gemm)."""
+    from hal_cupy.ops._quantized_gemm import uses_small_m, uses_tensor_cores
 
+    if uses_tensor_cores(be, 0, "fp16", 4, m):
+        return "tensor-core"
+    return "fused" if uses_small_m(m, be.name) else "k-slabs+cublas"
+
+
+def bench_shape(cp: Any, be: Any, k: int, n: int, repeat: int, flush: Any) -> list[dict[str, Any]]:
     qw = random_w4(cp, k, n)
     w32 = dequantize_on_device(cp, qw)
     w16 = w32.astype(cp.float16)  # the unquantised weights cuBLAS multiplies
@@ -96,7 +103,7 @@ def bench_shape(cp: Any, be: Any, k: int, n: int, repeat: int, flush: Any) -> li
         t_ref, call_ref, why_ref = device_and_call_ms(cp, dense, repeat, flush)
         speedup = ratio(t_ref, t_q)
         target = gemm_target(m, (k, n) in LARGE)
-        row = {"k": k, "n": n, "m": m, "path": "fused" if uses_small_m(m, "cuda") else "dequant+cublas",
+        row = {"k": k, "n": n, "m": m, "path": _path(be, m),
                "ms": t_q, "fp16_matmul_ms": t_ref, "speedup": speedup, "target": target,
                "verdict": verdict(speedup, target), "call_ms": call_q, "fp16_matmul_call_ms": call_ref,
                "call_speedup": ratio(call_ref, call_q), "graph_error": why_q or why_ref,

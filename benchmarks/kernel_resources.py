@@ -100,7 +100,11 @@ def main() -> None:
         data["specializations"][sid][arch] = kernels
     args.json.write_text(json.dumps(data, indent=1) + "\n")
     args.markdown.parent.mkdir(parents=True, exist_ok=True)
-    args.markdown.write_text(_markdown(data, archs))
+    # Keep the tensor-core section benchmarks/sass_budget.py maintains in the same file.
+    old = args.markdown.read_text() if args.markdown.exists() else ""
+    begin, end = "<!-- sass-budget:begin -->", "<!-- sass-budget:end -->"
+    kept = old[old.index(begin): old.index(end) + len(end)] + "\n" if begin in old and end in old else ""
+    args.markdown.write_text(_markdown(data, archs) + ("\n" + kept if kept else ""))
 
     spills = [
         (sid, a, k)

@@ -90,3 +90,13 @@ def test_dtypes_by_compute_capability(cc: tuple[int, int], present: set[str], ab
     """bf16 from sm_80, fp8 from sm_89, int8 from sm_72; fp32 always."""
     names = dtypes_for(*cc)
     assert present <= names and not (absent & names) and "fp32" in names
+
+
+@pytest.mark.parametrize(("arch", "level"), [("sm_75", 75), ("sm_80", 80), ("sm_90a", 90), ("sm_100a", 100),
+                                             ("sm_120f", 120), ("gfx942", 0)])
+def test_warp_mma_level_from_arch(arch: str, level: int) -> None:
+    """The level of the warp matrix instructions is the compute capability of the arch name."""
+    from hal_cuda._platform import CUDA
+
+    caps = hal_core.load_profile("NVIDIA A100-SXM4-80GB").model_copy(update={"arch": arch})
+    assert CUDA.warp_mma_level(caps) == level

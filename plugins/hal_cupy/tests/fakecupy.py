@@ -314,5 +314,12 @@ class FakePlatform(GpuPlatform):
     def prelude(self) -> str:
         return "#define HAL_PRELUDE 1\n"
 
+    def __init__(self, mma_level: int = 0) -> None:
+        self.mma_level = mma_level
+
     def compile_options(self, *, fmad: bool) -> tuple[str, ...]:
         return () if fmad else ("-fake-no-fmad",)
+
+    def warp_mma_level(self, capabilities: DeviceCapabilities) -> int:
+        """``mma_level`` (what the test says the prelude provides)."""
+        return self.mma_level

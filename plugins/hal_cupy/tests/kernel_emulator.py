@@ -9,6 +9,7 @@ asserts the types of its parameters and the grid the README prescribes.
 
 from __future__ import annotations
 
+import ctypes
 from types import SimpleNamespace
 from typing import Any
 
@@ -194,6 +195,42 @@ class Kernel:
             result[s] = (w[:, :, None] * tmp[s, :, :n]).sum(axis=1) / (w * es[s, :, :n]).sum(axis=1)[:, None]
         _store(o, result, self.defines["HAL_DTYPE"])
 
+    # -- paged_attention_tc.cu ----------------------------------------------------------------
+
+    def hal_paged_attention_tc(self, grid: Any, block: Any, out: Any, tmp_out: Any, max_logits: Any,
+                               exp_sums: Any, *rest: Any) -> None:
+        assert len(rest) == 12, "hal_paged_attention_tc takes 16 parameters"
+        q, kc, vc, bt, sl, scale, nh, nkv = self._pa_common(*rest[:10])
+        ps, parts = _i32(rest[10]), _i32(rest[11])
+        group = nh // nkv
+        assert grid == (nkv * -(-group // 16), q.shape[0], parts) and block == (128, 1, 1)
+        assert ps % {64: 64, 128: 32}.get(q.shape[2], 16) == 0, "partitions are whole chunks"
+        if parts == 1:
+            assert _ptr(tmp_out, nullable=True) is None and _ptr(max_logits, nullable=True) is None
+            assert _ptr(exp_sums, nullable=True) is None
+            o = _ptr(out)
+            result = np.zeros(q.shape, np.float32)
+            for s in range(q.shape[0]):
+                for kv in range(nkv):
+                    if sl[s] > 0:
+                        heads = slice(kv * group, (kv + 1) * group)
+                        acc, _, lsum = _attend(q[s, heads], kc, vc, bt[s], 0, int(sl[s]), scale, kv)
+                        result[s, heads] = acc / lsum[:, None]
+            _store(o, result, self.defines["HAL_DTYPE"])
+            return
+        assert _ptr(out, nullable=True) is None
+        tmp, ml, es = _ptr(tmp_out, np.float32), _ptr(max_logits, np.float32), _ptr(exp_sums, np.float32)
+        assert tmp.shape == (q.shape[0], nh, parts, q.shape[2]) and ml.shape == es.shape == (q.shape[0], nh, parts)
+        for s in range(q.shape[0]):
+            for p in range(parts):
+                t0 = p * ps
+                if t0 >= sl[s]:
+                    continue  # writes nothing
+                for kv in range(nkv):
+                    heads = slice(kv * group, (kv + 1) * group)
+                    acc, m, lsum = _attend(q[s, heads], kc, vc, bt[s], t0, min(t0 + ps, int(sl[s])), scale, kv)
+                    tmp[s, heads, p], ml[s, heads, p], es[s, heads, p] = acc, m, lsum
+
     # -- write_kv_cache.cu -------------------------------------------------------------------
 
     def hal_write_kv_cache(self, grid: Any, block: Any, key: Any, value: Any, key_cache: Any, value_cache: Any,
@@ -247,6 +284,79 @@ class Kernel:
         w = _dequant(_ptr(qweight, np.uint8), _ptr(scales, np.float16), _ptr(zeros, np.uint8, nullable=True), g, 128)
         acts = _ptr(xq, np.int8).astype(np.float32)
         self._gemm(grid, out, ws, acts, w, _ptr(sx, np.float32), m, n, k, g, _i32(per_split))
+
+    # -- quant_gemm_tc.cu --------------------------------------------------------------------
+
+    @staticmethod
+    def _tc_weight(qtc: np.ndarray, bits: int, k: int, npad: int) -> np.ndarray:
+        """Codes [K, npad] (W8: q - 128 as int) read back from the tensor-core layout, element by element."""
+        kb_count = k // 32
+        out = np.zeros((k, npad), np.int64)
+        words = np.asarray(qtc).view(np.uint32).reshape(kb_count, npad // 32, 32, -1)  # kb, cg, lane, word
+        for lane in range(32):
+            group, tig = lane >> 2, lane % 4
+            for j in range(4):
+                cols = np.arange(npad // 32) * 32 + 8 * j + group
+                if bits == 4:
+                    for p in range(4):
+                        for e in range(2):
+                            rows = np.arange(kb_count) * 32 + 16 * (p // 2) + 8 * (p % 2) + 2 * tig + e
+                            out[np.ix_(rows, cols)] = (words[:, :, lane, j] >> (4 * (p + 4 * e))) & 0xF
+                else:
+                    for i in range(2):
+                        for b in range(4):
+                            rows = np.arange(kb_count) * 32 + 16 * i + 4 * tig + b
+                            byte = (words[:, :, lane, 2 * j + i] >> (8 * b)) & 0xFF
+                            out[np.ix_(rows, cols)] = byte.astype(np.uint8).view(np.int8)
+        return out
+
+    def _tc_gemm(self, grid: Any, out: Any, ws: Any, acts: np.ndarray, weight: np.ndarray, row_scale: Any,
+                 m: int, n: int, k: int, per_split: int) -> None:
+        code = self.defines["HAL_DTYPE"]
+        frags = self.defines["HAL_M_FRAGS"]
+        ksplit = grid[1]
+        assert grid == (-(-n // 128), ksplit, -(-m // (16 * frags))), grid
+        ws = _ptr(ws, np.float32, nullable=True)
+        assert (ws is None) == (ksplit == 1)
+        kblocks = k // 32
+        assert ksplit == -(-kblocks // per_split)
+        parts = []
+        for y in range(ksplit):
+            lo, hi = 32 * y * per_split, 32 * min((y + 1) * per_split, kblocks)
+            part = acts[:, lo:hi] @ weight[lo:hi]
+            parts.append(part * row_scale[:, None] if row_scale is not None else part)
+        if ksplit == 1:
+            _store(_ptr(out), parts[0], code)
+        else:
+            ws[...] = np.stack(parts)
+
+    def hal_w4a16_gemm_tc(self, grid: Any, block: Any, out: Any, ws: Any, x: Any, qtc: Any, scales: Any,
+                          zeros: Any, m: Any, n: Any, k: Any, g: Any, per_split: Any) -> None:
+        assert self.defines["HAL_QBITS"] == 4 and block == (128, 1, 1)
+        m, n, k, g = _i32(m), _i32(n), _i32(k), _i32(g)
+        npad = grid[0] * 128
+        codes = self._tc_weight(_ptr(qtc, np.uint32), 4, k, npad)
+        w = _dequant(codes, _ptr(scales, np.float16), _ptr(zeros, np.uint8, nullable=True), g, 8)[:, :n]
+        self._tc_gemm(grid, out, ws, _floats(_ptr(x), self.defines["HAL_DTYPE"]), w, None, m, n, k, _i32(per_split))
+
+    def hal_w8a8_gemm_tc(self, grid: Any, block: Any, out: Any, ws: Any, xq: Any, sx: Any, qtc: Any, scales: Any,
+                         zeros: Any, m: Any, n: Any, k: Any, g: Any, per_split: Any) -> None:
+        assert self.defines["HAL_QBITS"] == 8 and block == (128, 1, 1)
+        m, n, k, g = _i32(m), _i32(n), _i32(k), _i32(g)
+        npad = grid[0] * 128
+        codes = self._tc_weight(_ptr(qtc, np.uint32), 8, k, npad) + 128
+        w = _dequant(codes, _ptr(scales, np.float16), _ptr(zeros, np.uint8, nullable=True), g, 128)[:, :n]
+        acts = _ptr(xq, np.int8).astype(np.float32)
+        self._tc_gemm(grid, out, ws, acts, w, _ptr(sx, np.float32), m, n, k, _i32(per_split))
+
+    def hal_tc_reduce(self, grid: Any, block: Any, out: Any, ws: Any, count: Any, splits: Any) -> None:
+        assert isinstance(count, np.int64) and block == (128, 1, 1)
+        parts = _ptr(ws, np.float32)
+        assert parts.shape[0] == _i32(splits) and parts[0].size == int(count)
+        total = parts[0].copy()
+        for y in range(1, parts.shape[0]):
+            total = total + parts[y]
+        _store(_ptr(out), total, self.defines["HAL_DTYPE"])
 
     # -- quant_util.cu -----------------------------------------------------------------------
 
@@ -305,6 +415,10 @@ class NumpyCupy(fakecupy.FakeCupy):
         self.ndarray = DevArray
         self.RawModule = EmulatedModule
         EmulatedModule.compiled = []
+        self.cuda.cublas = SimpleNamespace(gemmEx=_gemm_ex)
+        self.cuda.device = SimpleNamespace(get_cublas_handle=lambda: 1)
+        self.gemm_calls: list[dict[str, Any]] = GEMM_CALLS
+        GEMM_CALLS.clear()
 
     @staticmethod
     def empty(shape: Any, dtype: Any = np.float32) -> DevArray:
@@ -319,6 +433,10 @@ class NumpyCupy(fakecupy.FakeCupy):
         return np.zeros(shape, dtype).view(DevArray)
 
     @staticmethod
+    def arange(*args: Any, **kwargs: Any) -> DevArray:
+        return np.arange(*args, **kwargs).view(DevArray)
+
+    @staticmethod
     def ascontiguousarray(array: Any) -> DevArray:
         return np.ascontiguousarray(array).view(DevArray)
 
@@ -329,6 +447,44 @@ class NumpyCupy(fakecupy.FakeCupy):
             out[...] = result.astype(out.dtype)
             return out
         return result.astype(np.result_type(a.dtype, b.dtype)).view(DevArray)
+
+
+#: Every emulated cuBLAS gemmEx call: shapes, types and beta.
+GEMM_CALLS: list[dict[str, Any]] = []
+_CUDA_TYPES = {0: np.float32, 2: np.float16, 14: np.uint16}  # CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF
+
+
+def _from_address(ptr: int, count: int, dtype: Any) -> np.ndarray:
+    """A writable view of ``count`` elements of ``dtype`` at a raw host address (the emulated device memory)."""
+    dtype = np.dtype(dtype)
+    return np.ctypeslib.as_array((ctypes.c_uint8 * (count * dtype.itemsize)).from_address(ptr)).view(dtype)
+
+
+def _as_float(values: np.ndarray, cuda_type: int) -> np.ndarray:
+    return values.view(BFLOAT16).astype(np.float64) if cuda_type == 14 else values.astype(np.float64)
+
+
+def _gemm_ex(handle: Any, transa: int, transb: int, m: int, n: int, k: int, alpha: int, a: int, atype: int, lda: int,
+             b: int, btype: int, ldb: int, beta: int, c: int, ctype: int, ldc: int, compute: int, algo: int) -> None:
+    """cublasGemmEx, column-major, no transposes, host alpha/beta, fp32 compute (what the CUDA plugin uses)."""
+    assert (transa, transb, compute) == (0, 0, 68) and atype == btype
+    alpha_v = float(_from_address(alpha, 1, np.float32)[0])
+    beta_v = float(_from_address(beta, 1, np.float32)[0])
+    # Column-major A [m, k] (ld lda), B [k, n] (ld ldb), C [m, n] (ld ldc), as row-major transposes.
+    a_cm = _as_float(_from_address(a, lda * (k - 1) + m, _CUDA_TYPES[atype]), atype)
+    b_cm = _as_float(_from_address(b, ldb * (n - 1) + k, _CUDA_TYPES[btype]), btype)
+    a_mat = np.stack([a_cm[j * lda: j * lda + m] for j in range(k)], axis=1)  # [m, k]
+    b_mat = np.stack([b_cm[j * ldb: j * ldb + k] for j in range(n)], axis=1)  # [k, n]
+    c_raw = _from_address(c, ldc * (n - 1) + m, _CUDA_TYPES[ctype])
+    c_old = np.stack([_as_float(c_raw[j * ldc: j * ldc + m], ctype) for j in range(n)], axis=1)
+    result = alpha_v * (a_mat @ b_mat) + (beta_v * c_old if beta_v != 0 else 0.0)
+    GEMM_CALLS.append(dict(m=m, n=n, k=k, atype=atype, ctype=ctype, beta=beta_v))
+    for j in range(n):
+        col = result[:, j].astype(np.float32)
+        if ctype == 14:
+            c_raw[j * ldc: j * ldc + m] = col.astype(BFLOAT16).view(np.uint16)
+        else:
+            c_raw[j * ldc: j * ldc + m] = col.astype(_CUDA_TYPES[ctype])
 
 
 def _poison(shape: Any, dtype: Any) -> DevArray:

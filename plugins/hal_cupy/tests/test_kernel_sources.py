@@ -24,6 +24,7 @@ REPRESENTATIVE = [
     *(cat.quant_gemm_spec(dt, bits, mt) for dt, bits, mt in [("float16", 4, 1), ("bfloat16", 4, 16),
                                                              ("float32", 8, 4)]),
     *(cat.quant_util_spec(dt) for dt in cat.DTYPE_CODES),
+    cat.quant_gemm_tc_spec("float16", 4, 1), cat.quant_gemm_tc_spec("bfloat16", 8, 4),
 ]
 
 

@@ -238,3 +238,69 @@ def test_ops_register_with_priority() -> None:
     for op in OPS:
         (impl,) = registry.implementations(op)
         assert impl.name == f"cuda.{op}" and impl.priority == 100 and isinstance(impl.fn, GpuOp)
+
+
+# -- tensor-core quantised GEMM ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("bits", "m", "n", "k", "g"), [
+    (4, 1, 28672, 8192, 128), (4, 16, 4096, 4096, 128), (4, 64, 8192, 8192, 64), (4, 128, 1024, 4096, 32),
+    (8, 1, 4096, 4096, 64), (8, 2048, 28672, 8192, 128), (4, 7, 136, 96, 32),
+], ids=["w4-1x28k", "w4-16x4k", "w4-64x8k", "w4-128x1k", "w8-1x4k", "w8-2048x28k", "w4-tiny"])
+def test_tensor_core_gemm_plans_fit(caps: Any, bits: int, m: int, n: int, k: int, g: int) -> None:
+    """Grid covers every column tile, M chunk and k-block exactly once; the split stays within its workspace bound."""
+    plan, ksplit, per_split = cat.quant_gemm_tc_launch(bits, m, n, k, g, caps.compute_units)
+    _config(plan).validate(caps)
+    frags = cat.quant_gemm_tc_m_frags(m)
+    kblocks = k // 32
+    assert plan.grid == (-(-n // 128), ksplit, -(-m // (16 * frags))) and plan.block == (128, 1, 1)
+    assert (ksplit - 1) * per_split < kblocks <= ksplit * per_split  # no empty stripe, none missing
+    assert ksplit == 1 or ksplit * m * n * 4 <= cat.QGEMM_TC_MAX_WORKSPACE
+    ctas = plan.grid[0] * plan.grid[2]
+    if ctas < 2 * caps.compute_units and kblocks >= 16:
+        assert ksplit > 1  # a small grid is split over K to fill the device
+    assert cat.quant_gemm_tc_shared_bytes(bits, frags) <= 48 * 1024
+    _config(cat.quant_gemm_tc_reduce_launch(m, n, caps.compute_units)).validate(caps)
+
+
+class _Platform:
+    """A platform whose warp matrix instructions reach ``level`` (0: none)."""
+
+    name = "cuda"
+
+    def __init__(self, level: int) -> None:
+        self.level = level
+
+    def warp_mma_level(self, capabilities: hal_core.DeviceCapabilities) -> int:
+        return self.level
+
+
+def _backend(level: int, caps: hal_core.DeviceCapabilities) -> Any:
+    device = SimpleNamespace(capabilities=caps)
+    return SimpleNamespace(name="cuda", platform=_Platform(level), device=lambda index: device)
+
+
+def test_tensor_core_selection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Level 80 and fp16/bf16 activations; W4A16 up to QGEMM_TC_M_MAX rows; HAL_CUDA_TENSOR_CORES=0 opts out."""
+    a100 = hal_core.load_profile("NVIDIA A100-SXM4-80GB")
+    tc = _backend(80, a100)
+    assert qg.uses_tensor_cores(tc, 0, "fp16", 4, 1) and qg.uses_tensor_cores(tc, 0, "bf16", 4, cat.QGEMM_TC_M_MAX)
+    assert not qg.uses_tensor_cores(tc, 0, "bf16", 4, cat.QGEMM_TC_M_MAX + 1)
+    assert qg.uses_tensor_cores(tc, 0, "bf16", 8, 4096)
+    assert not qg.uses_tensor_cores(tc, 0, "fp32", 4, 1) and not qg.uses_tensor_cores(tc, 0, "fp16", 4, 0)
+    # Below the level the kernels are written for, or without the instructions: the SIMT kernels.
+    assert not qg.uses_tensor_cores(_backend(75, a100), 0, "fp16", 4, 1)
+    assert not qg.uses_tensor_cores(_backend(0, a100), 0, "fp16", 4, 1)
+    monkeypatch.setenv("HAL_CUDA_TENSOR_CORES", "0")
+    assert not qg.uses_tensor_cores(tc, 0, "fp16", 4, 1)
+
+
+def test_tensor_core_specs_need_warp_matrix_instructions() -> None:
+    """The tensor-core sources carry min_sm (builds without the instructions leave them out), 32-lane warps only."""
+    tc = [s for s in cat.all_specializations() if s.source == "quant_gemm_tc.cu"]
+    assert len(tc) == 2 * 2 * len(cat.QGEMM_TC_M_FRAGS) and all(s.min_sm == 80 for s in tc)
+    assert all(s.min_sm == 0 for s in cat.all_specializations()
+               if s.source not in ("quant_gemm_tc.cu", "paged_attention_tc.cu"))
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        cat.quant_gemm_tc_spec("float32", 4, 1)
+    assert all(s.min_sm == 0 for s in cat.all_specializations(64))

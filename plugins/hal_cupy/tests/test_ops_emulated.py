@@ -39,9 +39,11 @@ def backend(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> 
                    _write_kv_cache):
         monkeypatch.setattr(module, "cupy", lambda: fake)
     caps = hal_core.load_profile(request.param)
-    device = SimpleNamespace(capabilities=caps, launcher=CupyLauncher(0, caps), platform=fakecupy.FakePlatform())
+    # The H200's platform provides the warp matrix instructions (level 90), the MI300X's none.
+    platform = fakecupy.FakePlatform(90 if caps.simd_width == 32 else 0)
+    device = SimpleNamespace(capabilities=caps, launcher=CupyLauncher(0, caps), platform=platform)
     emu.LAUNCHED.clear()
-    return SimpleNamespace(name="cuda", device=lambda index: device)
+    return SimpleNamespace(name="cuda", device=lambda index: device, platform=platform)
 
 
 def to_dev(value: Any) -> Any:
@@ -91,12 +93,42 @@ def attention(rng: np.random.Generator, dtype: str, seq_lens: list[int], heads: 
     ([0, 37, 300], ["hal_paged_attention"]),
     ([1, 700, 2100], ["hal_paged_attention_split", "hal_paged_attention_reduce"]),
 ], ids=["single", "split"])
-def test_paged_attention(backend: Any, rng: np.random.Generator, dtype: str, seq_lens: list[int],
-                         kernels: list[str]) -> None:
+def test_paged_attention_simt(backend: Any, rng: np.random.Generator, dtype: str, seq_lens: list[int],
+                              kernels: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SIMT kernels: fp32 always, fp16/bf16 with HAL_CUDA_TENSOR_CORES=0 (or a group below 4)."""
+    monkeypatch.setenv("HAL_CUDA_TENSOR_CORES", "0")
     args = attention(rng, dtype, seq_lens)
     out, _ = run("paged_attention", backend, args)
     assert kernels == emu.LAUNCHED
     assert rel_err(out, OPS["paged_attention"].reference(args)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize(("seq_lens", "kernels"), [
+    ([0, 37, 300] * 40, ["hal_paged_attention_tc"]),  # 120 sequences x 2 KV heads fill the device: no split
+    ([1, 700, 2100], ["hal_paged_attention_tc", "hal_paged_attention_reduce"]),
+], ids=["single", "split"])
+def test_paged_attention_tensor_cores(backend: Any, rng: np.random.Generator, dtype: str, seq_lens: list[int],
+                                      kernels: list[str]) -> None:
+    """GQA group 4 in fp16/bf16 at level 90: the tensor-core kernel, split-KV merged by the SIMT reduce; a
+    platform without warp matrix instructions runs the SIMT kernels."""
+    args = attention(rng, dtype, seq_lens)
+    out, _ = run("paged_attention", backend, args)
+    if backend.platform.mma_level:
+        assert kernels == emu.LAUNCHED
+    else:
+        assert emu.LAUNCHED and not any(name.endswith("_tc") for name in emu.LAUNCHED)
+    assert rel_err(out, OPS["paged_attention"].reference(args)) < TOL[dtype]
+
+
+def test_paged_attention_small_group_and_fp32_stay_simt(backend: Any, rng: np.random.Generator) -> None:
+    """A group of 2 and fp32 caches keep the SIMT kernels on a tensor-core GPU."""
+    for dtype, heads in (("fp16", 4), ("fp32", 8)):
+        emu.LAUNCHED.clear()
+        args = attention(rng, dtype, [50, 9], heads=heads, kv_heads=2)
+        out, _ = run("paged_attention", backend, args)
+        assert emu.LAUNCHED == ["hal_paged_attention"]
+        assert rel_err(out, OPS["paged_attention"].reference(args)) < TOL[dtype]
 
 
 def test_paged_attention_into_out_gqa_tiles(backend: Any, rng: np.random.Generator) -> None:
@@ -145,23 +177,71 @@ def test_write_kv_cache_strided_key_value(backend: Any, rng: np.random.Generator
     np.testing.assert_array_equal(host(args["value_cache"]).astype(np.float64), want_v)
 
 
-@pytest.mark.parametrize("m", [1, 5, 17, 40], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("m", [1, 5, 17, 40, 130], ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("dtype", list(NP))
 @pytest.mark.parametrize("bits", [4, 8], ids=["W4A16", "W8A8"])
 def test_quantized_gemm(backend: Any, rng: np.random.Generator, bits: int, dtype: str, m: int) -> None:
-    """Fused with split-K (M <= 32, few columns), and dequantise + matmul above; asymmetric weights."""
+    """H200 (level 90): tensor cores for fp16/bf16 (W4A16 to M = 128, W8A8 always); else SIMT kernels, then K-slabs."""
     qw = quantize(rng.standard_normal((1024, 256)).astype(np.float32) * 0.1, bits=bits, group_size=64,
                   symmetric=False)
     x = rng.standard_normal((m, 1024)).astype(NP[dtype])
     args = dict(x=x, qweight=qw, out=None)
     out, _ = run("quantized_gemm", backend, args)
-    fused = m <= 32
     names = set(emu.LAUNCHED)
-    assert (f"hal_w{bits}a{'16' if bits == 4 else '8'}_gemm" in names) == fused
-    assert ("hal_f32_to_dtype" in names) == (fused or dtype == "bf16")  # split-K cast / bf16 matmul output
+    tc = backend.platform.mma_level > 0 and dtype != "fp32" and (bits == 8 or m <= 128)
+    kind = f"hal_w{bits}a{'16' if bits == 4 else '8'}"
+    assert (f"{kind}_gemm_tc" in names) == tc
+    assert (f"{kind}_gemm" in names) == (not tc and m <= 32)
+    slabs = not tc and m > 32
+    assert bool(emu.GEMM_CALLS) == slabs and ("hal_w4a16_dequant" in names or "hal_w8_dequant" in names) == slabs
     assert (bits == 8) == ("hal_w8a8_quantize_rows" in names)
     tol = TOL[dtype] if dtype != "fp32" else 1e-4
     assert rel_err(out, OPS["quantized_gemm"].reference(args)) < tol
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("bits", [4, 8], ids=["W4A16", "W8A8"])
+def test_quantized_gemm_large_m_slabs(backend: Any, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch,
+                                      bits: int, dtype: str) -> None:
+    """Without tensor cores (HAL_CUDA_TENSOR_CORES=0), large M: K-slabs of the weight dequantised into one small
+    workspace, accumulated by cuBLAS in the activations' dtype (bf16 stays bf16) with beta = 1 after the first."""
+    from hal_cupy.ops import _quantized_gemm as qg
+
+    monkeypatch.setenv("HAL_CUDA_TENSOR_CORES", "0")
+    monkeypatch.setattr(qg, "QGEMM_SLAB_BYTES", 256 * 2 * 128)  # 128-row slabs: 8 of them for K = 1024
+    qw = quantize(rng.standard_normal((1024, 256)).astype(np.float32) * 0.1, bits=bits, group_size=64,
+                  symmetric=bits == 8)
+    x = rng.standard_normal((40, 1024)).astype(NP[dtype])
+    args = dict(x=x, qweight=qw, out=None)
+    out, _ = run("quantized_gemm", backend, args)
+    calls = emu.GEMM_CALLS
+    assert len(calls) == 8 and all(c["k"] == 128 for c in calls)
+    assert [c["beta"] for c in calls] == [0.0] + [1.0] * 7
+    assert {c["atype"] for c in calls} == {14 if dtype == "bf16" else 2} and {c["ctype"] for c in calls} == {0}
+    assert "hal_f32_to_dtype" in emu.LAUNCHED  # the fp32 accumulator, cast once
+    assert rel_err(out, OPS["quantized_gemm"].reference(args)) < TOL[dtype]
+
+
+def test_tensor_core_weight_is_packed_once(backend: Any, rng: np.random.Generator) -> None:
+    """The tensor-core layout is built on first use of a weight and reused from the cache after (never without
+    the warp matrix instructions)."""
+    from hal_cupy.ops import OPS as CUDA_OPS
+    from hal_cupy.ops import _quantized_gemm as qg
+
+    qw = quantize(rng.standard_normal((256, 128)).astype(np.float32), group_size=32)
+    x = rng.standard_normal((3, 256)).astype(np.float16)
+    args = OPS["quantized_gemm"].map_arrays(dict(x=x, qweight=qw, out=None), to_dev)
+    impl = next(o for o in CUDA_OPS if o.op == "quantized_gemm")
+    calls: list[int] = []
+    original = qg.pack_weight
+    try:
+        qg.pack_weight = lambda *a: calls.append(1) or original(*a)  # type: ignore[assignment]
+        for _ in range(3):
+            out = impl(OpCall(spec=OPS["quantized_gemm"], args=args, backend=backend, host_arrays=False))
+            assert rel_err(out, OPS["quantized_gemm"].reference(dict(x=x, qweight=qw))) < TOL["fp16"]
+    finally:
+        qg.pack_weight = original
+    assert calls == ([1] if backend.platform.mma_level else [])
 
 
 def test_offload_round_trip(backend: Any, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:

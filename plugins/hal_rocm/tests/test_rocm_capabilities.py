@@ -87,3 +87,11 @@ def test_dtypes_by_arch(arch: str, present: set[str], absent: set[str]) -> None:
     """FP8 only in FNUZ form on CDNA3, OCP FP8 on CDNA4 and RDNA4; no fp64 matrix on RDNA."""
     names = dtypes_for(arch)
     assert present <= names and not (absent & names)
+
+
+def test_no_warp_matrix_instructions() -> None:
+    """The HIP prelude provides no mma.sync spellings: the tensor-core sources are never selected or built."""
+    from hal_rocm import ROCM
+
+    for name in ("AMD Instinct MI300X", "AMD Instinct MI250X"):
+        assert ROCM.warp_mma_level(hal_core.load_profile(name)) == 0

@@ -46,6 +46,12 @@ class CudaPlatform(GpuPlatform):
         """48 KiB: beyond it a kernel opts in with ``cudaFuncAttributeMaxDynamicSharedMemorySize``."""
         return STATIC_SHARED_LIMIT
 
+    def warp_mma_level(self, capabilities: DeviceCapabilities) -> int:
+        """The compute capability of ``sm_XY`` (``sm_90a`` -> 90): PTX ``mma.sync`` is available at every level."""
+        arch = capabilities.arch
+        digits = arch.removeprefix("sm_").rstrip("af")
+        return int(digits) if arch.startswith("sm_") and digits.isdigit() else 0
+
     def pip_install(self) -> str:
         return PIP_INSTALL
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from hal_core import env
 
-__all__ = ["ALLOCATOR_POLICIES", "allocator_policy", "fmad", "offload_min_flops", "small_m_max", "variable"]
+__all__ = ["ALLOCATOR_POLICIES", "allocator_policy", "fmad", "offload_min_flops", "packed_cache_bytes", "small_m_max",
+           "tensor_cores", "variable"]
 
 #: Default of ``HAL_<BACKEND>_OFFLOAD_MIN_FLOPS``: 2**24 (about 16.8 MFLOP), roughly a millisecond of
 #: numpy work against the ~0.1 ms fixed cost of a host-device round trip (see docs/cuda.md).
@@ -18,6 +19,9 @@ DEFAULT_OFFLOAD_MIN_FLOPS = 1 << 24
 
 #: Policies ``HAL_<BACKEND>_ALLOCATOR`` accepts.
 ALLOCATOR_POLICIES = ("caching", "async", "managed")
+
+#: Default of ``HAL_<BACKEND>_PACKED_CACHE_MB``: bound of the tensor-core weight cache per process, MiB.
+DEFAULT_PACKED_CACHE_MB = 16384
 
 
 def variable(backend: str, setting: str) -> str:
@@ -43,3 +47,13 @@ def fmad(backend: str) -> bool:
 def allocator_policy(backend: str) -> str:
     """``HAL_<BACKEND>_ALLOCATOR``: ``caching`` (default), ``async`` or ``managed``."""
     return env.choice(variable(backend, "ALLOCATOR"), "caching", ALLOCATOR_POLICIES)
+
+
+def tensor_cores(backend: str) -> bool:
+    """``HAL_<BACKEND>_TENSOR_CORES`` (default on): off keeps quantized_gemm and paged_attention on the SIMT kernels."""
+    return env.flag(variable(backend, "TENSOR_CORES"), default=True)
+
+
+def packed_cache_bytes(backend: str) -> int:
+    """``HAL_<BACKEND>_PACKED_CACHE_MB``: bound of the tensor-core weight cache per process, in bytes."""
+    return env.integer(variable(backend, "PACKED_CACHE_MB"), DEFAULT_PACKED_CACHE_MB, minimum=0) << 20

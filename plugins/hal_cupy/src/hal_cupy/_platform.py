@@ -79,6 +79,15 @@ class GpuPlatform(ABC):
         """Shared memory per block usable without opting in; more needs ``max_dynamic_shared_size_bytes``."""
         return capabilities.shared_mem_per_block
 
+    def warp_mma_level(self, capabilities: DeviceCapabilities) -> int:
+        """The warp matrix instructions the prelude provides on that device (``HAL_MMA_SYNC``); 0: none.
+
+        ``hal_mma.cuh`` (``mma.sync``, ``ldmatrix``, ``cp.async``) is written for the level these instructions
+        are specified at, numbered like compute capabilities (major * 10 + minor). A specialisation whose
+        ``min_sm`` exceeds the level (the tensor-core kernels) is neither selected nor built for that device.
+        """
+        return 0
+
     def pip_install(self) -> str:
         """The command that installs this platform's CuPy (for messages)."""
         return "pip install cupy"

@@ -39,6 +39,16 @@ __all__ = [
     "choose_paged_attention_variant",
     "paged_attention_partitions",
     "paged_attention_launches",
+    "PA_TC_HEAD_SIZES",
+    "PA_TC_MIN_GROUP",
+    "PA_TC_MIN_SM",
+    "paged_attention_tc_spec",
+    "paged_attention_tc_chunk",
+    "paged_attention_tc_shared_bytes",
+    "paged_attention_tc_ctas_per_cu",
+    "paged_attention_tc_partitions",
+    "paged_attention_tc_launches",
+    "paged_attention_uses_tensor_cores",
     "write_kv_cache_spec",
     "write_kv_cache_launch",
     "quant_gemm_spec",
@@ -48,6 +58,14 @@ __all__ = [
     "quant_gemm_launch",
     "quant_gemm_shared_bytes",
     "quant_util_launch",
+    "QGEMM_TC_M_FRAGS",
+    "QGEMM_TC_M_MAX",
+    "QGEMM_TC_MIN_SM",
+    "quant_gemm_tc_spec",
+    "quant_gemm_tc_m_frags",
+    "quant_gemm_tc_launch",
+    "quant_gemm_tc_reduce_launch",
+    "quant_gemm_tc_shared_bytes",
 ]
 
 #: HAL_DTYPE codes by dtype name (x/query/out element type).
@@ -73,7 +91,38 @@ QUTIL_THREADS = 256
 #: SIMD widths the kernels are written for (warp / wavefront lanes).
 SIMD_WIDTHS = (32, 64)
 
-_SOURCES = ("paged_attention.cu", "write_kv_cache.cu", "quant_gemm.cu", "quant_util.cu")
+#: 16-row MMA fragments per CTA of the tensor-core GEMM (HAL_M_FRAGS): CTA tiles of 16, 32 and 64 rows.
+QGEMM_TC_M_FRAGS = (1, 2, 4)
+#: Largest M for the tensor-core kernels; above it, bounded K-slabs are dequantised and multiplied by cuBLAS.
+QGEMM_TC_M_MAX = 128
+#: Level of warp matrix instructions the tensor-core GEMM needs (mma.sync m16n8k16 bf16, cp.async, ldmatrix).
+QGEMM_TC_MIN_SM = 80
+QGEMM_TC_THREADS = 128
+QGEMM_TC_COLS = 128
+QGEMM_TC_KBLOCK = 32
+QGEMM_TC_STAGES = 4
+#: Partial sums of a K-split tensor-core GEMM are kept below this many bytes (fewer splits otherwise).
+QGEMM_TC_MAX_WORKSPACE = 64 << 20
+
+#: Head sizes of the tensor-core decode attention (``paged_attention_tc.cu``): multiples of 64 up to 256.
+PA_TC_HEAD_SIZES = (64, 128, 192, 256)
+#: Smallest GQA group (query heads per KV head) that uses the tensor-core kernel.
+PA_TC_MIN_GROUP = 4
+#: Level of warp matrix instructions the tensor-core attention needs (mma.sync m16n8k16 bf16, cp.async, ldmatrix).
+PA_TC_MIN_SM = 80
+#: Query heads per CTA of the tensor-core kernel (the MMA's M), threads per CTA.
+PA_TC_ROWS = 16
+PA_TC_THREADS = 128
+#: Block-table entries the tensor-core kernel keeps in shared memory (more are read from global memory).
+PA_TC_BT = 512
+#: Smallest split-KV partition of the tensor-core kernel, in tokens: below it the partial outputs
+#: (head_size fp32 per head and partition) cost more than the parallelism brings.
+PA_TC_MIN_PARTITION = 256
+#: Largest grid z (split-KV partitions) of a launch.
+_MAX_GRID_Z = 65535
+
+_SOURCES = ("paged_attention.cu", "paged_attention_tc.cu", "write_kv_cache.cu", "quant_gemm.cu", "quant_util.cu",
+            "quant_gemm_tc.cu")
 
 
 def kernel_source_dir() -> Path:
@@ -91,6 +140,10 @@ class Specialization:
     source: str
     kernels: tuple[str, ...]
     defines: tuple[tuple[str, str], ...]
+    #: Lowest level of warp matrix instructions (``hal_mma.cuh``; numbered like compute capabilities,
+    #: major * 10 + minor) the source needs, compared with :meth:`~hal_cupy.GpuPlatform.warp_mma_level`;
+    #: 0: every target.  Non-zero marks a tensor-core source, built only where the platform provides them.
+    min_sm: int = 0
 
     def options(self) -> tuple[str, ...]:
         """``-D`` options for the compiler (arch and include path not included)."""
@@ -246,6 +299,101 @@ def paged_attention_launches(
 
 
 # --------------------------------------------------------------------------
+# Paged attention on tensor cores
+# --------------------------------------------------------------------------
+
+
+def paged_attention_uses_tensor_cores(mma_level: int, dtype: str | int, group_size: int, head_size: int) -> bool:
+    """True when ``paged_attention_tc.cu`` serves a call: warp matrix instructions of level ``PA_TC_MIN_SM``
+    (:meth:`~hal_cupy.GpuPlatform.warp_mma_level`), fp16/bf16, a group of >= 4, a TC head size."""
+    if mma_level < PA_TC_MIN_SM:
+        return False
+    code = dtype if isinstance(dtype, int) else DTYPE_CODES.get(dtype, -1)
+    return code in (1, 2) and group_size >= PA_TC_MIN_GROUP and head_size in PA_TC_HEAD_SIZES
+
+
+def paged_attention_tc_spec(dtype: str | int, head_size: int) -> Specialization:
+    """``paged_attention_tc.cu`` for fp16/bf16 caches and a head size of :data:`PA_TC_HEAD_SIZES` (32-lane warps)."""
+    code = _dtype_code(dtype)
+    if code not in (1, 2):
+        raise ValueError("the tensor-core attention takes float16 or bfloat16 caches")
+    if head_size not in PA_TC_HEAD_SIZES:
+        raise ValueError(f"unsupported head_size {head_size} for the tensor-core attention ({PA_TC_HEAD_SIZES})")
+    return Specialization(
+        "paged_attention_tc.cu",
+        ("hal_paged_attention_tc",),
+        (("HAL_DTYPE", str(code)), ("HAL_HEAD_SIZE", str(head_size)), _warp(32)),
+        min_sm=PA_TC_MIN_SM,
+    )
+
+
+def paged_attention_tc_chunk(head_size: int) -> int:
+    """Tokens per K/V stage (mirror of CHUNK in paged_attention_tc.cu): 64 for d=64, 32 up to 128, else 16."""
+    return 64 if head_size == 64 else 32 if head_size <= 128 else 16
+
+
+def paged_attention_tc_shared_bytes(head_size: int) -> int:
+    """Static shared memory of hal_paged_attention_tc.
+
+    Two stages of K and V (``chunk`` rows of ``head_size + 8`` 16-bit elements each), the logits
+    (``ksl * 16 * chunk`` floats, ``ksl = max(1, 4 / (chunk / 8))``) and :data:`PA_TC_BT` block-table entries.
+    """
+    chunk = paged_attention_tc_chunk(head_size)
+    ksl = max(1, 4 // (chunk // 8))
+    return 2 * 2 * chunk * (head_size + 8) * 2 + ksl * PA_TC_ROWS * chunk * 4 + PA_TC_BT * 4
+
+
+def paged_attention_tc_ctas_per_cu(head_size: int, shared_per_cu: int = 228 << 10, threads_per_cu: int = 2048) -> int:
+    """Resident CTAs per compute unit estimated from shared memory and threads (the device's occupancy
+    calculator replaces this when a kernel is loaded)."""
+    per_cta = paged_attention_tc_shared_bytes(head_size) + 1024  # the per-CTA reservation
+    return max(1, min(shared_per_cu // per_cta, threads_per_cu // PA_TC_THREADS))
+
+
+def paged_attention_tc_partitions(
+    num_seqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    head_size: int,
+    compute_units: int,
+    ctas_per_cu: int,
+) -> tuple[int, int]:
+    """(partition_size, max_partitions) of the tensor-core kernel.
+
+    The grid without a split has ``num_seqs * num_kv_heads * ceil(group / 16)`` CTAs. Sequences are split
+    into as many partitions as it takes to give every compute unit ``ctas_per_cu`` CTAs (one full wave at
+    the kernel's occupancy), but no partition is shorter than :data:`PA_TC_MIN_PARTITION` tokens of
+    ``max_seq_len``; the partition size is a whole number of chunks.  ``max_partitions == 1`` means no split
+    (the kernel writes the output itself, no reduce step).
+    """
+    if min(num_seqs, num_heads, num_kv_heads, compute_units, ctas_per_cu) < 1:
+        raise ValueError("num_seqs, num_heads, num_kv_heads, compute_units and ctas_per_cu must be >= 1")
+    chunk = paged_attention_tc_chunk(head_size)
+    max_seq_len = max(1, max_seq_len)
+    group = num_heads // num_kv_heads
+    base = num_seqs * num_kv_heads * -(-group // PA_TC_ROWS)
+    want = -(-(compute_units * ctas_per_cu) // base)
+    parts = max(1, min(want, max_seq_len // PA_TC_MIN_PARTITION, _MAX_GRID_Z))
+    size = -(-max_seq_len // parts)
+    size = -(-size // chunk) * chunk
+    return size, -(-max_seq_len // size)
+
+
+def paged_attention_tc_launches(num_seqs: int, num_heads: int, num_kv_heads: int, max_partitions: int) -> list[Launch]:
+    """hal_paged_attention_tc over (num_kv_heads * ceil(group / 16), num_seqs, max_partitions), then, when
+    split, hal_paged_attention_reduce of paged_attention.cu (grid (num_heads, num_seqs)).
+
+    A split needs the fp32 workspaces of :func:`paged_attention_launches` (uninitialised is fine)."""
+    group = num_heads // num_kv_heads
+    gx = num_kv_heads * -(-group // PA_TC_ROWS)
+    plans = [Launch("hal_paged_attention_tc", (gx, num_seqs, max_partitions), (PA_TC_THREADS, 1, 1))]
+    if max_partitions > 1:
+        plans.append(Launch("hal_paged_attention_reduce", (num_heads, num_seqs, 1), (PA_NUM_THREADS, 1, 1)))
+    return plans
+
+
+# --------------------------------------------------------------------------
 # KV cache write
 # --------------------------------------------------------------------------
 
@@ -356,17 +504,102 @@ def quant_util_launch(kernel: str, items: int, compute_units: int) -> Launch:
 
 
 # --------------------------------------------------------------------------
+# Quantised GEMM on tensor cores
+# --------------------------------------------------------------------------
+
+
+def quant_gemm_tc_spec(dtype: str | int, bits: int, m_frags: int) -> Specialization:
+    """``quant_gemm_tc.cu`` for fp16/bf16 activations, W4A16 (bits 4) or W8A8 (bits 8), CTA tile 16 * m_frags rows.
+
+    Always 32-lane warps (``mma.sync`` is a warp instruction of 32 lanes).
+    """
+    code = _dtype_code(dtype)
+    if code not in (1, 2):
+        raise ValueError("the tensor-core GEMM takes float16 or bfloat16 activations")
+    if bits not in (4, 8):
+        raise ValueError("bits must be 4 or 8")
+    if m_frags not in QGEMM_TC_M_FRAGS:
+        raise ValueError(f"m_frags must be one of {QGEMM_TC_M_FRAGS}")
+    kernel = "hal_w4a16_gemm_tc" if bits == 4 else "hal_w8a8_gemm_tc"
+    return Specialization(
+        "quant_gemm_tc.cu",
+        (kernel, "hal_tc_reduce"),
+        (("HAL_DTYPE", str(code)), ("HAL_QBITS", str(bits)), ("HAL_M_FRAGS", str(m_frags)), _warp(32)),
+        min_sm=QGEMM_TC_MIN_SM,
+    )
+
+
+def quant_gemm_tc_m_frags(m: int) -> int:
+    """Smallest CTA tile (in 16-row fragments) holding ``m`` rows, capped at 4 (larger M: grid.z chunks of 64)."""
+    for f in QGEMM_TC_M_FRAGS:
+        if m <= 16 * f:
+            return f
+    return QGEMM_TC_M_FRAGS[-1]
+
+
+def quant_gemm_tc_launch(
+    bits: int, m: int, n: int, k: int, group_size: int, compute_units: int, ctas_per_cu: int = 2
+) -> tuple[Launch, int, int]:
+    """(launch, ksplit, kb_per_split) for hal_w4a16_gemm_tc / hal_w8a8_gemm_tc.
+
+    grid = (Npad / 128, ksplit, ceil(M / (16 * m_frags))), block 128.  The K
+    blocks (32 rows each) are split into ``ksplit`` contiguous stripes until the
+    grid has ``ctas_per_cu`` CTAs per compute unit, each stripe keeping at least
+    ``2 * stages`` k-blocks, and the fp32 partials ``ksplit * M * N * 4`` bytes
+    below ``QGEMM_TC_MAX_WORKSPACE``.  ksplit > 1: partials go to ``ws`` and
+    :func:`quant_gemm_tc_reduce_launch` sums them in split order (deterministic).
+    """
+    if m <= 0 or n <= 0 or k <= 0 or k % group_size or group_size % QGEMM_TC_KBLOCK or group_size & (group_size - 1):
+        raise ValueError("need M, N, K > 0 and K % group_size == 0 with group_size a power of two >= 32")
+    frags = quant_gemm_tc_m_frags(m)
+    n_tiles = -(-n // QGEMM_TC_COLS)
+    m_chunks = -(-m // (16 * frags))
+    kblocks = k // QGEMM_TC_KBLOCK
+    ctas = n_tiles * m_chunks
+    ksplit = 1
+    target = ctas_per_cu * compute_units
+    if ctas < target:
+        ksplit = min(-(-target // ctas), max(1, kblocks // (2 * QGEMM_TC_STAGES)))
+        ksplit = max(1, min(ksplit, QGEMM_TC_MAX_WORKSPACE // (4 * m * n)))
+    per_split = -(-kblocks // ksplit)
+    ksplit = -(-kblocks // per_split)
+    kernel = "hal_w4a16_gemm_tc" if bits == 4 else "hal_w8a8_gemm_tc"
+    return Launch(kernel, (n_tiles, ksplit, m_chunks), (QGEMM_TC_THREADS, 1, 1)), ksplit, per_split
+
+
+def quant_gemm_tc_reduce_launch(m: int, n: int, compute_units: int) -> Launch:
+    """hal_tc_reduce over M * N outputs: grid-stride, at most 8 CTAs of 128 threads per compute unit."""
+    blocks = max(1, min(-(-(m * n) // QGEMM_TC_THREADS), 8 * compute_units))
+    return Launch("hal_tc_reduce", (blocks, 1, 1), (QGEMM_TC_THREADS, 1, 1))
+
+
+def quant_gemm_tc_shared_bytes(bits: int, m_frags: int) -> int:
+    """Static shared memory of quant_gemm_tc.cu: ``stages * (B + 16 m_frags * stride + 256 + 128)``."""
+    b_bytes = QGEMM_TC_COLS * QGEMM_TC_KBLOCK // (2 if bits == 4 else 1)
+    stride = QGEMM_TC_KBLOCK * (2 if bits == 4 else 1) + 16
+    return QGEMM_TC_STAGES * (b_bytes + 16 * m_frags * stride + 2 * QGEMM_TC_COLS + QGEMM_TC_COLS)
+
+
+# --------------------------------------------------------------------------
 # Catalogue
 # --------------------------------------------------------------------------
 
 
 def all_specializations(warp_size: int = 32) -> list[Specialization]:
-    """Every specialisation the op implementations may request on a device of ``warp_size`` lanes."""
+    """Every specialisation the op implementations may request on a device of ``warp_size`` lanes.
+
+    Entries with ``min_sm`` > 0 (the tensor-core kernels, 32-lane warps only) build only where the platform's
+    :meth:`~hal_cupy.GpuPlatform.warp_mma_level` reaches ``min_sm``.
+    """
     specs: list[Specialization] = []
     for dtype in DTYPE_CODES:
         for hs in PA_HEAD_SIZES:
             for g in PA_GQA_TILES:
                 specs.append(paged_attention_spec(dtype, hs, g, warp_size))
+    if warp_size == 32:  # mma.sync is a 32-lane warp instruction
+        for dtype in ("float16", "bfloat16"):
+            for hs in PA_TC_HEAD_SIZES:
+                specs.append(paged_attention_tc_spec(dtype, hs))
     specs.append(write_kv_cache_spec(True, warp_size))
     specs.append(write_kv_cache_spec(False, warp_size))
     for dtype in DTYPE_CODES:
@@ -374,4 +607,9 @@ def all_specializations(warp_size: int = 32) -> list[Specialization]:
             for mt in QGEMM_M_TILES:
                 specs.append(quant_gemm_spec(dtype, bits, mt, warp_size))
         specs.append(quant_util_spec(dtype, warp_size))
+    if warp_size == 32:  # mma.sync is a 32-lane warp instruction
+        for dtype in ("float16", "bfloat16"):
+            for bits in (4, 8):
+                for mf in QGEMM_TC_M_FRAGS:
+                    specs.append(quant_gemm_tc_spec(dtype, bits, mf))
     return specs

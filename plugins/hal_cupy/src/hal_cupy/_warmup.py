@@ -42,14 +42,18 @@ def precompile(platform: GpuPlatform, specs: Sequence[Specialization] | None = N
                processes: int | None = None, device_index: int = 0, fmad: bool | None = None) -> tuple[int, float]:
     """Compile ``specs`` (default: the catalogue at the device's SIMD width) into CuPy's disk cache.
 
+    The default leaves out the specialisations whose ``min_sm`` the device's warp matrix instructions do not
+    reach (:meth:`GpuPlatform.warp_mma_level`).
+
     Returns ``(count, seconds)``.
     """
     from . import _env
-    from ._cupy import cupy
+    from ._device import query_capabilities
 
     if specs is None:
-        width = int(cupy().cuda.runtime.getDeviceProperties(device_index)["warpSize"])
-        specs = all_specializations(width)
+        caps = query_capabilities(device_index, platform)
+        level = platform.warp_mma_level(caps)
+        specs = [s for s in all_specializations(caps.simd_width) if s.min_sm <= level]
     specs = list(specs)
     fmad = _env.fmad(platform.name) if fmad is None else fmad
     workers = max(1, min(len(specs), processes or (os.cpu_count() or 1)))
@@ -63,6 +67,10 @@ def precompile(platform: GpuPlatform, specs: Sequence[Specialization] | None = N
 if __name__ == "__main__":  # pragma: no cover - a command-line convenience
     import hal_core
 
+    from ._backend import CupyBackend
+
     backend = hal_core.get_backend(sys.argv[1] if len(sys.argv) > 1 else None)
+    if not isinstance(backend, CupyBackend):
+        raise SystemExit(f"hal-cupy: backend {backend.name!r} is not a GPU backend of hal-cupy")
     count, seconds = precompile(backend.platform, processes=int(sys.argv[2]) if len(sys.argv) > 2 else None)
     print(f"hal-cupy: {count} specialisations compiled for {backend.name} into CuPy's kernel cache in {seconds:.1f} s")

@@ -39,6 +39,8 @@ _SHIMS = {
     "write_kv_cache.cu": "write_kv_cache_host.cpp",
     "quant_gemm.cu": "quant_gemm_host.cpp",
     "quant_util.cu": "quant_util_host.cpp",
+    "quant_gemm_tc.cu": "quant_gemm_tc_host.cpp",
+    "paged_attention_tc.cu": "paged_attention_tc_host.cpp",
 }
 
 # ctypes parameter kinds after (grid, block), in kernel parameter order:
@@ -54,6 +56,10 @@ _SIGNATURES: dict[str, str] = {
     "hal_w8_dequant": "ppppiii",
     "hal_w8a8_quantize_rows": "pppi",
     "hal_f32_to_dtype": "ppq",
+    "hal_w4a16_gemm_tc": "ppppppiiiii",
+    "hal_w8a8_gemm_tc": "pppppppiiiii",
+    "hal_tc_reduce": "ppqi",
+    "hal_paged_attention_tc": "pppppppppfiiiiii",
 }
 _CTYPES = {"p": ctypes.c_void_p, "f": ctypes.c_float, "i": ctypes.c_int, "q": ctypes.c_longlong}
 _UINT3 = ctypes.c_uint * 3
@@ -166,7 +172,8 @@ class HostKernelBuilder:
 
     def _source_hash(self, source: str) -> str:
         h = hashlib.sha256()
-        files = [HOST_DIR / "prelude_host.cuh", HOST_DIR / _SHIMS[source], self.kernel_dir / source]
+        files = [HOST_DIR / "prelude_host.cuh", HOST_DIR / "mma_host.cuh", HOST_DIR / _SHIMS[source],
+                 self.kernel_dir / source]
         files += sorted(self.kernel_dir.glob("*.cuh"))
         for f in files:
             h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
@@ -208,4 +215,25 @@ class HostKernelBuilder:
             raise HostBuildError(f"{' '.join(cmd)}\n{res.stderr}")
         lib = ctypes.CDLL(str(out))
         lib.probe_shuffle.argtypes = [ctypes.c_void_p]
+        return lib
+
+    def build_mma_probe(self) -> ctypes.CDLL:
+        """``mma_probe_host.cpp``: single-instruction probes of the warp matrix emulation (32-lane warps)."""
+        digest = hashlib.sha256(b"".join((HOST_DIR / f).read_bytes() for f in
+                                         ("prelude_host.cuh", "mma_host.cuh", "mma_probe_host.cpp"))).hexdigest()[:16]
+        out = self.build_dir / f"mma_probe_{digest}.so"
+        if not out.exists():
+            cmd = [self.cxx, *_FLAGS, f"-I{HOST_DIR}", str(HOST_DIR / "mma_probe_host.cpp"), "-o", str(out)]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                raise HostBuildError(f"{' '.join(cmd)}\n{res.stderr}")
+        lib = ctypes.CDLL(str(out))
+        p, i = ctypes.c_void_p, ctypes.c_int
+        lib.probe_mma_m16n8k16.argtypes = [p, p, p, p, i]
+        lib.probe_mma_m16n8k32_s8.argtypes = [p, p, p, p]
+        lib.probe_ldmatrix.argtypes = [p, p, i, i, p]
+        lib.probe_cp_async.argtypes = [p, p, i, p]
+        lib.probe_tile_product.argtypes = [p, p, p, p, i]
+        lib.probe_b16x2.argtypes = [i, p, p, p, p, i]
+        lib.probe_b16x2.restype = None
         return lib

@@ -1,7 +1,7 @@
 // Host (CPU) prelude for the hal kernel sources: compiles the real .cu files
 // with a C++17 compiler (g++) so their numerics can be tested without a GPU.
 // It takes the place of prelude_cuda.cuh / prelude_hip.cuh (see
-// src/hal_core/kernels/README.md) and is only used by the tests.
+// plugins/hal_cupy/src/hal_cupy/kernels/README.md) and is only used by the tests.
 //
 // Execution model: one launch runs its CTAs one after another; the threads of
 // a CTA are cooperative fibers (ucontext) on a single OS thread.  A fiber runs
@@ -69,6 +69,7 @@ struct Runtime {
     void (*body)(void*) = nullptr;
     void* arg = nullptr;
     unsigned long long rng = 0x9e3779b97f4a7c15ull;
+    unsigned long long cta_serial = 0;  // counts CTAs run, to tell one CTA's per-thread state from the next
 };
 static Runtime rt;
 static float exchange[2][kMaxThreads];  // shuffle buffers, alternating by warp barrier generation
@@ -111,7 +112,23 @@ static void fiber_entry() {
 
 // Runs body(arg) for every thread of every CTA.  0: ok, -1: bad block size,
 // -2: deadlock (a barrier or shuffle not reached by all threads).
+static int launch_threads(const unsigned* grid, const unsigned* block, void (*body)(void*), void* arg);
+// HAL_HOST_FTZ=1 builds run kernels with the SSE flush-to-zero and denormals-are-zero modes
+// on, as GPU code compiled with -ftz=true treats float32 subnormals (SSE applies them to
+// double too, which is stricter than the GPU).
 static int launch(const unsigned* grid, const unsigned* block, void (*body)(void*), void* arg) {
+#if defined(HAL_HOST_FTZ) && HAL_HOST_FTZ
+    const unsigned saved = __builtin_ia32_stmxcsr();
+    __builtin_ia32_ldmxcsr(saved | 0x8040u);  // FTZ (bit 15) | DAZ (bit 6)
+    const int rc = launch_threads(grid, block, body, arg);
+    __builtin_ia32_ldmxcsr(saved);
+    return rc;
+#else
+    return launch_threads(grid, block, body, arg);
+#endif
+}
+
+static int launch_threads(const unsigned* grid, const unsigned* block, void (*body)(void*), void* arg) {
     const unsigned nt = block[0];
     if (nt == 0 || nt > kMaxThreads || nt % HAL_WARP_SIZE || block[1] != 1 || block[2] != 1) return -1;
     rt.body = body;
@@ -128,6 +145,7 @@ static int launch(const unsigned* grid, const unsigned* block, void (*body)(void
         for (unsigned y = 0; y < grid[1]; ++y)
             for (unsigned x = 0; x < grid[0]; ++x) {
                 blockIdx = {x, y, z};
+                ++rt.cta_serial;
                 for (unsigned t = 0; t < nt; ++t) {
                     ucontext_t& f = rt.fibers[t];
                     getcontext(&f);
@@ -220,3 +238,8 @@ HAL_DEVICE float hal_atomic_add(float* p, float v) {
     *p = old + v;
     return old;
 }
+
+// Warp-level matrix instructions and cp.async (hal_mma.cuh), for 32-lane warps.
+#if HAL_WARP_SIZE == 32
+#include "mma_host.cuh"
+#endif

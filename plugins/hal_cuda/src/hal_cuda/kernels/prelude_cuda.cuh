@@ -4,6 +4,7 @@
 #pragma once
 #define HAL_PRELUDE 1
 #define HAL_CUDA 1
+#define HAL_MMA_SYNC 1  // the warp matrix instructions of hal_mma.cuh (mma.sync, ldmatrix, cp.async), sm_80+
 
 #ifndef HAL_WARP_SIZE
 #define HAL_WARP_SIZE 32

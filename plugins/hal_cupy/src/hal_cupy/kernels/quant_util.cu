@@ -82,37 +82,72 @@ hal_w8_dequant(hal_t* HAL_RESTRICT w, const hal_u8* HAL_RESTRICT qweight,
     }
 }
 
+// Exact float -> double without a float operation on a subnormal (flush-to-zero builds
+// flush f32 operands, never f64 ones): a subnormal is its integer mantissa times 2^-149.
+HAL_DEVICE double hal_f32_to_f64_exact(float f) {
+    const hal_u32 b = hal_float_to_bits(f);
+    if ((b & 0x7f800000u) != 0) return (double)f;
+    const double mag = (double)(b & 0x007fffffu) * 0x1p-149;
+    return (b >> 31) ? -mag : mag;
+}
+
+// max(amax / 127, smallest subnormal) rounded to float as IEEE division would, given amax's bits;
+// 1 for amax = 0, NaN for a NaN or infinite amax.  Below 127 * 2^-126 (bits 0x03fe0000) the quotient is
+// subnormal and is computed in integers (amax = N * 2^-149, result = RNE(N / 127) * 2^-149), so
+// flush-to-zero can neither flush it nor its floor.
+HAL_DEVICE float w8_row_scale(hal_u32 amax_bits) {
+    if (amax_bits == 0) return 1.f;
+    if (amax_bits >= 0x7f800000u) return hal_bits_to_float(0x7fc00000u);  // NaN or +-inf in the row
+    if (amax_bits >= 0x03fe0000u) return hal_bits_to_float(amax_bits) / 127.f;
+    const hal_u32 e = amax_bits >> 23, mant = amax_bits & 0x007fffffu;
+    const unsigned long long n = e == 0 ? mant : (unsigned long long)(0x00800000u | mant) << (e - 1);
+    unsigned long long q = n / 127u;
+    if (2u * (n % 127u) > 127u) ++q;  // round to nearest (a tie cannot occur: 127 is odd)
+    return hal_bits_to_float(q == 0 ? 1u : (hal_u32)q);
+}
+
 // Per-row symmetric int8 quantisation, bit for bit as hal_core.quant.quantize_activations:
 // sx[m] = max(max|x[m, :]| / 127, smallest subnormal) (1 for an all-zero row),
-// xq[m, k] = clamp(rint(x[m, k] / sx[m]), -127, 127)
-// (round half to even). A true division, not a multiplication by 127 / max: the two round
-// differently when x / sx lies next to a half. A row holding NaN or an infinity gets sx = NaN
-// and xq = 0 (its W8A8 output row is NaN): NaN counts as +inf in the max (fmaxf drops NaN).
-// Grid (M), block HAL_UTIL_THREADS.
+// xq[m, k] = clamp(rint(x[m, k] / sx[m]), -127, 127) (round half to even). A true division, not a
+// multiplication by 127 / max: the two round differently when x / sx lies next to a half. A row
+// holding NaN or an infinity gets sx = NaN and xq = 0 (its W8A8 output row is NaN).
+// Flush-to-zero safe: max|x| is an integer maximum of magnitude bits (NaN and inf bits are above
+// every finite value's), the scale comes from w8_row_scale, and a division with a subnormal
+// operand is done in double (the float32 quotient rounded from the double one is the correctly
+// rounded float32 quotient).  Grid (M), block HAL_UTIL_THREADS.
 HAL_GLOBAL void HAL_LAUNCH_BOUNDS(HAL_UTIL_THREADS)
 hal_w8a8_quantize_rows(hal_i8* HAL_RESTRICT xq, float* HAL_RESTRICT sx,
                        const hal_t* HAL_RESTRICT x, int K) {
     constexpr int NWARPS = HAL_UTIL_THREADS / HAL_WARP_SIZE;
-    __shared__ float s_red[NWARPS];
+    __shared__ hal_u32 s_red[NWARPS];
     const int tid = threadIdx.x;
     const hal_t* xr = x + (hal_i64)blockIdx.x * K;
     hal_i8* qr = xq + (hal_i64)blockIdx.x * K;
-    float amax = 0.f;
-    const float inf = hal_bits_to_float(0x7f800000u);
+    hal_u32 amax = 0;
     for (int k = tid; k < K; k += HAL_UTIL_THREADS) {
-        const float a = fabsf(hal_to_float(xr[k]));
-        amax = fmaxf(amax, a == a ? a : inf);
+        const hal_u32 mag = hal_float_to_bits(hal_to_float(xr[k])) & 0x7fffffffu;
+        amax = mag > amax ? mag : amax;
     }
-    amax = hal_warp_max(amax);
+#pragma unroll
+    for (int m = HAL_WARP_SIZE / 2; m > 0; m >>= 1) {  // shuffles move the 32 bits unchanged
+        const hal_u32 other = hal_float_to_bits(hal_shfl_xor(hal_bits_to_float(amax), m));
+        amax = other > amax ? other : amax;
+    }
     if (tid % HAL_WARP_SIZE == 0) s_red[tid / HAL_WARP_SIZE] = amax;
     hal_barrier();
     amax = s_red[0];
-    for (int w = 1; w < NWARPS; ++w) amax = fmaxf(amax, s_red[w]);
-    const bool finite = amax < inf;
-    const float scale = amax > 0.f ? fmaxf(amax / 127.f, 1.40129846e-45f) : 1.f;
-    if (tid == 0) sx[blockIdx.x] = finite ? scale : hal_bits_to_float(0x7fc00000u);
+    for (int w = 1; w < NWARPS; ++w) amax = s_red[w] > amax ? s_red[w] : amax;
+    const float scale = w8_row_scale(amax);
+    const bool finite = amax < 0x7f800000u;
+    const bool tiny_scale = (hal_float_to_bits(scale) & 0x7f800000u) == 0;
+    if (tid == 0) sx[blockIdx.x] = scale;
     for (int k = tid; k < K; k += HAL_UTIL_THREADS) {
-        const float q = finite ? fminf(fmaxf(rintf(hal_to_float(xr[k]) / scale), -127.f), 127.f) : 0.f;
+        const float v = hal_to_float(xr[k]);
+        const bool tiny_v = (hal_float_to_bits(v) & 0x7f800000u) == 0;
+        const float ratio = tiny_scale || tiny_v
+                                ? (float)(hal_f32_to_f64_exact(v) / hal_f32_to_f64_exact(scale))
+                                : v / scale;
+        const float q = finite ? fminf(fmaxf(rintf(ratio), -127.f), 127.f) : 0.f;
         qr[k] = static_cast<hal_i8>(static_cast<int>(q));
     }
 }

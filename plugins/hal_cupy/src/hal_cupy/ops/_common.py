@@ -13,7 +13,7 @@ import functools
 import threading
 from collections.abc import Callable, Sequence
 from importlib import resources
-from typing import Any
+from typing import Any, cast
 
 from hal_core import KernelSource, LaunchConfig
 from hal_core.ops import OpCall, OpImpl
@@ -24,10 +24,13 @@ from .._cupy import cupy
 from .._platform import GpuPlatform
 from .._specializations import Launch, Specialization
 
-__all__ = ["GpuOp", "assemble", "forget_kernels", "kernel_source", "kernels_for", "launch", "storage_device"]
+__all__ = ["GpuOp", "assemble", "forget_kernels", "kernel_source", "kernels_for", "launch", "storage_device",
+           "tensor_cores_available"]
 
 _KERNEL_PACKAGE = "hal_cupy.kernels"
 _COMMON = "hal_common.cuh"
+#: Further headers kernel files may include (inlined the same way): the warp matrix instructions.
+_EXTRA_HEADERS = ("hal_mma.cuh",)
 
 
 def _strip_pragma_once(text: str) -> str:
@@ -35,17 +38,21 @@ def _strip_pragma_once(text: str) -> str:
     return "\n".join("" if line.strip() == "#pragma once" else line for line in text.split("\n"))
 
 
-def assemble(body: str, source_name: str, prelude: str, common: str) -> str:
-    """One self-contained translation unit: prelude, then the kernel file with ``hal_common.cuh`` inlined.
+def assemble(body: str, source_name: str, prelude: str, common: str, headers: dict[str, str] | None = None) -> str:
+    """One self-contained translation unit: prelude, then the kernel file with its hal headers inlined.
 
-    ``#line`` directives keep compiler messages pointing at the original files.
-    Inlining (instead of an include path) makes the source text cover every
-    byte compiled, so CuPy's disk cache and our digest can never go stale.
+    ``common`` is the text of ``hal_common.cuh``; ``headers`` maps further
+    header names (``hal_mma.cuh``) to their text.  ``#line`` directives keep
+    compiler messages pointing at the original files.  Inlining (instead of an
+    include path) makes the source text cover every byte compiled, so CuPy's
+    disk cache and our digest can never go stale.
     """
+    texts = {_COMMON: common, **(headers or {})}
     out = [_strip_pragma_once(prelude), f'#line 1 "{source_name}"']
     for number, line in enumerate(body.split("\n"), start=1):
-        if line.strip() == f'#include "{_COMMON}"':
-            out += [f'#line 1 "{_COMMON}"', _strip_pragma_once(common), f'#line {number + 1} "{source_name}"']
+        name = next((h for h in texts if line.strip() == f'#include "{h}"'), None)
+        if name is not None:
+            out += [f'#line 1 "{name}"', _strip_pragma_once(texts[name]), f'#line {number + 1} "{source_name}"']
         else:
             out.append(line)
     return "\n".join(out)
@@ -56,7 +63,8 @@ def kernel_source(spec: Specialization, platform: GpuPlatform) -> KernelSource:
     """The :class:`~hal_core.KernelSource` of one specialisation: hal-cupy's sources after the platform's prelude."""
     body = KernelSource.from_package(spec.source, spec.kernels, options=spec.options(), package=_KERNEL_PACKAGE)
     root = resources.files(_KERNEL_PACKAGE)
-    code = assemble(body.code, spec.source, platform.prelude(), root.joinpath(_COMMON).read_text())
+    headers = {h: root.joinpath(h).read_text() for h in _EXTRA_HEADERS}
+    code = assemble(body.code, spec.source, platform.prelude(), root.joinpath(_COMMON).read_text(), headers)
     return KernelSource(spec.source, code, spec.kernels, spec.options())
 
 
@@ -77,7 +85,8 @@ def kernels_for(call: OpCall, device_index: int, spec: Specialization) -> dict[s
     key = (launcher, spec, _env.fmad(call.backend.name))
     found = _loaded.get(key)
     if found is None:
-        found = launcher.load(kernel_source(spec, device.platform))
+        platform: GpuPlatform = cast(Any, device).platform  # a CupyDevice (the plugin contract's handle has none)
+        found = launcher.load(kernel_source(spec, platform))
         with _loaded_lock:
             _loaded[key] = found
     return found
@@ -159,3 +168,15 @@ class GpuOp:
         """The registry entry, named ``<backend>.<op>``."""
         return OpImpl(op=self.op, fn=self, name=f"{backend}.{self.op}", priority=self.priority,
                       supports=self.supports)
+
+
+def tensor_cores_available(backend: Any, device_index: int, min_level: int) -> bool:
+    """Whether ``backend``'s device has the warp matrix instructions of ``min_level`` and they are not switched off.
+
+    ``HAL_<BACKEND>_TENSOR_CORES=0`` switches them off; the level comes from the platform
+    (:meth:`hal_cupy.GpuPlatform.warp_mma_level`), never from a vendor name.
+    """
+    if not _env.tensor_cores(backend.name):
+        return False
+    caps = backend.device(device_index).capabilities
+    return bool(backend.platform.warp_mma_level(caps) >= min_level)

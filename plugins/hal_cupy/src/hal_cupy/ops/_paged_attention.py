@@ -1,4 +1,15 @@
-"""``paged_attention`` on a GPU: single-pass or split-KV kernels, chosen by the catalogue's rule."""
+"""``paged_attention`` on a GPU: tensor-core or SIMT kernels, single-pass or split-KV, chosen by the catalogue's rules.
+
+Selection, per call:
+
+- Tensor cores (the platform's warp matrix instructions at level ``PA_TC_MIN_SM``, see
+  :meth:`hal_cupy.GpuPlatform.warp_mma_level`; fp16/bf16 caches; at least ``PA_TC_MIN_GROUP`` query heads per
+  KV head; a head size of ``PA_TC_HEAD_SIZES``; ``HAL_<BACKEND>_TENSOR_CORES`` not 0): ``paged_attention_tc.cu``.
+  Its partitions come from compute units x the kernel's occupancy and the block table's capacity (no device
+  read); a split is merged by ``hal_paged_attention_reduce`` of ``paged_attention.cu``.
+- Otherwise (fp32, small groups, other head sizes, devices without those instructions): the SIMT kernels of
+  ``paged_attention.cu``, single-pass or split-KV by :func:`choose_paged_attention_variant`.
+"""
 
 from __future__ import annotations
 
@@ -15,14 +26,20 @@ from .._specializations import (
     PA_BLOCK_SIZES,
     PA_HEAD_SIZES,
     PA_PARTITION_SIZE,
+    PA_TC_MIN_SM,
     choose_paged_attention_variant,
     paged_attention_launches,
     paged_attention_partitions,
     paged_attention_spec,
+    paged_attention_tc_ctas_per_cu,
+    paged_attention_tc_launches,
+    paged_attention_tc_partitions,
+    paged_attention_tc_spec,
+    paged_attention_uses_tensor_cores,
 )
-from ._common import GpuOp, kernels_for, launch, misaligned, storage_device
+from ._common import GpuOp, kernels_for, launch, misaligned, storage_device, tensor_cores_available
 
-__all__ = ["OP", "check", "max_seq_len_hint", "run", "split_workspace_bytes"]
+__all__ = ["OP", "check", "max_seq_len_hint", "run", "split_workspace_bytes", "uses_tensor_cores"]
 
 #: Largest split-KV workspace sized from the block table's capacity (no device-to-host copy);
 #: above it the actual ``max(seq_lens)`` is read from the device.
@@ -48,6 +65,48 @@ def max_seq_len_hint(num_seqs: int, num_heads: int, head_size: int, capacity: in
     if actual is None or split_workspace_bytes(num_seqs, num_heads, head_size, capacity) <= CAPACITY_WORKSPACE_BYTES:
         return capacity
     return min(capacity, int(actual()))
+
+
+def uses_tensor_cores(backend: Any, device_index: int, hal_dtype: str, num_heads: int, num_kv_heads: int,
+                      head_size: int) -> bool:
+    """True when ``paged_attention_tc.cu`` serves this call (see the module docs)."""
+    if not tensor_cores_available(backend, device_index, PA_TC_MIN_SM):
+        return False
+    level = backend.platform.warp_mma_level(backend.device(device_index).capabilities)
+    dtype = {"fp16": "float16", "bf16": "bfloat16"}.get(hal_dtype, hal_dtype)
+    return paged_attention_uses_tensor_cores(level, dtype, num_heads // num_kv_heads, head_size)
+
+
+def _run_tensor_cores(call: OpCall, device_index: int, storage: tuple[Any, ...], out: Any, kdtype: str) -> None:
+    """The tensor-core kernel (and the reduce step when split); partitions sized without reading the device."""
+    cp = cupy()
+    q, kc, vc, bt, sl = storage
+    num_seqs, num_heads, head_size = q.shape
+    num_kv_heads, block_size = kc.shape[1], kc.shape[2]
+    device = call.backend.device(device_index)
+    caps = device.capabilities
+    kernels = kernels_for(call, device_index, paged_attention_tc_spec(kdtype, head_size))
+    occupancy = paged_attention_tc_ctas_per_cu(head_size)
+    measured = getattr(device.launcher, "blocks_per_cu", None)
+    if measured is not None:
+        occupancy = max(1, min(occupancy, int(measured(kernels["hal_paged_attention_tc"], 128))))
+    # The block table's capacity bounds every length (validated); partitions past a sequence's end exit at once.
+    size, parts = paged_attention_tc_partitions(num_seqs, num_heads, num_kv_heads, bt.shape[1] * block_size,
+                                                head_size, caps.compute_units, occupancy)
+    plans = paged_attention_tc_launches(num_seqs, num_heads, num_kv_heads, parts)
+    common = (q, kc, vc, bt, sl, np.float32(call["scale"]), np.int32(num_heads), np.int32(num_kv_heads),
+              np.int32(block_size), np.int32(bt.shape[1]), np.int32(size), np.int32(parts))
+    if parts == 1:
+        launch(call, device_index, kernels, plans[0], (out, None, None, None, *common))
+        return
+    tmp_out = cp.empty((num_seqs, num_heads, parts, head_size), dtype=np.float32)
+    max_logits = cp.empty((num_seqs, num_heads, parts), dtype=np.float32)
+    exp_sums = cp.empty((num_seqs, num_heads, parts), dtype=np.float32)
+    launch(call, device_index, kernels, plans[0], (None, tmp_out, max_logits, exp_sums, *common))
+    reduce = kernels_for(call, device_index,
+                         paged_attention_spec(kdtype, head_size, num_heads // num_kv_heads, caps.simd_width))
+    launch(call, device_index, reduce, plans[1],
+           (out, tmp_out, max_logits, exp_sums, sl, np.int32(num_heads), np.int32(size), np.int32(parts)))
 
 
 def check(call: OpCall) -> str:
@@ -79,8 +138,11 @@ def run(call: OpCall) -> Any:
     caps = call.backend.device(device_index).capabilities
     spec = paged_attention_spec(KERNEL_DTYPES[hal_dtype], head_size, num_heads // num_kv_heads, caps.simd_width)
     with cp.cuda.Device(device_index):
-        kernels = kernels_for(call, device_index, spec)
         out = call.out if call.out is not None else empty_like_dtype(tuple(q.shape), hal_dtype)
+        if uses_tensor_cores(call.backend, device_index, hal_dtype, num_heads, num_kv_heads, head_size):
+            _run_tensor_cores(call, device_index, (q, kc, vc, bt, sl), as_storage(out), KERNEL_DTYPES[hal_dtype])
+            return out
+        kernels = kernels_for(call, device_index, spec)
         max_seq_len = max_seq_len_hint(num_seqs, num_heads, head_size, max_blocks * block_size,
                                        actual=lambda: sl.max())
         variant = choose_paged_attention_variant(num_seqs, num_kv_heads, max_seq_len, caps.compute_units,

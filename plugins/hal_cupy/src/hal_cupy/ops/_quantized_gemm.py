@@ -1,17 +1,29 @@
-"""``quantized_gemm`` on a GPU: a fused small-M kernel, or dequantise + cuBLAS (``cupy.matmul``) above it.
+"""``quantized_gemm`` on a GPU: tensor-core kernels, SIMT kernels, or K-slabs on cuBLAS.
 
-- ``M <= HAL_<BACKEND>_SMALL_M_MAX`` (default: the catalogue's ``QGEMM_SMALL_M_MAX``):
-  ``hal_w4a16_gemm`` / ``hal_w8a8_gemm`` (after ``hal_w8a8_quantize_rows``),
-  split over K when N alone does not fill the GPU.
-- Larger M: the weight is dequantised to fp16 (fp16 activations) or fp32
-  (fp32 and bf16 activations, CuPy having no bf16 matmul) and multiplied by
-  cuBLAS with fp32 accumulation. W8A8 multiplies the dequantised int8
-  activations ``xq * sx``, so both paths compute the same function.
+Selection, per call:
+
+- Tensor cores (the platform's warp matrix instructions at level
+  ``QGEMM_TC_MIN_SM``, see :meth:`hal_cupy.GpuPlatform.warp_mma_level`;
+  fp16/bf16 activations; ``HAL_<BACKEND>_TENSOR_CORES`` not 0):
+  ``quant_gemm_tc.cu`` on the weight's tensor-core layout (packed once per
+  ``QuantizedWeight`` and cached, see :mod:`hal_cupy._tc_pack`). W4A16 up to
+  ``QGEMM_TC_M_MAX`` rows, W8A8 at every M (after ``hal_w8a8_quantize_rows``).
+  A K split writes fp32 partials that ``hal_tc_reduce`` sums in split order
+  (no atomics).
+- Otherwise, ``M <= HAL_<BACKEND>_SMALL_M_MAX`` (default ``QGEMM_SMALL_M_MAX``):
+  the SIMT kernels ``hal_w4a16_gemm`` / ``hal_w8a8_gemm``, split over K when N
+  alone does not fill the GPU.
+- Larger M: K-slabs of at most ``QGEMM_SLAB_BYTES`` of the weight are
+  dequantised in turn into one small workspace, in the activations' dtype (bf16
+  stays bf16 where the device lists bf16), and accumulated by cuBLAS ``gemmEx``
+  (fp32 accumulation, ``beta = 1`` from the second slab on) -- never a
+  whole-weight copy. W8A8 multiplies the dequantised int8 activations ``xq * sx``.
 - K = 0 (an empty sum): the output is filled with zeros, nothing is launched.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,15 +38,32 @@ from .._cupy import cupy
 from .._specializations import (
     QGEMM_GROUP_SIZES,
     QGEMM_SMALL_M_MAX,
+    QGEMM_TC_M_MAX,
+    QGEMM_TC_MIN_SM,
     quant_gemm_launch,
     quant_gemm_m_tile,
     quant_gemm_spec,
+    quant_gemm_tc_launch,
+    quant_gemm_tc_m_frags,
+    quant_gemm_tc_reduce_launch,
+    quant_gemm_tc_spec,
     quant_util_launch,
     quant_util_spec,
 )
-from ._common import GpuOp, kernels_for, launch, misaligned, storage_device
+from .._tc_pack import PackedWeight, PackedWeightCache, pack_weight
+from ._common import GpuOp, kernels_for, launch, misaligned, storage_device, tensor_cores_available
 
-__all__ = ["OP", "check", "run", "small_m_threshold", "uses_small_m"]
+__all__ = ["OP", "PACKED", "check", "run", "small_m_threshold", "uses_small_m", "uses_tensor_cores"]
+
+#: Tensor-core layouts of the weights seen, per (weight, device), one cache per backend name;
+#: each bounded by ``HAL_<BACKEND>_PACKED_CACHE_MB`` when first used.
+PACKED: dict[str, PackedWeightCache] = {}
+#: Bytes of dequantised weight per K-slab on the large-M path.
+QGEMM_SLAB_BYTES = 32 << 20
+#: cudaDataType codes and cuBLAS constants used by the large-M path.
+_CUDA_R = {"fp32": 0, "fp16": 2, "bf16": 14}
+_CUBLAS_COMPUTE_32F = 68
+_CUBLAS_GEMM_DEFAULT = -1
 
 _INT32_MAX = 2**31 - 1
 #: Alignment the kernels' vector loads need, per QuantizedWeight array.
@@ -49,6 +78,15 @@ def small_m_threshold(backend: str) -> int:
 def uses_small_m(m: int, backend: str) -> bool:
     """Whether ``backend`` runs an M-row GEMM with the fused small-M kernel."""
     return 0 < m <= small_m_threshold(backend)
+
+
+def uses_tensor_cores(backend: Any, device_index: int, hal_dtype: str, bits: int, m: int) -> bool:
+    """True when ``quant_gemm_tc.cu`` serves this call (see the module docs)."""
+    if hal_dtype not in ("fp16", "bf16") or m <= 0:
+        return False
+    if not tensor_cores_available(backend, device_index, QGEMM_TC_MIN_SM):
+        return False
+    return bits == 8 or m <= QGEMM_TC_M_MAX
 
 
 def check(call: OpCall) -> str:
@@ -116,35 +154,99 @@ def _small_m(call: OpCall, device_index: int, x: Any, out: Any, kdtype: str,
         _grid_stride(call, device_index, util["hal_f32_to_dtype"], m * n, (out, ws, np.int64(m * n)))
 
 
+def _packed(call: OpCall, device_index: int) -> PackedWeight:
+    """The call's weight in the tensor-core layout: from the cache, else packed on the device (integer ops only)."""
+    qw = call["qweight"]
+    cache = PACKED.get(call.backend.name)
+    if cache is None:
+        cache = PACKED.setdefault(call.backend.name, PackedWeightCache(_env.packed_cache_bytes(call.backend.name)))
+    return cache.get(qw, device_index, lambda: pack_weight(qw.map_arrays(as_storage), cupy()))
+
+
+def _tensor_core(call: OpCall, device_index: int, x: Any, out: Any, kdtype: str) -> None:
+    cp = cupy()
+    qw = call["qweight"]
+    m, k = x.shape
+    n, g = qw.shape[1], qw.group_size
+    caps = call.backend.device(device_index).capabilities
+    packed = _packed(call, device_index)
+    activations = _quantize_rows(call, device_index, x, kdtype) if qw.bits == 8 else (x,)
+    kernels = kernels_for(call, device_index, quant_gemm_tc_spec(kdtype, qw.bits, quant_gemm_tc_m_frags(m)))
+    plan, ksplit, per_split = quant_gemm_tc_launch(qw.bits, m, n, k, g, caps.compute_units)
+    ws = cp.empty((ksplit, m, n), dtype=np.float32) if ksplit > 1 else None  # every element is written
+    launch(call, device_index, kernels, plan,
+           (out, ws, *activations, packed.qtc, packed.scales, packed.zeros, np.int32(m), np.int32(n), np.int32(k),
+            np.int32(g), np.int32(per_split)))
+    if ws is not None:
+        launch(call, device_index, kernels, quant_gemm_tc_reduce_launch(m, n, caps.compute_units),
+               (out, ws, np.int64(m * n), np.int32(ksplit)))
+
+
+def slab_rows(k: int, n: int, group_size: int, elem_bytes: int, budget: int = QGEMM_SLAB_BYTES) -> int:
+    """Rows of K per dequantised slab: a multiple of the group size (and of 8), at most ``budget`` bytes, >= 1 group."""
+    unit = group_size * 8 // math.gcd(group_size, 8)
+    rows = max(unit, budget // (n * elem_bytes) // unit * unit)
+    return int(min(rows, k))
+
+
+def _gemm_accumulate(a_ptr: int, lda: int, w: Any, c: Any, m: int, n: int, k: int, ab_type: int, c_type: int,
+                     beta: float) -> None:
+    """``c[m, n] = a[m, k] @ w[k, n] + beta * c`` (row-major; ``a`` at ``a_ptr`` with row stride ``lda``) on cuBLAS."""
+    cp = cupy()
+    alpha_host = np.ones(1, np.float32)
+    beta_host = np.full(1, beta, np.float32)
+    # Row-major C = A @ W is column-major C^T = W^T @ A^T: cuBLAS m = N, n = M.
+    cp.cuda.cublas.gemmEx(cp.cuda.device.get_cublas_handle(), 0, 0, n, m, k, alpha_host.ctypes.data, w.data.ptr,
+                          ab_type, n, a_ptr, ab_type, lda, beta_host.ctypes.data, c.data.ptr, c_type, n,
+                          _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+
+
 def _large_m(call: OpCall, device_index: int, x: Any, out: Any, hal_dtype: str, kdtype: str,
              weights: tuple[Any, Any, Any]) -> None:
     cp = cupy()
     qw = call["qweight"]
     m, k = x.shape
     n, g = qw.shape[1], qw.group_size
-    wdtype = np.float16 if hal_dtype == "fp16" else np.float32
-    wname = "float16" if hal_dtype == "fp16" else "float32"
-    util_w = kernels_for(call, device_index, quant_util_spec(wname, _width(call, device_index)))
-    w = cp.empty((k, n), dtype=wdtype)
-    if qw.bits == 4:
-        _grid_stride(call, device_index, util_w["hal_w4a16_dequant"], (k // 8) * (n // 4),
-                     (w, *weights, np.int32(k), np.int32(n), np.int32(g)))
-    else:
-        _grid_stride(call, device_index, util_w["hal_w8_dequant"], k * (n // 4),
-                     (w, *weights, np.int32(k), np.int32(n), np.int32(g)))
-    if qw.bits == 8:
+    caps = call.backend.device(device_index).capabilities
+    # GEMM input dtype: the activations' own (bf16 where the device computes in bf16), else fp32.
+    gdtype = hal_dtype if hal_dtype != "bf16" or "bf16" in caps.dtypes else "fp32"
+    gkernel = KERNEL_DTYPES[gdtype]
+    elem = 4 if gdtype == "fp32" else 2
+    util_g = kernels_for(call, device_index, quant_util_spec(gkernel, caps.simd_width))
+    if qw.bits == 8:  # the dequantised int8 activations xq * sx, in the GEMM dtype
         xq, sx = _quantize_rows(call, device_index, x, kdtype)
-        a = (xq.astype(np.float32) * sx[:, None]).astype(wdtype)
-    elif hal_dtype == "bf16":
+        deq = xq.astype(np.float32) * sx[:, None]
+        if gdtype == "fp32":
+            a = deq
+        else:
+            a = cp.empty((m, k), dtype=np.uint16 if gdtype == "bf16" else np.float16)
+            _grid_stride(call, device_index, util_g["hal_f32_to_dtype"], m * k, (a, deq, np.int64(m * k)))
+    elif gdtype == "fp32" and hal_dtype == "bf16":
         a = (x.astype(np.uint32) << np.uint32(16)).view(np.float32)  # bf16 bits -> fp32, exact
     else:
         a = x
-    if hal_dtype == "bf16":
-        y = cp.matmul(a, w)
-        util = kernels_for(call, device_index, quant_util_spec("bfloat16", _width(call, device_index)))
-        _grid_stride(call, device_index, util["hal_f32_to_dtype"], m * n, (out, y, np.int64(m * n)))
-    else:
-        cp.matmul(a, w, out=out)
+    rows = slab_rows(k, n, g, elem, QGEMM_SLAB_BYTES)
+    slabs = -(-k // rows)
+    direct = slabs == 1 or hal_dtype == "fp32"  # accumulate in out itself only when it is fp32 or nothing adds up
+    c = out if direct else cp.empty((m, n), dtype=np.float32)
+    c_type = _CUDA_R[hal_dtype] if direct else _CUDA_R["fp32"]
+    w = cp.empty((rows, n), dtype=np.float32 if gdtype == "fp32" else np.uint16 if gdtype == "bf16" else np.float16)
+    qweight, scales, zeros = weights
+    dequant = util_g["hal_w4a16_dequant" if qw.bits == 4 else "hal_w8_dequant"]
+    for i in range(slabs):
+        k0 = i * rows
+        kr = min(rows, k - k0)
+        q_slab = qweight[k0 // 8: (k0 + kr) // 8] if qw.bits == 4 else qweight[k0: k0 + kr]
+        g0, g1 = k0 // g, (k0 + kr) // g
+        z_slab = zeros[g0:g1] if zeros is not None else None
+        items = (kr // 8) * (n // 4) if qw.bits == 4 else kr * (n // 4)
+        _grid_stride(call, device_index, dequant, items,
+                     (w, q_slab, scales[g0:g1], z_slab, np.int32(kr), np.int32(n), np.int32(g)))
+        _gemm_accumulate(a.data.ptr + k0 * a.dtype.itemsize, k, w, c, m, n, kr, _CUDA_R[gdtype], c_type,
+                         0.0 if i == 0 else 1.0)
+    if c is not out:
+        util = kernels_for(call, device_index, quant_util_spec(kdtype, caps.simd_width))
+        _grid_stride(call, device_index, util["hal_f32_to_dtype"], m * n, (out, c, np.int64(m * n)))
 
 
 def run(call: OpCall) -> Any:
@@ -161,6 +263,8 @@ def run(call: OpCall) -> Any:
         out = call.out if call.out is not None else empty_like_dtype((m, qw.shape[1]), hal_dtype)
         if k == 0:  # an empty sum: zeros, no launch (the kernels' K-split needs at least one group)
             as_storage(out).fill(0)
+        elif uses_tensor_cores(call.backend, device_index, hal_dtype, qw.bits, m):
+            _tensor_core(call, device_index, x, as_storage(out), kdtype)
         elif uses_small_m(m, call.backend.name):
             _small_m(call, device_index, x, as_storage(out), kdtype, weights)
         else:

@@ -1,0 +1,94 @@
+"""The static budget of the tensor-core kernels, read from their SASS (NVRTC cubin + nvdisasm; no GPU).
+
+For every ``quant_gemm_tc.cu`` specialisation on sm_80, sm_90 and sm_120: no register spills, HMMA (W4A16) or
+IMMA (W8A8) instructions in the main loop, at least two CTAs per SM, and the W4A16 int4 conversion within its
+instruction budget (``benchmarks/sass_budget.py`` documents the counting; docs/kernel-resources.md the values).
+Skipped, with the reason, without the NVRTC or nvdisasm wheels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[3] / "benchmarks"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("_sass_budget", BENCH / "sass_budget.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+sb = _load()
+SPECS = sb.tensor_core_specs()
+ARCHS = sb.DEFAULT_ARCHS
+
+
+def _measure(job):
+    spec, arch, tool = job
+    return [dataclasses.asdict(b) for b in sb.measure(spec, arch, tool)]
+
+
+@pytest.fixture(scope="module")
+def budgets():
+    from hal_cuda import _nvrtc
+
+    try:
+        _nvrtc.nvrtc_version()
+    except _nvrtc.NvrtcUnavailable as exc:
+        pytest.skip(f"NVRTC Python packages not installed (cuda-bindings, nvidia-cuda-nvrtc): {exc}")
+    tool = sb.nvdisasm_path()
+    if tool is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    jobs = [(s, a, tool) for s in SPECS for a in ARCHS]
+    with ProcessPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        results = list(pool.map(_measure, jobs))
+    return {(s.id, a): sb.KernelBudget(**r[0]) for (s, a, _), r in zip(jobs, results, strict=True)}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("spec", SPECS, ids=[s.id for s in SPECS])
+def test_budget(budgets, spec, arch) -> None:
+    b = budgets[(spec.id, arch)]
+    bits, dtype = int(dict(spec.defines)["HAL_QBITS"]), int(dict(spec.defines)["HAL_DTYPE"])
+    assert b.spill_bytes == 0, f"{b.kernel} spills {b.spill_bytes} bytes on {arch}"
+    assert b.mma_main_loop > 0, f"no {'HMMA' if bits == 4 else 'IMMA'} in the main loop of {b.kernel} on {arch}"
+    assert b.kblocks_per_iteration >= 1.0
+    assert b.ctas_per_sm >= 2, f"{b.kernel}: {b.registers} registers, {b.static_shared_bytes} B shared"
+    if bits == 4:
+        assert b.conversion_per_2_weights <= sb.MAX_CONVERSION_PER_2_WEIGHTS[dtype]
+        assert b.dequant_per_2_weights <= sb.MAX_DEQUANT_PER_2_WEIGHTS[dtype]
+
+
+def test_parser_finds_loops_and_conversion() -> None:
+    """The SASS reader on a hand-written listing: the MMA loop, not the other one, and the conversion opcodes."""
+    listing = """
+        .text.k:
+        /*0000*/  MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/  IADD3 R2, R2, 0x1, RZ ;
+        /*0020*/  @P0 BRA `(.L_x_1) ;
+.L_x_2:
+        /*0030*/  LOP3.LUT R5, R4, 0xf000f, R6, 0xea, !PT ;
+        /*0040*/  SHF.R.U32.HI R4, RZ, 0x8, R4 ;
+        /*0050*/  HADD2 R5, R5, -R7 ;
+        /*0060*/  HADD2.F32 R8, -RZ, R9.H0_H0 ;
+        /*0070*/  LOP3.LUT R10, R11, 0xfffffffc, RZ, 0xc0, !PT ;
+        /*0080*/  HMMA.16816.F32 R12, R16, R20, R12 ;
+        /*0090*/  @!P1 BRA `(.L_x_2) ;
+        /*00a0*/  EXIT ;
+    """
+    insns, labels = sb.parse_sass(listing)["k"]
+    body = sb.main_loop(insns, labels)
+    assert [i.base for i in body] == ["LOP3", "SHF", "HADD2", "HADD2", "LOP3", "HMMA", "BRA"]
+    assert sb.conversion_counts(body) == {"lop3": 1, "shift": 1, "half2": 1}
+    assert sb.occupancy("sm_90", 64, 14848) == 8 and sb.occupancy("sm_90", 255, 0) == 2

@@ -1,0 +1,19 @@
+// Host entry points for paged_attention_tc.cu (tensor-core decode attention): the
+// launcher of hal_paged_attention_tc and the static shared memory it declares.
+#include "prelude_host.cuh"
+#include "paged_attention_tc.cu"
+
+extern "C" int launch_hal_paged_attention_tc(
+    const unsigned* grid, const unsigned* block, void* out, float* tmp_out, float* max_logits, float* exp_sums,
+    const void* query, const void* key_cache, const void* value_cache, const int* block_tables,
+    const int* seq_lens, float scale, int num_heads, int num_kv_heads, int block_size, int max_blocks_per_seq,
+    int partition_size, int max_partitions) {
+    return hal_host::launch_lambda(grid, block, [=] {
+        hal_paged_attention_tc((hal_t*)out, tmp_out, max_logits, exp_sums, (const hal_t*)query,
+                               (const hal_t*)key_cache, (const hal_t*)value_cache, block_tables, seq_lens, scale,
+                               num_heads, num_kv_heads, block_size, max_blocks_per_seq, partition_size,
+                               max_partitions);
+    });
+}
+
+extern "C" int static_shared_bytes() { return (int)sizeof(pa_tc::Shared); }

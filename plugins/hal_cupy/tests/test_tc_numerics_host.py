@@ -1,0 +1,110 @@
+"""Numerics of the W8A8 path that flush-to-zero and NaN inputs could break, on host-compiled kernels.
+
+GPU builds compile with ``-ftz=true`` (CuPy's default): float32 subnormal operands and results become 0.  The
+host builds here with ``HAL_HOST_FTZ=1`` run the kernels with the CPU's flush-to-zero and denormals-are-zero
+modes on, which treats float32 subnormals the same way, so the activation quantiser must still give exactly
+``hal_core.quant.quantize_activations``'s scales and codes for rows of subnormals.  A NaN anywhere in an
+activation row makes that row's scale, and so its GEMM output row, NaN.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.resources
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hal_cupy import _specializations as rules
+from hal_cupy._tc_pack import pack_weight
+from host_compiled.harness import HostKernelBuilder, toolchain_problem
+
+from hal_core.arrays import BFLOAT16
+from hal_core.ops import OPS
+from hal_core.quant import quantize, quantize_activations
+from hal_core.testing.tolerances import tolerance
+
+NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": BFLOAT16}
+DTYPE_CODES = {"fp32": 0, "fp16": 1, "bf16": 2}
+
+
+@pytest.fixture(scope="module")
+def builder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostKernelBuilder]:
+    problem = toolchain_problem(tmp_path_factory.mktemp("tc_num_probe"))
+    if problem is not None:
+        pytest.skip(f"host-compiled kernels unavailable: {problem}")
+    with contextlib.ExitStack() as stack:
+        kernel_dir = stack.enter_context(importlib.resources.as_file(importlib.resources.files("hal_cupy.kernels")))
+        yield HostKernelBuilder(Path(kernel_dir), tmp_path_factory.mktemp("tc_num_build"))
+
+
+@pytest.fixture
+def rng(request: pytest.FixtureRequest, hal_seed: int) -> np.random.Generator:
+    test_seed = zlib.crc32(request.node.nodeid.encode())
+    print(f"hal seed: --hal-seed={hal_seed} (test stream {test_seed})")
+    return np.random.default_rng([hal_seed, test_seed])
+
+
+def _subnormal_rows(rng: np.random.Generator, dtype: str, m: int, k: int) -> np.ndarray:
+    """Rows whose magnitudes make max|x| / 127 (and often x itself) float32-subnormal."""
+    x = np.zeros((m, k), np.float32)
+    for i in range(m):
+        exponent = rng.integers(-149, -118)  # amax from the smallest subnormal to just above 127 * 2^-126
+        x[i] = (rng.standard_normal(k) * 2.0 ** float(exponent)).astype(np.float32)
+    x[0] = 0
+    x[0, 3] = np.float32(2.0**-149)  # one smallest subnormal: the floor
+    x[1, :4] = (np.float32(2.0**-126), np.float32(-(2.0**-127)), np.float32(3 * 2.0**-149), 0)
+    if dtype == "fp32":
+        return x
+    # 16-bit dtypes: bf16 keeps float32's exponent range; fp16's subnormals are normal floats -- scale them down
+    # only as far as fp16 can hold them.
+    return x.astype(BFLOAT16) if dtype == "bf16" else (x.astype(np.float64) * 2.0**130).astype(np.float16)
+
+
+@pytest.mark.parametrize("ftz", [True, False], ids=["ftz", "ieee"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_quantize_rows_of_subnormals_survive_flush_to_zero(builder: HostKernelBuilder, rng: np.random.Generator,
+                                                          dtype: str, ftz: bool) -> None:
+    m, k = 6, 300
+    x = _subnormal_rows(rng, dtype, m, k)
+    spec = rules.quant_util_spec(DTYPE_CODES[dtype])
+    util = builder.build(spec.source, {**dict(spec.defines), "HAL_HOST_FTZ": int(ftz)})
+    util.seed(int(rng.integers(1, 2**63)))
+    xq = np.full((m, k), 99, np.int8)
+    sx = np.full(m, np.nan, np.float32)
+    util.launch(rules.quant_util_launch("hal_w8a8_quantize_rows", m, 1), xq, sx, x, k)
+    ref_xq, ref_sx = quantize_activations(x)
+    np.testing.assert_array_equal(sx.view(np.uint32), ref_sx.view(np.uint32))
+    assert (sx > 0).all()
+    np.testing.assert_array_equal(xq, ref_xq)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_w8a8_nan_row_gives_nan_row(builder: HostKernelBuilder, rng: np.random.Generator, dtype: str) -> None:
+    """quantize_rows gives a NaN row a NaN scale; the tensor-core GEMM then writes a NaN output row, the rest exact."""
+    m, k, n = 5, 256, 132
+    qw = quantize(rng.standard_normal((k, n)) / np.sqrt(k), bits=8, group_size=64, symmetric=False)
+    x = rng.standard_normal((m, k))
+    x[3, 100] = np.nan
+    x = x.astype(NUMPY_DTYPES[dtype])
+    util_spec = rules.quant_util_spec(DTYPE_CODES[dtype])
+    util = builder.build(util_spec.source, dict(util_spec.defines))
+    gemm_spec = rules.quant_gemm_tc_spec(DTYPE_CODES[dtype], 8, rules.quant_gemm_tc_m_frags(m))
+    gemm = builder.build(gemm_spec.source, dict(gemm_spec.defines))
+    xq = np.zeros((m, k), np.int8)
+    sx = np.zeros(m, np.float32)
+    util.launch(rules.quant_util_launch("hal_w8a8_quantize_rows", m, 1), xq, sx, x, k)
+    assert np.isnan(sx[3]) and np.isfinite(np.delete(sx, 3)).all()
+    packed = pack_weight(qw)
+    launch, ksplit, per_split = rules.quant_gemm_tc_launch(8, m, n, k, 64, 1)
+    assert ksplit == 1
+    out = np.zeros((m, n), NUMPY_DTYPES[dtype])
+    gemm.launch(launch, out, None, xq, sx, packed.qtc, packed.scales, packed.zeros, m, n, k, 64, per_split)
+    out64 = out.astype(np.float64)
+    assert np.isnan(out64[3]).all()
+    keep = [0, 1, 2, 4]
+    expected = OPS["quantized_gemm"].reference({"x": x[keep], "qweight": qw})
+    atol, rtol = tolerance("gemm", dtype)
+    np.testing.assert_allclose(out64[keep], expected, atol=atol, rtol=rtol)
