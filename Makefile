@@ -17,6 +17,9 @@ TEST_DEPS := pytest hypothesis ruff "torch==2.13.0" "transformers==5.23.0" \
              "cuda-bindings>=13,<14" "nvidia-cuda-nvrtc>=13,<14" "nvidia-cuda-runtime>=13,<14" \
              "nvidia-cuda-cuobjdump>=13,<14" "nvidia-cuda-nvdisasm>=13,<14"
 
+# matplotlib: the optional `hal bench --plot` (hal-core[bench]) is tested too.
+TEST_DEPS += matplotlib
+
 # The type checker `make test` runs over src/ and every plugin's src/ (configured in pyproject.toml).
 TEST_DEPS += mypy
 
