@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from hal_cupy import ddr_bandwidth_gbps, property_text
+
 from hal_core import DeviceCapabilities
 
 __all__ = ["ATTRIBUTE_FIELDS", "ATTRIBUTE_NAMES", "capabilities_from_properties", "dtypes_for", "features_for"]
@@ -70,18 +72,6 @@ def features_for(major: int, props: Mapping[str, Any]) -> frozenset[str]:
     return frozenset(flags)
 
 
-def _bandwidth_gbps(props: Mapping[str, Any]) -> float | None:
-    """``memoryClockRate`` (kHz) x 2 (DDR) x bus width / 8, in GB/s; None when unknown."""
-    clock, width = props.get("memoryClockRate"), props.get("memoryBusWidth")
-    if not clock or not width:
-        return None
-    return float(clock) * 1e3 * 2 * float(width) / 8 / 1e9
-
-
-def _name(raw: Any) -> str:
-    return raw.decode(errors="replace").rstrip("\0") if isinstance(raw, bytes) else str(raw)
-
-
 def capabilities_from_properties(
     props: Mapping[str, Any],
     attributes: Mapping[str, Any] | None = None,
@@ -100,7 +90,7 @@ def capabilities_from_properties(
     shared_block = int(merged["sharedMemPerBlock"])
     return DeviceCapabilities(
         vendor="nvidia",
-        name=_name(merged["name"]),
+        name=property_text(merged["name"]),
         arch=f"sm_{major}{minor}",
         compute_units=int(merged["multiProcessorCount"]),
         simd_width=int(merged["warpSize"]),
@@ -116,7 +106,7 @@ def capabilities_from_properties(
         l2_bytes=int(merged.get("l2CacheSize") or 0),
         memory_total=int(merged["totalGlobalMem"]),
         memory_free=None if memory_free is None else int(memory_free),
-        memory_bandwidth_gbps=_bandwidth_gbps(merged),
+        memory_bandwidth_gbps=ddr_bandwidth_gbps(merged),
         dtypes=dtypes_for(major, minor),
         features=features_for(major, merged),
         allocation_granularity=512,  # CuPy's pools round every allocation to 512 bytes

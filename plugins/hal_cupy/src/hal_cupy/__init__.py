@@ -15,6 +15,7 @@ from ._device import CupyDevice, query_capabilities
 from ._launcher import CupyKernel, CupyLauncher
 from ._memory import CupyAllocator
 from ._platform import GpuPlatform
+from ._properties import ddr_bandwidth_gbps, property_text
 from ._specializations import Specialization, all_specializations
 from ._stream import CupyEvent, CupyStream
 from ._version import __version__
@@ -32,6 +33,8 @@ __all__ = [
     "Specialization",
     "__version__",
     "all_specializations",
+    "ddr_bandwidth_gbps",
     "precompile",
+    "property_text",
     "query_capabilities",
 ]

@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from hal_cupy import ddr_bandwidth_gbps, property_text
+
 from hal_core import DeviceCapabilities
 
 __all__ = ["arch_of", "capabilities_from_properties", "dtypes_for", "features_for"]
@@ -70,14 +72,8 @@ def features_for(arch: str, props: Mapping[str, Any]) -> frozenset[str]:
 
 
 def _bandwidth_gbps(arch: str, props: Mapping[str, Any]) -> float | None:
-    clock, width = props.get("memoryClockRate"), props.get("memoryBusWidth")
-    if not clock or not width or arch in (*_CDNA3, *_CDNA4):
-        return None
-    return float(clock) * 1e3 * 2 * float(width) / 8 / 1e9
-
-
-def _name(raw: Any) -> str:
-    return raw.decode(errors="replace").rstrip("\0") if isinstance(raw, bytes) else str(raw)
+    """The DDR formula, except on CDNA3/4 (HBM3 parts whose reported clock does not give the bandwidth)."""
+    return None if arch in (*_CDNA3, *_CDNA4) else ddr_bandwidth_gbps(props)
 
 
 def capabilities_from_properties(
@@ -93,7 +89,7 @@ def capabilities_from_properties(
     per_cu_lds = merged.get("maxSharedMemoryPerMultiProcessor") or shared_block
     return DeviceCapabilities(
         vendor="amd",
-        name=_name(merged["name"]),
+        name=property_text(merged["name"]),
         arch=arch,
         compute_units=int(merged["multiProcessorCount"]),
         simd_width=int(merged["warpSize"]),
