@@ -138,9 +138,10 @@ class KernelSource:
         *,
         prelude: str | None = None,
         options: Sequence[str] = (),
-        package: str = "hal_core.kernels",
+        package: str,
     ) -> KernelSource:
-        """Load ``filename`` from package data, optionally prefixed by a prelude file."""
+        """Load ``filename`` from the package data of ``package`` (the plugin shipping the kernel),
+        optionally prefixed by a prelude file of the same package."""
         root = resources.files(package)
         code = root.joinpath(filename).read_text()
         if prelude is not None:
