@@ -13,20 +13,13 @@ with the reason (and fail where ``HAL_REQUIRE_COMPILERS=1``).
 
 from __future__ import annotations
 
-import contextlib
-import importlib.resources
-import importlib.util
-import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from hal_cupy import _specializations as rules
-from hal_cupy.testing import missing_compiler
-from host_compiled.harness import HostKernelBuilder, HostLaunchError, HostModule, toolchain_problem
+from host_compiled.harness import HostKernelBuilder, HostLaunchError, HostModule
 
 from hal_core.arrays import BFLOAT16
 from hal_core.ops import OPS
@@ -46,23 +39,6 @@ MANY_CUS, ONE_CU = 132, 1
 # --------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def host_builder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostKernelBuilder]:
-    """Compiler for the kernel sources of ``hal_cupy.kernels``; skips when g++ cannot build the host prelude."""
-    problem = toolchain_problem(tmp_path_factory.mktemp("host_compiled_probe"))
-    if problem is not None:
-        missing_compiler(f"host-compiled kernels unavailable: {problem}")
-    with contextlib.ExitStack() as stack:
-        kernel_dir = stack.enter_context(importlib.resources.as_file(importlib.resources.files("hal_cupy.kernels")))
-        yield HostKernelBuilder(Path(kernel_dir), tmp_path_factory.mktemp("host_compiled_kernels"))
-
-
-@pytest.fixture
-def host_rng(request: pytest.FixtureRequest, hal_seed: int) -> np.random.Generator:
-    """Fresh inputs each run: seeded from the run's ``--hal-seed`` and the test id, printed for failures."""
-    test_seed = zlib.crc32(request.node.nodeid.encode())
-    print(f"hal seed: --hal-seed={hal_seed} (test stream {test_seed})")
-    return np.random.default_rng([hal_seed, test_seed])
 
 
 def _build(builder: HostKernelBuilder, spec: Any, rng: np.random.Generator, **extra: int) -> HostModule:

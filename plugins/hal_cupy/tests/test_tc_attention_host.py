@@ -9,18 +9,13 @@ tail of a last block, blocks past a sequence's end) is NaN.  Inputs are fresh ea
 
 from __future__ import annotations
 
-import contextlib
-import importlib.resources
-import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from hal_cupy import _specializations as rules
-from host_compiled.harness import HostKernelBuilder, HostModule, toolchain_problem
+from host_compiled.harness import HostKernelBuilder, HostModule
 
 from hal_core.arrays import BFLOAT16
 from hal_core.ops import OPS
@@ -32,26 +27,9 @@ DTYPE_CODES = {"fp16": 1, "bf16": 2}
 MANY_CUS, ONE_CU = 132, 1
 
 
-@pytest.fixture(scope="module")
-def builder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostKernelBuilder]:
-    problem = toolchain_problem(tmp_path_factory.mktemp("tc_attention_probe"))
-    if problem is not None:
-        pytest.skip(f"host-compiled kernels unavailable: {problem}")
-    with contextlib.ExitStack() as stack:
-        kernel_dir = stack.enter_context(importlib.resources.as_file(importlib.resources.files("hal_cupy.kernels")))
-        yield HostKernelBuilder(Path(kernel_dir), tmp_path_factory.mktemp("tc_attention_build"))
-
-
-@pytest.fixture
-def rng(request: pytest.FixtureRequest, hal_seed: int) -> np.random.Generator:
-    test_seed = zlib.crc32(request.node.nodeid.encode())
-    print(f"hal seed: --hal-seed={hal_seed} (test stream {test_seed})")
-    return np.random.default_rng([hal_seed, test_seed])
-
-
-def _module(builder: HostKernelBuilder, spec: Any, rng: np.random.Generator, ftz: bool = False) -> HostModule:
-    module = builder.build(spec.source, {**dict(spec.defines), **({"HAL_HOST_FTZ": 1} if ftz else {})})
-    module.seed(int(rng.integers(1, 2**63)))
+def _module(host_builder: HostKernelBuilder, spec: Any, host_rng: np.random.Generator, ftz: bool = False) -> HostModule:
+    module = host_builder.build(spec.source, {**dict(spec.defines), **({"HAL_HOST_FTZ": 1} if ftz else {})})
+    module.seed(int(host_rng.integers(1, 2**63)))
     return module
 
 
@@ -102,7 +80,7 @@ CASES = [
 ]
 
 
-def _inputs(case: Case, rng: np.random.Generator) -> dict[str, Any]:
+def _inputs(case: Case, host_rng: np.random.Generator) -> dict[str, Any]:
     """Query, caches and block tables; every cache slot no sequence uses is NaN (the kernel must not read it)."""
     dt = NUMPY_DTYPES[case.dtype]
     bs, hs, nkv = case.block_size, case.head_size, case.num_kv_heads
@@ -112,9 +90,9 @@ def _inputs(case: Case, rng: np.random.Generator) -> dict[str, Any]:
     spare = 2  # blocks owned by nobody: table entries past a sequence's end point there
     num_blocks = sum(used) + spare
     shape = (num_blocks, nkv, bs, hs)
-    key_cache = rng.standard_normal(shape).astype(dt)
-    value_cache = rng.standard_normal(shape).astype(dt)
-    perm = rng.permutation(num_blocks).astype(np.int32)
+    key_cache = host_rng.standard_normal(shape).astype(dt)
+    value_cache = host_rng.standard_normal(shape).astype(dt)
+    perm = host_rng.permutation(num_blocks).astype(np.int32)
     block_tables = np.empty((num_seqs, max_blocks), np.int32)
     nxt = 0
     for s, (n, nb) in enumerate(zip(case.seq_lens, used, strict=True)):
@@ -128,7 +106,7 @@ def _inputs(case: Case, rng: np.random.Generator) -> dict[str, Any]:
             value_cache[block_tables[s, nb - 1], :, n % bs:] = np.nan
     key_cache[perm[num_blocks - spare:]] = np.nan
     value_cache[perm[num_blocks - spare:]] = np.nan
-    query = rng.standard_normal((num_seqs, case.num_heads, hs)).astype(dt)
+    query = host_rng.standard_normal((num_seqs, case.num_heads, hs)).astype(dt)
     if case.nonfinite:
         t = case.seq_lens[1] // 2
         query[0, 1, 3] = np.nan
@@ -145,11 +123,12 @@ def _inputs(case: Case, rng: np.random.Generator) -> dict[str, Any]:
     }
 
 
-def _run(builder: HostKernelBuilder, rng: np.random.Generator, case: Case, args: dict[str, Any]) -> np.ndarray:
+def _run(host_builder: HostKernelBuilder, host_rng: np.random.Generator, case: Case,
+         args: dict[str, Any]) -> np.ndarray:
     code = DTYPE_CODES[case.dtype]
     q, kc, vc, bt, sl = (args[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens"))
     num_seqs, max_len = len(case.seq_lens), max(case.seq_lens)
-    tc = _module(builder, rules.paged_attention_tc_spec(code, case.head_size), rng, case.ftz)
+    tc = _module(host_builder, rules.paged_attention_tc_spec(code, case.head_size), host_rng, case.ftz)
     assert tc.static_shared_bytes() == rules.paged_attention_tc_shared_bytes(case.head_size)
     assert tc.static_shared_bytes() <= 48 << 10  # static shared memory needs no opt-in
     if case.partition is None or case.partition == 0:
@@ -173,17 +152,18 @@ def _run(builder: HostKernelBuilder, rng: np.random.Generator, case: Case, args:
     max_logits = np.full((num_seqs, case.num_heads, parts), np.nan, np.float32)
     exp_sums = np.full_like(max_logits, np.nan)
     tc.launch(split, None, tmp_out, max_logits, exp_sums, *common, size, parts)
-    simt = _module(builder, rules.paged_attention_spec(code, case.head_size, case.num_heads // case.num_kv_heads),
-                   rng, case.ftz)
+    simt = _module(host_builder, rules.paged_attention_spec(code, case.head_size, case.num_heads // case.num_kv_heads),
+                   host_rng, case.ftz)
     simt.launch(reduce, out, tmp_out, max_logits, exp_sums, sl, case.num_heads, size, parts)
     return out
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_tc_attention_matches_reference(builder: HostKernelBuilder, rng: np.random.Generator, case: Case) -> None:
+def test_tc_attention_matches_reference(host_builder: HostKernelBuilder, host_rng: np.random.Generator,
+                                        case: Case) -> None:
     """Tensor-core attention equals the float64 reference (NaN where it has NaN); unused NaN slots never leak."""
-    args = _inputs(case, rng)
-    out = _run(builder, rng, case, args)
+    args = _inputs(case, host_rng)
+    out = _run(host_builder, host_rng, case, args)
     expected = OPS["paged_attention"].reference(args)
     atol, rtol = tolerance("attention", case.dtype)
     got = out.astype(np.float64)
@@ -195,17 +175,18 @@ def test_tc_attention_matches_reference(builder: HostKernelBuilder, rng: np.rand
     assert not got[sl == 0].any(), "a zero-length sequence must give zeros"
 
 
-def test_tc_attention_every_logit_minus_inf_gives_nan(builder: HostKernelBuilder, rng: np.random.Generator) -> None:
+def test_tc_attention_every_logit_minus_inf_gives_nan(host_builder: HostKernelBuilder,
+                                                      host_rng: np.random.Generator) -> None:
     """A query row whose logits are all -inf (an infinite query against finite keys) is NaN, as in float64."""
     case = Case("fp16", 64, 4, 1, 16, (40, 20), partition=0)
-    args = _inputs(case, rng)
+    args = _inputs(case, host_rng)
     q = args["query"]
     q[0, 2, :] = 0
     q[0, 2, 0] = -np.inf
     args["key_cache"][..., 0] = np.abs(args["key_cache"][..., 0]) + np.float16(0.5)  # finite keys, k[0] > 0
     expected = OPS["paged_attention"].reference(args)
     assert np.isnan(expected[0, 2]).all()
-    out = _run(builder, rng, case, args).astype(np.float64)
+    out = _run(host_builder, host_rng, case, args).astype(np.float64)
     np.testing.assert_array_equal(np.isnan(out), np.isnan(expected))
     atol, rtol = tolerance("attention", "fp16")
     np.testing.assert_allclose(out, expected, atol=atol, rtol=rtol)

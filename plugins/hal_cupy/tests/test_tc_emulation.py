@@ -10,11 +10,11 @@ ldmatrix -> mma) is compared with numpy float64.
 from __future__ import annotations
 
 import ctypes
-import zlib
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from hal_cupy.testing import missing_compiler
 from host_compiled.harness import HostKernelBuilder, toolchain_problem
 
 from hal_core.arrays import BFLOAT16
@@ -26,15 +26,8 @@ WARPS = 2  # the probes run two warps; each must combine only its own lanes
 def probe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ctypes.CDLL]:
     problem = toolchain_problem(tmp_path_factory.mktemp("tc_probe"))
     if problem is not None:
-        pytest.skip(f"host-compiled kernels unavailable: {problem}")
+        missing_compiler(f"host-compiled kernels unavailable: {problem}")
     yield HostKernelBuilder(tmp_path_factory.mktemp("tc_src"), tmp_path_factory.mktemp("tc_build")).build_mma_probe()
-
-
-@pytest.fixture
-def rng(request: pytest.FixtureRequest, hal_seed: int) -> np.random.Generator:
-    test_seed = zlib.crc32(request.node.nodeid.encode())
-    print(f"hal seed: --hal-seed={hal_seed} (test stream {test_seed})")
-    return np.random.default_rng([hal_seed, test_seed])
 
 
 def _ptr(a: np.ndarray) -> int:
@@ -105,8 +98,8 @@ def _b16_values(values: np.ndarray, bf16: bool) -> np.ndarray:
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["f16", "bf16"])
-def test_mma_m16n8k16_fragments(probe: ctypes.CDLL, rng: np.random.Generator, bf16: bool) -> None:
-    mats = [(rng.standard_normal((16, 16)), rng.standard_normal((16, 8)), rng.standard_normal((16, 8)))
+def test_mma_m16n8k16_fragments(probe: ctypes.CDLL, host_rng: np.random.Generator, bf16: bool) -> None:
+    mats = [(host_rng.standard_normal((16, 16)), host_rng.standard_normal((16, 8)), host_rng.standard_normal((16, 8)))
             for _ in range(WARPS)]
     a_regs = np.concatenate([_pack(_b16_bits(a, bf16), _f16_a, 8, 2) for a, _, _ in mats])
     b_regs = np.concatenate([_pack(_b16_bits(b, bf16), _f16_b, 4, 2) for _, b, _ in mats])
@@ -126,9 +119,9 @@ def test_mma_m16n8k16_fragments(probe: ctypes.CDLL, rng: np.random.Generator, bf
                                            err_msg=f"warp {w} lane {lane} d{i}")
 
 
-def test_mma_m16n8k32_s8_fragments(probe: ctypes.CDLL, rng: np.random.Generator) -> None:
-    mats = [(rng.integers(-128, 128, (16, 32)), rng.integers(-128, 128, (32, 8)), rng.integers(-2**20, 2**20, (16, 8)))
-            for _ in range(WARPS)]
+def test_mma_m16n8k32_s8_fragments(probe: ctypes.CDLL, host_rng: np.random.Generator) -> None:
+    mats = [(host_rng.integers(-128, 128, (16, 32)), host_rng.integers(-128, 128, (32, 8)),
+             host_rng.integers(-2**20, 2**20, (16, 8))) for _ in range(WARPS)]
     a_regs = np.concatenate([_pack(a.astype(np.int8).view(np.uint8), _s8_a, 16, 4) for a, _, _ in mats])
     b_regs = np.concatenate([_pack(b.astype(np.int8).view(np.uint8), _s8_b, 8, 4) for _, b, _ in mats])
     c_frag = np.zeros((32 * WARPS, 4), dtype=np.int32)
@@ -166,15 +159,15 @@ def test_mma_s8_wraps_like_s32(probe: ctypes.CDLL) -> None:
 
 @pytest.mark.parametrize("count", [1, 2, 4])
 @pytest.mark.parametrize("trans", [False, True], ids=["plain", "trans"])
-def test_ldmatrix_fragments(probe: ctypes.CDLL, rng: np.random.Generator, count: int, trans: bool) -> None:
+def test_ldmatrix_fragments(probe: ctypes.CDLL, host_rng: np.random.Generator, count: int, trans: bool) -> None:
     """Lane l gets, of matrix j, row l // 4 and columns 2 (l % 4) + {0, 1} (transposed: the same of the transpose).
 
     Row addresses are scattered (a random permutation of rows in a larger buffer), as only the address a lane
     supplies, never its position, may matter.
     """
     rows = 64 * WARPS
-    buf = rng.integers(0, 2**16, (rows, 8), dtype=np.uint16)
-    order = rng.permutation(rows)
+    buf = host_rng.integers(0, 2**16, (rows, 8), dtype=np.uint16)
+    order = host_rng.permutation(rows)
     offsets = (order * 8).astype(np.int32)  # thread t supplies buffer row order[t]
     out = np.zeros((32 * WARPS, 4), dtype=np.uint32)
     assert probe.probe_ldmatrix(_ptr(buf), _ptr(offsets), count, int(trans), _ptr(out)) == 0
@@ -192,10 +185,10 @@ def test_ldmatrix_fragments(probe: ctypes.CDLL, rng: np.random.Generator, count:
 
 
 @pytest.mark.parametrize("src_bytes", [0, 4, 16])
-def test_cp_async_groups_complete_at_wait(probe: ctypes.CDLL, rng: np.random.Generator, src_bytes: int) -> None:
+def test_cp_async_groups_complete_at_wait(probe: ctypes.CDLL, host_rng: np.random.Generator, src_bytes: int) -> None:
     """A group's bytes appear only once a wait_group retires it (oldest first); zero-fill past src_bytes."""
-    src = rng.integers(0, 256, 48, dtype=np.uint8)
-    old = rng.integers(0, 256, 48, dtype=np.uint8)
+    src = host_rng.integers(0, 256, 48, dtype=np.uint8)
+    old = host_rng.integers(0, 256, 48, dtype=np.uint8)
     dst = old.copy()
     seen = np.zeros((4, 48), dtype=np.uint8)
     assert probe.probe_cp_async(_ptr(src), _ptr(dst), src_bytes, _ptr(seen)) == 0
@@ -214,11 +207,11 @@ def test_cp_async_groups_complete_at_wait(probe: ctypes.CDLL, rng: np.random.Gen
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["f16", "bf16"])
-def test_tile_product_matches_float64(probe: ctypes.CDLL, rng: np.random.Generator, bf16: bool) -> None:
+def test_tile_product_matches_float64(probe: ctypes.CDLL, host_rng: np.random.Generator, bf16: bool) -> None:
     """cp.async staging, ldmatrix.x4 (A), ldmatrix.x2.trans (B) and mma: D = A @ B + C against numpy float64."""
-    a = _b16_values(rng.standard_normal((16, 16)), bf16)
-    b = _b16_values(rng.standard_normal((16, 8)), bf16)
-    c = rng.standard_normal((16, 8)).astype(np.float32)
+    a = _b16_values(host_rng.standard_normal((16, 16)), bf16)
+    b = _b16_values(host_rng.standard_normal((16, 8)), bf16)
+    c = host_rng.standard_normal((16, 8)).astype(np.float32)
     d = np.zeros((16, 8), dtype=np.float32)
     a_bits = np.ascontiguousarray(_b16_bits(a, bf16))
     b_bits = np.ascontiguousarray(_b16_bits(b, bf16))
@@ -230,11 +223,11 @@ def test_tile_product_matches_float64(probe: ctypes.CDLL, rng: np.random.Generat
 # --- packed 16-bit arithmetic ----------------------------------------------------------------------------------------
 
 
-def test_packed_b16_arithmetic(probe: ctypes.CDLL, rng: np.random.Generator) -> None:
+def test_packed_b16_arithmetic(probe: ctypes.CDLL, host_rng: np.random.Generator) -> None:
     """fma.rn.{f16,bf16}x2 and sub.f16x2 round each lane once to nearest even; LOP3 0xEA is (a & b) | c."""
     n = 256
     for op, bf16 in ((0, False), (1, True), (2, False)):
-        vals = [rng.standard_normal((n, 2)) * 4 for _ in range(3)]
+        vals = [host_rng.standard_normal((n, 2)) * 4 for _ in range(3)]
         bits = [_b16_bits(v, bf16) for v in vals]
         regs = [np.ascontiguousarray(bt[:, 0].astype(np.uint32) | (bt[:, 1].astype(np.uint32) << 16)) for bt in bits]
         r = np.zeros(n, dtype=np.uint32)
@@ -244,7 +237,7 @@ def test_packed_b16_arithmetic(probe: ctypes.CDLL, rng: np.random.Generator) -> 
         want = _b16_bits(exact, bf16)  # numpy: one round-to-nearest-even from float64
         got = np.stack([r & 0xFFFF, r >> 16], axis=1).astype(np.uint16)
         np.testing.assert_array_equal(got, want, err_msg=f"op {op}")
-    a, b, c = (rng.integers(0, 2**32, n, dtype=np.uint32) for _ in range(3))
+    a, b, c = (host_rng.integers(0, 2**32, n, dtype=np.uint32) for _ in range(3))
     r = np.zeros(n, dtype=np.uint32)
     probe.probe_b16x2(3, _ptr(a), _ptr(b), _ptr(c), _ptr(r), n)
     np.testing.assert_array_equal(r, (a & b) | c)

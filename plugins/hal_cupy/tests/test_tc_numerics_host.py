@@ -9,17 +9,11 @@ activation row makes that row's scale, and so its GEMM output row, NaN.
 
 from __future__ import annotations
 
-import contextlib
-import importlib.resources
-import zlib
-from collections.abc import Iterator
-from pathlib import Path
-
 import numpy as np
 import pytest
 from hal_cupy import _specializations as rules
 from hal_cupy._tc_pack import pack_weight
-from host_compiled.harness import HostKernelBuilder, toolchain_problem
+from host_compiled.harness import HostKernelBuilder
 
 from hal_core.arrays import BFLOAT16
 from hal_core.ops import OPS
@@ -30,29 +24,12 @@ NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": BFLOAT16}
 DTYPE_CODES = {"fp32": 0, "fp16": 1, "bf16": 2}
 
 
-@pytest.fixture(scope="module")
-def builder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostKernelBuilder]:
-    problem = toolchain_problem(tmp_path_factory.mktemp("tc_num_probe"))
-    if problem is not None:
-        pytest.skip(f"host-compiled kernels unavailable: {problem}")
-    with contextlib.ExitStack() as stack:
-        kernel_dir = stack.enter_context(importlib.resources.as_file(importlib.resources.files("hal_cupy.kernels")))
-        yield HostKernelBuilder(Path(kernel_dir), tmp_path_factory.mktemp("tc_num_build"))
-
-
-@pytest.fixture
-def rng(request: pytest.FixtureRequest, hal_seed: int) -> np.random.Generator:
-    test_seed = zlib.crc32(request.node.nodeid.encode())
-    print(f"hal seed: --hal-seed={hal_seed} (test stream {test_seed})")
-    return np.random.default_rng([hal_seed, test_seed])
-
-
-def _subnormal_rows(rng: np.random.Generator, dtype: str, m: int, k: int) -> np.ndarray:
+def _subnormal_rows(host_rng: np.random.Generator, dtype: str, m: int, k: int) -> np.ndarray:
     """Rows whose magnitudes make max|x| / 127 (and often x itself) float32-subnormal."""
     x = np.zeros((m, k), np.float32)
     for i in range(m):
-        exponent = rng.integers(-149, -118)  # amax from the smallest subnormal to just above 127 * 2^-126
-        x[i] = (rng.standard_normal(k) * 2.0 ** float(exponent)).astype(np.float32)
+        exponent = host_rng.integers(-149, -118)  # amax from the smallest subnormal to just above 127 * 2^-126
+        x[i] = (host_rng.standard_normal(k) * 2.0 ** float(exponent)).astype(np.float32)
     x[0] = 0
     x[0, 3] = np.float32(2.0**-149)  # one smallest subnormal: the floor
     x[1, :4] = (np.float32(2.0**-126), np.float32(-(2.0**-127)), np.float32(3 * 2.0**-149), 0)
@@ -65,13 +42,14 @@ def _subnormal_rows(rng: np.random.Generator, dtype: str, m: int, k: int) -> np.
 
 @pytest.mark.parametrize("ftz", [True, False], ids=["ftz", "ieee"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
-def test_quantize_rows_of_subnormals_survive_flush_to_zero(builder: HostKernelBuilder, rng: np.random.Generator,
-                                                          dtype: str, ftz: bool) -> None:
+def test_quantize_rows_of_subnormals_survive_flush_to_zero(host_builder: HostKernelBuilder,
+                                                          host_rng: np.random.Generator, dtype: str,
+                                                          ftz: bool) -> None:
     m, k = 6, 300
-    x = _subnormal_rows(rng, dtype, m, k)
+    x = _subnormal_rows(host_rng, dtype, m, k)
     spec = rules.quant_util_spec(DTYPE_CODES[dtype])
-    util = builder.build(spec.source, {**dict(spec.defines), "HAL_HOST_FTZ": int(ftz)})
-    util.seed(int(rng.integers(1, 2**63)))
+    util = host_builder.build(spec.source, {**dict(spec.defines), "HAL_HOST_FTZ": int(ftz)})
+    util.seed(int(host_rng.integers(1, 2**63)))
     xq = np.full((m, k), 99, np.int8)
     sx = np.full(m, np.nan, np.float32)
     util.launch(rules.quant_util_launch("hal_w8a8_quantize_rows", m, 1), xq, sx, x, k)
@@ -82,17 +60,17 @@ def test_quantize_rows_of_subnormals_survive_flush_to_zero(builder: HostKernelBu
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_w8a8_nan_row_gives_nan_row(builder: HostKernelBuilder, rng: np.random.Generator, dtype: str) -> None:
+def test_w8a8_nan_row_gives_nan_row(host_builder: HostKernelBuilder, host_rng: np.random.Generator, dtype: str) -> None:
     """quantize_rows gives a NaN row a NaN scale; the tensor-core GEMM then writes a NaN output row, the rest exact."""
     m, k, n = 5, 256, 132
-    qw = quantize(rng.standard_normal((k, n)) / np.sqrt(k), bits=8, group_size=64, symmetric=False)
-    x = rng.standard_normal((m, k))
+    qw = quantize(host_rng.standard_normal((k, n)) / np.sqrt(k), bits=8, group_size=64, symmetric=False)
+    x = host_rng.standard_normal((m, k))
     x[3, 100] = np.nan
     x = x.astype(NUMPY_DTYPES[dtype])
     util_spec = rules.quant_util_spec(DTYPE_CODES[dtype])
-    util = builder.build(util_spec.source, dict(util_spec.defines))
+    util = host_builder.build(util_spec.source, dict(util_spec.defines))
     gemm_spec = rules.quant_gemm_tc_spec(DTYPE_CODES[dtype], 8, rules.quant_gemm_tc_m_frags(m))
-    gemm = builder.build(gemm_spec.source, dict(gemm_spec.defines))
+    gemm = host_builder.build(gemm_spec.source, dict(gemm_spec.defines))
     xq = np.zeros((m, k), np.int8)
     sx = np.zeros(m, np.float32)
     util.launch(rules.quant_util_launch("hal_w8a8_quantize_rows", m, 1), xq, sx, x, k)

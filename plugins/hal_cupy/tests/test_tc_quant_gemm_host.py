@@ -8,19 +8,14 @@ fresh each run (seed printed).
 
 from __future__ import annotations
 
-import contextlib
-import importlib.resources
-import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from hal_cupy import _specializations as rules
 from hal_cupy._tc_pack import PackedWeightCache, pack_weight, padded_columns
-from host_compiled.harness import HostKernelBuilder, HostModule, toolchain_problem
+from host_compiled.harness import HostKernelBuilder, HostModule
 
 from hal_core.arrays import BFLOAT16
 from hal_core.ops import OPS
@@ -32,40 +27,24 @@ DTYPE_CODES = {"fp16": 1, "bf16": 2}
 MANY_CUS, ONE_CU = 132, 1
 
 
-@pytest.fixture(scope="module")
-def builder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostKernelBuilder]:
-    problem = toolchain_problem(tmp_path_factory.mktemp("tc_gemm_probe"))
-    if problem is not None:
-        pytest.skip(f"host-compiled kernels unavailable: {problem}")
-    with contextlib.ExitStack() as stack:
-        kernel_dir = stack.enter_context(importlib.resources.as_file(importlib.resources.files("hal_cupy.kernels")))
-        yield HostKernelBuilder(Path(kernel_dir), tmp_path_factory.mktemp("tc_gemm_build"))
+def _random_weight(host_rng: np.random.Generator, k: int, n: int, bits: int, g: int,
+                   symmetric: bool) -> QuantizedWeight:
+    return quantize(host_rng.standard_normal((k, n)) / np.sqrt(k), bits=bits, group_size=g, symmetric=symmetric)
 
 
-@pytest.fixture
-def rng(request: pytest.FixtureRequest, hal_seed: int) -> np.random.Generator:
-    test_seed = zlib.crc32(request.node.nodeid.encode())
-    print(f"hal seed: --hal-seed={hal_seed} (test stream {test_seed})")
-    return np.random.default_rng([hal_seed, test_seed])
-
-
-def _random_weight(rng: np.random.Generator, k: int, n: int, bits: int, g: int, symmetric: bool) -> QuantizedWeight:
-    return quantize(rng.standard_normal((k, n)) / np.sqrt(k), bits=bits, group_size=g, symmetric=symmetric)
-
-
-def _module(builder: HostKernelBuilder, spec: Any, rng: np.random.Generator) -> HostModule:
-    module = builder.build(spec.source, dict(spec.defines))
-    module.seed(int(rng.integers(1, 2**63)))
+def _module(host_builder: HostKernelBuilder, spec: Any, host_rng: np.random.Generator) -> HostModule:
+    module = host_builder.build(spec.source, dict(spec.defines))
+    module.seed(int(host_rng.integers(1, 2**63)))
     return module
 
 
-def _run(builder: HostKernelBuilder, rng: np.random.Generator, dtype: str, qw: QuantizedWeight, x: np.ndarray,
+def _run(host_builder: HostKernelBuilder, host_rng: np.random.Generator, dtype: str, qw: QuantizedWeight, x: np.ndarray,
          compute_units: int) -> tuple[np.ndarray, int, int]:
     """out = quantized_gemm(x, qw) through the tensor-core kernels; (out, ksplit, kb_per_split)."""
     m, k = x.shape
     n, g = qw.shape[1], qw.group_size
     frags = rules.quant_gemm_tc_m_frags(m)
-    gemm = _module(builder, rules.quant_gemm_tc_spec(DTYPE_CODES[dtype], qw.bits, frags), rng)
+    gemm = _module(host_builder, rules.quant_gemm_tc_spec(DTYPE_CODES[dtype], qw.bits, frags), host_rng)
     assert gemm.static_shared_bytes() == rules.quant_gemm_tc_shared_bytes(qw.bits, frags)
     packed = pack_weight(qw)
     launch, ksplit, per_split = rules.quant_gemm_tc_launch(qw.bits, m, n, k, g, compute_units)
@@ -76,7 +55,7 @@ def _run(builder: HostKernelBuilder, rng: np.random.Generator, dtype: str, qw: Q
     if qw.bits == 4:
         gemm.launch(launch, out, ws, x, packed.qtc, packed.scales, packed.zeros, *tail)
     else:
-        util = _module(builder, rules.quant_util_spec(DTYPE_CODES[dtype]), rng)
+        util = _module(host_builder, rules.quant_util_spec(DTYPE_CODES[dtype]), host_rng)
         xq = np.zeros((m, k), np.int8)
         sx = np.full(m, np.nan, np.float32)
         util.launch(rules.quant_util_launch("hal_w8a8_quantize_rows", m, compute_units), xq, sx, x, k)
@@ -123,10 +102,10 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_tc_gemm_matches_reference(builder: HostKernelBuilder, rng: np.random.Generator, case: Case) -> None:
-    qw = _random_weight(rng, case.k, case.n, case.bits, case.group_size, case.symmetric)
-    x = rng.standard_normal((case.m, case.k)).astype(NUMPY_DTYPES[case.dtype])
-    out, ksplit, _ = _run(builder, rng, case.dtype, qw, x, case.compute_units)
+def test_tc_gemm_matches_reference(host_builder: HostKernelBuilder, host_rng: np.random.Generator, case: Case) -> None:
+    qw = _random_weight(host_rng, case.k, case.n, case.bits, case.group_size, case.symmetric)
+    x = host_rng.standard_normal((case.m, case.k)).astype(NUMPY_DTYPES[case.dtype])
+    out, ksplit, _ = _run(host_builder, host_rng, case.dtype, qw, x, case.compute_units)
     assert (ksplit > 1) == case.split
     expected = OPS["quantized_gemm"].reference({"x": x, "qweight": qw})
     atol, rtol = tolerance("gemm", case.dtype)
@@ -134,24 +113,25 @@ def test_tc_gemm_matches_reference(builder: HostKernelBuilder, rng: np.random.Ge
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_tc_gemm_is_bit_reproducible(builder: HostKernelBuilder, rng: np.random.Generator, bits: int) -> None:
+def test_tc_gemm_is_bit_reproducible(host_builder: HostKernelBuilder, host_rng: np.random.Generator, bits: int) -> None:
     """Same inputs, another thread interleaving: the same bits (K-split partials are summed in split order)."""
-    qw = _random_weight(rng, 1024, 256, bits, 64, False)
-    x = rng.standard_normal((3, 1024)).astype(np.float16)
-    first, ksplit, _ = _run(builder, rng, "fp16", qw, x, MANY_CUS)
+    qw = _random_weight(host_rng, 1024, 256, bits, 64, False)
+    x = host_rng.standard_normal((3, 1024)).astype(np.float16)
+    first, ksplit, _ = _run(host_builder, host_rng, "fp16", qw, x, MANY_CUS)
     assert ksplit > 1
-    second, _, _ = _run(builder, rng, "fp16", qw, x, MANY_CUS)  # _run reseeds the interleaving
+    second, _, _ = _run(host_builder, host_rng, "fp16", qw, x, MANY_CUS)  # _run reseeds the interleaving
     np.testing.assert_array_equal(first.view(np.uint16), second.view(np.uint16))
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_w4a16_tc_nan_row_gives_nan_row(builder: HostKernelBuilder, rng: np.random.Generator, dtype: str) -> None:
+def test_w4a16_tc_nan_row_gives_nan_row(host_builder: HostKernelBuilder, host_rng: np.random.Generator,
+                                        dtype: str) -> None:
     """A NaN anywhere in an activation row makes that output row NaN; the other rows are unaffected."""
-    qw = _random_weight(rng, 256, 132, 4, 32, False)
-    x = rng.standard_normal((5, 256))
+    qw = _random_weight(host_rng, 256, 132, 4, 32, False)
+    x = host_rng.standard_normal((5, 256))
     x[2, 77] = np.nan
     x = x.astype(NUMPY_DTYPES[dtype])
-    out, _, _ = _run(builder, rng, dtype, qw, x, MANY_CUS)
+    out, _, _ = _run(host_builder, host_rng, dtype, qw, x, MANY_CUS)
     out64 = out.astype(np.float64)
     assert np.isnan(out64[2]).all()
     keep = [0, 1, 3, 4]
@@ -166,27 +146,28 @@ def test_w4a16_tc_nan_row_gives_nan_row(builder: HostKernelBuilder, rng: np.rand
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_pack_layout_holds_each_lanes_fragments(rng: np.random.Generator, bits: int) -> None:
+def test_pack_layout_holds_each_lanes_fragments(host_rng: np.random.Generator, bits: int) -> None:
     """Every packed element sits where the lane's MMA B fragment expects it (module docs of _tc_pack)."""
     k, n = 64, 40  # two k-blocks; N padded to 128
-    qw = _random_weight(rng, k, n, bits, 32, False)
+    qw = _random_weight(host_rng, k, n, bits, 32, False)
     codes = unpack_int4(qw.qweight) if bits == 4 else qw.qweight
     packed = pack_weight(qw)
     npad = padded_columns(n)
     assert packed.npad == npad == 128
     words = packed.qtc.reshape(k // 32, npad // 32, 32, -1)  # kb, cg, lane, word
     for _ in range(400):
-        kb, cg, lane, j = int(rng.integers(2)), int(rng.integers(4)), int(rng.integers(32)), int(rng.integers(4))
+        kb, cg = int(host_rng.integers(2)), int(host_rng.integers(4))
+        lane, j = int(host_rng.integers(32)), int(host_rng.integers(4))
         g, t = lane >> 2, lane % 4
         col = 32 * cg + 8 * j + g
         if bits == 4:
-            p = int(rng.integers(4))
+            p = int(host_rng.integers(4))
             for e in range(2):
                 row = 32 * kb + 16 * (p // 2) + 8 * (p % 2) + 2 * t + e
                 want = int(codes[row, col]) if col < n else 0
                 assert (int(words[kb, cg, lane, j]) >> (4 * (p + 4 * e))) & 0xF == want
         else:
-            i, b = int(rng.integers(2)), int(rng.integers(4))
+            i, b = int(host_rng.integers(2)), int(host_rng.integers(4))
             row = 32 * kb + 16 * i + 4 * t + b
             want = (int(codes[row, col]) - 128) & 0xFF if col < n else 0x80
             assert (int(words[kb, cg, lane, 2 * j + i]) >> (8 * b)) & 0xFF == want
@@ -203,8 +184,8 @@ def test_pack_rejects_what_the_kernels_cannot_read() -> None:
         pack_weight(qw16)
 
 
-def test_packed_cache_is_bounded_and_keyed_by_identity(rng: np.random.Generator) -> None:
-    weights = [_random_weight(rng, 64, 128, 4, 32, True) for _ in range(3)]
+def test_packed_cache_is_bounded_and_keyed_by_identity(host_rng: np.random.Generator) -> None:
+    weights = [_random_weight(host_rng, 64, 128, 4, 32, True) for _ in range(3)]
     one = pack_weight(weights[0]).nbytes
     cache = PackedWeightCache(max_bytes=2 * one)
     builds: list[int] = []
