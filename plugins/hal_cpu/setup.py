@@ -74,7 +74,7 @@ class BuildKernels(build_ext):
 KERNELS = Extension(
     "hal_cpu._kernels",
     sources=[os.path.join(CSRC, "kernels.cpp"), os.path.join(CSRC, "dispatch.cpp")],
-    depends=[os.path.join(CSRC, name) for name in ("common.h", "isa.h", "hal_cpu_kernels.h")],
+    depends=[os.path.join(CSRC, name) for name in sorted(os.listdir(CSRC)) if name.endswith((".h", ".inl"))],
 )
 
 setup(ext_modules=[KERNELS], cmdclass={"build_ext": BuildKernels})

@@ -1,0 +1,146 @@
+// w4a16.inl: included by kernels.cpp inside namespace hal::<variant>; not a standalone header.
+// ---------------------------------------------------------------------------------------------
+// W4A16: int4 codes unpacked in registers
+// ---------------------------------------------------------------------------------------------
+//
+// Word [r, n] holds codes of rows 8r..8r+7 in nibbles 0..7. Nibble j is isolated by a mask,
+// not shifted down: (w & 0xF << 4j) is q * 16**j exactly, so the activation is pre-scaled
+// by 16**-j (exact) and each code costs one and, one convert and one FMA. Nibble 7 is
+// shifted by 4 first so that its value stays positive in int32. Zero points and scales are
+// applied once per group: sum_k x (q - z) s = s (sum_k x q - z sum_k x).
+
+constexpr float kNibbleScale[8] = {1.0f, 0.0625f, 0.00390625f, 0.000244140625f, 1.52587890625e-05f,
+                                   9.5367431640625e-07f, 5.9604644775390625e-08f, 5.9604644775390625e-08f};
+
+template <class SS, int MB, int NV>
+inline void w4_tile(const float *xs, int64_t k, const float *xsum, int64_t ngroups, const uint32_t *qw, int64_t n,
+                    int64_t n0, const typename SS::T *scales, const uint8_t *zeros, float zdef, int64_t gsize,
+                    float *y, int64_t ldy) {
+    V::f tot[MB][NV];
+    for (int mb = 0; mb < MB; ++mb)
+        for (int v = 0; v < NV; ++v) tot[mb][v] = V::zero();
+    const int64_t words = gsize / 8;
+    for (int64_t g = 0; g < ngroups; ++g) {
+        V::f acc[MB][NV];
+        for (int mb = 0; mb < MB; ++mb)
+            for (int v = 0; v < NV; ++v) acc[mb][v] = V::zero();
+        for (int64_t r = g * words; r < (g + 1) * words; ++r) {
+            const uint32_t *wrow = qw + r * n + n0;
+            V::i w[NV];
+            for (int v = 0; v < NV; ++v) w[v] = V::loadi(wrow + v * W);
+            const float *xr = xs + 8 * r;
+#define HAL_W4_STEP(J, EXPR)                                                               \
+    {                                                                                      \
+        V::f wf[NV];                                                                       \
+        for (int v = 0; v < NV; ++v) wf[v] = V::cvt(EXPR);                                 \
+        for (int mb = 0; mb < MB; ++mb) {                                                  \
+            const V::f xb = V::set1(xr[mb * k + J]);                                       \
+            for (int v = 0; v < NV; ++v) acc[mb][v] = V::fma(xb, wf[v], acc[mb][v]);       \
+        }                                                                                  \
+    }
+            HAL_W4_STEP(0, V::andi(w[v], V::seti(0xFu << 0)))
+            HAL_W4_STEP(1, V::andi(w[v], V::seti(0xFu << 4)))
+            HAL_W4_STEP(2, V::andi(w[v], V::seti(0xFu << 8)))
+            HAL_W4_STEP(3, V::andi(w[v], V::seti(0xFu << 12)))
+            HAL_W4_STEP(4, V::andi(w[v], V::seti(0xFu << 16)))
+            HAL_W4_STEP(5, V::andi(w[v], V::seti(0xFu << 20)))
+            HAL_W4_STEP(6, V::andi(w[v], V::seti(0xFu << 24)))
+            HAL_W4_STEP(7, V::andi(V::srli<4>(w[v]), V::seti(0xFu << 24)))
+#undef HAL_W4_STEP
+        }
+        for (int v = 0; v < NV; ++v) {
+            const int64_t col = g * n + n0 + v * W;
+            const V::f s = vload<SS>(scales + col);
+            const V::f z = zeros ? V::load_u8(zeros + col) : V::set1(zdef);
+            for (int mb = 0; mb < MB; ++mb)
+                tot[mb][v] = V::fma(s, V::fnma(z, V::set1(xsum[mb * ngroups + g]), acc[mb][v]), tot[mb][v]);
+        }
+    }
+    for (int mb = 0; mb < MB; ++mb)
+        for (int v = 0; v < NV; ++v) V::store(y + mb * ldy + n0 + v * W, tot[mb][v]);
+}
+
+// Columns [n0, n1) that do not fill a vector: scalar.
+template <class SS>
+inline void w4_scalar_cols(const float *x32, int64_t m, int64_t k, const uint32_t *qw, int64_t n, int64_t n0,
+                           int64_t n1, const typename SS::T *scales, const uint8_t *zeros, float zdef, int64_t gsize,
+                           float *y) {
+    for (int64_t c = n0; c < n1; ++c)
+        for (int64_t r = 0; r < m; ++r) {
+            float total = 0.0f;
+            for (int64_t kk = 0; kk < k; ++kk) {
+                const int64_t g = kk / gsize;
+                const float q = float((qw[(kk / 8) * n + c] >> (4 * (kk % 8))) & 0xFu);
+                const float z = zeros ? float(zeros[g * n + c]) : zdef;
+                total += x32[r * k + kk] * ((q - z) * SS::scalar(scales + g * n + c));
+            }
+            y[r * n + c] = total;
+        }
+}
+
+template <class SS, int NV>
+inline void w4_rows(int64_t rows, const float *xs, int64_t k, const float *xsum, int64_t ngroups,
+                    const uint32_t *qw, int64_t n, int64_t n0, const typename SS::T *sc, const uint8_t *zeros,
+                    float zdef, int64_t gsize, float *y) {
+    constexpr int MB = NV >= 4 ? 1 : (W >= 16 ? 6 : 2);  // accumulators and totals fill the register file
+    for (int64_t r = 0; r < rows;) {
+        const int64_t left = std::min<int64_t>(MB, rows - r);
+#define HAL_W4_ROWS(R) w4_tile<SS, R, NV>(xs + r * k, k, xsum + r * ngroups, ngroups, qw, n, n0, sc, zeros, zdef, \
+                                          gsize, y + r * n, n)
+        if (left >= MB) HAL_W4_ROWS(MB);
+        else if (MB > 4 && left >= 4) { HAL_W4_ROWS(4 <= MB ? 4 : 1); r += 4; continue; }
+        else if (left >= 2) { HAL_W4_ROWS(2 <= MB ? 2 : 1); r += 2; continue; }
+        else HAL_W4_ROWS(1);
+#undef HAL_W4_ROWS
+        r += left >= MB ? MB : 1;
+    }
+}
+
+template <class SS>
+int w4a16_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, int64_t n, const uint32_t *qw,
+            const void *scales_v, const uint8_t *zeros, int32_t zdef, int64_t gsize, float *y, int64_t n_tile,
+            int32_t threads) {
+    const auto *scales = static_cast<const typename SS::T *>(scales_v);
+    const int64_t ngroups = k / gsize;
+    // Bounded by the activations: the codes' pre-scaled copy of x and its group sums.
+    std::vector<float> x32(size_t(m) * k), xs(size_t(m) * k), xsum(size_t(m) * ngroups);
+    parallel_for(m, threads, [&](int64_t r) {
+        float *xr = x32.data() + r * k;
+        any_row_to_f32(row_ptr(x, xdt, r, xstride), xdt, k, xr);
+        for (int64_t g = 0; g < ngroups; ++g) {
+            float s = 0.0f;
+            for (int64_t kk = g * gsize; kk < (g + 1) * gsize; ++kk) s += xr[kk];
+            xsum[r * ngroups + g] = s;
+        }
+        for (int64_t kk = 0; kk < k; ++kk) xs[r * k + kk] = xr[kk] * kNibbleScale[kk % 8];
+    });
+    const bool gemv = m <= 2;
+    const int64_t nv = gemv ? 4 : 2;
+    int64_t tile = std::max<int64_t>(n_tile, nv * W) / (nv * W) * (nv * W);
+    const int64_t full = n / (nv * W) * (nv * W);
+    const int64_t ntiles = (full + tile - 1) / tile;
+    parallel_for(ntiles, threads, [&](int64_t t) {
+        const int64_t c1 = std::min(full, (t + 1) * tile);
+        for (int64_t c = t * tile; c < c1; c += nv * W) {
+            if (gemv) w4_rows<SS, 4>(m, xs.data(), k, xsum.data(), ngroups, qw, n, c, scales, zeros, float(zdef), gsize, y);
+            else w4_rows<SS, 2>(m, xs.data(), k, xsum.data(), ngroups, qw, n, c, scales, zeros, float(zdef), gsize, y);
+        }
+    });
+    int64_t c = full;
+    for (; c + W <= n; c += W)
+        w4_rows<SS, 1>(m, xs.data(), k, xsum.data(), ngroups, qw, n, c, scales, zeros, float(zdef), gsize, y);
+    w4_scalar_cols<SS>(x32.data(), m, k, qw, n, c, n, scales, zeros, float(zdef), gsize, y);
+    return HAL_OK;
+}
+
+int w4a16_gemv(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, int64_t n, const uint32_t *qw,
+               const void *scales, int32_t sdt, const uint8_t *zeros, int32_t zdef, int64_t gsize, float *y,
+               int64_t n_tile, int32_t threads) {
+    try {
+        if (sdt == HAL_F16) return w4a16_t<F16>(x, xdt, xstride, m, k, n, qw, scales, zeros, zdef, gsize, y, n_tile, threads);
+        if (sdt == HAL_BF16) return w4a16_t<BF16>(x, xdt, xstride, m, k, n, qw, scales, zeros, zdef, gsize, y, n_tile, threads);
+        return w4a16_t<F32>(x, xdt, xstride, m, k, n, qw, scales, zeros, zdef, gsize, y, n_tile, threads);
+    } catch (const std::bad_alloc &) {
+        return HAL_ENOMEM;
+    }
+}

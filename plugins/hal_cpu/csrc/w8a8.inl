@@ -1,0 +1,152 @@
+// w8a8.inl: included by kernels.cpp inside namespace hal::<variant>; not a standalone header.
+// ---------------------------------------------------------------------------------------------
+// W8A8: per-token quantisation fused; exact integer sums per group
+// ---------------------------------------------------------------------------------------------
+//
+// Codes and quantised activations are small integers, so their products and running sums are
+// exact in fp32 while below 2**24: 127 * 255 * 512 < 2**24. Groups are therefore walked in
+// segments of at most 512 rows; each segment's exact sum has its zero-point term subtracted
+// (exact too) before the group scale is applied.
+
+constexpr int64_t kExactRows = 512;
+
+struct Segment { int64_t start, end; int32_t group; };
+
+template <class SS, int MB, int NV>
+inline void w8_tile(const float *xq, int64_t k, const float *xqsum, int64_t nseg, const Segment *segs,
+                    const int32_t *perm, const uint8_t *qw, int64_t n, int64_t n0, const typename SS::T *scales,
+                    const uint8_t *zeros, float zdef, float *y, int64_t ldy) {
+    V::f tot[MB][NV];
+    for (int mb = 0; mb < MB; ++mb)
+        for (int v = 0; v < NV; ++v) tot[mb][v] = V::zero();
+    for (int64_t sgi = 0; sgi < nseg; ++sgi) {
+        const Segment sg = segs[sgi];
+        V::f acc[MB][NV];
+        for (int mb = 0; mb < MB; ++mb)
+            for (int v = 0; v < NV; ++v) acc[mb][v] = V::zero();
+        for (int64_t i = sg.start; i < sg.end; ++i) {
+            const uint8_t *wrow = qw + (perm ? int64_t(perm[i]) : i) * n + n0;
+            V::f wf[NV];
+            for (int v = 0; v < NV; ++v) wf[v] = V::load_u8(wrow + v * W);
+            for (int mb = 0; mb < MB; ++mb) {
+                const V::f xb = V::set1(xq[mb * k + i]);
+                for (int v = 0; v < NV; ++v) acc[mb][v] = V::fma(xb, wf[v], acc[mb][v]);
+            }
+        }
+        for (int v = 0; v < NV; ++v) {
+            const int64_t col = int64_t(sg.group) * n + n0 + v * W;
+            const V::f s = vload<SS>(scales + col);
+            const V::f z = zeros ? V::load_u8(zeros + col) : V::set1(zdef);
+            for (int mb = 0; mb < MB; ++mb)
+                tot[mb][v] = V::fma(s, V::fnma(z, V::set1(xqsum[mb * nseg + sgi]), acc[mb][v]), tot[mb][v]);
+        }
+    }
+    for (int mb = 0; mb < MB; ++mb)
+        for (int v = 0; v < NV; ++v) V::store(y + mb * ldy + n0 + v * W, tot[mb][v]);
+}
+
+template <class SS, int NV>
+inline void w8_rows(int64_t rows, const float *xq, int64_t k, const float *xqsum, int64_t nseg, const Segment *segs,
+                    const int32_t *perm, const uint8_t *qw, int64_t n, int64_t n0, const typename SS::T *sc,
+                    const uint8_t *zeros, float zdef, float *y) {
+    constexpr int MB = NV >= 4 ? 1 : (W >= 16 ? 6 : 2);
+    for (int64_t r = 0; r < rows;) {
+        const int64_t left = std::min<int64_t>(MB, rows - r);
+#define HAL_W8_ROWS(R) w8_tile<SS, R, NV>(xq + r * k, k, xqsum + r * nseg, nseg, segs, perm, qw, n, n0, sc, zeros, \
+                                          zdef, y + r * n, n)
+        if (left >= MB) HAL_W8_ROWS(MB);
+        else if (MB > 4 && left >= 4) { HAL_W8_ROWS(4 <= MB ? 4 : 1); r += 4; continue; }
+        else if (left >= 2) { HAL_W8_ROWS(2 <= MB ? 2 : 1); r += 2; continue; }
+        else HAL_W8_ROWS(1);
+#undef HAL_W8_ROWS
+        r += left >= MB ? MB : 1;
+    }
+}
+
+template <class SS>
+int w8a8_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, int64_t n, const uint8_t *qw,
+           const void *scales_v, const uint8_t *zeros, int32_t zdef, const int32_t *perm, const int64_t *starts,
+           const int32_t *group_of_run, int64_t runs, float *y, int64_t n_tile, int32_t threads) {
+    const auto *scales = static_cast<const typename SS::T *>(scales_v);
+    std::vector<Segment> segs;
+    for (int64_t r = 0; r < runs; ++r)
+        for (int64_t s = starts[r]; s < starts[r + 1]; s += kExactRows)
+            segs.push_back({s, std::min(starts[r + 1], s + kExactRows), group_of_run[r]});
+    const int64_t nseg = int64_t(segs.size());
+    std::vector<float> xq(size_t(m) * k), xqsum(size_t(m) * std::max<int64_t>(nseg, 1)), sx(m);
+    std::vector<char> bad(m, 0);
+    parallel_for(m, threads, [&](int64_t r) {
+        // The reference's quantize_activations, bit for bit: amax / 127 (at least the smallest
+        // subnormal; 1 for a zero row), then rint(x / sx) clipped to [-127, 127].
+        float *row = xq.data() + r * k;
+        any_row_to_f32(row_ptr(x, xdt, r, xstride), xdt, k, row);
+        float amax = 0.0f;
+        bool finite = true;
+        for (int64_t i = 0; i < k; ++i) {
+            finite &= std::isfinite(row[i]);
+            amax = std::max(amax, std::fabs(row[i]));
+        }
+        bad[r] = !finite;
+        const float s = amax > 0.0f ? std::max(amax / 127.0f, std::numeric_limits<float>::denorm_min()) : 1.0f;
+        sx[r] = s;
+        std::vector<float> q(perm ? size_t(k) : 0);
+        float *dst = perm ? q.data() : row;
+        for (int64_t i = 0; i < k; ++i) dst[i] = std::min(127.0f, std::max(-127.0f, std::nearbyint(row[i] / s)));
+        if (perm)
+            for (int64_t i = 0; i < k; ++i) row[i] = q[perm[i]];
+        for (int64_t sgi = 0; sgi < nseg; ++sgi) {
+            float t = 0.0f;
+            for (int64_t i = segs[sgi].start; i < segs[sgi].end; ++i) t += row[i];
+            xqsum[r * nseg + sgi] = t;
+        }
+    });
+    const bool gemv = m <= 2;
+    const int64_t nv = gemv ? 4 : 2;
+    int64_t tile = std::max<int64_t>(n_tile, nv * W) / (nv * W) * (nv * W);
+    const int64_t full = n / (nv * W) * (nv * W);
+    const int64_t ntiles = (full + tile - 1) / tile;
+    parallel_for(ntiles, threads, [&](int64_t t) {
+        const int64_t c1 = std::min(full, (t + 1) * tile);
+        for (int64_t c = t * tile; c < c1; c += nv * W) {
+            if (gemv) w8_rows<SS, 4>(m, xq.data(), k, xqsum.data(), nseg, segs.data(), perm, qw, n, c, scales, zeros, float(zdef), y);
+            else w8_rows<SS, 2>(m, xq.data(), k, xqsum.data(), nseg, segs.data(), perm, qw, n, c, scales, zeros, float(zdef), y);
+        }
+    });
+    int64_t c = full;
+    for (; c + W <= n; c += W)
+        w8_rows<SS, 1>(m, xq.data(), k, xqsum.data(), nseg, segs.data(), perm, qw, n, c, scales, zeros, float(zdef), y);
+    for (; c < n; ++c)
+        for (int64_t r = 0; r < m; ++r) {
+            float total = 0.0f;
+            for (int64_t sgi = 0; sgi < nseg; ++sgi) {
+                float acc = 0.0f;
+                for (int64_t i = segs[sgi].start; i < segs[sgi].end; ++i)
+                    acc += xq[r * k + i] * float(qw[(perm ? int64_t(perm[i]) : i) * n + c]);
+                const int64_t col = int64_t(segs[sgi].group) * n + c;
+                const float z = zeros ? float(zeros[col]) : float(zdef);
+                total += SS::scalar(scales + col) * (acc - z * xqsum[r * nseg + sgi]);
+            }
+            y[r * n + c] = total;
+        }
+    parallel_for(m, threads, [&](int64_t r) {
+        float *yr = y + r * n;
+        const float s = bad[r] ? kNaN : sx[r];
+        for (int64_t i = 0; i < n; ++i) yr[i] *= s;
+    });
+    return HAL_OK;
+}
+
+int w8a8_gemm(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, int64_t n, const uint8_t *qw,
+              const void *scales, int32_t sdt, const uint8_t *zeros, int32_t zdef, const int32_t *perm,
+              const int64_t *starts, const int32_t *group_of_run, int64_t runs, float *y, int64_t n_tile,
+              int32_t threads) {
+    try {
+        if (sdt == HAL_F16)
+            return w8a8_t<F16>(x, xdt, xstride, m, k, n, qw, scales, zeros, zdef, perm, starts, group_of_run, runs, y, n_tile, threads);
+        if (sdt == HAL_BF16)
+            return w8a8_t<BF16>(x, xdt, xstride, m, k, n, qw, scales, zeros, zdef, perm, starts, group_of_run, runs, y, n_tile, threads);
+        return w8a8_t<F32>(x, xdt, xstride, m, k, n, qw, scales, zeros, zdef, perm, starts, group_of_run, runs, y, n_tile, threads);
+    } catch (const std::bad_alloc &) {
+        return HAL_ENOMEM;
+    }
+}
