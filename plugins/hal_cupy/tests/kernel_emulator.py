@@ -266,7 +266,7 @@ class Kernel:
             if ksplit == 1:
                 _store(o, part, code)
             else:
-                ws += part
+                ws[y] = part
 
     def hal_w4a16_gemm(self, grid: Any, block: Any, out: Any, ws: Any, x: Any, qweight: Any, scales: Any,
                        zeros: Any, m: Any, n: Any, k: Any, g: Any, per_split: Any) -> None:
@@ -382,6 +382,16 @@ class Kernel:
         scale = np.where(amax > 0, np.maximum(amax / np.float32(127), tiny), np.float32(1)).astype(np.float32)
         _ptr(sx, np.float32)[...] = np.where(finite, scale, np.float32(np.nan))
         _ptr(xq, np.int8)[...] = np.clip(np.rint(xf / scale[:, None]), -127, 127).astype(np.int8)
+
+    def hal_f32_splits_to_dtype(self, grid: Any, block: Any, out: Any, ws: Any, count: Any, splits: Any) -> None:
+        assert isinstance(count, np.int64)
+        o = _ptr(out)
+        parts = _ptr(ws, np.float32)
+        assert o.size == int(count) and parts.shape[0] == _i32(splits)
+        total = parts[0].astype(np.float32)
+        for y in range(1, parts.shape[0]):  # in split order, in float32, as the kernel adds
+            total = total + parts[y]
+        _store(o, total, self.defines["HAL_DTYPE"])
 
     def hal_f32_to_dtype(self, grid: Any, block: Any, out: Any, ws: Any, count: Any) -> None:
         assert isinstance(count, np.int64)

@@ -393,6 +393,39 @@ def test_quantized_gemm_non_finite_rows(host_builder: HostKernelBuilder, host_rn
     _check_gemm(host_builder, host_rng, case, non_finite=True)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_split_k_gemm_is_bit_reproducible(host_builder: HostKernelBuilder, host_rng: np.random.Generator,
+                                          bits: int) -> None:
+    """A K split gives the same bits whatever order its CTAs run in and however their threads interleave."""
+    m, n, k, g = 3, 256, 2048, 32
+    launch, ksplit, per_split = rules.quant_gemm_launch(bits, m, n, k, g, MANY_CUS)
+    assert ksplit >= 3  # two partials would add up the same in either order
+    qw = _random_weight(host_rng, k, n, bits, g, symmetric=False)
+    x = host_rng.standard_normal((m, k)).astype(np.float16)
+    spec = rules.quant_gemm_spec(1, bits, rules.quant_gemm_m_tile(m))
+    util = _build(host_builder, rules.quant_util_spec(1), host_rng)
+    xq = np.zeros((m, k), np.int8)
+    sx = np.zeros(m, np.float32)
+    util.launch(rules.quant_util_launch("hal_w8a8_quantize_rows", m, MANY_CUS), xq, sx, x, k)
+    acts = (x,) if bits == 4 else (xq, sx)
+    runs = []
+    for _ in range(3):
+        gemm = _build(host_builder, spec, host_rng)  # a fresh seed: another CTA order and thread interleaving
+        gemm.shuffle_ctas(True)
+        try:
+            out = np.full((m, n), np.nan, np.float16)
+            ws = np.full((ksplit, m, n), np.nan, np.float32)
+            gemm.launch(launch, out, ws, *acts, qw.qweight, qw.scales, qw.zeros, m, n, k, g, per_split)
+        finally:
+            gemm.shuffle_ctas(False)
+        util.launch(rules.quant_util_launch("hal_f32_splits_to_dtype", m * n, MANY_CUS), out, ws, m * n, ksplit)
+        runs.append(out.view(np.uint16).copy())
+    for other in runs[1:]:
+        np.testing.assert_array_equal(runs[0], other)
+    expected = OPS["quantized_gemm"].reference({"x": x, "qweight": qw})
+    _assert_close(runs[0].view(np.float16), expected, "gemm", "fp16", f"W{bits} split-K vs the float64 reference")
+
+
 def _check_gemm(host_builder: HostKernelBuilder, rng: np.random.Generator, case: GemmCase, *,
                 non_finite: bool) -> None:
     code, dt = DTYPE_CODES[case.dtype], NUMPY_DTYPES[case.dtype]
@@ -414,7 +447,7 @@ def _check_gemm(host_builder: HostKernelBuilder, rng: np.random.Generator, case:
     if non_finite:  # rows 0 and the rest stay finite
         x[1, 5], x[2, [7, k - 1]] = np.nan, (np.inf, -np.inf) if case.bits == 8 else (np.inf, np.inf)
     out = np.full((m, n), np.nan, dt)
-    ws = np.zeros((m, n), np.float32) if ksplit > 1 else None
+    ws = np.full((ksplit, m, n), np.nan, np.float32) if ksplit > 1 else None  # every partial must be written
     tail = (m, n, k, g, per_split)
     if case.bits == 4:
         gemm.launch(launch, out, ws, x, qw.qweight, qw.scales, qw.zeros, *tail)
@@ -424,8 +457,9 @@ def _check_gemm(host_builder: HostKernelBuilder, rng: np.random.Generator, case:
         util.launch(rules.quant_util_launch("hal_w8a8_quantize_rows", m, case.compute_units), xq, sx, x, k)
         gemm.launch(launch, out, ws, xq, sx, qw.qweight, qw.scales, qw.zeros, *tail)
     if ws is not None:
-        assert np.isnan(out.astype(np.float32)).all(), "with split-K the GEMM must leave out to the cast"
-        util.launch(rules.quant_util_launch("hal_f32_to_dtype", m * n, case.compute_units), out, ws, m * n)
+        assert np.isnan(out.astype(np.float32)).all(), "with split-K the GEMM must leave out to the reduction"
+        util.launch(rules.quant_util_launch("hal_f32_splits_to_dtype", m * n, case.compute_units), out, ws, m * n,
+                    ksplit)
     if case.bits == 8:  # the GEMM alone, on the activations the kernel quantised
         own = sx.astype(np.float64)[:, None] * (xq.astype(np.float64) @ qw.dequantize(np.float64))
         _assert_close(out, own, "gemm", case.dtype, f"{case.id}: GEMM of the kernel-quantised activations")

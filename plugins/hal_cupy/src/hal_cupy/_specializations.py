@@ -432,7 +432,8 @@ def quant_gemm_spec(dtype: str | int, bits: int, m_tile: int, warp_size: int = 3
 def quant_util_spec(dtype: str | int, warp_size: int = 32) -> Specialization:
     return Specialization(
         "quant_util.cu",
-        ("hal_w4a16_dequant", "hal_w8_dequant", "hal_w8a8_quantize_rows", "hal_f32_to_dtype"),
+        ("hal_w4a16_dequant", "hal_w8_dequant", "hal_w8a8_quantize_rows", "hal_f32_to_dtype",
+         "hal_f32_splits_to_dtype"),
         (("HAL_DTYPE", str(_dtype_code(dtype))), _warp(warp_size)),
     )
 
@@ -464,8 +465,10 @@ def quant_gemm_launch(
     grid = (ceil(N / (4 * warp)), ksplit, ceil(M / m_tile)), block = 4 * warp.
     ksplit spreads the K groups over CTAs until there are about 2 CTAs per
     compute unit, keeping at least ``4`` groups (one per warp) per CTA.
-    When ksplit > 1 the kernel atomically adds into a zero-filled fp32
-    workspace ``ws [M, N]`` and ``hal_f32_to_dtype`` writes ``out``.
+    When ksplit > 1 each CTA stores its split's fp32 partial to a workspace
+    ``ws [ksplit, M, N]`` (every element written, no atomics) and
+    ``hal_f32_splits_to_dtype`` adds the splits in order 0, 1, ... into ``out``:
+    the same bits on every run for a given device and shape.
     """
     if k <= 0 or n % 4 or k % group_size or group_size not in QGEMM_GROUP_SIZES:
         raise ValueError("need K > 0, N % 4 == 0 and K % group_size == 0 with a supported group size")
@@ -493,8 +496,8 @@ def quant_util_launch(kernel: str, items: int, compute_units: int) -> Launch:
     """Launch for a quant_util kernel.
 
     ``items``: (K/8)*(N/4) for hal_w4a16_dequant, K*(N/4) for hal_w8_dequant,
-    M for hal_w8a8_quantize_rows (one CTA per row), element count for
-    hal_f32_to_dtype.  Grid-stride kernels use at most 8 CTAs per compute unit.
+    M for hal_w8a8_quantize_rows (one CTA per row), element count (M * N) for
+    hal_f32_to_dtype and hal_f32_splits_to_dtype.  Grid-stride kernels use at most 8 CTAs per compute unit.
     """
     block = (QUTIL_THREADS, 1, 1)
     if kernel == "hal_w8a8_quantize_rows":

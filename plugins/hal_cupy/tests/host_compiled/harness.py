@@ -56,6 +56,7 @@ _SIGNATURES: dict[str, str] = {
     "hal_w8_dequant": "ppppiii",
     "hal_w8a8_quantize_rows": "pppi",
     "hal_f32_to_dtype": "ppq",
+    "hal_f32_splits_to_dtype": "ppqi",
     "hal_w4a16_gemm_tc": "ppppppiiiii",
     "hal_w8a8_gemm_tc": "pppppppiiiii",
     "hal_tc_reduce": "ppqi",
@@ -127,6 +128,11 @@ class HostModule:
     def seed(self, seed: int) -> None:
         """Seed the thread interleaving between synchronisation points."""
         self._lib.hal_host_seed(seed & 0xFFFFFFFFFFFFFFFF)
+
+    def shuffle_ctas(self, on: bool = True) -> None:
+        """Run each launch's CTAs in a random order drawn from the seed (default: x fastest, then y, z)."""
+        self._lib.hal_host_shuffle_ctas.argtypes = [ctypes.c_int]
+        self._lib.hal_host_shuffle_ctas(int(on))
 
     def warp_size(self) -> int:
         """HAL_WARP_SIZE the module was built with."""

@@ -3,7 +3,8 @@
 // It takes the place of prelude_cuda.cuh / prelude_hip.cuh (see
 // plugins/hal_cupy/src/hal_cupy/kernels/README.md) and is only used by the tests.
 //
-// Execution model: one launch runs its CTAs one after another; the threads of
+// Execution model: one launch runs its CTAs one after another (x fastest, then
+// y, z; in a seeded random order after hal_host_shuffle_ctas(1)); the threads of
 // a CTA are cooperative fibers (ucontext) on a single OS thread.  A fiber runs
 // until it reaches a synchronisation point -- a CTA barrier or a warp shuffle
 // -- and waits there until every thread of its CTA (or warp) has arrived, as
@@ -70,6 +71,7 @@ struct Runtime {
     void* arg = nullptr;
     unsigned long long rng = 0x9e3779b97f4a7c15ull;
     unsigned long long cta_serial = 0;  // counts CTAs run, to tell one CTA's per-thread state from the next
+    bool shuffle_ctas = false;          // run a launch's CTAs in a seeded random order, not x, y, z
 };
 static Runtime rt;
 static float exchange[2][kMaxThreads];  // shuffle buffers, alternating by warp barrier generation
@@ -141,40 +143,48 @@ static int launch_threads(const unsigned* grid, const unsigned* block, void (*bo
     gridDim = {grid[0], grid[1], grid[2]};
     blockDim = {nt, 1, 1};
     std::vector<unsigned> order(nt);
-    for (unsigned z = 0; z < grid[2]; ++z)
-        for (unsigned y = 0; y < grid[1]; ++y)
-            for (unsigned x = 0; x < grid[0]; ++x) {
-                blockIdx = {x, y, z};
-                ++rt.cta_serial;
-                for (unsigned t = 0; t < nt; ++t) {
-                    ucontext_t& f = rt.fibers[t];
-                    getcontext(&f);
-                    f.uc_stack.ss_sp = rt.stacks[t].get();
-                    f.uc_stack.ss_size = kStackBytes;
-                    f.uc_link = &rt.scheduler;
-                    makecontext(&f, fiber_entry, 0);
-                    rt.done[t] = 0;
-                    order[t] = t;
-                }
-                unsigned left = nt;
-                while (left) {
-                    const unsigned long long before = rt.events;
-                    for (unsigned i = nt - 1; i > 0; --i) {  // Fisher-Yates
-                        const unsigned j = (unsigned)(next_random() % (i + 1));
-                        const unsigned tmp = order[i];
-                        order[i] = order[j];
-                        order[j] = tmp;
-                    }
-                    for (unsigned t : order) {
-                        if (rt.done[t]) continue;
-                        rt.current = t;
-                        threadIdx = {t, 0, 0};
-                        swapcontext(&rt.scheduler, &rt.fibers[t]);
-                        left -= rt.done[t];
-                    }
-                    if (left && rt.events == before) return -2;
-                }
+    const unsigned long long ctas = (unsigned long long)grid[0] * grid[1] * grid[2];
+    std::vector<unsigned long long> schedule(ctas);
+    for (unsigned long long c = 0; c < ctas; ++c) schedule[c] = c;
+    if (rt.shuffle_ctas)
+        for (unsigned long long i = ctas; i > 1; --i) {  // Fisher-Yates over the CTAs
+            const unsigned long long j = next_random() % i, tmp = schedule[i - 1];
+            schedule[i - 1] = schedule[j];
+            schedule[j] = tmp;
+        }
+    for (const unsigned long long c : schedule) {
+        blockIdx = {(unsigned)(c % grid[0]), (unsigned)(c / grid[0] % grid[1]),
+                    (unsigned)(c / grid[0] / grid[1])};
+        ++rt.cta_serial;
+        for (unsigned t = 0; t < nt; ++t) {
+            ucontext_t& f = rt.fibers[t];
+            getcontext(&f);
+            f.uc_stack.ss_sp = rt.stacks[t].get();
+            f.uc_stack.ss_size = kStackBytes;
+            f.uc_link = &rt.scheduler;
+            makecontext(&f, fiber_entry, 0);
+            rt.done[t] = 0;
+            order[t] = t;
+        }
+        unsigned left = nt;
+        while (left) {
+            const unsigned long long before = rt.events;
+            for (unsigned i = nt - 1; i > 0; --i) {  // Fisher-Yates
+                const unsigned j = (unsigned)(next_random() % (i + 1));
+                const unsigned tmp = order[i];
+                order[i] = order[j];
+                order[j] = tmp;
             }
+            for (unsigned t : order) {
+                if (rt.done[t]) continue;
+                rt.current = t;
+                threadIdx = {t, 0, 0};
+                swapcontext(&rt.scheduler, &rt.fibers[t]);
+                left -= rt.done[t];
+            }
+            if (left && rt.events == before) return -2;
+        }
+    }
     return 0;
 }
 
@@ -187,6 +197,7 @@ static int launch_lambda(const unsigned* grid, const unsigned* block, F f) {
 }  // namespace hal_host
 
 extern "C" void hal_host_seed(unsigned long long seed) { hal_host::rt.rng = seed | 1; }
+extern "C" void hal_host_shuffle_ctas(int on) { hal_host::rt.shuffle_ctas = on != 0; }
 extern "C" int hal_host_warp_size() { return HAL_WARP_SIZE; }
 
 // The device spellings the kernels use.

@@ -33,3 +33,9 @@ extern "C" int launch_hal_f32_to_dtype(const unsigned* grid, const unsigned* blo
     return hal_host::launch_lambda(grid, block,
                                    [=] { hal_f32_to_dtype((hal_t*)out, ws, count); });
 }
+
+extern "C" int launch_hal_f32_splits_to_dtype(const unsigned* grid, const unsigned* block, void* out,
+                                              const float* ws, long long count, int splits) {
+    return hal_host::launch_lambda(grid, block,
+                                   [=] { hal_f32_splits_to_dtype((hal_t*)out, ws, count, splits); });
+}

@@ -35,8 +35,10 @@ HAL_DEVICE void load_group(const hal_u16* scales, const hal_u8* zeros, int defau
     }
 }
 
-// Sums the per-warp partial results in shared memory (deterministic order)
-// and writes them: directly to out when gridDim.y == 1, else atomically to ws.
+// Sums the per-warp partial results in shared memory (warp 0, 1, ... in order)
+// and writes them: directly to out when gridDim.y == 1, else as this K split's
+// partial to ws[blockIdx.y][M][N] (plain stores; hal_f32_splits_to_dtype adds
+// the splits in order 0, 1, ...: no atomics, the same bits on every run).
 HAL_DEVICE void store(float (*acc)[4], float (*s_red)[COLS], const float* row_scale,
                       hal_t* HAL_RESTRICT out, float* HAL_RESTRICT ws, int m0, int M, int N) {
     const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
@@ -63,7 +65,7 @@ HAL_DEVICE void store(float (*acc)[4], float (*s_red)[COLS], const float* row_sc
         if (gridDim.y == 1)
             out[o] = hal_from_float(v);
         else
-            hal_atomic_add(ws + o, v);
+            ws[(hal_i64)blockIdx.y * M * N + o] = v;
     }
 }
 

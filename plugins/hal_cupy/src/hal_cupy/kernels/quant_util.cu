@@ -1,6 +1,6 @@
 // Helpers for the quantised GEMM paths: weight dequantisation (large-M path),
-// per-row activation quantisation (W8A8) and the fp32 -> dtype cast used after
-// a split-K GEMM.  Defines: HAL_DTYPE (0 f32, 1 f16, 2 bf16).  See README.md.
+// per-row activation quantisation (W8A8), the ordered sum of a split-K GEMM's
+// fp32 partials and the fp32 -> dtype cast.  Defines: HAL_DTYPE (0 f32, 1 f16, 2 bf16).  See README.md.
 #include "hal_common.cuh"
 
 #define HAL_UTIL_THREADS 256
@@ -149,6 +149,19 @@ hal_w8a8_quantize_rows(hal_i8* HAL_RESTRICT xq, float* HAL_RESTRICT sx,
                                 : v / scale;
         const float q = finite ? fminf(fmaxf(rintf(ratio), -127.f), 127.f) : 0.f;
         qr[k] = static_cast<hal_i8>(static_cast<int>(q));
+    }
+}
+
+// out[i] = ws[0][i] + ws[1][i] + ... + ws[splits - 1][i], added in that order and converted to
+// HAL_DTYPE: the K splits' partials of hal_w4a16_gemm / hal_w8a8_gemm (ws [splits][count]), summed
+// in a fixed order whatever the CTAs' schedule.  Grid-stride over count elements.
+HAL_GLOBAL void HAL_LAUNCH_BOUNDS(HAL_UTIL_THREADS)
+hal_f32_splits_to_dtype(hal_t* HAL_RESTRICT out, const float* HAL_RESTRICT ws, long long count, int splits) {
+    for (hal_i64 i = (hal_i64)blockIdx.x * HAL_UTIL_THREADS + threadIdx.x; i < count;
+         i += (hal_i64)gridDim.x * HAL_UTIL_THREADS) {
+        float v = ws[i];
+        for (int y = 1; y < splits; ++y) v += ws[(hal_i64)y * count + i];
+        out[i] = hal_from_float(v);
     }
 }
 

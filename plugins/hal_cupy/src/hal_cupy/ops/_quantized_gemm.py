@@ -12,7 +12,8 @@ Selection, per call:
   (no atomics).
 - Otherwise, ``M <= HAL_<BACKEND>_SMALL_M_MAX`` (default ``QGEMM_SMALL_M_MAX``):
   the SIMT kernels ``hal_w4a16_gemm`` / ``hal_w8a8_gemm``, split over K when N
-  alone does not fill the GPU.
+  alone does not fill the GPU; the splits' fp32 partials are summed in split
+  order by ``hal_f32_splits_to_dtype`` (no atomics).
 - Larger M: K-slabs of at most ``QGEMM_SLAB_BYTES`` of the weight are
   dequantised in turn into one small workspace, in the activations' dtype (bf16
   stays bf16 where the device lists bf16), and accumulated by cuBLAS ``gemmEx``
@@ -145,13 +146,14 @@ def _small_m(call: OpCall, device_index: int, x: Any, out: Any, kdtype: str,
     activations = _quantize_rows(call, device_index, x, kdtype) if qw.bits == 8 else (x,)
     gemm = kernels_for(call, device_index, quant_gemm_spec(kdtype, qw.bits, quant_gemm_m_tile(m), caps.simd_width))
     plan, ksplit, per_split = quant_gemm_launch(qw.bits, m, n, k, g, caps.compute_units, caps.simd_width)
-    ws = cp.zeros((m, n), dtype=np.float32) if ksplit > 1 else None
+    ws = cp.empty((ksplit, m, n), dtype=np.float32) if ksplit > 1 else None  # every element is written
     launch(call, device_index, gemm, plan,
            (out, ws, *activations, *weights, np.int32(m), np.int32(n), np.int32(k), np.int32(g),
             np.int32(per_split)))
-    if ws is not None:
+    if ws is not None:  # the splits' partials, added in split order: deterministic
         util = kernels_for(call, device_index, quant_util_spec(kdtype, _width(call, device_index)))
-        _grid_stride(call, device_index, util["hal_f32_to_dtype"], m * n, (out, ws, np.int64(m * n)))
+        _grid_stride(call, device_index, util["hal_f32_splits_to_dtype"], m * n,
+                     (out, ws, np.int64(m * n), np.int32(ksplit)))
 
 
 def _packed(call: OpCall, device_index: int) -> PackedWeight:
