@@ -86,3 +86,48 @@ def test_w8a8_nan_row_gives_nan_row(host_builder: HostKernelBuilder, host_rng: n
     expected = OPS["quantized_gemm"].reference({"x": x[keep], "qweight": qw})
     atol, rtol = tolerance("gemm", dtype)
     np.testing.assert_allclose(out64[keep], expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize(("dtype", "kernel"), [("bf16", "tensor_core"), ("bf16", "simt"), ("fp32", "simt")])
+def test_w8a8_gemm_of_subnormal_scale_rows_survives_flush_to_zero(host_builder: HostKernelBuilder,
+                                                                  host_rng: np.random.Generator, dtype: str,
+                                                                  kernel: str) -> None:
+    """Rows whose scale max|x| / 127 is float32-subnormal (bf16 and fp32 reach that range, fp16 does not; fp32 runs
+    the SIMT kernel only): with
+    flush-to-zero on, the GEMM epilogue must still multiply by that scale, not by 0 -- the outputs of such rows
+    are normal float32 here, so they match the float64 reference relatively."""
+    m, k, n, g = 4, 256, 132, 64
+    # Large weights (fp16 scales near 2^12) so that sx * (xq @ w) is normal although sx is subnormal.
+    qw = quantize(host_rng.standard_normal((k, n)) * 2.0**16 / np.sqrt(k), bits=8, group_size=g, symmetric=False)
+    x = np.zeros((m, k))
+    for i, exponent in enumerate((-124, -128, -131, 0)):  # sx = amax / 127: subnormal for rows 0-2, row 3 normal
+        x[i] = host_rng.standard_normal(k) * 2.0**exponent
+    x = x.astype(NUMPY_DTYPES[dtype])
+    code = DTYPE_CODES[dtype]
+    util_spec = rules.quant_util_spec(code)
+    util = host_builder.build(util_spec.source, {**dict(util_spec.defines), "HAL_HOST_FTZ": 1})
+    util.seed(int(host_rng.integers(1, 2**63)))
+    xq = np.zeros((m, k), np.int8)
+    sx = np.zeros(m, np.float32)
+    util.launch(rules.quant_util_launch("hal_w8a8_quantize_rows", m, 1), xq, sx, x, k)
+    assert ((sx.view(np.uint32) & 0x7F800000) == 0)[:3].all(), "rows 0-2 must have subnormal scales"
+    out = np.full((m, n), np.nan, NUMPY_DTYPES[dtype])
+    if kernel == "tensor_core":
+        spec = rules.quant_gemm_tc_spec(code, 8, rules.quant_gemm_tc_m_frags(m))
+        packed = pack_weight(qw)
+        launch, ksplit, per_split = rules.quant_gemm_tc_launch(8, m, n, k, g, 1)
+        weights = (packed.qtc, packed.scales, packed.zeros)
+    else:
+        spec = rules.quant_gemm_spec(code, 8, rules.quant_gemm_m_tile(m))
+        launch, ksplit, per_split = rules.quant_gemm_launch(8, m, n, k, g, 1)
+        weights = (qw.qweight, qw.scales, qw.zeros)
+    assert ksplit == 1
+    gemm = host_builder.build(spec.source, {**dict(spec.defines), "HAL_HOST_FTZ": 1})
+    gemm.seed(int(host_rng.integers(1, 2**63)))
+    gemm.launch(launch, out, None, xq, sx, *weights, m, n, k, g, per_split)
+    # The GEMM of the kernel-quantised activations, in float64: xq and sx are bit-exact (tested above).
+    own = sx.astype(np.float64)[:, None] * (xq.astype(np.float64) @ qw.dequantize(np.float64))
+    assert (np.abs(own[:3]) >= 2.0**-120).mean() > 0.9, "the test needs (mostly) normal float32 outputs"
+    rtol = 2.0**-7 if dtype == "bf16" else 1e-4  # float32 sums of four groups, with cancellation
+    # atol: the smallest normal float32, far below these rows' outputs (a flushed scale gives 0 and fails).
+    np.testing.assert_allclose(out.astype(np.float64), own, rtol=rtol, atol=2.0**-126)

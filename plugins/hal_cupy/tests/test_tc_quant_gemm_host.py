@@ -39,8 +39,11 @@ def _module(host_builder: HostKernelBuilder, spec: Any, host_rng: np.random.Gene
 
 
 def _run(host_builder: HostKernelBuilder, host_rng: np.random.Generator, dtype: str, qw: QuantizedWeight, x: np.ndarray,
-         compute_units: int) -> tuple[np.ndarray, int, int]:
-    """out = quantized_gemm(x, qw) through the tensor-core kernels; (out, ksplit, kb_per_split)."""
+         compute_units: int, shuffle_ctas: bool = False) -> tuple[np.ndarray, int, int]:
+    """out = quantized_gemm(x, qw) through the tensor-core kernels; (out, ksplit, kb_per_split).
+
+    ``shuffle_ctas``: run the GEMM's CTAs in a random order drawn from the module's fresh seed.
+    """
     m, k = x.shape
     n, g = qw.shape[1], qw.group_size
     frags = rules.quant_gemm_tc_m_frags(m)
@@ -52,6 +55,7 @@ def _run(host_builder: HostKernelBuilder, host_rng: np.random.Generator, dtype: 
     out = np.full((m, n), np.nan, NUMPY_DTYPES[dtype])
     ws = np.full((ksplit, m, n), np.nan, np.float32) if ksplit > 1 else None  # every partial must be written
     tail = (m, n, k, g, per_split)
+    gemm.shuffle_ctas(shuffle_ctas)
     if qw.bits == 4:
         gemm.launch(launch, out, ws, x, packed.qtc, packed.scales, packed.zeros, *tail)
     else:
@@ -60,6 +64,7 @@ def _run(host_builder: HostKernelBuilder, host_rng: np.random.Generator, dtype: 
         sx = np.full(m, np.nan, np.float32)
         util.launch(rules.quant_util_launch("hal_w8a8_quantize_rows", m, compute_units), xq, sx, x, k)
         gemm.launch(launch, out, ws, xq, sx, packed.qtc, packed.scales, packed.zeros, *tail)
+    gemm.shuffle_ctas(False)
     if ws is not None:
         assert np.isnan(out.astype(np.float32)).all(), "with a K split the GEMM leaves out to the reduction"
         gemm.launch(rules.quant_gemm_tc_reduce_launch(m, n, compute_units), out, ws, m * n, ksplit)
@@ -114,13 +119,15 @@ def test_tc_gemm_matches_reference(host_builder: HostKernelBuilder, host_rng: np
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_tc_gemm_is_bit_reproducible(host_builder: HostKernelBuilder, host_rng: np.random.Generator, bits: int) -> None:
-    """Same inputs, another thread interleaving: the same bits (K-split partials are summed in split order)."""
+    """Same inputs, another CTA order and thread interleaving: the same bits (K-split partials are summed in split
+    order)."""
     qw = _random_weight(host_rng, 1024, 256, bits, 64, False)
     x = host_rng.standard_normal((3, 1024)).astype(np.float16)
-    first, ksplit, _ = _run(host_builder, host_rng, "fp16", qw, x, MANY_CUS)
-    assert ksplit > 1
-    second, _, _ = _run(host_builder, host_rng, "fp16", qw, x, MANY_CUS)  # _run reseeds the interleaving
-    np.testing.assert_array_equal(first.view(np.uint16), second.view(np.uint16))
+    first, ksplit, _ = _run(host_builder, host_rng, "fp16", qw, x, MANY_CUS, shuffle_ctas=True)
+    assert ksplit >= 3  # two partials would add up the same in either order
+    for _ in range(2):  # _run reseeds the CTA order and the interleaving
+        again, _, _ = _run(host_builder, host_rng, "fp16", qw, x, MANY_CUS, shuffle_ctas=True)
+        np.testing.assert_array_equal(first.view(np.uint16), again.view(np.uint16))
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])

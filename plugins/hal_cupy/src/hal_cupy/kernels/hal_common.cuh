@@ -76,3 +76,15 @@ HAL_DEVICE float hal_warp_max(float v) {
     for (int m = HAL_WARP_SIZE / 2; m > 0; m >>= 1) v = fmaxf(v, hal_shfl_xor(v, m));
     return v;
 }
+
+// v * s for a scale s that may be float32-subnormal (the W8A8 row scale's floor is 2^-149), equal to
+// the IEEE product whenever that product is a normal float.  Builds with flush-to-zero (CuPy's default,
+// -ftz=true) flush a subnormal operand to 0, so a subnormal s is rebuilt from its integer mantissa m
+// (s = m * 2^-149) as the normal m * 2^-85 and the product scaled by 2^-64 afterwards (exact, one rounding).
+HAL_DEVICE float hal_mul_scale_ftz_safe(float v, float s) {
+    const hal_u32 b = hal_float_to_bits(s);
+    if ((b & 0x7f800000u) != 0) return v * s;  // normal, infinite or NaN
+    const float m = (float)(b & 0x007fffffu) * 0x1p-85f;
+    const float p = v * ((b >> 31) ? -m : m);
+    return p * 0x1p-64f;
+}

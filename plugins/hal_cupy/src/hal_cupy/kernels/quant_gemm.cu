@@ -60,7 +60,7 @@ HAL_DEVICE void store(float (*acc)[4], float (*s_red)[COLS], const float* row_sc
         const int row = m0 + m;
         if (n >= N || row >= M) continue;
         float v = s_red[m][cc];
-        if (row_scale) v *= row_scale[row];
+        if (row_scale) v = hal_mul_scale_ftz_safe(v, row_scale[row]);  // FTZ cannot drop a subnormal scale
         const hal_i64 o = (hal_i64)row * N + n;
         if (gridDim.y == 1)
             out[o] = hal_from_float(v);

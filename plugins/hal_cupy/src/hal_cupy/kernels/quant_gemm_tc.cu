@@ -168,7 +168,7 @@ HAL_DEVICE void store(float (*acc)[4][4], const float* sx, hal_t* HAL_RESTRICT o
                 const int col = n_base + j * 8 + 2 * tig + (i & 1);
                 if (row >= M || col >= N) continue;
                 float v = acc[mf][j][i];
-                if (sx) v *= sx[row];
+                if (sx) v = hal_mul_scale_ftz_safe(v, sx[row]);  // flush-to-zero cannot drop a subnormal sx
                 if (gridDim.y == 1)
                     out[(hal_i64)row * N + col] = hal_from_float(v);
                 else
