@@ -35,6 +35,7 @@ SM_LIMITS = {
     "sm_120": (65536, 100 * 1024, 1536, 32),
 }
 #: Budgets held by the tests (see docs/kernel-resources.md for why these values).
+#: The conversion's floor for nibbles packed 8 to a word (see markdown(): fp16 takes 2, bf16 4 views per word).
 MAX_CONVERSION_PER_2_WEIGHTS = {1: 1.25, 2: 1.75}  # HAL_DTYPE f16: 4 LOP3 + 1 shift per 8; bf16: 4 LOP3 + 3
 MAX_DEQUANT_PER_2_WEIGHTS = {1: 2.25, 2: 2.75}  # plus one HADD2/HFMA2 per pair for the zero point
 
@@ -238,6 +239,15 @@ def markdown(rows: list[KernelBudget]) -> str:
         "8 weights (bf16, whose 7-bit mantissa takes one nibble position per half: three) -- and at most 2.25 / 2.75",
         "with the zero point, one HADD2/HFMA2 per two weights. The zero point is subtracted per weight pair",
         "because feeding the MMA `1024 + q` and correcting afterwards cancels about ten bits of the fp32 sum.",
+        "",
+        "These conversion counts are the least a LOP3 conversion of densely packed nibbles can reach, so one",
+        "instruction per two weights is not a reachable budget for it. A LOP3 is bitwise: each half of its",
+        "result takes its nibble from the same bit positions of its source register, and only the mantissa",
+        "bits can hold it (fp16 10 bits: two nibbles per half; bf16 7 bits: one). A 32-bit word of 8 nibbles",
+        "(4 per half) must therefore be seen through 2 (fp16) or 4 (bf16) registers, and each register beyond",
+        "the loaded word costs one instruction (a shift, a PRMT or a funnel shift alike): 5 / 7 instructions",
+        "per 8 weights at best. Fewer would need a layout spending more shared-memory bytes per weight or a",
+        "lookup per value; moving the bias or zero point after the MMA would drop the HADD2/HFMA2, not these.",
         "",
         "| specialisation | arch | regs | spill B | smem B | CTAs/SM | MMA (loop) | instr/k-block | instr/byte "
         "| conv/2w | deq/2w |",
