@@ -54,6 +54,7 @@ HAL_DEVICE void store(float (*acc)[4], float (*s_red)[COLS], const float* row_sc
         }
         hal_barrier();
     }
+#pragma unroll 1  // unrolled, ptxas keeps more live values across the stores (spills on sm_90, HAL_M_TILE 2)
     for (int i = tid; i < MT * COLS; i += NT) {
         const int m = i / COLS, cc = i % COLS;
         const int n = blockIdx.x * COLS + cc;
@@ -74,7 +75,15 @@ HAL_DEVICE void store(float (*acc)[4], float (*s_red)[COLS], const float* row_sc
 #if HAL_QBITS == 4
 // W4A16.  Grid (ceil(N / (4 * warp)), ksplit, ceil(M / HAL_M_TILE)); block
 // HAL_KWARPS * warp threads.  CTA y handles groups [y * groups_per_split, ...).
-HAL_GLOBAL void HAL_LAUNCH_BOUNDS(qg::NT)
+// HAL_M_TILE 16 on CUDA: a minimum of CTAs per SM that fits the accumulators without spilling on sm_80,
+// sm_90 and sm_120 (16-bit x: 4, 128 registers; fp32 x: 3). Without the hint ptxas spills on sm_120 (16-bit
+// x: 128 registers, 104 bytes) or sm_90 (fp32 x: 40 bytes).
+#if defined(HAL_CUDA) && HAL_M_TILE == 16
+#define HAL_QG_W4_BOUNDS __launch_bounds__(qg::NT, HAL_DTYPE == HAL_F32 ? 3 : 4)
+#else
+#define HAL_QG_W4_BOUNDS HAL_LAUNCH_BOUNDS(qg::NT)
+#endif
+HAL_GLOBAL void HAL_QG_W4_BOUNDS
 hal_w4a16_gemm(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT ws, const hal_t* HAL_RESTRICT x,
                const hal_u32* HAL_RESTRICT qweight, const hal_u16* HAL_RESTRICT scales,
                const hal_u8* HAL_RESTRICT zeros, int M, int N, int K, int group_size,
