@@ -12,9 +12,12 @@ raise at the call, before any launch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib.util
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, ClassVar
 
 import fakecupy
@@ -34,15 +37,23 @@ _READS = ("get", "item", "tolist", "__int__", "__float__", "__bool__", "__index_
 
 
 class Counter:
-    """What crossed between host and device, and the synchronisations, while :meth:`window` was open."""
+    """What crossed between host and device, and the synchronisations, while :meth:`window` was open.
+
+    While a stream captures (:class:`_Graph`), any of them raises, as CUDA refuses them during a capture.
+    """
 
     def __init__(self) -> None:
         self.open = False
         self.kernel_depth = 0  # inside an emulated kernel or cuBLAS call: device work, not host reads
         self.events: list[str] = []
+        self.captured: list[tuple[Any, ...]] | None = None  # the launches of the capture in progress
 
     def note(self, what: str) -> None:
-        if self.open and self.kernel_depth == 0:
+        if self.kernel_depth:
+            return
+        if self.captured is not None:
+            raise RuntimeError(f"{what}: operation not permitted when stream is capturing")
+        if self.open:
             self.events.append(what)
 
     @contextmanager
@@ -64,6 +75,9 @@ def _counting(counter: Counter, what: str, fn: Callable[..., Any]) -> Callable[.
 
 def _in_kernel(counter: Counter, fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if counter.captured is not None and counter.kernel_depth == 0:
+            counter.captured.append((fn, args, kwargs))  # recorded, run at each replay
+            return None
         counter.kernel_depth += 1
         try:
             return fn(*args, **kwargs)
@@ -86,6 +100,31 @@ class _Event:
 
     def synchronize(self) -> None:
         self.counter.note("Event.synchronize")
+
+
+class _Graph:
+    """A captured CUDA graph: the launches recorded during the capture, rerun with the same arguments."""
+
+    def __init__(self, counter: Counter, launches: list[tuple[Any, ...]]) -> None:
+        self.counter, self.launches = counter, launches
+
+    def launch(self, stream: Any = None) -> None:
+        run = _in_kernel(self.counter, lambda fn, args, kwargs: fn(*args, **kwargs))
+        for fn, args, kwargs in self.launches:
+            run(fn, args, kwargs)
+
+
+def _capturing_stream(counter: Counter, stream: Any) -> None:
+    """Give the fake's current stream CuPy's capture API (relaxed mode: allocations allowed, host reads not)."""
+    def begin_capture(mode: Any = None) -> None:
+        assert counter.captured is None, "already capturing"
+        counter.captured = []
+
+    def end_capture() -> _Graph:
+        launches, counter.captured = counter.captured, None
+        return _Graph(counter, launches or [])
+
+    stream.begin_capture, stream.end_capture = begin_capture, end_capture
 
 
 @pytest.fixture
@@ -115,6 +154,13 @@ def gpu(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Any:
     fake.cuda.runtime.streamSynchronize = _counting(counter, "streamSynchronize", lambda s: None)
     _Event.counter = counter
     fake.cuda.Event = _Event
+    _capturing_stream(counter, fake.cuda.get_current_stream())
+    fake.cuda.using_allocator = lambda allocator: contextlib.nullcontext()
+    fake.int32, fake.int64, fake.float16 = np.int32, np.int64, np.float16
+    monkeypatch.setattr(emu.DevArray, "set", lambda self, value: np.ndarray.__setitem__(self, Ellipsis, value),
+                        raising=False)
+    # an assignment between device arrays is a copy kernel in CuPy: recorded by a capture like the hal kernels
+    monkeypatch.setattr(emu.DevArray, "__setitem__", _in_kernel(counter, np.ndarray.__setitem__))
 
     caps = hal_core.load_profile("H200")
     platform = fakecupy.FakePlatform(90)
@@ -368,3 +414,24 @@ def test_device_act_order_weights_are_checked_once_on_the_host(gpu: Any, rng: np
     x = to_dev(rng.standard_normal((2, 256)).astype(np.float16))
     with pytest.raises(hal_core.ArgumentError, match=r"argument 'qweight\.g_idx'"):
         gpu.ops.quantized_gemm(x, qw.map_arrays(to_dev))
+
+
+# -- a decode step captured in a CUDA graph ---------------------------------------------------------------------
+
+
+def test_benchmark_decode_step_replays_from_a_captured_graph(gpu: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpu_check's decode step (write_kv_cache + paged_attention, captured once, replayed with the index arrays
+    updated in place), run on the emulator: the capture admits no host read or synchronisation, each replay of
+    the recorded launches alone matches the float64 reference, and a bad block id written into the captured
+    table comes back as ArgumentError('block_tables') with that sequence zeroed."""
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_paged_attention.py"
+    spec = importlib.util.spec_from_file_location("_bench_paged_attention", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(hal_core, "check_errors", gpu.check_errors)  # the stand-in backend is not bound
+    from hal_cupy.ops import _common
+
+    result = bench.graph_decode(_common.cupy(), gpu, steps=3)
+    assert result["captured"], result["graph_error"]
+    assert result["steps"] == 3 and result["correct"], result["rel_errors"]
+    assert result["bad_index_reported"] and result["bad_sequence_zero"], result["bad_index_message"]
