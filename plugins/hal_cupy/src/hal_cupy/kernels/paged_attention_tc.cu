@@ -322,15 +322,15 @@ hal_paged_attention_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT tmp_out, flo
     // Index checks: a bad length or block-table entry of this partition is never read (see the top).
     const int capacity = max_blocks_per_seq * block_size;
     const int limit = max_seq_len < capacity ? max_seq_len : capacity;
-    const int seq_len = seq_lens[s];
+    const int raw_len = seq_lens[s];
+    const bool bad_len = raw_len < 0 || raw_len > limit;
+    const int seq_len = bad_len ? 0 : raw_len;  // in [0, limit] from here on
     const int t0 = part * partition_size;
     // One partition covers the whole sequence.
-    const int t1 = t0 >= seq_len ? t0
-                   : max_partitions == 1 || seq_len - t0 < partition_size ? seq_len : t0 + partition_size;
+    const int t1 = max_partitions == 1 || seq_len - t0 < partition_size ? seq_len : t0 + partition_size;
     const int* table = block_tables + (hal_i64)s * max_blocks_per_seq;
-    int code = seq_len < 0 || seq_len > limit ? HAL_ERR_SEQ_LENS : 0;
-    if (code == 0 && t1 > t0 &&
-        !hal_block_table_ok(table, t0 / block_size, (t1 - 1) / block_size + 1, num_blocks, NT))
+    int code = bad_len ? HAL_ERR_SEQ_LENS : 0;
+    if (t1 > t0 && !hal_block_table_ok(table, t0 / block_size, (t1 - 1) / block_size + 1, num_blocks, NT))
         code = HAL_ERR_BLOCK_TABLES;
     if (code != 0 && threadIdx.x == 0) hal_report_index_error(error_flag, code);
     const int col0 = warp * OCOLS + 2 * tig;
