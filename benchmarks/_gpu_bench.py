@@ -20,6 +20,7 @@ from typing import Any
 
 __all__ = [
     "capture_graph",
+    "capture_private",
     "copy_bandwidth_gbps",
     "device_summary",
     "gemm_target",
@@ -141,6 +142,37 @@ def capture_graph(cp: Any, fn: Callable[[], Any], warmup: int = 3) -> tuple[Call
         graph.launch(stream)
 
     return replay, ""
+
+
+def capture_private(cp: Any, fn: Callable[[], Any]) -> tuple[Callable[[], None] | None, str, Any]:
+    """``fn`` run once, then captured in a CUDA graph with its own memory pool: ``(replay, why_not, pool)``.
+
+    The eager run compiles the kernels and makes hal's device error flag
+    (neither may happen during a capture). Every temporary ``fn`` allocates
+    comes from ``pool``, a CuPy ``MemoryPool`` used by nothing else, so the
+    workspaces the graph writes at each replay are never handed to another
+    array; keep ``pool`` alive as long as the graph. The capture uses CuPy's
+    default (relaxed) mode on the current stream, which must not be the legacy
+    default stream; replays are ``graph.launch(stream)`` on that stream.
+    """
+    stream = cp.cuda.get_current_stream()
+    pool = cp.cuda.MemoryPool()
+    with cp.cuda.using_allocator(pool.malloc):
+        fn()
+        stream.synchronize()
+        try:
+            stream.begin_capture()
+            try:
+                fn()
+            finally:
+                graph = stream.end_capture()
+        except Exception as exc:  # capture refused: a host read, a synchronisation, an allocation outside the pool
+            return None, f"{type(exc).__name__}: {exc}", pool
+
+    def replay() -> None:
+        graph.launch(stream)
+
+    return replay, "", pool
 
 
 def measure_copy_bandwidth(cp: Any, nbytes: int = 2 << 30, repeat: int = 20) -> dict[str, float]:

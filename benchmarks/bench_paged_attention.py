@@ -8,9 +8,16 @@ Cases (fp16, 32 query heads, 8 KV heads, head size 128, block size 16):
 ``ratio = (KV bytes / t_attention) / (2 * N / t_copy)``, both measured in this
 run (see docs/benchmarks.md). ``t_attention`` is the device time of the op's
 kernels, replayed from a CUDA graph captured around one call; the time of
-plain Python calls (dispatch included) is reported beside it. Index
-validation is switched off (``HAL_CHECK_INDICES=0``), as an engine that
-trusts its block tables runs it.
+plain Python calls (dispatch included) is reported beside it. The index
+checks stay at their default: on device arrays the kernels do them, with no
+host read.
+
+``graph_decode`` (in the JSON): one decode step -- ``write_kv_cache`` of the
+new tokens, then ``paged_attention`` -- captured once in a CUDA graph and
+replayed for the following steps with the index arrays updated in place,
+each replay checked against the float64 reference; then one replay with a
+bad block id, which must zero that sequence and raise ``ArgumentError``
+naming ``block_tables`` at :func:`hal_core.check_errors`.
 
 Usage: ``python benchmarks/bench_paged_attention.py [--json PATH] [--repeat N]``
 """
@@ -18,7 +25,6 @@ Usage: ``python benchmarks/bench_paged_attention.py [--json PATH] [--repeat N]``
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _gpu_bench import (
     capture_graph,
+    capture_private,
     device_summary,
     l2_flusher,
     measure_copy_bandwidth,
@@ -94,12 +101,90 @@ def run_case(cp: Any, be: Any, case: dict[str, Any], copy_gbps: float, repeat: i
             "rel_error": err, "correct": err < 2e-3}
 
 
+def graph_decode(cp: Any, be: Any, steps: int = 4) -> dict[str, Any]:
+    """Capture one decode step (write the new K/V, attend) in a CUDA graph; replay it for ``steps`` steps."""
+    import hal_core
+    from hal_core.ops import OPS
+
+    rng = np.random.default_rng(99)
+    num_seqs, heads, kv_heads, head_size, block = 8, 32, 8, 128, 16
+    lens = rng.integers(100, 400, num_seqs).astype(np.int32)
+    max_seq_len = int(lens.max()) + steps
+    per_seq = -(-max_seq_len // block)
+    num_blocks = num_seqs * per_seq + 3
+    table = rng.permutation(num_blocks)[: num_seqs * per_seq].astype(np.int32).reshape(num_seqs, per_seq)
+    shape = (num_blocks, kv_heads, block, head_size)
+    k_host = rng.standard_normal(shape).astype(np.float16)
+    v_host = rng.standard_normal(shape).astype(np.float16)
+    scale = head_size ** -0.5
+    dev = {"k_cache": cp.asarray(k_host), "v_cache": cp.asarray(v_host), "tables": cp.asarray(table),
+           "lens": cp.empty((num_seqs,), cp.int32), "slots": cp.empty((num_seqs,), cp.int64),
+           "q": cp.empty((num_seqs, heads, head_size), cp.float16),
+           "k": cp.empty((num_seqs, kv_heads, head_size), cp.float16),
+           "v": cp.empty((num_seqs, kv_heads, head_size), cp.float16),
+           "out": cp.empty((num_seqs, heads, head_size), cp.float16)}
+
+    def step() -> None:
+        be.ops.write_kv_cache(dev["k"], dev["v"], dev["k_cache"], dev["v_cache"], dev["slots"])
+        be.ops.paged_attention(dev["q"], dev["k_cache"], dev["v_cache"], dev["tables"], dev["lens"], scale=scale,
+                               out=dev["out"], max_seq_len=max_seq_len)
+
+    def next_inputs() -> dict[str, np.ndarray]:
+        """The next token of every sequence, written into the captured buffers in place (no new allocation)."""
+        lens[:] += 1
+        pos = lens - 1
+        host = {"lens": lens.copy(), "slots": (table[np.arange(num_seqs), pos // block].astype(np.int64) * block
+                                               + pos % block),
+                "q": rng.standard_normal((num_seqs, heads, head_size)).astype(np.float16),
+                "k": rng.standard_normal((num_seqs, kv_heads, head_size)).astype(np.float16),
+                "v": rng.standard_normal((num_seqs, kv_heads, head_size)).astype(np.float16)}
+        for name, value in host.items():
+            dev[name].set(value)
+        k_host[table[np.arange(num_seqs), pos // block], :, pos % block] = host["k"]
+        v_host[table[np.arange(num_seqs), pos // block], :, pos % block] = host["v"]
+        return host
+
+    def reference(host: dict[str, np.ndarray]) -> np.ndarray:
+        return OPS["paged_attention"].reference(dict(query=host["q"], key_cache=k_host, value_cache=v_host,
+                                                     block_tables=table, seq_lens=host["lens"], scale=scale))
+
+    stream = cp.cuda.get_current_stream()
+    host = next_inputs()
+    replay, why, pool = capture_private(cp, step)  # runs the step eagerly first (kernels compiled, flag made)
+    result: dict[str, Any] = {"captured": replay is not None, "graph_error": why, "steps": 0, "rel_errors": []}
+    if replay is None:
+        return result
+    errors = []
+    for i in range(steps):
+        if i:
+            host = next_inputs()
+        replay()
+        stream.synchronize()
+        hal_core.check_errors()  # the kernels' index checks found nothing
+        want = reference(host)
+        errors.append(float(np.linalg.norm(dev["out"].get().astype(np.float64) - want) / np.linalg.norm(want)))
+    result.update(steps=steps, rel_errors=errors, correct=max(errors) < 2e-3)
+    # A bad block id in sequence 1, written into the captured table: zeros there, ArgumentError at check_errors.
+    saved = int(table[1, 0])
+    dev["tables"][1, 0] = num_blocks + 5
+    replay()
+    stream.synchronize()
+    try:
+        hal_core.check_errors()
+        reported = ""
+    except hal_core.ArgumentError as exc:
+        reported = str(exc)
+    dev["tables"][1, 0] = saved
+    result.update(bad_index_reported="'block_tables'" in reported, bad_index_message=reported,
+                  bad_sequence_zero=not dev["out"][1].get().any(), pool_bytes=int(pool.total_bytes()))
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--repeat", type=int, default=30)
     args = parser.parse_args(argv)
-    os.environ.setdefault("HAL_CHECK_INDICES", "0")
     import cupy as cp
 
     import hal_core
@@ -109,7 +194,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         flush = l2_flusher(cp, be.device(0).capabilities.l2_bytes)
         copy = measure_copy_bandwidth(cp)
         results = [run_case(cp, be, case, copy["gbps"], args.repeat, flush) for case in CASES]
-    payload = {"benchmark": "paged_attention", "device": device_summary(cp), "copy": copy, "cases": results}
+        decode = graph_decode(cp, be)
+    payload = {"benchmark": "paged_attention", "device": device_summary(cp), "copy": copy, "cases": results,
+               "graph_decode": decode}
     if args.json:
         write_json(args.json, payload)
     print(f"copy bandwidth {copy['gbps']:.0f} GB/s (read + write)")
@@ -117,6 +204,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"paged_attention {r['name']:>14} {r['variant']:>6}: {r['ms']:.3f} ms  {r['effective_gbps']:.0f} GB/s  "
               f"ratio {r['ratio']:.2f} (target {r['target']}) {r['verdict']}  [{r['timed']}; python calls "
               f"{r['call_ms']:.3f} ms, ratio {r['call_ratio']:.2f}]  err {r['rel_error']:.1e}")
+    print(f"graph decode step: captured {decode['captured']} {decode['graph_error']}; {decode['steps']} replays, "
+          f"errors {[f'{e:.1e}' for e in decode['rel_errors']]}; bad block id reported "
+          f"{decode.get('bad_index_reported')}, its sequence zero {decode.get('bad_sequence_zero')}")
     return payload
 
 

@@ -10,7 +10,10 @@
 # 3. fills CuPy's kernel cache in parallel (python -m hal_cupy._warmup),
 # 4. runs the hal-cuda tests (GPU correctness per specialisation), the contract
 #    suite with --hal-backend=cuda, and hal-core's tests (GPU interop ones included),
-# 5. runs the benchmarks: the GPU-specific ones (CUDA graphs, L2 flushes, targets) and `hal bench`
+# 5. runs the benchmarks: the GPU-specific ones (CUDA graphs, L2 flushes, targets; bench_paged_attention also
+#    captures one decode step -- write_kv_cache + paged_attention -- in a CUDA graph, replays it with the index
+#    arrays updated in place against the float64 reference, and replays a bad block id, which must come back as
+#    ArgumentError('block_tables') from hal_core.check_errors()) and `hal bench`
 #    (the hal_core.bench library: every op against the measured copy bandwidth, cuBLAS rate and
 #    the cuBLAS fp16/bf16 peer), whose report goes into the summary under "hal_bench".
 # The summary JSON <date>-<device>.json is rewritten after every step, so a run
@@ -126,10 +129,10 @@ step cuda_tests 160 "$PY" -m pytest plugins/hal_cuda/tests plugins/hal_cupy/test
 step contract 45 "$PY" -m pytest -p hal_core.testing --pyargs hal_core.testing.suite -q -rs -p no:cacheprovider --hal-backend=cuda \
   --junitxml="$RESULTS/contract.xml"
 step core_tests 45 "$PY" -m pytest tests -q -rs -p no:cacheprovider --junitxml="$RESULTS/core-tests.xml"
-step bench_paged_attention 50 env HAL_CHECK_INDICES=0 "$PY" benchmarks/bench_paged_attention.py --json "$RESULTS/paged_attention.json"
-step bench_quantized_gemm 65 env HAL_CHECK_INDICES=0 "$PY" benchmarks/bench_quantized_gemm.py --json "$RESULTS/quantized_gemm.json"
+step bench_paged_attention 50 "$PY" benchmarks/bench_paged_attention.py --json "$RESULTS/paged_attention.json"
+step bench_quantized_gemm 65 "$PY" benchmarks/bench_quantized_gemm.py --json "$RESULTS/quantized_gemm.json"
 # hal bench starts no case after 25 s (the rest are reported as skipped), so it ends well inside its 40 s.
-step hal_bench 40 env HAL_CHECK_INDICES=0 "$PY" -m hal_core bench --backend cuda --preset all --budget 25 \
+step hal_bench 40 "$PY" -m hal_core bench --backend cuda --preset all --budget 25 \
   --repeat 5 --max-time 0.3 -q --json "$TMP/hal-bench.json"
 
 echo "gpu_check: done in $((SECONDS - START)) s"
@@ -137,7 +140,7 @@ while read -r name rc seconds; do printf '  %-22s rc=%-8s %4s s\n' "$name" "$rc"
 for name in cuda_tests contract core_tests; do
   [[ -f $TMP/$name.log ]] && grep -E "passed|failed|error" "$TMP/$name.log" | tail -n 1
 done
-grep -hE "^(copy|paged_attention|W4A16|offload)" "$TMP"/bench_*.log 2>/dev/null
+grep -hE "^(copy|paged_attention|graph decode|W4A16|offload)" "$TMP"/bench_*.log 2>/dev/null
 [[ -f $TMP/hal_bench.log ]] && grep -E "^(limits|paged_attention|W4A16|W8A8|write_kv_cache|  vs)" "$TMP/hal_bench.log" | head -n 40
 # exit status: 0 when every step passed, else 1 (the summary says which)
 awk '$2 != "0" { bad = 1 } END { exit bad }' "$TMP/steps"

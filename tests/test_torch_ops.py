@@ -70,9 +70,15 @@ def test_paged_attention(device: str, dtype: str, case: tuple) -> None:
     assert hal_torch.paged_attention(*positional, out=into) is into
     assert_close(host(into), expected, kind="attention", dtype=dtype, what="out")
 
+    bounded = hal_torch.paged_attention(*positional, max_seq_len=max(lens) + 3)  # a bound the caller knows
+    assert_close(host(bounded), expected, kind="attention", dtype=dtype, what="max_seq_len")
+
     clean = tuple(_finite(a) if isinstance(a, torch.Tensor) else a for a in positional)
     torch.library.opcheck(torch.ops.hal.paged_attention.default, clean)
+    torch.library.opcheck(torch.ops.hal.paged_attention.default, (*clean, max(lens)))
     torch.library.opcheck(torch.ops.hal.paged_attention_out.default, (*clean, torch.empty_like(clean[0])))
+    torch.library.opcheck(torch.ops.hal.paged_attention_out.default,
+                          (*clean, torch.empty_like(clean[0]), max(lens) + 1))
 
 
 def test_paged_attention_errors_name_the_argument() -> None:
@@ -83,6 +89,10 @@ def test_paged_attention_errors_name_the_argument() -> None:
         hal_torch.paged_attention(q, kc, vc, bt.long(), sl, 0.125)
     with pytest.raises(hal_core.ArgumentError, match="seq_lens"):
         hal_torch.paged_attention(q, kc, vc, bt, sl + 1000, 0.125)
+    with pytest.raises(hal_core.ArgumentError, match="max_seq_len = 3"):  # host lengths 4, 3: checked eagerly
+        hal_torch.paged_attention(q, kc, vc, bt, sl, 0.125, max_seq_len=3)
+    with pytest.raises(hal_core.ArgumentTypeError, match="max_seq_len"):
+        hal_torch.paged_attention(q, kc, vc, bt, sl, 0.125, max_seq_len=0)
     with pytest.raises(hal_core.ArgumentError, match="query"):
         hal_torch.paged_attention(q.transpose(0, 1).contiguous().transpose(0, 1), kc, vc, bt, sl, 0.125)
     with pytest.raises(Exception, match="argument 'out'"):  # the fake's check, as a trace sees it

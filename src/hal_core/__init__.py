@@ -37,7 +37,7 @@ from ._hookspecs import hookimpl, hookspec
 from ._launch import CompiledKernel, KernelLauncher, KernelSource, LaunchConfig, grid_for
 from ._memory import AllocationPolicy, Allocator, AllocatorStats, DeviceBuffer
 from ._runtime import reset
-from ._selection import BackendInfo, get_backend, list_backends, stats
+from ._selection import BackendInfo, check_errors, get_backend, list_backends, stats
 from ._stream import Event, Stream
 from ._version import API_VERSION, __version__
 
@@ -73,6 +73,7 @@ __all__ = [
     "PluginRecord",
     "Stream",
     "__version__",
+    "check_errors",
     "get_backend",
     "grid_for",
     "hookimpl",

@@ -104,6 +104,22 @@ class Backend(ABC):
             f"but does not implement from_dlpack"
         )
 
+    def check_errors(self) -> None:
+        """Raise what this backend's devices recorded asynchronously since the last check, then forget it.
+
+        Device kernels check the index values they read (block tables,
+        lengths, slots) and, instead of dereferencing a bad one, record which
+        argument held it in a device error flag; this method waits for the
+        devices' queued work, reads the flags and raises
+        :class:`~hal_core.ArgumentError` naming the argument(s), as a device
+        reports an asynchronous fault at the next synchronisation. A device
+        backend also does this at the synchronisation points it controls
+        (its ``Stream``/``Event``/``DeviceHandle`` ``synchronize``). Host
+        backends check eagerly, before any work, so the default does nothing.
+        Never call it while a stream is being captured into a graph.
+        """
+        return None
+
     def on_reset(self) -> None:
         """Drop per-process caches (compiled kernels, pools); called by :func:`hal_core.reset`.
 

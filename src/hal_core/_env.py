@@ -34,7 +34,10 @@ def strict() -> bool:
 
 
 def check_indices() -> bool:
-    """``HAL_CHECK_INDICES=0`` skips the value checks of block tables, lengths and slots."""
+    """``HAL_CHECK_INDICES=0`` skips the host value checks of host block tables, lengths and slots.
+
+    Device index arrays are checked by the kernels either way (:func:`hal_core.check_errors`).
+    """
     return env.flag("HAL_CHECK_INDICES", default=True)
 
 

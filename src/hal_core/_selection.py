@@ -12,7 +12,7 @@ from ._backend import Backend
 from ._errors import BackendConflictError, BackendNotFoundError, BackendUnavailableError
 from ._runtime import Runtime, current
 
-__all__ = ["BackendInfo", "get_backend", "list_backends", "stats"]
+__all__ = ["BackendInfo", "check_errors", "get_backend", "list_backends", "stats"]
 
 log = logging.getLogger("hal")
 
@@ -128,6 +128,25 @@ def list_backends() -> list[BackendInfo]:
                                  reason=availability.reason, remedy=availability.remedy,
                                  fallback=entry is fallback))
     return infos
+
+
+def check_errors() -> None:
+    """Raise the index errors device kernels recorded since the last check, as ``ArgumentError``.
+
+    An op on device arrays never reads them back, so a bad block-table
+    entry, length or slot is found by the kernel: it is never dereferenced
+    (the output rows it affects are zeros, a bad slot's token is not
+    written) and the argument is recorded on the device. This waits for the
+    work queued on every device of the backends bound so far, then raises
+    :class:`~hal_core.ArgumentError` naming the argument (``block_tables``,
+    ``seq_lens``, ``slot_mapping``), once per recorded error. hal's own
+    ``Stream.synchronize``, ``Event.synchronize`` and
+    ``DeviceHandle.synchronize`` of a device backend check the same way.
+    A no-op for host backends (they raise before any work) and when no
+    backend is bound. Not to be called during a graph capture (it waits).
+    """
+    for backend in current().bound():
+        backend.check_errors()
 
 
 def stats() -> dict[str, dict[str, Any]]:

@@ -87,3 +87,73 @@ def test_offline_install_writes_entry_points(tmp_path: Path) -> None:
                            env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert probe.returncode == 0, probe.stderr
     assert json.loads(probe.stdout) == ["cuda"]
+
+
+class _Graph:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def launch(self, stream: object) -> None:
+        self.log.append(f"launch on {stream}")
+
+
+class _CaptureStream:
+    """A CuPy stream as the capture helper uses it; ``refuse`` makes end_capture fail as an invalidated capture."""
+
+    def __init__(self, log: list[str], refuse: bool = False) -> None:
+        self.log, self.refuse = log, refuse
+
+    def synchronize(self) -> None:
+        self.log.append("synchronize")
+
+    def begin_capture(self) -> None:
+        self.log.append("begin_capture")
+
+    def end_capture(self) -> _Graph:
+        self.log.append("end_capture")
+        if self.refuse:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return _Graph(self.log)
+
+    def __str__(self) -> str:
+        return "stream"
+
+
+class _Pool:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def malloc(self, size: int) -> None:
+        return None
+
+
+def _fake_cupy(log: list[str], stream: _CaptureStream) -> object:
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    @contextmanager
+    def using_allocator(allocator: object):
+        log.append("private pool on")
+        yield
+        log.append("private pool off")
+
+    return SimpleNamespace(cuda=SimpleNamespace(get_current_stream=lambda: stream, MemoryPool=lambda: _Pool(log),
+                                                using_allocator=using_allocator))
+
+
+@pytest.mark.parametrize("refuse", [False, True], ids=["captured", "refused"])
+def test_capture_private_runs_once_then_captures_in_its_own_pool(gb, refuse: bool) -> None:
+    """The step runs eagerly once (kernels compiled, error flag made), then is captured with the private pool as
+    allocator; replay launches the graph on the capturing stream; a refused capture says why."""
+    log: list[str] = []
+    stream = _CaptureStream(log, refuse)
+    replay, why, pool = gb.capture_private(_fake_cupy(log, stream), lambda: log.append("step"))
+    assert log == ["private pool on", "step", "synchronize", "begin_capture", "step", "end_capture",
+                   "private pool off"]
+    assert isinstance(pool, _Pool)
+    if refuse:
+        assert replay is None and "not permitted" in why
+        return
+    assert why == ""
+    replay()
+    assert log[-1] == "launch on stream"

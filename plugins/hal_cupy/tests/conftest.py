@@ -30,15 +30,17 @@ def rng(request: pytest.FixtureRequest) -> np.random.Generator:
 
 
 @pytest.fixture
-def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> Any:
+def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """Replace the lazily imported CuPy with :class:`fakecupy.FakeCupy` in every hal-cupy module."""
     import fakecupy
-    from hal_cupy import _cupy, _launcher, _memory, _stream
+    from hal_cupy import _cupy, _index_errors, _launcher, _memory, _stream
 
     fake = fakecupy.FakeCupy()
-    for module in (_cupy, _launcher, _memory, _stream):
+    for module in (_cupy, _index_errors, _launcher, _memory, _stream):
         monkeypatch.setattr(module, "cupy", lambda: fake)
-    return fake
+    _index_errors.forget_flags()
+    yield fake
+    _index_errors.forget_flags()
 
 
 @pytest.fixture(scope="session")

@@ -140,18 +140,37 @@ class Kernel:
         assert bt.shape[1] == maxb
         return q, kc, vc, bt, sl, float(scale), nh, nkv
 
+    @staticmethod
+    def _index_code(bt: np.ndarray, sl: np.ndarray, s: int, t0: int, t1: int, block_size: int,
+                    checks: tuple[Any, ...]) -> int:
+        """hal_index_checks.cuh for tokens [t0, t1) of sequence s: 0 when readable, else the code (flag set)."""
+        num_blocks, limit, flag = _i32(checks[0]), _i32(checks[1]), _ptr(checks[2], np.int32)
+        assert flag.shape == (1,), "the error flag is one int32"
+        n = int(sl[s])
+        code = 0
+        if n < 0 or n > min(limit, bt.shape[1] * block_size):
+            code = 2
+        elif t1 > t0:
+            used = bt[s, t0 // block_size:(t1 - 1) // block_size + 1]
+            code = 1 if ((used < 0) | (used >= num_blocks)).any() else 0
+        flag[0] |= code
+        return code
+
     def _tiles(self, nh: int, nkv: int) -> int:
         group = nh // nkv
         return -(-group // self.defines["HAL_GQA"])
 
     def hal_paged_attention(self, grid: Any, block: Any, out: Any, *rest: Any) -> None:
-        assert len(rest) == 10, "hal_paged_attention takes 11 parameters"
-        q, kc, vc, bt, sl, scale, nh, nkv = self._pa_common(*rest)
+        assert len(rest) == 13, "hal_paged_attention takes 14 parameters"
+        q, kc, vc, bt, sl, scale, nh, nkv = self._pa_common(*rest[:10])
+        bs, checks = kc.shape[2], rest[10:]
         assert grid == (nkv * self._tiles(nh, nkv), q.shape[0], 1) and block == (128, 1, 1)
         o = _ptr(out)
         group = nh // nkv
         result = np.zeros(q.shape, np.float32)
         for s in range(q.shape[0]):
+            if self._index_code(bt, sl, s, 0, max(int(sl[s]), 0), bs, checks):
+                continue  # zeros
             for kv in range(nkv):
                 if sl[s] == 0:
                     continue
@@ -162,9 +181,9 @@ class Kernel:
 
     def hal_paged_attention_split(self, grid: Any, block: Any, tmp_out: Any, max_logits: Any, exp_sums: Any,
                                   *rest: Any) -> None:
-        assert len(rest) == 12, "hal_paged_attention_split takes 15 parameters"
+        assert len(rest) == 15, "hal_paged_attention_split takes 18 parameters"
         q, kc, vc, bt, sl, scale, nh, nkv = self._pa_common(*rest[:10])
-        ps, parts = _i32(rest[10]), _i32(rest[11])
+        ps, parts, checks = _i32(rest[10]), _i32(rest[11]), rest[12:]
         assert grid == (nkv * self._tiles(nh, nkv), q.shape[0], parts)
         tmp, ml, es = _ptr(tmp_out, np.float32), _ptr(max_logits, np.float32), _ptr(exp_sums, np.float32)
         assert tmp.shape == (q.shape[0], nh, parts, q.shape[2]) and ml.shape == es.shape == (q.shape[0], nh, parts)
@@ -172,6 +191,10 @@ class Kernel:
         for s in range(q.shape[0]):
             for p in range(parts):
                 t0 = p * ps
+                t1 = t0 if t0 >= sl[s] else min(t0 + ps, int(sl[s]))
+                if self._index_code(bt, sl, s, t0, t1, kc.shape[2], checks):
+                    ml[s, :, p], es[s, :, p] = 0, -1  # marked: the reduce writes zeros
+                    continue
                 if t0 >= sl[s]:
                     continue  # writes nothing
                 for kv in range(nkv):
@@ -188,7 +211,7 @@ class Kernel:
         result = np.zeros(o.shape, np.float32)
         for s in range(o.shape[0]):
             n = min(-(-int(sl[s]) // ps), parts)
-            if n <= 0:
+            if n <= 0 or (es[s, :, :n] < 0).any():  # empty, or a partition marked by the index checks: zeros
                 continue
             m = ml[s, :, :n].max(axis=1, keepdims=True)
             w = np.exp(ml[s, :, :n] - m)
@@ -199,9 +222,9 @@ class Kernel:
 
     def hal_paged_attention_tc(self, grid: Any, block: Any, out: Any, tmp_out: Any, max_logits: Any,
                                exp_sums: Any, *rest: Any) -> None:
-        assert len(rest) == 12, "hal_paged_attention_tc takes 16 parameters"
+        assert len(rest) == 15, "hal_paged_attention_tc takes 19 parameters"
         q, kc, vc, bt, sl, scale, nh, nkv = self._pa_common(*rest[:10])
-        ps, parts = _i32(rest[10]), _i32(rest[11])
+        ps, parts, checks = _i32(rest[10]), _i32(rest[11]), rest[12:]
         group = nh // nkv
         assert grid == (nkv * -(-group // 16), q.shape[0], parts) and block == (128, 1, 1)
         assert ps % {64: 64, 128: 32}.get(q.shape[2], 16) == 0, "partitions are whole chunks"
@@ -211,6 +234,8 @@ class Kernel:
             o = _ptr(out)
             result = np.zeros(q.shape, np.float32)
             for s in range(q.shape[0]):
+                if self._index_code(bt, sl, s, 0, max(int(sl[s]), 0), kc.shape[2], checks):
+                    continue  # zeros
                 for kv in range(nkv):
                     if sl[s] > 0:
                         heads = slice(kv * group, (kv + 1) * group)
@@ -224,24 +249,32 @@ class Kernel:
         for s in range(q.shape[0]):
             for p in range(parts):
                 t0 = p * ps
+                t1 = t0 if t0 >= sl[s] else min(t0 + ps, int(sl[s]))
+                if self._index_code(bt, sl, s, t0, t1, kc.shape[2], checks):
+                    ml[s, :, p], es[s, :, p] = 0, -1  # marked: the reduce writes zeros
+                    continue
                 if t0 >= sl[s]:
                     continue  # writes nothing
                 for kv in range(nkv):
                     heads = slice(kv * group, (kv + 1) * group)
-                    acc, m, lsum = _attend(q[s, heads], kc, vc, bt[s], t0, min(t0 + ps, int(sl[s])), scale, kv)
+                    acc, m, lsum = _attend(q[s, heads], kc, vc, bt[s], t0, t1, scale, kv)
                     tmp[s, heads, p], ml[s, heads, p], es[s, heads, p] = acc, m, lsum
 
     # -- write_kv_cache.cu -------------------------------------------------------------------
 
     def hal_write_kv_cache(self, grid: Any, block: Any, key: Any, value: Any, key_cache: Any, value_cache: Any,
-                           slots: Any, nkv: Any, bs: Any, row_bytes: Any) -> None:
+                           slots: Any, nkv: Any, bs: Any, row_bytes: Any, num_blocks: Any, error_flag: Any) -> None:
         slot_dtype = np.int64 if self.defines["HAL_SLOT_INT64"] else np.int32
         k, v, kc, vc = (_ptr(a) for a in (key, value, key_cache, value_cache))
         slots = _ptr(slots, slot_dtype)
-        nkv, bs, row_bytes = _i32(nkv), _i32(bs), _i32(row_bytes)
+        nkv, bs, row_bytes, num_blocks = _i32(nkv), _i32(bs), _i32(row_bytes), _i32(num_blocks)
+        flag = _ptr(error_flag, np.int32)
         assert grid == (k.shape[0], 1, 1) and row_bytes == k.shape[2] * k.dtype.itemsize
+        assert num_blocks == kc.shape[0]
         for t, slot in enumerate(slots):
-            if slot >= 0:
+            if slot >= num_blocks * bs:
+                flag[0] |= 4  # skipped, slot_mapping reported
+            elif slot >= 0:
                 kc[slot // bs, :, slot % bs] = k[t]
                 vc[slot // bs, :, slot % bs] = v[t]
 

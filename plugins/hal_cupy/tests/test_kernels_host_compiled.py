@@ -182,26 +182,87 @@ def test_paged_attention(host_builder: HostKernelBuilder, host_rng: np.random.Ge
         case.variant, num_seqs, case.num_heads, case.num_kv_heads, max_len, case.partition_size)
 
     args = _paged_inputs(case, host_rng)
-    q, kc, vc, bt, sl = (args[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens"))
-    common = (q, kc, vc, bt, sl, args["scale"], case.num_heads, case.num_kv_heads, case.block_size, bt.shape[1])
-    out = np.full(q.shape, np.nan, q.dtype)
-    if case.variant == "single":
-        (single,) = launches
-        module.launch(single, out, *common)
-    else:
-        split, reduce = launches
-        parts = rules.paged_attention_partitions(max_len, case.partition_size)
-        assert split.grid[2] == parts
-        # Workspaces need no initialisation: NaN-filled, so a read of an unwritten partition shows.
-        tmp_out = np.full((num_seqs, case.num_heads, parts, case.head_size), np.nan, np.float32)
-        max_logits = np.full((num_seqs, case.num_heads, parts), np.nan, np.float32)
-        exp_sums = np.full_like(max_logits, np.nan)
-        module.launch(split, tmp_out, max_logits, exp_sums, *common, case.partition_size, parts)
-        module.launch(reduce, out, tmp_out, max_logits, exp_sums, sl, case.num_heads, case.partition_size, parts)
-
+    out, flag = _run_attention(module, case, launches, args, max_len)
     expected = OPS["paged_attention"].reference(args)
     _assert_close(out, expected, "attention", case.dtype, case.id)
-    assert not out[sl == 0].astype(np.float64).any(), "a zero-length sequence must give zeros"
+    assert not out[args["seq_lens"] == 0].astype(np.float64).any(), "a zero-length sequence must give zeros"
+    assert flag[0] == 0, "valid indices must not raise the error flag"
+
+
+def _run_attention(module: HostModule, case: AttentionCase, launches: list[Any], args: dict[str, Any],
+                   max_seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Run the single or split+reduce launches; the output and the device error flag (one int32)."""
+    q, kc, vc, bt, sl = (args[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens"))
+    num_seqs = q.shape[0]
+    common = (q, kc, vc, bt, sl, args["scale"], case.num_heads, case.num_kv_heads, case.block_size, bt.shape[1])
+    flag = np.zeros(1, np.int32)
+    checks = (kc.shape[0], max_seq_len, flag)
+    out = np.full(q.shape, np.nan, q.dtype)
+    if len(launches) == 1:
+        (single,) = launches
+        module.launch(single, out, *common, *checks)
+        return out, flag
+    split, reduce = launches
+    parts = rules.paged_attention_partitions(max_seq_len, case.partition_size)
+    assert split.grid[2] == parts
+    # Workspaces need no initialisation: NaN-filled, so a read of an unwritten partition shows.
+    tmp_out = np.full((num_seqs, case.num_heads, parts, case.head_size), np.nan, np.float32)
+    max_logits = np.full((num_seqs, case.num_heads, parts), np.nan, np.float32)
+    exp_sums = np.full_like(max_logits, np.nan)
+    module.launch(split, tmp_out, max_logits, exp_sums, *common, case.partition_size, parts, *checks)
+    module.launch(reduce, out, tmp_out, max_logits, exp_sums, sl, case.num_heads, case.partition_size, parts)
+    return out, flag
+
+
+#: Error-flag codes of hal_index_checks.cuh.
+ERR_BLOCK_TABLES, ERR_SEQ_LENS, ERR_SLOT_MAPPING = 1, 2, 4
+
+INDEX_ERROR_CASES = [
+    AttentionCase("single", "fp32", 64, 8, 2, 16, (37, 90, 5)),
+    AttentionCase("split", "fp16", 64, 8, 2, 16, (37, 300, 5), partition_size=64),
+    AttentionCase("split", "bf16", 128, 8, 2, 16, (130, 0, 9), partition_size=64, warp_size=64),
+]
+
+
+def _corrupt(args: dict[str, Any], bad: str, case: AttentionCase) -> int:
+    """Put one bad index into sequence 1 (or 0 when 1 is empty); the sequence spoilt."""
+    s = 1 if case.seq_lens[1] > 0 else 0
+    n = case.seq_lens[s]
+    num_blocks = args["key_cache"].shape[0]
+    if bad == "block-high":
+        args["block_tables"][s, (n - 1) // case.block_size] = num_blocks  # the last used block: past the cache
+    elif bad == "block-negative":
+        args["block_tables"][s, 0] = -3
+    elif bad == "length-negative":
+        args["seq_lens"][s] = -1
+    else:  # "length-beyond-max": one token more than the max_seq_len the launch is sized for
+        args["seq_lens"][s] = max(case.seq_lens) + 1
+    return s
+
+
+@pytest.mark.parametrize("bad", ["block-high", "block-negative", "length-negative", "length-beyond-max"])
+@pytest.mark.parametrize("case", INDEX_ERROR_CASES, ids=lambda c: c.id)
+def test_paged_attention_bad_index_zeroes_its_sequence(host_builder: HostKernelBuilder,
+                                                       host_rng: np.random.Generator, case: AttentionCase,
+                                                       bad: str) -> None:
+    """A bad block id or length on the device is never dereferenced: that sequence's output is zeros, the error
+    flag names the argument, and every other sequence still matches the float64 reference."""
+    group = case.num_heads // case.num_kv_heads
+    module = _build(host_builder, rules.paged_attention_spec(DTYPE_CODES[case.dtype], case.head_size, group,
+                                                             case.warp_size), host_rng)
+    num_seqs, max_len = len(case.seq_lens), max(case.seq_lens)
+    launches = rules.paged_attention_launches(
+        case.variant, num_seqs, case.num_heads, case.num_kv_heads, max_len, case.partition_size)
+    args = _paged_inputs(case, host_rng)
+    good = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in args.items()}
+    s = _corrupt(args, bad, case)
+    out, flag = _run_attention(module, case, launches, args, max_len)  # sized for max_len, as a caller's bound
+    want = ERR_BLOCK_TABLES if bad.startswith("block") else ERR_SEQ_LENS
+    assert flag[0] == want, f"error flag {flag[0]}, expected {want}"
+    assert not out[s].astype(np.float64).any(), "the sequence with a bad index must give zeros"
+    others = np.arange(num_seqs) != s
+    expected = OPS["paged_attention"].reference(good)
+    _assert_close(out[others], expected[others], "attention", case.dtype, f"{case.id} {bad}")
 
 
 NON_FINITE_CASES = [
@@ -223,7 +284,7 @@ def test_paged_attention_non_finite(host_builder: HostKernelBuilder, host_rng: n
     launches = rules.paged_attention_launches(
         case.variant, num_seqs, case.num_heads, case.num_kv_heads, max_len, case.partition_size)
     args = _paged_inputs(case, host_rng)
-    q, kc, vc, bt, sl = (args[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens"))
+    q, kc, vc, bt = (args[k] for k in ("query", "key_cache", "value_cache", "block_tables"))
 
     def slot(s: int, t: int) -> tuple[int, int]:
         return int(bt[s, t // case.block_size]), t % case.block_size
@@ -238,19 +299,8 @@ def test_paged_attention_non_finite(host_builder: HostKernelBuilder, host_rng: n
         s, t, head, d = target
         block, offset = slot(s, t)
         (kc if poison.startswith("key") else vc)[block, head, offset, d] = bad
-    common = (q, kc, vc, bt, sl, args["scale"], case.num_heads, case.num_kv_heads, case.block_size, bt.shape[1])
-    out = np.full(q.shape, 7.0, q.dtype)
-    if case.variant == "single":
-        (single,) = launches
-        module.launch(single, out, *common)
-    else:
-        split, reduce = launches
-        parts = rules.paged_attention_partitions(max_len, case.partition_size)
-        tmp_out = np.full((num_seqs, case.num_heads, parts, case.head_size), np.nan, np.float32)
-        max_logits = np.full((num_seqs, case.num_heads, parts), np.nan, np.float32)
-        exp_sums = np.full_like(max_logits, np.nan)
-        module.launch(split, tmp_out, max_logits, exp_sums, *common, case.partition_size, parts)
-        module.launch(reduce, out, tmp_out, max_logits, exp_sums, sl, case.num_heads, case.partition_size, parts)
+    out, flag = _run_attention(module, case, launches, args, max_len)
+    assert flag[0] == 0
     expected = OPS["paged_attention"].reference(args)
     if poison != "key-inf":  # +inf in a key gives a +inf (row NaN) or -inf (token dropped) score, by q's sign
         assert not np.isfinite(expected).all()
@@ -321,10 +371,40 @@ def test_write_kv_cache(host_builder: HostKernelBuilder, host_rng: np.random.Gen
     expected_k, expected_v = OPS["write_kv_cache"].reference(args)
 
     row_bytes = case.head_size * key.itemsize
+    flag = np.zeros(1, np.int32)
     module.launch(rules.write_kv_cache_launch(case.num_tokens), key, value, key_cache, value_cache, slots,
-                  case.num_kv_heads, case.block_size, row_bytes)
+                  case.num_kv_heads, case.block_size, row_bytes, num_blocks, flag)
+    assert flag[0] == 0
     _assert_close(key_cache, expected_k, "copy", case.dtype, f"{case.id}: key_cache")
     _assert_close(value_cache, expected_v, "copy", case.dtype, f"{case.id}: value_cache")
+
+
+@pytest.mark.parametrize("warp_size", rules.SIMD_WIDTHS, ids=lambda w: f"warp{w}")
+@pytest.mark.parametrize("slot_dtype", ["int32", "int64"])
+def test_write_kv_cache_bad_slot_is_skipped(host_builder: HostKernelBuilder, host_rng: np.random.Generator,
+                                            slot_dtype: str, warp_size: int) -> None:
+    """A slot past the cache is never written: its token is skipped, slot_mapping is flagged, the rest land."""
+    rng = host_rng
+    module = _build(host_builder, rules.write_kv_cache_spec(slot_int64=slot_dtype == "int64", warp_size=warp_size),
+                    rng)
+    num_blocks, nkv, bs, hs, tokens = 3, 2, 16, 64, 6
+    key = rng.standard_normal((tokens, nkv, hs)).astype(np.float16)
+    value = rng.standard_normal((tokens, nkv, hs)).astype(np.float16)
+    key_cache = rng.standard_normal((num_blocks, nkv, bs, hs)).astype(np.float16)
+    value_cache = rng.standard_normal((num_blocks, nkv, bs, hs)).astype(np.float16)
+    slots = rng.choice(num_blocks * bs, tokens, replace=False).astype(slot_dtype)
+    bad_token = int(rng.integers(tokens))
+    slots[bad_token] = num_blocks * bs + int(rng.integers(0, 1000))  # past the cache
+    keep = np.arange(tokens) != bad_token
+    expected_k, expected_v = OPS["write_kv_cache"].reference(
+        {"key": key[keep], "value": value[keep], "key_cache": key_cache, "value_cache": value_cache,
+         "slot_mapping": slots[keep]})
+    flag = np.zeros(1, np.int32)
+    module.launch(rules.write_kv_cache_launch(tokens), key, value, key_cache, value_cache, slots, nkv, bs,
+                  hs * key.itemsize, num_blocks, flag)
+    assert flag[0] == ERR_SLOT_MAPPING
+    _assert_close(key_cache, expected_k, "copy", "fp16", "key_cache")
+    _assert_close(value_cache, expected_v, "copy", "fp16", "value_cache")
 
 
 # --------------------------------------------------------------------------

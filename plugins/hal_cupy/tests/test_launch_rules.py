@@ -79,14 +79,20 @@ def test_specialisations_follow_the_simd_width(profile: str, lanes: int) -> None
         cat.write_kv_cache_spec(True, 16)
 
 
-def test_max_seq_len_hint_avoids_a_sync_while_cheap() -> None:
-    """The block-table capacity sizes the workspace unless that would exceed 64 MiB; then max(seq_lens) is read."""
-    def never() -> int:
-        raise AssertionError("no device read expected")
+@pytest.mark.parametrize(("max_seq_len", "bound"), [(None, 4096), (900, 900), (4096, 4096), (10**6, 4096)])
+def test_seq_len_bound_comes_from_the_host(max_seq_len: int | None, bound: int) -> None:
+    """Launches are sized for min(max_seq_len, capacity) (capacity = 256 blocks of 16), never from seq_lens' values:
+    the lengths here are device-like objects whose every read raises."""
+    class Unreadable:
+        shape = (2,)
 
-    assert pa.max_seq_len_hint(32, 32, 128, 4096, actual=never) == 4096
-    big = pa.max_seq_len_hint(256, 64, 128, 131072, actual=lambda: 900)
-    assert big == 900
+        def __getattr__(self, name: str) -> Any:
+            raise AssertionError(f"seq_lens.{name} read: the launch must be sized on the host")
+
+    args = {"block_tables": np.zeros((2, 256), np.int32), "key_cache": np.zeros((300, 1, 16, 64), np.float16),
+            "seq_lens": Unreadable(), "max_seq_len": max_seq_len}
+    call = OpCall(spec=OPS["paged_attention"], args=args, backend=None)  # type: ignore[arg-type]
+    assert pa.seq_len_bound(call) == bound
     assert pa.split_workspace_bytes(32, 32, 128, 4096) == 4 * 32 * 32 * 8 * 130
 
 

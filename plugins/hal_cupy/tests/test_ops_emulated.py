@@ -30,14 +30,16 @@ TOL = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 1.5e-2}
 @pytest.fixture(params=["H200", "MI300X"], ids=["warp32", "wave64"])
 def backend(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Any:
     """A stand-in GPU backend on an H200 (warp 32) or MI300X (wave 64) whose launcher compiles into the emulator."""
-    from hal_cupy import _arrays, _cupy, _launcher, _memory, _stream
+    from hal_cupy import _arrays, _cupy, _index_errors, _launcher, _memory, _stream
     from hal_cupy._launcher import CupyLauncher
     from hal_cupy.ops import _common, _paged_attention, _quantized_gemm, _write_kv_cache
 
     fake = emu.NumpyCupy()
-    for module in (_arrays, _cupy, _launcher, _memory, _stream, _common, _paged_attention, _quantized_gemm,
-                   _write_kv_cache):
+    for module in (_arrays, _cupy, _index_errors, _launcher, _memory, _stream, _common, _paged_attention,
+                   _quantized_gemm, _write_kv_cache):
         monkeypatch.setattr(module, "cupy", lambda: fake)
+    _index_errors.forget_flags()
+    request.addfinalizer(_index_errors.forget_flags)
     caps = hal_core.load_profile(request.param)
     # The H200's platform provides the warp matrix instructions (level 90), the MI300X's none.
     platform = fakecupy.FakePlatform(90 if caps.simd_width == 32 else 0)

@@ -124,7 +124,9 @@ def _inputs(case: Case, host_rng: np.random.Generator) -> dict[str, Any]:
 
 
 def _run(host_builder: HostKernelBuilder, host_rng: np.random.Generator, case: Case,
-         args: dict[str, Any]) -> np.ndarray:
+         args: dict[str, Any], *, flag: np.ndarray | None = None) -> np.ndarray:
+    """The kernel's output, sized for ``max(case.seq_lens)``; ``flag`` receives the device error flag (else it
+    must stay 0)."""
     code = DTYPE_CODES[case.dtype]
     q, kc, vc, bt, sl = (args[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens"))
     num_seqs, max_len = len(case.seq_lens), max(case.seq_lens)
@@ -141,20 +143,26 @@ def _run(host_builder: HostKernelBuilder, host_rng: np.random.Generator, case: C
         size, parts = case.partition, -(-max_len // case.partition)
     launches = rules.paged_attention_tc_launches(num_seqs, case.num_heads, case.num_kv_heads, parts)
     common = (q, kc, vc, bt, sl, args["scale"], case.num_heads, case.num_kv_heads, case.block_size, bt.shape[1])
+    own_flag = flag is None
+    flag = np.zeros(1, np.int32) if flag is None else flag
+    checks = (kc.shape[0], max_len, flag)
     out = np.full(q.shape, np.nan, q.dtype)
     if parts == 1:
         (single,) = launches
-        tc.launch(single, out, None, None, None, *common, size, 1)
-        return out
-    split, reduce = launches
-    # Workspaces need no initialisation: NaN-filled, so a read of an unwritten partition shows.
-    tmp_out = np.full((num_seqs, case.num_heads, parts, case.head_size), np.nan, np.float32)
-    max_logits = np.full((num_seqs, case.num_heads, parts), np.nan, np.float32)
-    exp_sums = np.full_like(max_logits, np.nan)
-    tc.launch(split, None, tmp_out, max_logits, exp_sums, *common, size, parts)
-    simt = _module(host_builder, rules.paged_attention_spec(code, case.head_size, case.num_heads // case.num_kv_heads),
-                   host_rng, case.ftz)
-    simt.launch(reduce, out, tmp_out, max_logits, exp_sums, sl, case.num_heads, size, parts)
+        tc.launch(single, out, None, None, None, *common, size, 1, *checks)
+    else:
+        split, reduce = launches
+        # Workspaces need no initialisation: NaN-filled, so a read of an unwritten partition shows.
+        tmp_out = np.full((num_seqs, case.num_heads, parts, case.head_size), np.nan, np.float32)
+        max_logits = np.full((num_seqs, case.num_heads, parts), np.nan, np.float32)
+        exp_sums = np.full_like(max_logits, np.nan)
+        tc.launch(split, None, tmp_out, max_logits, exp_sums, *common, size, parts, *checks)
+        simt = _module(host_builder,
+                       rules.paged_attention_spec(code, case.head_size, case.num_heads // case.num_kv_heads),
+                       host_rng, case.ftz)
+        simt.launch(reduce, out, tmp_out, max_logits, exp_sums, sl, case.num_heads, size, parts)
+    if own_flag:
+        assert flag[0] == 0, "valid indices must not raise the error flag"
     return out
 
 
@@ -190,6 +198,38 @@ def test_tc_attention_every_logit_minus_inf_gives_nan(host_builder: HostKernelBu
     np.testing.assert_array_equal(np.isnan(out), np.isnan(expected))
     atol, rtol = tolerance("attention", "fp16")
     np.testing.assert_allclose(out, expected, atol=atol, rtol=rtol)
+
+
+#: Error-flag codes of hal_index_checks.cuh.
+ERR_BLOCK_TABLES, ERR_SEQ_LENS = 1, 2
+
+
+@pytest.mark.parametrize("bad", ["block-high", "block-negative", "length-negative", "length-beyond-max"])
+@pytest.mark.parametrize("case", [Case("fp16", 128, 32, 8, 16, (77, 300, 9), partition=0),
+                                  Case("bf16", 64, 16, 2, 8, (130, 65, 1), partition=64)], ids=lambda c: c.id)
+def test_tc_attention_bad_index_zeroes_its_sequence(host_builder: HostKernelBuilder, host_rng: np.random.Generator,
+                                                    case: Case, bad: str) -> None:
+    """A bad block id or length is never dereferenced: sequence 1's output is zeros (single pass, or through the
+    reduce step when split), the flag names the argument, the other sequences match the float64 reference."""
+    args = _inputs(case, host_rng)
+    good = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in args.items()}
+    n = case.seq_lens[1]
+    if bad == "block-high":
+        args["block_tables"][1, (n - 1) // case.block_size] = args["key_cache"].shape[0]
+    elif bad == "block-negative":
+        args["block_tables"][1, 0] = -1
+    elif bad == "length-negative":
+        args["seq_lens"][1] = -5
+    else:
+        args["seq_lens"][1] = max(case.seq_lens) + 1  # beyond the max_seq_len the launch is sized for
+    flag = np.zeros(1, np.int32)
+    out = _run(host_builder, host_rng, case, args, flag=flag).astype(np.float64)
+    assert flag[0] == (ERR_BLOCK_TABLES if bad.startswith("block") else ERR_SEQ_LENS)
+    assert not out[1].any(), "the sequence with a bad index must give zeros"
+    expected = OPS["paged_attention"].reference(good)
+    atol, rtol = tolerance("attention", case.dtype)
+    keep = [0, 2]
+    np.testing.assert_allclose(out[keep], expected[keep], atol=atol, rtol=rtol, err_msg=f"{case.id} {bad}")
 
 
 # --------------------------------------------------------------------------

@@ -10,12 +10,27 @@ import numpy as np
 from .._errors import ArgumentError, ArgumentTypeError
 from ..arrays import dtype_name, is_c_contiguous, untag
 
-__all__ = ["byte_range", "check_array", "check_disjoint", "check_writable", "fail"]
+__all__ = ["byte_range", "check_array", "check_disjoint", "check_writable", "fail", "host_index_checks"]
 
 
 def fail(arg: str, expected: str, actual: Any) -> ArgumentError:
     """An ArgumentError in the common format."""
     return ArgumentError(f"argument {arg!r}: expected {expected}, got {actual}")
+
+
+def host_index_checks(*arrays: Any) -> bool:
+    """Whether validation checks these index arrays' values on the host, now, before any work.
+
+    Only host (numpy) arrays, and only with ``HAL_CHECK_INDICES`` on (the
+    default). Device arrays are never read back by an op call: the kernels
+    check the values they use, never dereference one out of range, and
+    record the argument in a device error flag that hal raises as
+    :class:`~hal_core.ArgumentError` at its next synchronisation point or
+    :func:`hal_core.check_errors` (docs/environment.md).
+    """
+    from .. import _env
+
+    return _env.check_indices() and all(type(a) is np.ndarray for a in arrays)
 
 
 def check_array(

@@ -133,12 +133,17 @@ class Ops:
         *,
         scale: float,
         out: Any = None,
+        max_seq_len: int | None = None,
     ) -> Any:
-        """Decode attention over a paged KV cache; see :mod:`hal_core.ops.paged_attention`."""
+        """Decode attention over a paged KV cache; see :mod:`hal_core.ops.paged_attention`.
+
+        ``max_seq_len``: an upper bound on ``seq_lens`` the caller knows (sizes device work without a read).
+        """
         return self._call(
             "paged_attention",
             {"query": query, "key_cache": key_cache, "value_cache": value_cache,
-             "block_tables": block_tables, "seq_lens": seq_lens, "scale": scale, "out": out},
+             "block_tables": block_tables, "seq_lens": seq_lens, "scale": scale, "out": out,
+             "max_seq_len": max_seq_len},
         )
 
     def write_kv_cache(self, key: Any, value: Any, key_cache: Any, value_cache: Any, slot_mapping: Any) -> None:
@@ -384,6 +389,8 @@ class Ops:
         spec, backend = call.spec, self._backend
         on_host = backend.is_host or call.host_arrays
         host_args = dict(call.args) if on_host else spec.map_arrays(call.args, self._to_numpy)
+        if not on_host and _env.check_indices():
+            spec.check_index_values(host_args)  # device indices, now on the host: checked before the host reads them
         fallback = self._fallback
         if fallback is not None:
             host_call = OpCall(spec=spec, args=host_args, backend=fallback)

@@ -65,6 +65,16 @@ class OpSpec(ABC):
         """The float64 numpy result for numpy ``args`` (inputs are not modified)."""
         raise NotImplementedError("The 'reference' method must be implemented.")
 
+    def check_index_values(self, args: Mapping[str, Any]) -> None:
+        """Raise ``ArgumentError`` naming an index argument whose values are out of range (host arrays).
+
+        :meth:`validate` calls it for host index arrays under
+        ``HAL_CHECK_INDICES``; the fallback path calls it after copying a
+        device call's arrays to the host. Device kernels check the values
+        they use themselves. The default checks nothing (ops without indices).
+        """
+        return None
+
     def iter_arrays(self, args: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
         """``(name, array)`` for every array argument given (None ones skipped)."""
         for name in self.array_args:

@@ -15,6 +15,19 @@ Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (GQA/MQA).
 a sequence of length 0 gives zeros. Only blocks holding used tokens are read,
 so table entries past a sequence's last block may hold anything.
 
+``max_seq_len`` (optional, a positive int checked on the host) is an upper
+bound on every ``seq_lens`` entry that the caller knows without reading the
+device (an engine's longest context this step). Device backends size their
+partitions and workspaces from it; without it they size them from the block
+table's capacity (``max_blocks_per_seq * block_size``). A length beyond it is
+an index error like a length beyond the table.
+
+Index values (``block_tables`` entries of used blocks, ``seq_lens``) of host
+(numpy) arrays are checked before any work (``HAL_CHECK_INDICES``); those of
+device arrays are checked by the kernels, which zero the output rows of a
+sequence with a bad entry and report the argument through the device error
+flag (:func:`hal_core.check_errors`). Nothing is read back to the host.
+
 Non-finite inputs follow IEEE arithmetic in that formula, with the softmax
 taken as ``exp(x - max) / sum(exp(x - max))`` (what :meth:`PagedAttention.reference`
 computes in float64): when the largest score of a head is NaN or infinite
@@ -33,10 +46,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import _env
 from .._errors import ArgumentTypeError
 from ..arrays import device_of, numpy_dtype
-from ._checks import check_array, fail
+from ._checks import check_array, fail, host_index_checks
 from ._spec import OpSpec
 
 __all__ = ["PagedAttention", "attention_dtypes"]
@@ -62,7 +74,7 @@ class PagedAttention(OpSpec):
         check_array("block_tables", bt, layout="[num_seqs, max_blocks_per_seq]", ndim=2, dtypes=("int32",))
         check_array("seq_lens", sl, layout="[num_seqs]", ndim=1, dtypes=("int32",))
         num_seqs, num_heads, head_size = q.shape
-        num_blocks, num_kv_heads, block_size, kv_head_size = kc.shape
+        _, num_kv_heads, block_size, kv_head_size = kc.shape
         if tuple(vc.shape) != tuple(kc.shape):
             raise fail("value_cache", f"the shape of key_cache {tuple(kc.shape)}", f"shape {tuple(vc.shape)}")
         if kv_head_size != head_size:
@@ -86,11 +98,23 @@ class PagedAttention(OpSpec):
             check_array("out", out, layout="[num_seqs, num_heads, head_size]", ndim=3, dtypes=(qdt,))
             if tuple(out.shape) != tuple(q.shape):
                 raise fail("out", f"shape {tuple(q.shape)} (the query's)", f"shape {tuple(out.shape)}")
-        if _env.check_indices() and num_seqs:
-            self._check_indices(to_numpy(bt), to_numpy(sl), num_blocks, block_size)
+        max_seq_len = args.get("max_seq_len")
+        if max_seq_len is not None:
+            if isinstance(max_seq_len, (bool, np.bool_)) or not isinstance(max_seq_len, (int, np.integer)) \
+                    or max_seq_len <= 0:
+                raise ArgumentTypeError(f"argument 'max_seq_len': expected a positive int (or None), "
+                                        f"got {max_seq_len!r}")
+            args["max_seq_len"] = max_seq_len = int(max_seq_len)
+        if num_seqs and host_index_checks(bt, sl):
+            self.check_index_values(args)
 
-    @staticmethod
-    def _check_indices(bt: np.ndarray, sl: np.ndarray, num_blocks: int, block_size: int) -> None:
+    def check_index_values(self, args: Mapping[str, Any]) -> None:
+        """Lengths in ``[0, min(capacity, max_seq_len)]``, used table entries in ``[0, num_blocks)`` (host arrays)."""
+        bt, sl = np.asarray(args["block_tables"]), np.asarray(args["seq_lens"])
+        if not sl.size:
+            return
+        num_blocks, _, block_size, _ = args["key_cache"].shape
+        max_seq_len = args.get("max_seq_len")
         max_blocks = bt.shape[1]
         low, high = int(sl.min()), int(sl.max())  # two reductions answer the common, valid case
         if low < 0:
@@ -101,6 +125,9 @@ class PagedAttention(OpSpec):
             s = int(np.flatnonzero(sl > capacity)[0])
             raise fail("seq_lens", f"lengths <= max_blocks_per_seq * block_size = {capacity} "
                        "(seq_len beyond its block table)", f"seq_lens[{s}] = {int(sl[s])}")
+        if max_seq_len is not None and high > max_seq_len:
+            s = int(np.flatnonzero(sl > max_seq_len)[0])
+            raise fail("seq_lens", f"lengths <= max_seq_len = {max_seq_len}", f"seq_lens[{s}] = {int(sl[s])}")
         if bt.size and int(bt.min()) >= 0 and int(bt.max()) < num_blocks:
             return  # every entry is in range, used or not
         used = np.arange(max_blocks)[None, :] < -(-sl[:, None] // block_size)

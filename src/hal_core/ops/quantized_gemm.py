@@ -19,11 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import _env
 from .._errors import ArgumentTypeError
 from ..arrays import dtype_name, is_c_contiguous, numpy_dtype
 from ..quant import QuantizedWeight, quantize_activations
-from ._checks import check_array, fail
+from ._checks import check_array, fail, host_index_checks
 from ._spec import OpSpec
 
 __all__ = ["QuantizedGemm", "gemm_dtypes"]
@@ -74,13 +73,25 @@ class QuantizedGemm(OpSpec):
             check_array("out", out, layout="[M, N]", ndim=2, dtypes=(xdt,))
             if tuple(out.shape) != (x.shape[0], n):
                 raise fail("out", f"shape {(x.shape[0], n)}", f"shape {tuple(out.shape)}")
-        if qw.g_idx is not None and _env.check_indices() and k:
-            groups = to_numpy(qw.g_idx)
-            bad = (groups < 0) | (groups >= k // qw.group_size)
-            if bad.any():
-                i = int(np.flatnonzero(bad)[0])
-                raise fail("qweight.g_idx", f"group indices in [0, {k // qw.group_size})",
-                           f"g_idx[{i}] = {int(groups[i])}")
+        if qw.g_idx is not None and k and host_index_checks(qw.g_idx):
+            self.check_index_values(args)
+
+    def check_index_values(self, args: Mapping[str, Any]) -> None:
+        """Range of the host ``qweight.g_idx`` (a device one is checked once copied to the host, see below).
+
+        No GPU kernel reads ``g_idx``: device act-order weights run on the
+        fallback path, which copies them to the host and checks them there.
+        """
+        qw = args["qweight"]
+        k = qw.shape[0]
+        if qw.g_idx is None or not k:
+            return
+        groups = np.asarray(qw.g_idx)
+        bad = (groups < 0) | (groups >= k // qw.group_size)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise fail("qweight.g_idx", f"group indices in [0, {k // qw.group_size})",
+                       f"g_idx[{i}] = {int(groups[i])}")
 
     def output_shape(self, args: Mapping[str, Any]) -> tuple[int, ...]:
         return (args["x"].shape[0], args["qweight"].shape[1])

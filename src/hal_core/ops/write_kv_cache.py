@@ -9,6 +9,13 @@ a negative slot skips that token. Slots must be distinct.
 contiguous (the key and value slices of a fused QKV projection, as engines
 pass them); the caches must be C-contiguous, writable and two separate
 arrays (no shared memory). Every check runs before anything is written.
+
+Slot values of a host (numpy) ``slot_mapping`` are checked on the host
+(range and distinctness, ``HAL_CHECK_INDICES``); a device ``slot_mapping``
+is checked by the kernel, which skips a token whose slot is past the cache
+and reports ``slot_mapping`` through the device error flag
+(:func:`hal_core.check_errors`); two tokens given one device slot leave one
+of them there, unspecified which.
 """
 
 from __future__ import annotations
@@ -18,10 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import _env
 from .._errors import ArgumentTypeError
 from ..arrays import dtype_name, numpy_dtype
-from ._checks import check_array, check_disjoint, check_writable, fail
+from ._checks import check_array, check_disjoint, check_writable, fail, host_index_checks
 from ._spec import OpSpec
 from .paged_attention import attention_dtypes
 
@@ -59,18 +65,25 @@ class WriteKVCache(OpSpec):
                        f"shape {tuple(kc.shape)}")
         if slots.shape[0] != num_tokens:
             raise fail("slot_mapping", f"shape ({num_tokens},) (num_tokens)", f"shape {tuple(slots.shape)}")
-        if _env.check_indices() and num_tokens:
-            capacity = kc.shape[0] * kc.shape[2]
-            host = to_numpy(slots)
-            if int(host.max()) >= capacity:
-                i = int(np.flatnonzero(host >= capacity)[0])
-                raise fail("slot_mapping", f"slots < num_blocks * block_size = {capacity} (or negative to skip)",
-                           f"slot_mapping[{i}] = {int(host[i])}")
-            used = host[host >= 0]
-            # a set is quicker than a sort for the few tokens of a decode step; np.unique above that
-            distinct = len(set(used.tolist())) if used.size <= 256 else np.unique(used).size
-            if distinct != used.size:
-                raise fail("slot_mapping", "distinct non-negative slots", "a slot used twice")
+        if num_tokens and host_index_checks(slots):
+            self.check_index_values(args)
+
+    def check_index_values(self, args: Mapping[str, Any]) -> None:
+        """Slots below ``num_blocks * block_size`` (or negative) and distinct (a host ``slot_mapping``)."""
+        host = np.asarray(args["slot_mapping"])
+        if not host.size:
+            return
+        kc = args["key_cache"]
+        capacity = kc.shape[0] * kc.shape[2]
+        if int(host.max()) >= capacity:
+            i = int(np.flatnonzero(host >= capacity)[0])
+            raise fail("slot_mapping", f"slots < num_blocks * block_size = {capacity} (or negative to skip)",
+                       f"slot_mapping[{i}] = {int(host[i])}")
+        used = host[host >= 0]
+        # a set is quicker than a sort for the few tokens of a decode step; np.unique above that
+        distinct = len(set(used.tolist())) if used.size <= 256 else np.unique(used).size
+        if distinct != used.size:
+            raise fail("slot_mapping", "distinct non-negative slots", "a slot used twice")
 
     def output_shape(self, args: Mapping[str, Any]) -> None:
         return None

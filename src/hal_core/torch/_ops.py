@@ -36,36 +36,37 @@ __all__ = ["paged_attention", "quantized_gemm", "write_kv_cache"]
 
 
 def _run_paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
-                         seq_lens: Tensor, scale: float, out: Tensor) -> None:
+                         seq_lens: Tensor, scale: float, out: Tensor, max_seq_len: int | None) -> None:
     backend = backend_for(query)
     with on_torch_stream(backend, query):
-        backend.ops.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale=scale, out=out)
+        backend.ops.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale=scale, out=out,
+                                    max_seq_len=max_seq_len)
 
 
 @torch.library.custom_op("hal::paged_attention", mutates_args=())
 def _paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
-                     seq_lens: Tensor, scale: float) -> Tensor:
+                     seq_lens: Tensor, scale: float, max_seq_len: int | None = None) -> Tensor:
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    _run_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, out)
+    _run_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, out, max_seq_len)
     return out
 
 
 @_paged_attention.register_fake
 def _paged_attention_fake(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
-                          seq_lens: Tensor, scale: float) -> Tensor:
+                          seq_lens: Tensor, scale: float, max_seq_len: int | None = None) -> Tensor:
     _check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens)
     return query.new_empty(query.shape)
 
 
 @torch.library.custom_op("hal::paged_attention_out", mutates_args=("out",))
 def _paged_attention_out(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
-                         seq_lens: Tensor, scale: float, out: Tensor) -> None:
-    _run_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, out)
+                         seq_lens: Tensor, scale: float, out: Tensor, max_seq_len: int | None = None) -> None:
+    _run_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, out, max_seq_len)
 
 
 @_paged_attention_out.register_fake
 def _paged_attention_out_fake(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
-                              seq_lens: Tensor, scale: float, out: Tensor) -> None:
+                              seq_lens: Tensor, scale: float, out: Tensor, max_seq_len: int | None = None) -> None:
     _check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens)
     if tuple(out.shape) != tuple(query.shape) or out.dtype != query.dtype:
         raise ValueError(f"argument 'out': expected shape {tuple(query.shape)} and dtype {query.dtype} "
@@ -82,15 +83,20 @@ def _check_attention_shapes(query: Tensor, key_cache: Tensor, value_cache: Tenso
 
 
 def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
-                    seq_lens: Tensor, scale: float, out: Tensor | None = None) -> Tensor:
+                    seq_lens: Tensor, scale: float, out: Tensor | None = None,
+                    max_seq_len: int | None = None) -> Tensor:
     """Decode attention over a paged KV cache (layout: :mod:`hal_core.ops.paged_attention`).
 
     With ``out`` the result is written there (``hal::paged_attention_out``)
     and ``out`` is returned; otherwise a new tensor (``hal::paged_attention``).
+    ``max_seq_len`` bounds ``seq_lens`` (a host int: device work is sized
+    from it without reading the device).
     """
     if out is None:
-        return torch.ops.hal.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
-    torch.ops.hal.paged_attention_out(query, key_cache, value_cache, block_tables, seq_lens, scale, out)
+        return torch.ops.hal.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                             max_seq_len)
+    torch.ops.hal.paged_attention_out(query, key_cache, value_cache, block_tables, seq_lens, scale, out,
+                                      max_seq_len)
     return out
 
 

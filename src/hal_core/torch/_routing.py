@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _env, get_backend, list_backends
+from .. import get_backend, list_backends
 from .._backend import Backend
 from .._errors import ArgumentError
 
@@ -46,22 +46,14 @@ def backend_for(tensor: torch.Tensor) -> Backend:
 def on_torch_stream(backend: Backend, tensor: torch.Tensor) -> Iterator[None]:
     """Run the block with torch's current stream of ``tensor``'s device as the backend's current stream.
 
-    Inside a graph capture the host index checks (``HAL_CHECK_INDICES``)
-    would copy device memory to the host, which a capture forbids; such a
-    call raises :class:`ArgumentError` before any work, asking for
-    ``HAL_CHECK_INDICES=0``.
+    hal's ops on device tensors neither read device memory back nor
+    synchronise (their index checks run in the kernels), so a call inside a
+    CUDA graph capture is captured like any other launch.
     """
     if tensor.device.type == "cpu":
         yield
         return
     module = torch.get_device_module(tensor.device)  # torch's per-device-type module, named by the tensor
-    capturing = getattr(module, "is_current_stream_capturing", None)
-    if capturing is not None and capturing() and _env.check_indices():
-        raise ArgumentError(
-            "hal op called inside a device graph capture with HAL_CHECK_INDICES on: the host checks of block "
-            "tables, lengths and slots read device memory, which a capture forbids; set HAL_CHECK_INDICES=0 "
-            "while capturing (and check the index arrays before capturing)"
-        )
     index = tensor.device.index if tensor.device.index is not None else module.current_device()
     device = backend.device(index)
     wrap = getattr(device, "wrap_stream", None)

@@ -19,6 +19,7 @@ from hal_core.arrays import TaggedArray
 from ._arrays import as_storage, to_device, to_host
 from ._cupy import cupy
 from ._device import CupyDevice
+from ._index_errors import forget_flags, has_flag
 from ._platform import GpuPlatform
 
 if TYPE_CHECKING:
@@ -95,8 +96,19 @@ class CupyBackend(Backend):
             return value
         return as_storage(value)
 
+    def check_errors(self) -> None:
+        """Synchronise every device whose kernels may have recorded an index error, and raise it.
+
+        Devices no checked kernel has run on are left alone (no context is made for them).
+        """
+        for device in self._devices:
+            if has_flag(device.index):
+                device.synchronize()
+
     def on_reset(self) -> None:
-        """Forget the compiled kernels looked up by the op implementations (the launchers keep their own)."""
+        """Forget the compiled kernels looked up by the op implementations (the launchers keep their own)
+        and the devices' error flags."""
         from .ops._common import forget_kernels
 
         forget_kernels()
+        forget_flags()

@@ -9,6 +9,7 @@ from hal_core import AllocationPolicy, DeviceCapabilities, DeviceHandle
 
 from . import _env
 from ._cupy import cupy
+from ._index_errors import raise_recorded
 from ._launcher import CupyLauncher
 from ._memory import CupyAllocator
 from ._platform import GpuPlatform
@@ -94,7 +95,9 @@ class CupyDevice(DeviceHandle):
         return CupyEvent(self._index, timing=timing)
 
     def synchronize(self) -> None:
+        """Wait for all the device's work, then raise the index errors its kernels recorded (:mod:`._index_errors`)."""
         cupy().cuda.Device(self._index).synchronize()
+        raise_recorded(self._index)
 
     @property
     def allocator(self) -> CupyAllocator:

@@ -227,14 +227,19 @@ def _pa_layout(dtype: int, head_size: int, warp_size: int) -> dict[str, int]:
     return {"epv": epv, "nvec": nvec, "lpt": lpt, "vpl": -(-nvec // lpt), "chunk": slots * PA_UNROLL}
 
 
+#: Static shared memory of the attention kernels' index check (``hal_block_table_ok``: one int).
+PA_INDEX_CHECK_BYTES = 4
+
+
 def paged_attention_shared_bytes(dtype: str | int, head_size: int, gqa_tile: int, warp_size: int = 32) -> int:
     """Static shared memory of the attention kernels (no dynamic shared memory is used).
 
     ``4 * (GQA * CHUNK + GQA * HEAD_SIZE + 3 * GQA)`` with
-    ``CHUNK = (128 / warp) * (warp / LPT) * 4`` and ``LPT = min(pow2ceil(HEAD_SIZE / EPV), warp)``.
+    ``CHUNK = (128 / warp) * (warp / LPT) * 4`` and ``LPT = min(pow2ceil(HEAD_SIZE / EPV), warp)``,
+    plus the index check's one int (``hal_index_checks.cuh``).
     """
     chunk = _pa_layout(_dtype_code(dtype), head_size, warp_size)["chunk"]
-    return 4 * (gqa_tile * chunk + gqa_tile * head_size + 3 * gqa_tile)
+    return 4 * (gqa_tile * chunk + gqa_tile * head_size + 3 * gqa_tile) + PA_INDEX_CHECK_BYTES
 
 
 def choose_paged_attention_variant(
@@ -336,11 +341,13 @@ def paged_attention_tc_shared_bytes(head_size: int) -> int:
     """Static shared memory of hal_paged_attention_tc.
 
     Two stages of K and V (``chunk`` rows of ``head_size + 8`` 16-bit elements each), the logits
-    (``ksl * 16 * chunk`` floats, ``ksl = max(1, 4 / (chunk / 8))``) and :data:`PA_TC_BT` block-table entries.
+    (``ksl * 16 * chunk`` floats, ``ksl = max(1, 4 / (chunk / 8))``) and :data:`PA_TC_BT` block-table entries,
+    plus the index check's one int (``hal_index_checks.cuh``).
     """
     chunk = paged_attention_tc_chunk(head_size)
     ksl = max(1, 4 // (chunk // 8))
-    return 2 * 2 * chunk * (head_size + 8) * 2 + ksl * PA_TC_ROWS * chunk * 4 + PA_TC_BT * 4
+    shared = 2 * 2 * chunk * (head_size + 8) * 2 + ksl * PA_TC_ROWS * chunk * 4 + PA_TC_BT * 4
+    return shared + PA_INDEX_CHECK_BYTES
 
 
 def paged_attention_tc_ctas_per_cu(head_size: int, shared_per_cu: int = 228 << 10, threads_per_cu: int = 2048) -> int:

@@ -12,6 +12,7 @@ from typing import Any
 from hal_core import Event, Stream
 
 from ._cupy import cupy
+from ._index_errors import raise_recorded
 
 __all__ = ["CupyEvent", "CupyStream", "native_stream", "stream_handle"]
 
@@ -97,7 +98,9 @@ class CupyEvent(Event):
         return bool(self._native.done)
 
     def synchronize(self) -> None:
+        """Wait for the recorded work, then raise the index errors its kernels recorded (:mod:`._index_errors`)."""
         self._native.synchronize()
+        raise_recorded(self._device_index)
 
     def elapsed_ms(self, end: Event) -> float:
         if not isinstance(end, CupyEvent):
@@ -145,7 +148,9 @@ class CupyStream(Stream):
         return bool(self._native.done)
 
     def synchronize(self) -> None:
+        """Wait for the queued work, then raise the index errors its kernels recorded (:mod:`._index_errors`)."""
         self._native.synchronize()
+        raise_recorded(self._device_index)
 
     def __enter__(self) -> CupyStream:
         stack = ExitStack()

@@ -46,10 +46,10 @@ _SHIMS = {
 # ctypes parameter kinds after (grid, block), in kernel parameter order:
 # p = pointer (numpy array or None), f = float32, i = int32, q = int64.
 _SIGNATURES: dict[str, str] = {
-    "hal_paged_attention": "ppppppfiiii",
-    "hal_paged_attention_split": "ppppppppfiiiiii",
+    "hal_paged_attention": "ppppppfiiiiiip",
+    "hal_paged_attention_split": "ppppppppfiiiiiiiip",
     "hal_paged_attention_reduce": "pppppiii",
-    "hal_write_kv_cache": "pppppiii",
+    "hal_write_kv_cache": "pppppiiiip",
     "hal_w4a16_gemm": "ppppppiiiii",
     "hal_w8a8_gemm": "pppppppiiiii",
     "hal_w4a16_dequant": "ppppiii",
@@ -60,7 +60,7 @@ _SIGNATURES: dict[str, str] = {
     "hal_w4a16_gemm_tc": "ppppppiiiii",
     "hal_w8a8_gemm_tc": "pppppppiiiii",
     "hal_tc_reduce": "ppqi",
-    "hal_paged_attention_tc": "pppppppppfiiiiii",
+    "hal_paged_attention_tc": "pppppppppfiiiiiiiip",
 }
 _CTYPES = {"p": ctypes.c_void_p, "f": ctypes.c_float, "i": ctypes.c_int, "q": ctypes.c_longlong}
 _UINT3 = ctypes.c_uint * 3

@@ -8,11 +8,12 @@ extern "C" int launch_hal_paged_attention(const unsigned* grid, const unsigned* 
                                           const void* query, const void* key_cache,
                                           const void* value_cache, const int* block_tables,
                                           const int* seq_lens, float scale, int num_heads,
-                                          int num_kv_heads, int block_size, int max_blocks_per_seq) {
+                                          int num_kv_heads, int block_size, int max_blocks_per_seq,
+                                          int num_blocks, int max_seq_len, int* error_flag) {
     return hal_host::launch_lambda(grid, block, [=] {
         hal_paged_attention((hal_t*)out, (const hal_t*)query, (const hal_t*)key_cache,
                             (const hal_t*)value_cache, block_tables, seq_lens, scale, num_heads,
-                            num_kv_heads, block_size, max_blocks_per_seq);
+                            num_kv_heads, block_size, max_blocks_per_seq, num_blocks, max_seq_len, error_flag);
     });
 }
 
@@ -20,12 +21,14 @@ extern "C" int launch_hal_paged_attention_split(
     const unsigned* grid, const unsigned* block, float* tmp_out, float* max_logits, float* exp_sums,
     const void* query, const void* key_cache, const void* value_cache, const int* block_tables,
     const int* seq_lens, float scale, int num_heads, int num_kv_heads, int block_size,
-    int max_blocks_per_seq, int partition_size, int max_partitions) {
+    int max_blocks_per_seq, int partition_size, int max_partitions, int num_blocks, int max_seq_len,
+    int* error_flag) {
     return hal_host::launch_lambda(grid, block, [=] {
         hal_paged_attention_split(tmp_out, max_logits, exp_sums, (const hal_t*)query,
                                   (const hal_t*)key_cache, (const hal_t*)value_cache, block_tables,
                                   seq_lens, scale, num_heads, num_kv_heads, block_size,
-                                  max_blocks_per_seq, partition_size, max_partitions);
+                                  max_blocks_per_seq, partition_size, max_partitions, num_blocks, max_seq_len,
+                                  error_flag);
     });
 }
 
@@ -40,7 +43,7 @@ extern "C" int launch_hal_paged_attention_reduce(const unsigned* grid, const uns
     });
 }
 
-// s_logit + s_out + s_m/s_l/s_alpha of the attention kernels.
+// s_logit + s_out + s_m/s_l/s_alpha of the attention kernels (the index check's one int comes on top).
 extern "C" int static_shared_bytes() {
-    return (int)sizeof(float) * (pa::GQA * pa::CHUNK + pa::GQA * pa::HS + 3 * pa::GQA);
+    return (int)sizeof(float) * (pa::GQA * pa::CHUNK + pa::GQA * pa::HS + 3 * pa::GQA) + (int)sizeof(int);
 }

@@ -7,13 +7,14 @@ extern "C" int launch_hal_paged_attention_tc(
     const unsigned* grid, const unsigned* block, void* out, float* tmp_out, float* max_logits, float* exp_sums,
     const void* query, const void* key_cache, const void* value_cache, const int* block_tables,
     const int* seq_lens, float scale, int num_heads, int num_kv_heads, int block_size, int max_blocks_per_seq,
-    int partition_size, int max_partitions) {
+    int partition_size, int max_partitions, int num_blocks, int max_seq_len, int* error_flag) {
     return hal_host::launch_lambda(grid, block, [=] {
         hal_paged_attention_tc((hal_t*)out, tmp_out, max_logits, exp_sums, (const hal_t*)query,
                                (const hal_t*)key_cache, (const hal_t*)value_cache, block_tables, seq_lens, scale,
                                num_heads, num_kv_heads, block_size, max_blocks_per_seq, partition_size,
-                               max_partitions);
+                               max_partitions, num_blocks, max_seq_len, error_flag);
     });
 }
 
-extern "C" int static_shared_bytes() { return (int)sizeof(pa_tc::Shared); }
+// Shared plus the index check's one int (hal_block_table_ok).
+extern "C" int static_shared_bytes() { return (int)(sizeof(pa_tc::Shared) + sizeof(int)); }

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import hal_core
 from hal_core import ArgumentError, ArgumentTypeError
 from hal_core.ops import OPS
 from hal_core.testing.inputs import assert_close, paged_attention_inputs, to_backend
@@ -17,11 +18,12 @@ from hal_core.testing.suite._strategies import BLOCK_SIZES, DTYPES, GQA_RATIOS, 
 REFERENCE = OPS["paged_attention"].reference
 
 
-def _run(backend: Any, args: dict[str, Any], out: Any = None, dev: dict[str, Any] | None = None) -> np.ndarray:
+def _run(backend: Any, args: dict[str, Any], out: Any = None, dev: dict[str, Any] | None = None,
+         max_seq_len: int | None = None) -> np.ndarray:
     dev = dev if dev is not None else to_backend(backend, "paged_attention", args)
     result = backend.ops.paged_attention(
         dev["query"], dev["key_cache"], dev["value_cache"], dev["block_tables"], dev["seq_lens"],
-        scale=args["scale"], out=out,
+        scale=args["scale"], out=out, max_seq_len=max_seq_len,
     )
     return backend.to_numpy(result)
 
@@ -88,6 +90,23 @@ def test_paged_attention_writes_out(hal_backend: Any, hal_rng: np.random.Generat
     assert_close(hal_backend.to_numpy(out), REFERENCE(args), kind="attention", dtype=dtype)
 
 
+@pytest.mark.parametrize("slack", [0, 1, 5000], ids=["exact", "plus1", "beyond-table"])
+def test_paged_attention_max_seq_len(hal_backend: Any, hal_rng: np.random.Generator, slack: int) -> None:
+    """A max_seq_len at or above every length (even beyond the table's capacity) gives the same result."""
+    args = paged_attention_inputs(hal_rng, seq_lens=[700, 0, 33], num_heads=8, num_kv_heads=2,
+                                  head_size=64, block_size=16, dtype="fp16")
+    got = _run(hal_backend, args, max_seq_len=700 + slack)
+    assert_close(got, REFERENCE(args), kind="attention", dtype="fp16", what=f"max_seq_len=700+{slack}")
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "64"], ids=repr)
+def test_paged_attention_bad_max_seq_len(hal_backend: Any, hal_rng: np.random.Generator, bad: Any) -> None:
+    """max_seq_len is checked on the host, before any work: a positive int or None."""
+    args = _bad_inputs(hal_rng)
+    with pytest.raises(ArgumentTypeError, match="'max_seq_len'"):
+        _run(hal_backend, args, max_seq_len=bad)
+
+
 def _bad_inputs(rng: np.random.Generator) -> dict[str, Any]:
     return paged_attention_inputs(rng, seq_lens=[20, 9], num_heads=4, num_kv_heads=2,
                                   head_size=64, block_size=8, dtype="fp32")
@@ -103,7 +122,7 @@ def _break(name: str, args: dict[str, Any]) -> None:
         args["value_cache"] = args["value_cache"][:, :1].copy()
     elif name == "block-tables-dtype":
         args["block_tables"] = args["block_tables"].astype(np.int64)
-    elif name == "block-table-out-of-range":
+    elif name in ("block-table-out-of-range", "block-table-out-of-range-index"):
         args["block_tables"][0, 0] = args["key_cache"].shape[0]
     elif name == "seq-len-beyond-table":
         args["seq_lens"][1] = args["block_tables"].shape[1] * args["key_cache"].shape[2] + 1
@@ -123,12 +142,17 @@ BAD_INPUTS = [
     ("key-cache-non-contiguous", ArgumentError, "key_cache"),
     ("value-cache-shape", ArgumentError, "value_cache"),
     ("block-tables-dtype", ArgumentTypeError, "block_tables"),
-    ("block-table-out-of-range", ArgumentError, "block_tables"),
-    ("seq-len-beyond-table", ArgumentError, "seq_lens"),
     ("seq-lens-shape", ArgumentError, "seq_lens"),
-    ("seq-len-negative", ArgumentError, "seq_lens"),
-    ("block-table-negative", ArgumentError, "block_tables"),
     ("kv-heads-not-dividing", ArgumentError, "key_cache"),
+]
+
+#: Bad index values: (case, argument, the sequence they spoil). The 20 and 9 tokens of _bad_inputs.
+BAD_INDICES = [
+    ("block-table-out-of-range", "block_tables", 0),
+    ("seq-len-beyond-table", "seq_lens", 1),
+    ("seq-len-negative", "seq_lens", 0),
+    ("block-table-negative", "block_tables", 1),
+    ("seq-len-beyond-max", "seq_lens", 0),  # 20 tokens with max_seq_len=15
 ]
 
 
@@ -151,6 +175,38 @@ def test_paged_attention_bad_input(hal_backend: Any, hal_rng: np.random.Generato
     assert isinstance(info.value, (ValueError, TypeError))
     assert repr(argument) in str(info.value), f"message does not name {argument!r}: {info.value}"
     np.testing.assert_array_equal(hal_backend.to_numpy(out), sentinel, err_msg="out was modified")
+
+
+@pytest.mark.parametrize(("case", "argument", "spoilt"), BAD_INDICES, ids=[c[0] for c in BAD_INDICES])
+def test_paged_attention_bad_index_values(hal_backend: Any, hal_rng: np.random.Generator, case: str,
+                                          argument: str, spoilt: int) -> None:
+    """A bad block id or length is never dereferenced and is reported naming the argument.
+
+    Host arrays: an ``ArgumentError`` at the call, ``out`` untouched. Device arrays may instead be checked by
+    the kernels (no host read): the call returns with the spoilt sequence's rows zeros and the others correct,
+    and the error is raised by :func:`hal_core.check_errors`.
+    """
+    args = _bad_inputs(hal_rng)
+    good = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in args.items()}
+    if case != "seq-len-beyond-max":
+        _break(case, args)
+    bound = 15 if case == "seq-len-beyond-max" else None
+    sentinel = np.full(args["query"].shape, 7.0, dtype=np.float32)
+    out = hal_backend.asarray(sentinel)
+    try:
+        got = _run(hal_backend, args, out=out, max_seq_len=bound)
+    except ArgumentError as exc:
+        assert repr(argument) in str(exc), f"message does not name {argument!r}: {exc}"
+        np.testing.assert_array_equal(hal_backend.to_numpy(out), sentinel, err_msg="out was modified")
+        return
+    assert not hal_backend.is_host, "a host backend must check index values before any work"
+    with pytest.raises(ArgumentError) as info:
+        hal_core.check_errors()
+    assert repr(argument) in str(info.value), f"message does not name {argument!r}: {info.value}"
+    assert not got[spoilt].any(), "the sequence with a bad index must give zeros"
+    others = [s for s in range(got.shape[0]) if s != spoilt]
+    assert_close(got[others], REFERENCE(good)[others], kind="attention", dtype="fp32", what=case)
+    hal_core.check_errors()  # reported once
 
 
 def test_paged_attention_bad_out(hal_backend: Any, hal_rng: np.random.Generator) -> None:

@@ -3,7 +3,15 @@
 // Defines: HAL_DTYPE (0 f32, 1 f16, 2 bf16), HAL_HEAD_SIZE, HAL_GQA (query
 // heads handled by one CTA; 1, 2, 4 or 8), optional HAL_NUM_THREADS (128) and
 // HAL_UNROLL (4, tokens per thread per chunk).  See README.md for launch rules.
+//
+// Index checks (hal_index_checks.cuh): a CTA reads a sequence only when its
+// length lies in [0, max_seq_len] and the block-table entries of the tokens
+// it covers lie in [0, num_blocks); otherwise it reports seq_lens or
+// block_tables in error_flag and the sequence's output is zeros (the split
+// kernel marks its partition with exp_sum -1, which the reduce turns into
+// zeros).
 #include "hal_common.cuh"
+#include "hal_index_checks.cuh"
 
 #ifndef HAL_NUM_THREADS
 #define HAL_NUM_THREADS 128
@@ -210,6 +218,33 @@ HAL_DEVICE void head_tile(int num_heads, int num_kv_heads, int* kv_head, int* he
     *n_valid = left < GQA ? left : GQA;
 }
 
+// 0 when tokens [t0, t1) of a sequence of length seq_len may be read: the length in [0, max_seq_len] (and
+// within the table's row) and the table entries of those tokens in [0, num_blocks).  Else the error code,
+// reported by thread 0.  Cooperative (hal_block_table_ok): every thread of the CTA calls it.
+HAL_DEVICE int check_indices(const int* HAL_RESTRICT table, int seq_len, int t0, int t1, int block_size,
+                             int max_blocks_per_seq, int num_blocks, int max_seq_len, int* error_flag) {
+    const int capacity = max_blocks_per_seq * block_size;
+    const int limit = max_seq_len < capacity ? max_seq_len : capacity;
+    int code = 0;
+    if (seq_len < 0 || seq_len > limit)
+        code = HAL_ERR_SEQ_LENS;
+    else if (t1 > t0 && !hal_block_table_ok(table, t0 / block_size, (t1 - 1) / block_size + 1, num_blocks, NT))
+        code = HAL_ERR_BLOCK_TABLES;
+    if (code != 0 && threadIdx.x == 0) hal_report_index_error(error_flag, code);
+    return code;
+}
+
+// Marks partition p of query heads [head0, head0 + n_valid) of sequence s as unusable (exp_sum -1: the
+// reduce step writes zeros for the sequence).
+HAL_DEVICE void mark_partition(float* HAL_RESTRICT max_logits, float* HAL_RESTRICT exp_sums, int s, int p,
+                               int num_heads, int head0, int n_valid, int max_partitions) {
+    for (int g = threadIdx.x; g < n_valid; g += NT) {
+        const hal_i64 sp = ((hal_i64)s * num_heads + head0 + g) * max_partitions + p;
+        max_logits[sp] = 0.f;
+        exp_sums[sp] = -1.f;
+    }
+}
+
 }  // namespace pa
 
 // Single pass: one CTA covers the whole sequence and writes the final output.
@@ -218,7 +253,7 @@ hal_paged_attention(hal_t* HAL_RESTRICT out, const hal_t* HAL_RESTRICT query,
                     const hal_t* HAL_RESTRICT key_cache, const hal_t* HAL_RESTRICT value_cache,
                     const int* HAL_RESTRICT block_tables, const int* HAL_RESTRICT seq_lens,
                     float scale, int num_heads, int num_kv_heads, int block_size,
-                    int max_blocks_per_seq) {
+                    int max_blocks_per_seq, int num_blocks, int max_seq_len, int* HAL_RESTRICT error_flag) {
     using namespace pa;
     __shared__ float s_logit[GQA][CHUNK];
     __shared__ float s_out[GQA][HS];
@@ -227,7 +262,14 @@ hal_paged_attention(hal_t* HAL_RESTRICT out, const hal_t* HAL_RESTRICT query,
     int kv_head, head0, n_valid;
     head_tile(num_heads, num_kv_heads, &kv_head, &head0, &n_valid);
     const int seq_len = seq_lens[s];
-    attend(query, key_cache, value_cache, block_tables + (hal_i64)s * max_blocks_per_seq, scale,
+    const int* table = block_tables + (hal_i64)s * max_blocks_per_seq;
+    if (check_indices(table, seq_len, 0, seq_len, block_size, max_blocks_per_seq, num_blocks, max_seq_len,
+                      error_flag) != 0) {
+        for (int i = threadIdx.x; i < n_valid * HS; i += NT)
+            out[((hal_i64)s * num_heads + head0 + i / HS) * HS + i % HS] = hal_from_float(0.f);
+        return;
+    }
+    attend(query, key_cache, value_cache, table, scale,
            s, num_heads, num_kv_heads, kv_head, head0, n_valid, block_size, 0, seq_len, s_logit,
            s_m, s_l, s_alpha, s_out);
     for (int i = threadIdx.x; i < n_valid * HS; i += NT) {
@@ -240,14 +282,16 @@ hal_paged_attention(hal_t* HAL_RESTRICT out, const hal_t* HAL_RESTRICT query,
 
 // Split-KV: CTA (x, s, p) covers tokens [p * partition_size, (p + 1) * partition_size)
 // and writes unnormalised fp32 partial outputs plus max logit and exp-sum.
-// Partitions starting at or beyond seq_lens[s] write nothing.
+// Partitions starting at or beyond seq_lens[s] write nothing; one whose indices fail the checks (every one,
+// for a bad length) is marked with exp_sum -1 instead.
 HAL_GLOBAL void HAL_LAUNCH_BOUNDS(HAL_NUM_THREADS)
 hal_paged_attention_split(float* HAL_RESTRICT tmp_out, float* HAL_RESTRICT max_logits,
                           float* HAL_RESTRICT exp_sums, const hal_t* HAL_RESTRICT query,
                           const hal_t* HAL_RESTRICT key_cache, const hal_t* HAL_RESTRICT value_cache,
                           const int* HAL_RESTRICT block_tables, const int* HAL_RESTRICT seq_lens,
                           float scale, int num_heads, int num_kv_heads, int block_size,
-                          int max_blocks_per_seq, int partition_size, int max_partitions) {
+                          int max_blocks_per_seq, int partition_size, int max_partitions, int num_blocks,
+                          int max_seq_len, int* HAL_RESTRICT error_flag) {
     using namespace pa;
     __shared__ float s_logit[GQA][CHUNK];
     __shared__ float s_out[GQA][HS];
@@ -256,11 +300,17 @@ hal_paged_attention_split(float* HAL_RESTRICT tmp_out, float* HAL_RESTRICT max_l
     const int p = blockIdx.z;
     const int seq_len = seq_lens[s];
     const int t0 = p * partition_size;
-    if (t0 >= seq_len) return;
-    const int t1 = seq_len - t0 < partition_size ? seq_len : t0 + partition_size;
     int kv_head, head0, n_valid;
     head_tile(num_heads, num_kv_heads, &kv_head, &head0, &n_valid);
-    attend(query, key_cache, value_cache, block_tables + (hal_i64)s * max_blocks_per_seq, scale,
+    const int* table = block_tables + (hal_i64)s * max_blocks_per_seq;
+    const int t1 = t0 >= seq_len ? t0 : seq_len - t0 < partition_size ? seq_len : t0 + partition_size;
+    if (check_indices(table, seq_len, t0, t1, block_size, max_blocks_per_seq, num_blocks, max_seq_len,
+                      error_flag) != 0) {
+        mark_partition(max_logits, exp_sums, s, p, num_heads, head0, n_valid, max_partitions);
+        return;
+    }
+    if (t0 >= seq_len) return;
+    attend(query, key_cache, value_cache, table, scale,
            s, num_heads, num_kv_heads, kv_head, head0, n_valid, block_size, t0, t1, s_logit,
            s_m, s_l, s_alpha, s_out);
     for (int i = threadIdx.x; i < n_valid * HS; i += NT) {
@@ -275,7 +325,8 @@ hal_paged_attention_split(float* HAL_RESTRICT tmp_out, float* HAL_RESTRICT max_l
 }
 
 // Merges the partitions of hal_paged_attention_split with log-sum-exp.
-// Grid (num_heads, num_seqs), HAL_NUM_THREADS threads.
+// Grid (num_heads, num_seqs), HAL_NUM_THREADS threads.  A partition marked by the
+// index checks (exp_sum < 0; a real exp-sum is >= 0 or NaN) makes the output zeros.
 HAL_GLOBAL void HAL_LAUNCH_BOUNDS(HAL_NUM_THREADS)
 hal_paged_attention_reduce(hal_t* HAL_RESTRICT out, const float* HAL_RESTRICT tmp_out,
                            const float* HAL_RESTRICT max_logits, const float* HAL_RESTRICT exp_sums,
@@ -296,6 +347,16 @@ hal_paged_attention_reduce(hal_t* HAL_RESTRICT out, const float* HAL_RESTRICT tm
     }
     const float* ml = max_logits + sh * max_partitions;
     const float* es = exp_sums + sh * max_partitions;
+    __shared__ int s_bad;
+    if (tid == 0) s_bad = 0;
+    hal_barrier();
+    for (int p = tid; p < np; p += NT)
+        if (es[p] < 0.f) s_bad = 1;
+    hal_barrier();
+    if (s_bad != 0) {
+        for (int d = tid; d < HS; d += NT) o[d] = hal_from_float(0.f);
+        return;
+    }
 
     float mx = HAL_NEG_INF;
     for (int p = tid; p < np; p += NT) mx = fmaxf(mx, ml[p]);

@@ -36,7 +36,14 @@
 // +inf logit makes it NaN (inf - inf), a row of -inf logits gives 0/0 = NaN,
 // NaN or inf in a used value row reaches the columns the reference says --
 // the float64 reference's semantics.
+//
+// Index checks (hal_index_checks.cuh), before the block-table slice is used: a
+// length outside [0, max_seq_len] or a table entry of the partition outside [0,
+// num_blocks) is reported in error_flag and never read; the output rows are
+// zeros (single pass) or the partition is marked with exp_sum -1, which the
+// reduce step turns into zeros.
 #include "hal_common.cuh"
+#include "hal_index_checks.cuh"
 #include "hal_mma.cuh"
 
 namespace pa_tc {
@@ -303,7 +310,8 @@ hal_paged_attention_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT tmp_out, flo
                        const hal_t* HAL_RESTRICT key_cache, const hal_t* HAL_RESTRICT value_cache,
                        const int* HAL_RESTRICT block_tables, const int* HAL_RESTRICT seq_lens, float scale,
                        int num_heads, int num_kv_heads, int block_size, int max_blocks_per_seq,
-                       int partition_size, int max_partitions) {
+                       int partition_size, int max_partitions, int num_blocks, int max_seq_len,
+                       int* HAL_RESTRICT error_flag) {
     using namespace pa_tc;
     __shared__ Shared sm;
     const int s = blockIdx.y, part = blockIdx.z;
@@ -311,15 +319,23 @@ hal_paged_attention_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT tmp_out, flo
     const int g = lane >> 2, tig = lane & 3;
     int kv_head, head0, n_valid;
     head_tile(num_heads, num_kv_heads, &kv_head, &head0, &n_valid);
-    // A length beyond the block table (only possible unvalidated, HAL_CHECK_INDICES=0) never reads past its row.
+    // Index checks: a bad length or block-table entry of this partition is never read (see the top).
     const int capacity = max_blocks_per_seq * block_size;
-    const int seq_len = seq_lens[s] < 0 ? 0 : seq_lens[s] > capacity ? capacity : seq_lens[s];
+    const int limit = max_seq_len < capacity ? max_seq_len : capacity;
+    const int raw_len = seq_lens[s];
+    const bool bad_len = raw_len < 0 || raw_len > limit;
+    const int seq_len = bad_len ? 0 : raw_len;  // in [0, limit] from here on
     const int t0 = part * partition_size;
     // One partition covers the whole sequence.
     const int t1 = max_partitions == 1 || seq_len - t0 < partition_size ? seq_len : t0 + partition_size;
+    const int* table = block_tables + (hal_i64)s * max_blocks_per_seq;
+    int code = bad_len ? HAL_ERR_SEQ_LENS : 0;
+    if (t1 > t0 && !hal_block_table_ok(table, t0 / block_size, (t1 - 1) / block_size + 1, num_blocks, NT))
+        code = HAL_ERR_BLOCK_TABLES;
+    if (code != 0 && threadIdx.x == 0) hal_report_index_error(error_flag, code);
     const int col0 = warp * OCOLS + 2 * tig;
 
-    if (max_partitions == 1 && seq_len <= 0) {  // an empty sequence gives zeros
+    if (max_partitions == 1 && (seq_len <= 0 || code != 0)) {  // an empty or unreadable sequence gives zeros
 #pragma unroll
         for (int nt = 0; nt < OTILES; ++nt)
 #pragma unroll
@@ -330,11 +346,19 @@ hal_paged_attention_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT tmp_out, flo
             }
         return;
     }
+    if (code != 0) {  // split: mark the partition for the reduce step
+        for (int row = threadIdx.x; row < n_valid; row += NT) {
+            const hal_i64 sp = ((hal_i64)s * num_heads + head0 + row) * max_partitions + part;
+            max_logits[sp] = 0.f;
+            exp_sums[sp] = -1.f;
+        }
+        return;
+    }
     if (t0 >= seq_len) return;
 
     float acc[OTILES][4], m[2], l[2];
-    attend(sm, query, key_cache, value_cache, block_tables + (hal_i64)s * max_blocks_per_seq, scale, s, num_heads,
-           num_kv_heads, kv_head, head0, n_valid, block_size, t0, t1, acc, m, l);
+    attend(sm, query, key_cache, value_cache, table, scale, s, num_heads, num_kv_heads, kv_head, head0, n_valid,
+           block_size, t0, t1, acc, m, l);
 
 #pragma unroll
     for (int nt = 0; nt < OTILES; ++nt)

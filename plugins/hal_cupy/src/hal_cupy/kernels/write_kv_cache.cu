@@ -4,7 +4,12 @@
 // bytes; elements are at least 2 bytes).  Defines:
 // HAL_SLOT_INT64 (1: slot_mapping is int64, 0: int32; default 1),
 // optional HAL_NUM_THREADS (default 128).  See README.md.
+//
+// Index check (hal_index_checks.cuh): a slot at or past num_blocks *
+// block_size is never written; the token is skipped and slot_mapping is
+// reported in error_flag.  Negative slots skip their token by definition.
 #include "hal_common.cuh"
+#include "hal_index_checks.cuh"
 
 #ifndef HAL_SLOT_INT64
 #define HAL_SLOT_INT64 1
@@ -48,10 +53,14 @@ HAL_GLOBAL void HAL_LAUNCH_BOUNDS(HAL_NUM_THREADS)
 hal_write_kv_cache(const void* HAL_RESTRICT key, const void* HAL_RESTRICT value,
                    void* HAL_RESTRICT key_cache, void* HAL_RESTRICT value_cache,
                    const hal_slot_t* HAL_RESTRICT slot_mapping, int num_kv_heads, int block_size,
-                   int row_bytes) {
+                   int row_bytes, int num_blocks, int* HAL_RESTRICT error_flag) {
     const hal_i64 token = blockIdx.x;
     const hal_i64 slot = slot_mapping[token];
     if (slot < 0) return;
+    if (slot >= (hal_i64)num_blocks * block_size) {
+        if (threadIdx.x == 0) hal_report_index_error(error_flag, HAL_ERR_SLOT_MAPPING);
+        return;
+    }
     const hal_i64 block = slot / block_size;
     const hal_i64 offset = slot - block * block_size;
     const char* k = static_cast<const char*>(key);

@@ -29,8 +29,8 @@ __all__ = ["GpuOp", "assemble", "forget_kernels", "kernel_source", "kernels_for"
 
 _KERNEL_PACKAGE = "hal_cupy.kernels"
 _COMMON = "hal_common.cuh"
-#: Further headers kernel files may include (inlined the same way): the warp matrix instructions.
-_EXTRA_HEADERS = ("hal_mma.cuh",)
+#: Further headers kernel files may include (inlined the same way): warp matrix instructions, index checks.
+_EXTRA_HEADERS = ("hal_mma.cuh", "hal_index_checks.cuh")
 
 
 def _strip_pragma_once(text: str) -> str:

@@ -5,10 +5,16 @@ Selection, per call:
 - Tensor cores (the platform's warp matrix instructions at level ``PA_TC_MIN_SM``, see
   :meth:`hal_cupy.GpuPlatform.warp_mma_level`; fp16/bf16 caches; at least ``PA_TC_MIN_GROUP`` query heads per
   KV head; a head size of ``PA_TC_HEAD_SIZES``; ``HAL_<BACKEND>_TENSOR_CORES`` not 0): ``paged_attention_tc.cu``.
-  Its partitions come from compute units x the kernel's occupancy and the block table's capacity (no device
-  read); a split is merged by ``hal_paged_attention_reduce`` of ``paged_attention.cu``.
+  Its partitions come from compute units x the kernel's occupancy and the sequence-length bound (below); a
+  split is merged by ``hal_paged_attention_reduce`` of ``paged_attention.cu``.
 - Otherwise (fp32, small groups, other head sizes, devices without those instructions): the SIMT kernels of
   ``paged_attention.cu``, single-pass or split-KV by :func:`choose_paged_attention_variant`.
+
+Nothing is read from the device and nothing synchronises (the call is CUDA-graph capturable): partitions and
+workspaces are sized from :func:`seq_len_bound` -- the caller's ``max_seq_len``, else the block table's
+capacity -- and the kernels check every length against that bound and every used block id against the cache,
+reporting a bad one through the device error flag (:mod:`hal_cupy._index_errors`) with that sequence's output
+zeroed.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from hal_core.ops import OpCall
 
 from .._arrays import KERNEL_DTYPES, as_storage, empty_like_dtype
 from .._cupy import cupy
+from .._index_errors import error_flag
 from .._specializations import (
     PA_BLOCK_SIZES,
     PA_HEAD_SIZES,
@@ -39,11 +46,7 @@ from .._specializations import (
 )
 from ._common import GpuOp, kernels_for, launch, misaligned, storage_device, tensor_cores_available
 
-__all__ = ["OP", "check", "max_seq_len_hint", "run", "split_workspace_bytes", "uses_tensor_cores"]
-
-#: Largest split-KV workspace sized from the block table's capacity (no device-to-host copy);
-#: above it the actual ``max(seq_lens)`` is read from the device.
-CAPACITY_WORKSPACE_BYTES = 64 << 20
+__all__ = ["OP", "check", "run", "seq_len_bound", "split_workspace_bytes", "uses_tensor_cores"]
 
 
 def split_workspace_bytes(num_seqs: int, num_heads: int, head_size: int, max_seq_len: int) -> int:
@@ -52,19 +55,16 @@ def split_workspace_bytes(num_seqs: int, num_heads: int, head_size: int, max_seq
     return 4 * num_seqs * num_heads * parts * (head_size + 2)
 
 
-def max_seq_len_hint(num_seqs: int, num_heads: int, head_size: int, capacity: int,
-                     actual: Any = None) -> int:
-    """The ``max_seq_len`` the variant and workspaces are sized for.
+def seq_len_bound(call: OpCall) -> int:
+    """The longest sequence the launches are sized for, known on the host: ``min(max_seq_len, capacity)``.
 
-    The block table's capacity (``max_blocks_per_seq * block_size``) bounds
-    every ``seq_len`` (validation checks it) and costs no synchronisation;
-    it is used while its split workspace stays under
-    :data:`CAPACITY_WORKSPACE_BYTES`. Otherwise ``actual()`` reads the real
-    maximum from the device.
+    ``capacity`` is the block table's ``max_blocks_per_seq * block_size``;
+    without a ``max_seq_len`` it is the bound. The kernels treat a length
+    beyond it as an index error (``seq_lens`` in the error flag).
     """
-    if actual is None or split_workspace_bytes(num_seqs, num_heads, head_size, capacity) <= CAPACITY_WORKSPACE_BYTES:
-        return capacity
-    return min(capacity, int(actual()))
+    capacity = call["block_tables"].shape[1] * call["key_cache"].shape[2]
+    bound = call.args.get("max_seq_len")
+    return capacity if bound is None else min(int(bound), capacity)
 
 
 def uses_tensor_cores(backend: Any, device_index: int, hal_dtype: str, num_heads: int, num_kv_heads: int,
@@ -77,8 +77,12 @@ def uses_tensor_cores(backend: Any, device_index: int, hal_dtype: str, num_heads
     return paged_attention_uses_tensor_cores(level, dtype, num_heads // num_kv_heads, head_size)
 
 
-def _run_tensor_cores(call: OpCall, device_index: int, storage: tuple[Any, ...], out: Any, kdtype: str) -> None:
-    """The tensor-core kernel (and the reduce step when split); partitions sized without reading the device."""
+def _run_tensor_cores(call: OpCall, device_index: int, storage: tuple[Any, ...], out: Any, kdtype: str,
+                      checks: tuple[Any, ...]) -> None:
+    """The tensor-core kernel (and the reduce step when split); partitions sized without reading the device.
+
+    ``checks`` are the kernels' index-check parameters: ``(num_blocks, seq_len_bound, error_flag)``.
+    """
     cp = cupy()
     q, kc, vc, bt, sl = storage
     num_seqs, num_heads, head_size = q.shape
@@ -90,19 +94,19 @@ def _run_tensor_cores(call: OpCall, device_index: int, storage: tuple[Any, ...],
     measured = getattr(device.launcher, "blocks_per_cu", None)
     if measured is not None:
         occupancy = max(1, min(occupancy, int(measured(kernels["hal_paged_attention_tc"], 128))))
-    # The block table's capacity bounds every length (validated); partitions past a sequence's end exit at once.
-    size, parts = paged_attention_tc_partitions(num_seqs, num_heads, num_kv_heads, bt.shape[1] * block_size,
+    # The bound covers every valid length (the kernels flag others); partitions past a sequence's end exit at once.
+    size, parts = paged_attention_tc_partitions(num_seqs, num_heads, num_kv_heads, int(checks[1]),
                                                 head_size, caps.compute_units, occupancy)
     plans = paged_attention_tc_launches(num_seqs, num_heads, num_kv_heads, parts)
     common = (q, kc, vc, bt, sl, np.float32(call["scale"]), np.int32(num_heads), np.int32(num_kv_heads),
               np.int32(block_size), np.int32(bt.shape[1]), np.int32(size), np.int32(parts))
     if parts == 1:
-        launch(call, device_index, kernels, plans[0], (out, None, None, None, *common))
+        launch(call, device_index, kernels, plans[0], (out, None, None, None, *common, *checks))
         return
     tmp_out = cp.empty((num_seqs, num_heads, parts, head_size), dtype=np.float32)
     max_logits = cp.empty((num_seqs, num_heads, parts), dtype=np.float32)
     exp_sums = cp.empty((num_seqs, num_heads, parts), dtype=np.float32)
-    launch(call, device_index, kernels, plans[0], (None, tmp_out, max_logits, exp_sums, *common))
+    launch(call, device_index, kernels, plans[0], (None, tmp_out, max_logits, exp_sums, *common, *checks))
     reduce = kernels_for(call, device_index,
                          paged_attention_spec(kdtype, head_size, num_heads // num_kv_heads, caps.simd_width))
     launch(call, device_index, reduce, plans[1],
@@ -110,7 +114,7 @@ def _run_tensor_cores(call: OpCall, device_index: int, storage: tuple[Any, ...],
 
 
 def check(call: OpCall) -> str:
-    q, kc, bt = call["query"], call["key_cache"], call["block_tables"]
+    q, kc = call["query"], call["key_cache"]
     num_seqs, _, head_size = q.shape
     block_size = kc.shape[2]
     if head_size not in PA_HEAD_SIZES:
@@ -120,8 +124,9 @@ def check(call: OpCall) -> str:
     caps = call.capabilities
     if num_seqs > caps.max_grid_dims[1]:
         return f"num_seqs {num_seqs} exceeds the grid's y limit {caps.max_grid_dims[1]} on {caps.name}"
-    if paged_attention_partitions(bt.shape[1] * block_size) > caps.max_grid_dims[2]:
-        return "the block table's capacity needs more split-KV partitions than the grid's z limit"
+    if paged_attention_partitions(seq_len_bound(call)) > caps.max_grid_dims[2]:
+        return "the sequence-length bound (max_seq_len, else the block table's capacity) needs more split-KV " \
+               "partitions than the grid's z limit"
     return misaligned(call, ("query", "key_cache", "value_cache", "out"))
 
 
@@ -137,14 +142,15 @@ def run(call: OpCall) -> Any:
     hal_dtype = dtype_name(query)
     caps = call.backend.device(device_index).capabilities
     spec = paged_attention_spec(KERNEL_DTYPES[hal_dtype], head_size, num_heads // num_kv_heads, caps.simd_width)
+    max_seq_len = seq_len_bound(call)
     with cp.cuda.Device(device_index):
+        checks = (np.int32(kc.shape[0]), np.int32(max_seq_len), error_flag(device_index))
         out = call.out if call.out is not None else empty_like_dtype(tuple(q.shape), hal_dtype)
         if uses_tensor_cores(call.backend, device_index, hal_dtype, num_heads, num_kv_heads, head_size):
-            _run_tensor_cores(call, device_index, (q, kc, vc, bt, sl), as_storage(out), KERNEL_DTYPES[hal_dtype])
+            _run_tensor_cores(call, device_index, (q, kc, vc, bt, sl), as_storage(out), KERNEL_DTYPES[hal_dtype],
+                              checks)
             return out
         kernels = kernels_for(call, device_index, spec)
-        max_seq_len = max_seq_len_hint(num_seqs, num_heads, head_size, max_blocks * block_size,
-                                       actual=lambda: sl.max())
         variant = choose_paged_attention_variant(num_seqs, num_kv_heads, max_seq_len, caps.compute_units,
                                                  num_heads=num_heads, partition_size=PA_PARTITION_SIZE)
         plans = paged_attention_launches(variant, num_seqs, num_heads, num_kv_heads, max_seq_len,
@@ -152,14 +158,14 @@ def run(call: OpCall) -> Any:
         shared = (q, kc, vc, bt, sl, np.float32(call["scale"]), np.int32(num_heads), np.int32(num_kv_heads),
                   np.int32(block_size), np.int32(max_blocks))
         if variant == "single":
-            launch(call, device_index, kernels, plans[0], (as_storage(out), *shared))
+            launch(call, device_index, kernels, plans[0], (as_storage(out), *shared, *checks))
             return out
         parts = paged_attention_partitions(max_seq_len, PA_PARTITION_SIZE)
         tmp_out = cp.empty((num_seqs, num_heads, parts, head_size), dtype=np.float32)
         max_logits = cp.empty((num_seqs, num_heads, parts), dtype=np.float32)
         exp_sums = cp.empty((num_seqs, num_heads, parts), dtype=np.float32)
         launch(call, device_index, kernels, plans[0],
-               (tmp_out, max_logits, exp_sums, *shared, np.int32(PA_PARTITION_SIZE), np.int32(parts)))
+               (tmp_out, max_logits, exp_sums, *shared, np.int32(PA_PARTITION_SIZE), np.int32(parts), *checks))
         launch(call, device_index, kernels, plans[1],
                (as_storage(out), tmp_out, max_logits, exp_sums, sl, np.int32(num_heads),
                 np.int32(PA_PARTITION_SIZE), np.int32(parts)))

@@ -1,4 +1,8 @@
-"""``write_kv_cache`` on a GPU: one byte-copying kernel for every dtype, int32 or int64 slots."""
+"""``write_kv_cache`` on a GPU: one byte-copying kernel for every dtype, int32 or int64 slots.
+
+No device read and no synchronisation (CUDA-graph capturable): the kernel skips a slot past the cache and
+reports ``slot_mapping`` through the device error flag (:mod:`hal_cupy._index_errors`).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from hal_core.ops import OpCall
 
 from .._arrays import as_storage
 from .._cupy import cupy
+from .._index_errors import error_flag
 from .._specializations import write_kv_cache_launch, write_kv_cache_spec
 from ._common import GpuOp, kernels_for, launch, misaligned, storage_device
 
@@ -44,7 +49,7 @@ def run(call: OpCall) -> None:
         kernels = kernels_for(call, device_index, spec)
         launch(call, device_index, kernels, write_kv_cache_launch(num_tokens),
                (key, value, key_cache, value_cache, slots, np.int32(num_kv_heads), np.int32(block_size),
-                np.int32(head_size * key.dtype.itemsize)))
+                np.int32(head_size * key.dtype.itemsize), np.int32(key_cache.shape[0]), error_flag(device_index)))
     return None
 
 
