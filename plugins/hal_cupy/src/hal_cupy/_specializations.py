@@ -45,6 +45,7 @@ __all__ = [
     "paged_attention_tc_spec",
     "paged_attention_tc_chunk",
     "paged_attention_tc_shared_bytes",
+    "paged_attention_tc_token_groups",
     "paged_attention_tc_ctas_per_cu",
     "paged_attention_tc_partitions",
     "paged_attention_tc_launches",
@@ -332,15 +333,23 @@ def paged_attention_tc_chunk(head_size: int) -> int:
     return 64 if head_size == 64 else 32 if head_size <= 128 else 16
 
 
+def paged_attention_tc_token_groups(head_size: int) -> int:
+    """Warps along the tokens of a chunk (mirror of TG in paged_attention_tc.cu): ``min(4, chunk / 8)``."""
+    return min(PA_TC_THREADS // 32, paged_attention_tc_chunk(head_size) // 8)
+
+
 def paged_attention_tc_shared_bytes(head_size: int) -> int:
     """Static shared memory of hal_paged_attention_tc.
 
-    Two stages of K and V (``chunk`` rows of ``head_size + 8`` 16-bit elements each), the logits
-    (``ksl * 16 * chunk`` floats, ``ksl = max(1, 4 / (chunk / 8))``) and :data:`PA_TC_BT` block-table entries.
+    Two stages of K and V (``chunk`` rows of ``head_size + 8`` 16-bit elements each; after the loop the same
+    bytes hold the token groups' fp32 outputs), the 64-bit row offsets of two chunks, per token group and row
+    the max, exp-sum and merge weight, the merged max and exp-sum per row, and :data:`PA_TC_BT` block-table
+    entries.
     """
     chunk = paged_attention_tc_chunk(head_size)
-    ksl = max(1, 4 // (chunk // 8))
-    return 2 * 2 * chunk * (head_size + 8) * 2 + ksl * PA_TC_ROWS * chunk * 4 + PA_TC_BT * 4
+    groups = paged_attention_tc_token_groups(head_size)
+    stages = max(2 * 2 * chunk * (head_size + 8) * 2, groups * PA_TC_ROWS * (head_size + 4) * 4)
+    return stages + 2 * chunk * 8 + 3 * groups * PA_TC_ROWS * 4 + 2 * PA_TC_ROWS * 4 + PA_TC_BT * 4
 
 
 def paged_attention_tc_ctas_per_cu(head_size: int, shared_per_cu: int = 228 << 10, threads_per_cu: int = 2048) -> int:
