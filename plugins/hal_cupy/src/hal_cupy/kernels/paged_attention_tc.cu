@@ -60,9 +60,12 @@ constexpr int ROWS = 16;  // query heads per CTA (MMA M)
 constexpr int CHUNK = HS == 64 ? 64 : HS <= 128 ? 32 : 16;
 constexpr int STRIDE = HS + 8;  // shared row stride in elements: 16-byte padding against bank conflicts
 constexpr int VECS = HS / 8;    // 16-byte pieces per K/V row
-constexpr int TG = CHUNK / 8 < NWARPS ? CHUNK / 8 : NWARPS;  // token groups (warps along the tokens)
+#ifndef HAL_PA_TG
+#define HAL_PA_TG (CHUNK / 8 < NWARPS ? CHUNK / 8 : NWARPS)
+#endif
+constexpr int TG = HAL_PA_TG;  // token groups (warps along the tokens)
 constexpr int CG = NWARPS / TG;                               // column groups (warps along the output)
-constexpr int TW = CHUNK / TG;                                // tokens per warp and chunk: 8 or 16
+constexpr int TW = CHUNK / TG;                                // tokens per warp and chunk: 8, 16 or 32
 constexpr int NTW = TW / 8;                                   // 8-token logit tiles per warp
 constexpr int KSTEPS = HS / 16;                               // MMA k-steps of Q K^T
 constexpr int OCOLS = HS / CG;                                // output columns per warp
@@ -72,8 +75,9 @@ constexpr int PA_TC_BT = 512;    // block-table entries kept in shared memory
 
 static_assert(HAL_DTYPE == HAL_F16 || HAL_DTYPE == HAL_BF16, "tensor-core attention takes f16 or bf16");
 static_assert(HS % 64 == 0 && HS <= 256, "HAL_HEAD_SIZE must be 64, 128, 192 or 256");
-static_assert(TG * CG == NWARPS && (TW == 8 || TW == 16) && KSTEPS % 2 == 0, "chunk layout");
-static_assert(OTILES % (TW == 16 ? 2 : 4) == 0, "whole ldmatrix.x4.trans per warp");
+constexpr int PSTEPS = TW / 16;                                // k16 steps of P V (0: one k8 step)
+static_assert(TG * CG == NWARPS && TW % 8 == 0 && (TW == 8 || TW % 16 == 0) && KSTEPS % 2 == 0, "chunk layout");
+static_assert(OTILES % (TW == 8 ? 4 : 2) == 0, "whole ldmatrix.x4.trans per warp");
 static_assert((CHUNK * VECS) % NT == 0, "a chunk is whole rounds of 16-byte copies");
 static_assert(TG * ROWS * OSTRIDE * 4 <= 2 * 2 * CHUNK * STRIDE * 2, "the merge buffer fits the K/V stages");
 constexpr float LOG2E = 1.4426950408889634f;  // logits are kept in base 2: exp(x) = exp2(x * log2(e))
@@ -86,6 +90,13 @@ HAL_DEVICE void mma(float* d, const unsigned* a, const unsigned* b) {
     hal_mma_m16n8k16_f16(d, a, b, d);
 #else
     hal_mma_m16n8k16_bf16(d, a, b, d);
+#endif
+}
+HAL_DEVICE void mma_k8(float* d, const unsigned* a, const unsigned* b) {
+#if HAL_DTYPE == HAL_F16
+    hal_mma_m16n8k8_f16(d, a, b, d);
+#else
+    hal_mma_m16n8k8_bf16(d, a, b, d);
 #endif
 }
 
@@ -214,7 +225,7 @@ HAL_DEVICE void attend(Shared& sm, const hal_t* HAL_RESTRICT query, const hal_t*
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
     float m[2] = {HAL_NEG_INF, HAL_NEG_INF};
-    const unsigned ones[2] = {ONES, ONES};
+    const unsigned ones[2] = {ONES, ONES};  // B of the exp-sum MMA
     hal_barrier();  // the block-table slice
 
     const hal_i64 block_stride = (hal_i64)num_kv_heads * block_size * HS;
@@ -235,10 +246,12 @@ HAL_DEVICE void attend(Shared& sm, const hal_t* HAL_RESTRICT query, const hal_t*
                 chunk_rows(sm, st, block_table, b0, c0 + 2 * CHUNK, t1, magic, block_stride, head_off, block_size);
         }
 
-        // Logits of this warp's tokens: NTW tiles of 16 x 8 over the whole head dimension.
+        // Logits of this warp's tokens: NTW tiles of 16 x 8 over the whole head dimension (two accumulator
+        // chains per tile, even and odd k-steps, so that consecutive MMAs do not wait for each other).
         float c[NTW][4];
 #pragma unroll
         for (int nt = 0; nt < NTW; ++nt) {
+            float c2[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int i = 0; i < 4; ++i) c[nt][i] = 0.f;
 #pragma unroll
@@ -246,8 +259,10 @@ HAL_DEVICE void attend(Shared& sm, const hal_t* HAL_RESTRICT query, const hal_t*
                 unsigned b[4];
                 hal_ldmatrix_x4(b, &sm.u.kv.k[st][tok0 + nt * 8 + (lane & 7)][kk * 16 + 8 * (lane >> 3)]);
                 mma(c[nt], qa[kk], b);
-                mma(c[nt], qa[kk + 1], b + 2);
+                mma(c2, qa[kk + 1], b + 2);
             }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) c[nt][i] += c2[i];
         }
 
         // Online softmax of rows g and g + 8 over this warp's tokens (token nt * 8 + 2 tig + (i & 1)).
@@ -271,14 +286,14 @@ HAL_DEVICE void attend(Shared& sm, const hal_t* HAL_RESTRICT query, const hal_t*
             alpha[r] = exp2_fast(m[r] - msafe[r]);
             m[r] = m_new;
         }
-        // P rounded to the cache dtype: the C fragments' pairs are the A fragment's words of P V.
-        unsigned pa[4];
+        // P rounded to the cache dtype: the C fragments' pairs are the A fragment's words of P V (tile nt, row
+        // half h: word 2 nt + h; a k16 step takes the words of two tiles, the k8 step of one).
+        unsigned pa[2 * NTW];
 #pragma unroll
         for (int nt = 0; nt < NTW; ++nt)
 #pragma unroll
             for (int h = 0; h < 2; ++h)
                 pa[2 * nt + h] = pack2(exp2_fast(c[nt][2 * h] - msafe[h]), exp2_fast(c[nt][2 * h + 1] - msafe[h]));
-        if (NTW == 1) pa[2] = pa[3] = 0u;  // 8 tokens: the upper k half of the MMA is zero
 
         // O = alpha * O + P V; exp-sum = alpha * l + P 1.
 #pragma unroll
@@ -287,22 +302,28 @@ HAL_DEVICE void attend(Shared& sm, const hal_t* HAL_RESTRICT query, const hal_t*
             for (int i = 0; i < 4; ++i) acc[nt][i] *= alpha[i >> 1];
 #pragma unroll
         for (int i = 0; i < 4; ++i) lsum[i] *= alpha[i >> 1];
-        mma(lsum, pa, ones);
         const int j = lane >> 3;
+        if (PSTEPS == 0) {  // 8 tokens: m16n8k8, ldmatrix.x4.trans matrices = tiles nt .. nt + 3
+            mma_k8(lsum, pa, ones);
 #pragma unroll
-        for (int nt = 0; nt < OTILES; nt += (NTW == 2 ? 2 : 4)) {
-            unsigned b[4];
-            if (NTW == 2) {  // 16 tokens: matrices (tokens 0-7 | 8-15) x (tiles nt | nt + 1)
-                hal_ldmatrix_x4_trans(b, &sm.u.kv.v[st][tok0 + 8 * (j & 1) + (lane & 7)][ocol0 + (nt + (j >> 1)) * 8]);
-                mma(acc[nt], pa, b);
-                mma(acc[nt + 1], pa, b + 2);
-            } else {  // 8 tokens: matrices = tiles nt .. nt + 3
+            for (int nt = 0; nt < OTILES; nt += 4) {
+                unsigned b[4];
                 hal_ldmatrix_x4_trans(b, &sm.u.kv.v[st][tok0 + (lane & 7)][ocol0 + (nt + j) * 8]);
 #pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    const unsigned bq[2] = {b[q], 0u};
-                    mma(acc[nt + q], pa, bq);
-                }
+                for (int q = 0; q < 4; ++q) mma_k8(acc[nt + q], pa, b + q);
+            }
+        }
+#pragma unroll
+        for (int ps = 0; ps < PSTEPS; ++ps) {  // 16 tokens each: matrices (tokens 0-7 | 8-15) x (tiles nt | nt + 1)
+            const unsigned* a = pa + 4 * ps;
+            mma(lsum, a, ones);
+#pragma unroll
+            for (int nt = 0; nt < OTILES; nt += 2) {
+                unsigned b[4];
+                hal_ldmatrix_x4_trans(
+                    b, &sm.u.kv.v[st][tok0 + 16 * ps + 8 * (j & 1) + (lane & 7)][ocol0 + (nt + (j >> 1)) * 8]);
+                mma(acc[nt], a, b);
+                mma(acc[nt + 1], a, b + 2);
             }
         }
     }
