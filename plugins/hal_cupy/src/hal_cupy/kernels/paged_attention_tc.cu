@@ -372,7 +372,15 @@ HAL_DEVICE void head_tile(int num_heads, int num_kv_heads, int* kv_head, int* he
 
 }  // namespace pa_tc
 
-HAL_GLOBAL void HAL_LAUNCH_BOUNDS(128)
+// Resident CTAs per SM the register allocation is held to (d=64: 4, d=128 and 192: 3, d=256: 2), so that a
+// few registers more or less do not move the kernel off the occupancy the partition rule expects.
+#if defined(HAL_MMA_SYNC)
+#define PA_TC_LAUNCH_BOUNDS __launch_bounds__(128, HAL_HEAD_SIZE == 64 ? 4 : HAL_HEAD_SIZE == 256 ? 2 : 3)
+#else
+#define PA_TC_LAUNCH_BOUNDS HAL_LAUNCH_BOUNDS(128)
+#endif
+
+HAL_GLOBAL void PA_TC_LAUNCH_BOUNDS
 hal_paged_attention_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT tmp_out, float* HAL_RESTRICT max_logits,
                        float* HAL_RESTRICT exp_sums, const hal_t* HAL_RESTRICT query,
                        const hal_t* HAL_RESTRICT key_cache, const hal_t* HAL_RESTRICT value_cache,
