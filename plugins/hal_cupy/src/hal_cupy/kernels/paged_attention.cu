@@ -336,18 +336,16 @@ hal_paged_attention_reduce(hal_t* HAL_RESTRICT out, const float* HAL_RESTRICT tm
             hal_barrier();  // the previous pass's weights are consumed
             for (int p = tid; p < n; p += NT) s_w[p] = expf(ml[p0 + p] - mx);
             hal_barrier();
-            if (active)
-                for (int p = pl; p < n; p += lanes) num += s_w[p] * part[(hal_i64)(p0 + p) * HS + d];
+            if (active) {
+                const float* src = part + (hal_i64)p0 * HS + d;
+                for (int p = pl; p < n; p += lanes) num += s_w[p] * src[(hal_i64)p * HS];
+            }
         }
-        if (lanes == 1) {
-            if (active) o[d] = hal_from_float(num * inv);
-            continue;
-        }
-        s_lane[tid] = num;
-        hal_barrier();
-        if (pl == 0 && active) {
+        if (lanes > 1) {  // uniform: add the other lanes' sums to lane 0's, in lane order
+            s_lane[tid] = num;
+            hal_barrier();
             for (int q = 1; q < lanes; ++q) num += s_lane[q * cols + col];
-            o[d] = hal_from_float(num * inv);
         }
+        if (pl == 0 && active) o[d] = hal_from_float(num * inv);
     }
 }
