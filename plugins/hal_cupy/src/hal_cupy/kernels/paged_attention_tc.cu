@@ -60,13 +60,11 @@ constexpr int ROWS = 16;  // query heads per CTA (MMA M)
 constexpr int CHUNK = HS == 64 ? 64 : HS <= 128 ? 32 : 16;
 constexpr int STRIDE = HS + 8;  // shared row stride in elements: 16-byte padding against bank conflicts
 constexpr int VECS = HS / 8;    // 16-byte pieces per K/V row
-#ifndef HAL_PA_TG
-#define HAL_PA_TG (CHUNK / 8 < NWARPS ? CHUNK / 8 : NWARPS)
-#endif
-constexpr int TG = HAL_PA_TG;  // token groups (warps along the tokens)
+constexpr int TG = CHUNK / 8 < NWARPS ? CHUNK / 8 : NWARPS;  // token groups (warps along the tokens)
 constexpr int CG = NWARPS / TG;                               // column groups (warps along the output)
-constexpr int TW = CHUNK / TG;                                // tokens per warp and chunk: 8, 16 or 32
+constexpr int TW = CHUNK / TG;                                // tokens per warp and chunk: 8 or 16
 constexpr int NTW = TW / 8;                                   // 8-token logit tiles per warp
+constexpr int PSTEPS = TW / 16;                               // k16 steps of P V (0: one k8 step)
 constexpr int KSTEPS = HS / 16;                               // MMA k-steps of Q K^T
 constexpr int OCOLS = HS / CG;                                // output columns per warp
 constexpr int OTILES = OCOLS / 8;
@@ -75,7 +73,6 @@ constexpr int PA_TC_BT = 512;    // block-table entries kept in shared memory
 
 static_assert(HAL_DTYPE == HAL_F16 || HAL_DTYPE == HAL_BF16, "tensor-core attention takes f16 or bf16");
 static_assert(HS % 64 == 0 && HS <= 256, "HAL_HEAD_SIZE must be 64, 128, 192 or 256");
-constexpr int PSTEPS = TW / 16;                                // k16 steps of P V (0: one k8 step)
 static_assert(TG * CG == NWARPS && TW % 8 == 0 && (TW == 8 || TW % 16 == 0) && KSTEPS % 2 == 0, "chunk layout");
 static_assert(OTILES % (TW == 8 ? 4 : 2) == 0, "whole ldmatrix.x4.trans per warp");
 static_assert((CHUNK * VECS) % NT == 0, "a chunk is whole rounds of 16-byte copies");
