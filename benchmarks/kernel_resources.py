@@ -100,11 +100,14 @@ def main() -> None:
         data["specializations"][sid][arch] = kernels
     args.json.write_text(json.dumps(data, indent=1) + "\n")
     args.markdown.parent.mkdir(parents=True, exist_ok=True)
-    # Keep the tensor-core section benchmarks/sass_budget.py maintains in the same file.
+    # Keep the tensor-core sections benchmarks/sass_budget.py maintains in the same file.
     old = args.markdown.read_text() if args.markdown.exists() else ""
-    begin, end = "<!-- sass-budget:begin -->", "<!-- sass-budget:end -->"
-    kept = old[old.index(begin): old.index(end) + len(end)] + "\n" if begin in old and end in old else ""
-    args.markdown.write_text(_markdown(data, archs) + ("\n" + kept if kept else ""))
+    kept = ""
+    for name in ("sass-budget", "sass-budget-attention"):
+        begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+        if begin in old and end in old:
+            kept += "\n" + old[old.index(begin): old.index(end) + len(end)] + "\n"
+    args.markdown.write_text(_markdown(data, archs) + kept)
 
     spills = [
         (sid, a, k)

@@ -1,14 +1,17 @@
 """Static instruction budget of the tensor-core kernels, read from their SASS.
 
-Compiles every ``quant_gemm_tc.cu`` specialisation with NVRTC for sm_80, sm_90 and sm_120 (no GPU needed),
+Compiles every ``quant_gemm_tc.cu`` and ``paged_attention_tc.cu`` specialisation with NVRTC for sm_80, sm_90 and
+sm_120 (no GPU needed),
 disassembles the cubin with ``nvdisasm`` (PyPI ``nvidia-cuda-nvdisasm``), and records per kernel: registers and
 spills (ptxas), occupancy (CTAs per SM from registers, shared memory and threads), HMMA/IMMA counts, and for the
 main loop (the loop holding the most tensor-core instructions): instructions per k-block and per byte of global
-memory a warp moves, and, W4A16, the int4 conversion instructions per two weights.
+memory a warp moves, and, W4A16, the int4 conversion instructions per two weights; for the decode attention
+(:func:`measure_attention`), instructions per chunk of K/V and per byte of K/V a warp's share of a chunk is.
 
     python benchmarks/sass_budget.py [--arch sm_90 ...] [--json benchmarks/sass_budget.json]
 
-Writes ``benchmarks/sass_budget.json`` and the "Tensor-core kernels" section of ``docs/kernel-resources.md``.
+Writes ``benchmarks/sass_budget.json`` and the "Tensor-core kernels" and "Tensor-core decode attention" sections of
+``docs/kernel-resources.md``.
 The pure parts (parsing, loop detection, budgets) are imported by the tests.
 """
 
@@ -38,6 +41,7 @@ SM_LIMITS = {
 #: The conversion's floor for nibbles packed 8 to a word (see markdown(): fp16 takes 2, bf16 4 views per word).
 MAX_CONVERSION_PER_2_WEIGHTS = {1: 1.25, 2: 1.75}  # HAL_DTYPE f16: 4 LOP3 + 1 shift per 8; bf16: 4 LOP3 + 3
 MAX_DEQUANT_PER_2_WEIGHTS = {1: 2.25, 2: 2.75}  # plus one HADD2/HFMA2 per pair for the zero point
+MAX_ATTENTION_INSTR_PER_BYTE = 0.1  # decode attention main loop: warp instructions per byte of K/V
 
 _FUNC = re.compile(r"^\s*\.text\.(\S+):\s*$")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):\s*$")
@@ -224,6 +228,96 @@ def measure(spec, arch: str, tool: str) -> list[KernelBudget]:
     return out
 
 
+@dataclass
+class AttentionBudget:
+    spec: str
+    arch: str
+    kernel: str
+    registers: int
+    spill_bytes: int
+    static_shared_bytes: int
+    ctas_per_sm: int
+    mma_total: int
+    mma_main_loop: int
+    main_loop_instructions: int
+    chunks_per_iteration: float
+    kv_bytes_per_warp: int  # bytes of K and V of one chunk, divided by the CTA's 4 warps
+    instructions_per_byte: float
+
+
+def attention_mma_per_chunk(head_size: int) -> int:
+    """MMAs one warp issues per chunk of ``paged_attention_tc.cu`` (mirror of its layout).
+
+    Q K^T: ``tokens / 8`` tiles x ``head_size / 16`` k-steps; P V: ``columns / 8`` tiles per k-step (one k8
+    step for 8 tokens, else ``tokens / 16`` k16 steps); plus one exp-sum MMA per P V step.
+    """
+    from hal_cupy import _specializations as S
+
+    chunk = S.paged_attention_tc_chunk(head_size)
+    groups = S.paged_attention_tc_token_groups(head_size)
+    tokens, columns = chunk // groups, head_size * groups // 4
+    pv_steps = max(1, tokens // 16)
+    return tokens // 8 * head_size // 16 + pv_steps * (columns // 8 + 1)
+
+
+def attention_specs() -> list:
+    from hal_cupy import _specializations as S
+
+    return [s for s in S.all_specializations() if s.source == "paged_attention_tc.cu"]
+
+
+def attention_budget(spec, arch: str, kernel: str, resources, insns: list[Insn],
+                     labels: dict[str, int]) -> AttentionBudget:
+    """Budget of the decode attention kernel: its main loop is one chunk of K/V (checked by its MMA count)."""
+    from hal_cupy import _specializations as S
+
+    head_size = int(dict(spec.defines)["HAL_HEAD_SIZE"])
+    body = main_loop(insns, labels)
+    mma_loop = sum(map(_is_mma, body))
+    chunks = mma_loop / attention_mma_per_chunk(head_size)
+    kv_bytes = S.paged_attention_tc_chunk(head_size) * head_size * 2 * 2 // 4
+    return AttentionBudget(
+        spec.id, arch, kernel, resources.registers, resources.spill_stores + resources.spill_loads,
+        resources.shared_bytes, occupancy(arch, resources.registers, resources.shared_bytes),
+        sum(map(_is_mma, insns)), mma_loop, len(body), chunks, kv_bytes,
+        len(body) / (chunks * kv_bytes) if chunks else 0.0,
+    )
+
+
+def measure_attention(spec, arch: str, tool: str) -> list[AttentionBudget]:
+    """Compile one ``paged_attention_tc.cu`` specialisation for ``arch`` and read its budget."""
+    from hal_cuda import _nvrtc as N
+    from hal_cupy import _specializations as S
+
+    res = N.compile_kernel_file(S.kernel_source_dir(), spec.source, spec.options(), arch)
+    funcs = parse_sass(disassemble(res.cubin, tool))
+    return [attention_budget(spec, arch, k, res.kernels[k], *funcs[k]) for k in spec.kernels]
+
+
+def attention_markdown(rows: list[AttentionBudget]) -> str:
+    lines = [
+        "## Tensor-core decode attention (SASS)",
+        "",
+        "From `python benchmarks/sass_budget.py`. *Main loop*: the loop with the most HMMA, one chunk of K/V per",
+        "iteration (its HMMA count is the layout's per-chunk count); *instr/chunk*: its warp instructions;",
+        "*K/V B/warp*: the bytes of K and V of one chunk divided by the CTA's 4 warps; *instr/byte*: the ratio.",
+        "",
+        "Held by `plugins/hal_cuda/tests/test_attention_sass_budget.py` on every arch: no spill; HMMA in the main",
+        f"loop, one chunk per iteration; at most {MAX_ATTENTION_INSTR_PER_BYTE} warp-instructions per byte of K/V;",
+        "at least 2 CTAs per SM.",
+        "",
+        "| specialisation | arch | regs | spill B | smem B | CTAs/SM | MMA (loop) | instr/chunk | K/V B/warp "
+        "| instr/byte |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| `{r.spec}` | {r.arch} | {r.registers} | {r.spill_bytes} | {r.static_shared_bytes} | "
+                     f"{r.ctas_per_sm} | {r.mma_total} ({r.mma_main_loop}) | {r.main_loop_instructions} | "
+                     f"{r.kv_bytes_per_warp} | {r.instructions_per_byte:.3f} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
 def markdown(rows: list[KernelBudget]) -> str:
     lines = [
         "## Tensor-core kernels (SASS)",
@@ -264,14 +358,15 @@ def markdown(rows: list[KernelBudget]) -> str:
 
 
 _BEGIN, _END = "<!-- sass-budget:begin -->", "<!-- sass-budget:end -->"
+_ATTN_BEGIN, _ATTN_END = "<!-- sass-budget-attention:begin -->", "<!-- sass-budget-attention:end -->"
 
 
-def write_doc(path: Path, table: str) -> None:
-    """Replace the marked section of ``path`` (appended when absent)."""
+def write_doc(path: Path, table: str, begin: str = _BEGIN, end: str = _END) -> None:
+    """Replace the section of ``path`` between the markers ``begin`` and ``end`` (appended when absent)."""
     text = path.read_text() if path.exists() else ""
-    block = f"{_BEGIN}\n{table}{_END}\n"
-    if _BEGIN in text and _END in text:
-        text = text[: text.index(_BEGIN)] + block + text[text.index(_END) + len(_END) + 1:]
+    block = f"{begin}\n{table}{end}\n"
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end) + 1:]
     else:
         text = text.rstrip("\n") + "\n\n" + block
     path.write_text(text)
@@ -289,9 +384,12 @@ def main() -> int:
         return 2
     archs = args.arch or DEFAULT_ARCHS
     rows = [b for spec in tensor_core_specs() for arch in archs for b in measure(spec, arch, tool)]
-    args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
+    attn = [b for spec in attention_specs() for arch in archs for b in measure_attention(spec, arch, tool)]
+    args.json.write_text(json.dumps([asdict(r) for r in rows + attn], indent=1) + "\n")
     write_doc(args.markdown, markdown(rows))
+    write_doc(args.markdown, attention_markdown(attn), _ATTN_BEGIN, _ATTN_END)
     print(markdown(rows))
+    print(attention_markdown(attn))
     return 0
 
 

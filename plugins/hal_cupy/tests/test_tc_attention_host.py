@@ -46,6 +46,8 @@ class Case:
     partition: int | None = None
     nonfinite: bool = False  # NaN in one query head, +inf in one used key, NaN in one used value element
     ftz: bool = False  # run with float32 subnormals flushed to zero, as CuPy's -ftz=true build does
+    #: Compute units the reduce step is sized for (its column slices); 0: one slice per head.
+    reduce_cus: int = MANY_CUS
 
     @property
     def id(self) -> str:
@@ -69,7 +71,7 @@ CASES = [
     # d=192; group 6 (padded tile); group 32 (two tiles per KV head).
     Case("bf16", 192, 12, 2, 16, (90, 5), partition=32),
     Case("fp16", 128, 32, 1, 8, (70,), partition=0),
-    Case("bf16", 128, 64, 2, 32, (45, 200), partition=96),
+    Case("bf16", 128, 64, 2, 32, (45, 200), partition=96, reduce_cus=0),
     # The plugin's partition rule: split across 132 compute units, lengths crossing 256-token partitions.
     Case("fp16", 128, 8, 2, 16, (700, 1, 513), partition=None),
     Case("bf16", 64, 16, 4, 32, (600,), partition=None),
@@ -141,7 +143,8 @@ def _run(host_builder: HostKernelBuilder, host_rng: np.random.Generator, case: C
         assert (parts > 1) == (case.partition is None), (size, parts)
     else:
         size, parts = case.partition, -(-max_len // case.partition)
-    launches = rules.paged_attention_tc_launches(num_seqs, case.num_heads, case.num_kv_heads, parts)
+    launches = rules.paged_attention_tc_launches(num_seqs, case.num_heads, case.num_kv_heads, parts, case.head_size,
+                                                 case.reduce_cus)
     common = (q, kc, vc, bt, sl, args["scale"], case.num_heads, case.num_kv_heads, case.block_size, bt.shape[1])
     own_flag = flag is None
     flag = np.zeros(1, np.int32) if flag is None else flag
@@ -272,6 +275,30 @@ def test_partition_rule(head_size: int) -> None:
             assert base >= cus * occ  # not split: the grid already fills the device
     with pytest.raises(ValueError):
         rules.paged_attention_tc_partitions(1, 8, 2, 100, head_size, 0, 1)
+
+
+def test_occupancy_from_registers_and_shared_memory() -> None:
+    """CTAs per compute unit: the least of shared memory, threads and registers (256-register warp units)."""
+    smem = rules.paged_attention_tc_shared_bytes(128) + 1024
+    assert rules.paged_attention_tc_ctas_per_cu(128, 228 << 10, 2048) == (228 << 10) // smem
+    assert rules.paged_attention_tc_ctas_per_cu(128, 100 << 10, 1536) == (100 << 10) // smem
+    # 168 registers: 5376 per warp, 21504 per CTA -> 3 in 64 Ki registers; 177 rounds up to 5888 per warp -> 2.
+    assert rules.paged_attention_tc_ctas_per_cu(128, 228 << 10, 2048, registers_per_thread=168) == 3
+    assert rules.paged_attention_tc_ctas_per_cu(128, 228 << 10, 2048, registers_per_thread=177) == 2
+    assert rules.paged_attention_tc_ctas_per_cu(128, 1024, 2048, registers_per_thread=255) == 1  # never 0
+
+
+def test_reduce_slices_fill_the_device() -> None:
+    """The reduce step's column slices: the fewest giving one CTA per compute unit, at least 32 columns each."""
+    slices = rules.paged_attention_tc_reduce_slices
+    assert slices(128, 32, 132) == 4  # 1 x 32k, 32 heads: 128 CTAs
+    assert slices(128, 32 * 64, 132) == 1  # enough heads x sequences already
+    assert slices(64, 8, 132) == 2  # no slice narrower than 32 columns
+    assert slices(256, 16, 132) == 8
+    assert slices(128, 4, 0) == 1
+    split = rules.paged_attention_tc_launches(1, 32, 8, 40, 128, 132)
+    assert split[1].grid == (32, 1, 4)
+    assert rules.paged_attention_tc_launches(1, 32, 8, 40)[1].grid == (32, 1, 1)
 
 
 def test_catalogue_lists_tc_specialisations() -> None:

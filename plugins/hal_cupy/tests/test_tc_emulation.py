@@ -1,6 +1,6 @@
 """The host emulation of the warp matrix instructions against the PTX ISA's fragment layouts.
 
-``host_compiled/mma_host.cuh`` implements ``mma.sync`` (m16n8k16 f16/bf16, m16n8k32 s8), ``ldmatrix`` and
+``host_compiled/mma_host.cuh`` implements ``mma.sync`` (m16n8k16 and m16n8k8 f16/bf16, m16n8k32 s8), ``ldmatrix`` and
 ``cp.async`` for the host-compiled kernels.  These tests rebuild every lane's fragments independently, from the
 element-indexed layout formulas as the PTX ISA states them ("Matrix Fragments for mma.m16n8k16 with floating point
 type", "... for mma.m16n8k32", "ldmatrix"), and compare what each lane receives; a full tile product (cp.async ->
@@ -51,6 +51,18 @@ def _f16_b(lane: int, i: int) -> tuple[int, int]:
     group, tig = lane >> 2, lane % 4
     row = tig * 2 + (i & 1) if i < 2 else tig * 2 + (i & 1) + 8
     return row, group
+
+
+def _f16_a8(lane: int, i: int) -> tuple[int, int]:
+    """A of m16n8k8 .f16/.bf16: elements a0..a3 (two per register)."""
+    group, tig = lane >> 2, lane % 4
+    return (group if i < 2 else group + 8), tig * 2 + (i & 1)
+
+
+def _f16_b8(lane: int, i: int) -> tuple[int, int]:
+    """B of m16n8k8: elements b0, b1."""
+    group, tig = lane >> 2, lane % 4
+    return tig * 2 + (i & 1), group
 
 
 def _acc(lane: int, i: int) -> tuple[int, int]:
@@ -115,6 +127,28 @@ def test_mma_m16n8k16_fragments(probe: ctypes.CDLL, host_rng: np.random.Generato
         for lane in range(32):
             for i in range(4):
                 # one rounding of the exact sum: agrees with float32(expected) to 1 ulp of float32
+                np.testing.assert_allclose(d_frag[32 * w + lane, i], expected[_acc(lane, i)], rtol=2**-23, atol=1e-6,
+                                           err_msg=f"warp {w} lane {lane} d{i}")
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["f16", "bf16"])
+def test_mma_m16n8k8_fragments(probe: ctypes.CDLL, host_rng: np.random.Generator, bf16: bool) -> None:
+    """m16n8k8 (the P V step of 8-token warps): every lane's D from the ISA's A/B/C tables, against float64."""
+    mats = [(host_rng.standard_normal((16, 8)), host_rng.standard_normal((8, 8)), host_rng.standard_normal((16, 8)))
+            for _ in range(WARPS)]
+    a_regs = np.concatenate([_pack(_b16_bits(a, bf16), _f16_a8, 4, 2) for a, _, _ in mats])
+    b_regs = np.concatenate([_pack(_b16_bits(b, bf16), _f16_b8, 2, 2) for _, b, _ in mats])
+    c_frag = np.zeros((32 * WARPS, 4), dtype=np.float32)
+    for w, (_, _, c) in enumerate(mats):
+        for lane in range(32):
+            for i in range(4):
+                c_frag[32 * w + lane, i] = np.float32(c[_acc(lane, i)])
+    d_frag = np.zeros_like(c_frag)
+    assert probe.probe_mma_m16n8k8(_ptr(a_regs), _ptr(b_regs), _ptr(c_frag), _ptr(d_frag), int(bf16)) == 0
+    for w, (a, b, c) in enumerate(mats):
+        expected = _b16_values(a, bf16) @ _b16_values(b, bf16) + c.astype(np.float32).astype(np.float64)
+        for lane in range(32):
+            for i in range(4):
                 np.testing.assert_allclose(d_frag[32 * w + lane, i], expected[_acc(lane, i)], rtol=2**-23, atol=1e-6,
                                            err_msg=f"warp {w} lane {lane} d{i}")
 

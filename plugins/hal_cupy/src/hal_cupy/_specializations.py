@@ -45,9 +45,11 @@ __all__ = [
     "paged_attention_tc_spec",
     "paged_attention_tc_chunk",
     "paged_attention_tc_shared_bytes",
+    "paged_attention_tc_token_groups",
     "paged_attention_tc_ctas_per_cu",
     "paged_attention_tc_partitions",
     "paged_attention_tc_launches",
+    "paged_attention_tc_reduce_slices",
     "paged_attention_uses_tensor_cores",
     "write_kv_cache_spec",
     "write_kv_cache_launch",
@@ -337,24 +339,47 @@ def paged_attention_tc_chunk(head_size: int) -> int:
     return 64 if head_size == 64 else 32 if head_size <= 128 else 16
 
 
+def paged_attention_tc_token_groups(head_size: int) -> int:
+    """Warps along the tokens of a chunk (mirror of TG in paged_attention_tc.cu): ``min(4, chunk / 8)``."""
+    return min(PA_TC_THREADS // 32, paged_attention_tc_chunk(head_size) // 8)
+
+
 def paged_attention_tc_shared_bytes(head_size: int) -> int:
     """Static shared memory of hal_paged_attention_tc.
 
-    Two stages of K and V (``chunk`` rows of ``head_size + 8`` 16-bit elements each), the logits
-    (``ksl * 16 * chunk`` floats, ``ksl = max(1, 4 / (chunk / 8))``) and :data:`PA_TC_BT` block-table entries,
-    plus the index check's one int (``hal_index_checks.cuh``).
+    Two stages of K and V (``chunk`` rows of ``head_size + 8`` 16-bit elements each; after the loop the same
+    bytes hold the token groups' fp32 outputs), the 64-bit row offsets of two chunks, per token group and row
+    the max, exp-sum and merge weight, the merged max and exp-sum per row, :data:`PA_TC_BT` block-table
+    entries, and the index check's one int (``hal_index_checks.cuh``).
     """
     chunk = paged_attention_tc_chunk(head_size)
-    ksl = max(1, 4 // (chunk // 8))
-    shared = 2 * 2 * chunk * (head_size + 8) * 2 + ksl * PA_TC_ROWS * chunk * 4 + PA_TC_BT * 4
+    groups = paged_attention_tc_token_groups(head_size)
+    stages = max(2 * 2 * chunk * (head_size + 8) * 2, groups * PA_TC_ROWS * (head_size + 4) * 4)
+    shared = stages + 2 * chunk * 8 + 3 * groups * PA_TC_ROWS * 4 + 2 * PA_TC_ROWS * 4 + PA_TC_BT * 4
     return shared + PA_INDEX_CHECK_BYTES
 
 
-def paged_attention_tc_ctas_per_cu(head_size: int, shared_per_cu: int = 228 << 10, threads_per_cu: int = 2048) -> int:
-    """Resident CTAs per compute unit estimated from shared memory and threads (the device's occupancy
-    calculator replaces this when a kernel is loaded)."""
+def paged_attention_tc_ctas_per_cu(
+    head_size: int,
+    shared_per_cu: int = 228 << 10,
+    threads_per_cu: int = 2048,
+    *,
+    registers_per_thread: int = 0,
+    registers_per_cu: int = 65536,
+) -> int:
+    """Resident CTAs of hal_paged_attention_tc per compute unit: the least of what the compute unit's shared
+    memory (static shared bytes + the 1 KiB per-CTA reservation), threads and, when the compiled kernel's
+    ``registers_per_thread`` is known, registers (allocated per warp in units of 256) allow.
+
+    Pass the device's ``shared_mem_per_cu``, ``max_threads_per_cu`` and ``registers_per_cu``; the defaults are an
+    H100's.  The device's occupancy calculator, where the runtime has one, bounds this further.
+    """
     per_cta = paged_attention_tc_shared_bytes(head_size) + 1024  # the per-CTA reservation
-    return max(1, min(shared_per_cu // per_cta, threads_per_cu // PA_TC_THREADS))
+    fits = min(shared_per_cu // per_cta, threads_per_cu // PA_TC_THREADS)
+    if registers_per_thread > 0:
+        per_warp = -(-registers_per_thread * 32 // 256) * 256
+        fits = min(fits, registers_per_cu // (per_warp * (PA_TC_THREADS // 32)))
+    return max(1, fits)
 
 
 def paged_attention_tc_partitions(
@@ -387,16 +412,28 @@ def paged_attention_tc_partitions(
     return size, -(-max_seq_len // size)
 
 
-def paged_attention_tc_launches(num_seqs: int, num_heads: int, num_kv_heads: int, max_partitions: int) -> list[Launch]:
+def paged_attention_tc_reduce_slices(head_size: int, rows: int, compute_units: int) -> int:
+    """Column slices per head of the reduce step (its grid z): the fewest that give ``rows`` (heads x sequences)
+    CTAs at least one per compute unit, each slice keeping at least 32 columns; 1 when ``compute_units`` is 0."""
+    slices = 1
+    while rows * slices < compute_units and head_size % (2 * slices) == 0 and head_size // (2 * slices) >= 32:
+        slices *= 2
+    return slices
+
+
+def paged_attention_tc_launches(num_seqs: int, num_heads: int, num_kv_heads: int, max_partitions: int,
+                                head_size: int = 128, compute_units: int = 0) -> list[Launch]:
     """hal_paged_attention_tc over (num_kv_heads * ceil(group / 16), num_seqs, max_partitions), then, when
-    split, hal_paged_attention_reduce of paged_attention.cu (grid (num_heads, num_seqs)).
+    split, hal_paged_attention_reduce of paged_attention.cu over (num_heads, num_seqs, slices), with
+    :func:`paged_attention_tc_reduce_slices` column slices so that the reduce step fills ``compute_units``.
 
     A split needs the fp32 workspaces of :func:`paged_attention_launches` (uninitialised is fine)."""
     group = num_heads // num_kv_heads
     gx = num_kv_heads * -(-group // PA_TC_ROWS)
     plans = [Launch("hal_paged_attention_tc", (gx, num_seqs, max_partitions), (PA_TC_THREADS, 1, 1))]
     if max_partitions > 1:
-        plans.append(Launch("hal_paged_attention_reduce", (num_heads, num_seqs, 1), (PA_NUM_THREADS, 1, 1)))
+        slices = paged_attention_tc_reduce_slices(head_size, num_heads * num_seqs, compute_units)
+        plans.append(Launch("hal_paged_attention_reduce", (num_heads, num_seqs, slices), (PA_NUM_THREADS, 1, 1)))
     return plans
 
 

@@ -236,6 +236,7 @@ class HostKernelBuilder:
         lib = ctypes.CDLL(str(out))
         p, i = ctypes.c_void_p, ctypes.c_int
         lib.probe_mma_m16n8k16.argtypes = [p, p, p, p, i]
+        lib.probe_mma_m16n8k8.argtypes = [p, p, p, p, i]
         lib.probe_mma_m16n8k32_s8.argtypes = [p, p, p, p]
         lib.probe_ldmatrix.argtypes = [p, p, i, i, p]
         lib.probe_cp_async.argtypes = [p, p, i, p]

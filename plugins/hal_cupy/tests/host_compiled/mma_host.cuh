@@ -12,6 +12,9 @@
 //       row = groupID + 8 * (i & 1), col = 2 * threadID_in_group + 8 * (i >> 1) + {0, 1}
 //     B (16x8, col): reg i in 0..1: row (k) = 2 * threadID_in_group + 8 * i + {0, 1}, col = groupID
 //     C/D (16x8 f32): elem i in 0..3: row = groupID + 8 * (i >> 1), col = 2 * threadID_in_group + (i & 1)
+//   m16n8k8 .f16/.bf16  A (16x8): reg i in 0..1: row = groupID + 8 * i, col = 2 * threadID_in_group + {0, 1}
+//     B (8x8): reg 0: row (k) = 2 * threadID_in_group + {0, 1}, col = groupID;  C/D as for m16n8k16
+//     (these are the k < 8 halves of the m16n8k16 fragments: the emulation runs m16n8k16 with the rest zero)
 //   m16n8k32 .s8  A (16x32): reg i holds 4 bytes: row = groupID + 8 * (i & 1),
 //       col = 4 * threadID_in_group + 16 * (i >> 1) + {0..3}
 //     B (32x8): reg i: row (k) = 4 * threadID_in_group + 16 * i + {0..3}, col = groupID
@@ -125,6 +128,12 @@ static inline void mma_m16n8k16(float* d, const unsigned* a, const unsigned* b, 
     }
 }
 
+// d = a * b + c for one m16n8k8 with 16-bit inputs: a[2] b[1] are m16n8k16's registers a0, a1, b0.
+static inline void mma_m16n8k8(float* d, const unsigned* a, const unsigned* b, const float* c, bool bf16) {
+    const unsigned a16[4] = {a[0], a[1], 0u, 0u}, b16[2] = {b[0], 0u};
+    mma_m16n8k16(d, a16, b16, c, bf16);
+}
+
 // d = a * b + c for one m16n8k32 with signed 8-bit inputs; words: a[4] b[2] c[4].
 static inline void mma_m16n8k32_s8(int* d, const unsigned* a, const unsigned* b, const int* c) {
     unsigned w[kWords];
@@ -189,6 +198,12 @@ HAL_DEVICE void hal_mma_m16n8k16_f16(float* d, const unsigned* a, const unsigned
 }
 HAL_DEVICE void hal_mma_m16n8k16_bf16(float* d, const unsigned* a, const unsigned* b, const float* c) {
     hal_host::mma_m16n8k16(d, a, b, c, true);
+}
+HAL_DEVICE void hal_mma_m16n8k8_f16(float* d, const unsigned* a, const unsigned* b, const float* c) {
+    hal_host::mma_m16n8k8(d, a, b, c, false);
+}
+HAL_DEVICE void hal_mma_m16n8k8_bf16(float* d, const unsigned* a, const unsigned* b, const float* c) {
+    hal_host::mma_m16n8k8(d, a, b, c, true);
 }
 HAL_DEVICE void hal_mma_m16n8k32_s8(int* d, const unsigned* a, const unsigned* b, const int* c) {
     hal_host::mma_m16n8k32_s8(d, a, b, c);

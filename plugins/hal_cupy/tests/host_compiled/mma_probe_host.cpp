@@ -21,6 +21,17 @@ extern "C" int probe_mma_m16n8k16(const unsigned* a, const unsigned* b, const fl
     });
 }
 
+// d[t][4] = mma.m16n8k8(a[t][2], b[t][1], c[t][4]) for every thread t.
+extern "C" int probe_mma_m16n8k8(const unsigned* a, const unsigned* b, const float* c, float* d, int bf16) {
+    return hal_host::launch_lambda(kGrid, kBlock, [=] {
+        const unsigned t = threadIdx.x;
+        if (bf16)
+            hal_mma_m16n8k8_bf16(d + 4 * t, a + 2 * t, b + t, c + 4 * t);
+        else
+            hal_mma_m16n8k8_f16(d + 4 * t, a + 2 * t, b + t, c + 4 * t);
+    });
+}
+
 extern "C" int probe_mma_m16n8k32_s8(const unsigned* a, const unsigned* b, const int* c, int* d) {
     return hal_host::launch_lambda(kGrid, kBlock, [=] {
         const unsigned t = threadIdx.x;

@@ -29,6 +29,19 @@ HAL_DEVICE void hal_mma_m16n8k16_bf16(float* d, const unsigned* a, const unsigne
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
           "f"(c[3]));
 }
+// d[4] = a[2] * b[1] + c[4]: A 16x8 row-major, B 8x8 column-major, f32 accumulate (the k = 8 shape).
+HAL_DEVICE void hal_mma_m16n8k8_f16(float* d, const unsigned* a, const unsigned* b, const float* c) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%8,%9,%10};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(b[0]), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+HAL_DEVICE void hal_mma_m16n8k8_bf16(float* d, const unsigned* a, const unsigned* b, const float* c) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%8,%9,%10};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(b[0]), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
 // d[4] = a[4] * b[2] + c[4]: A 16x32 s8 row-major, B 32x8 s8 column-major, s32 accumulate.
 HAL_DEVICE void hal_mma_m16n8k32_s8(int* d, const unsigned* a, const unsigned* b, const int* c) {
     asm volatile(

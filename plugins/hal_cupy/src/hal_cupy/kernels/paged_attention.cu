@@ -324,25 +324,36 @@ hal_paged_attention_split(float* HAL_RESTRICT tmp_out, float* HAL_RESTRICT max_l
     }
 }
 
-// Merges the partitions of hal_paged_attention_split with log-sum-exp.
-// Grid (num_heads, num_seqs), HAL_NUM_THREADS threads.  A partition marked by the
-// index checks (exp_sum < 0; a real exp-sum is >= 0 or NaN) makes the output zeros.
+// Merges the partitions of hal_paged_attention_split (or hal_paged_attention_tc) with log-sum-exp.
+// Grid (num_heads, num_seqs, slices), HAL_NUM_THREADS threads: CTA (h, s, z) writes columns
+// [z * HS / slices, (z + 1) * HS / slices) of head h of sequence s (slices divides HS; more slices fill a
+// device that has more compute units than heads x sequences).  The partitions' weights exp(m_p - max) are
+// computed once per CTA into shared memory, RP at a time; when a slice is narrower than the CTA, the threads
+// split the partitions into lanes and add the lanes' sums in a fixed order at the end.
+// A partition marked by the index checks (exp_sum < 0; a real exp-sum is >= 0 or NaN) makes the output zeros.
 HAL_GLOBAL void HAL_LAUNCH_BOUNDS(HAL_NUM_THREADS)
 hal_paged_attention_reduce(hal_t* HAL_RESTRICT out, const float* HAL_RESTRICT tmp_out,
                            const float* HAL_RESTRICT max_logits, const float* HAL_RESTRICT exp_sums,
                            const int* HAL_RESTRICT seq_lens, int num_heads, int partition_size,
                            int max_partitions) {
     using namespace pa;
+    constexpr int RP = 256;  // partition weights staged per pass
     __shared__ float s_red[NWARPS];
+    __shared__ float s_w[RP];
+    __shared__ float s_lane[NT];
     const int h = blockIdx.x, s = blockIdx.y;
     const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
+    const int width = HS / (int)gridDim.z, c0 = (int)blockIdx.z * width;
+    const int cols = width < NT ? width : NT;  // columns per pass of the CTA
+    const int lanes = NT / cols;               // partition lanes
+    const int col = tid % cols, pl = tid / cols;  // pl >= lanes: idle (NT is not a multiple of cols)
     const hal_i64 sh = (hal_i64)s * num_heads + h;
-    hal_t* o = out + sh * HS;
+    hal_t* o = out + sh * HS + c0;
     const int seq_len = seq_lens[s];
     int np = (seq_len + partition_size - 1) / partition_size;
     np = np < max_partitions ? np : max_partitions;
     if (np <= 0) {
-        for (int d = tid; d < HS; d += NT) o[d] = hal_from_float(0.f);
+        for (int d = tid; d < width; d += NT) o[d] = hal_from_float(0.f);
         return;
     }
     const float* ml = max_logits + sh * max_partitions;
@@ -354,7 +365,7 @@ hal_paged_attention_reduce(hal_t* HAL_RESTRICT out, const float* HAL_RESTRICT tm
         if (es[p] < 0.f) s_bad = 1;
     hal_barrier();
     if (s_bad != 0) {
-        for (int d = tid; d < HS; d += NT) o[d] = hal_from_float(0.f);
+        for (int d = tid; d < width; d += NT) o[d] = hal_from_float(0.f);
         return;
     }
 
@@ -376,10 +387,26 @@ hal_paged_attention_reduce(hal_t* HAL_RESTRICT out, const float* HAL_RESTRICT tm
     for (int w = 0; w < NWARPS; ++w) den += s_red[w];
     const float inv = den > 0.f ? 1.f / den : 0.f;
 
-    const float* part = tmp_out + sh * max_partitions * HS;
-    for (int d = tid; d < HS; d += NT) {
+    const float* part = tmp_out + sh * max_partitions * HS + c0;
+    for (int d0 = 0; d0 < width; d0 += cols) {
+        const int d = d0 + col;
+        const bool active = pl < lanes && d < width;
         float num = 0.f;
-        for (int p = 0; p < np; ++p) num += expf(ml[p] - mx) * part[(hal_i64)p * HS + d];
-        o[d] = hal_from_float(num * inv);
+        for (int p0 = 0; p0 < np; p0 += RP) {
+            const int n = np - p0 < RP ? np - p0 : RP;
+            hal_barrier();  // the previous pass's weights are consumed
+            for (int p = tid; p < n; p += NT) s_w[p] = expf(ml[p0 + p] - mx);
+            hal_barrier();
+            if (active) {
+                const float* src = part + (hal_i64)p0 * HS + d;
+                for (int p = pl; p < n; p += lanes) num += s_w[p] * src[(hal_i64)p * HS];
+            }
+        }
+        if (lanes > 1) {  // uniform: add the other lanes' sums to lane 0's, in lane order
+            s_lane[tid] = num;
+            hal_barrier();
+            for (int q = 1; q < lanes; ++q) num += s_lane[q * cols + col];
+        }
+        if (pl == 0 && active) o[d] = hal_from_float(num * inv);
     }
 }

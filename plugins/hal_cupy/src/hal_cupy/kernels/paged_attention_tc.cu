@@ -19,18 +19,28 @@
 // (entries past PA_TC_BT are read from global memory, never past the last used
 // block).  Chunks of CHUNK tokens of K and V go through two shared-memory
 // stages with cp.async: chunk c + 1 is in flight while chunk c is computed.
+// The byte offset of every token row of a chunk is computed once, one row per
+// thread of the first CHUNK threads, two chunks ahead, into a small table: a
+// copy is then one table read, two 64-bit adds and the cp.async of K and V.
 // Tokens past the partition's end are zero-filled by cp.async without a read,
 // so NaN in unused slots and blocks never reaches an MMA; their logits are
-// -inf.  Two barriers per chunk: (A) chunk c has landed and everybody is done
-// with chunk c - 1 (its stage is then refilled), (B) the logits are in shared
-// memory.  Q K^T: each warp computes 8-token column tiles of the 16 x CHUNK
-// logits over all (or half, when CHUNK is 16) of the head dimension, Q held in
-// A fragments in registers.  Softmax: every warp reads all logits in the C
-// fragment layout, which is the A fragment layout of P V, and updates the same
-// running max and exp-sum (fp32, online, in base 2 with exp2; identical in every warp).  P V: warp w
-// owns output columns [w * HS / 4, (w + 1) * HS / 4); V fragments come from
-// ldmatrix.trans.  P is rounded to the cache dtype for the MMA and the exp-sum
-// adds the rounded values, so the output is a convex combination of V rows.
+// -inf.  One barrier per chunk: chunk c has landed, everybody is done with
+// chunk c - 1 (its stage is then refilled), and the row offsets of chunk c + 1
+// are visible.
+//
+// Warps split a chunk by tokens: warp w owns TW tokens of every chunk (token
+// group w / CG) and, when CG > 1 (head sizes 192 and 256, 16-token chunks),
+// the output columns of column group w % CG.  A warp computes the 16 x TW
+// logits of its tokens (Q held in A fragments in registers, K fragments from
+// ldmatrix), its own online softmax (fp32, base 2, the scale pre-multiplied by
+// log2(e), one ex2 per logit) and P V: the logits' C fragments, rounded to the
+// cache dtype, are the A fragment of the P V MMA as they are (TW = 8: the
+// upper k half is zero), V fragments come from ldmatrix.trans.  The exp-sum is
+// one more MMA of P with a ones matrix, so it adds exactly the rounded P the
+// output uses (the output is a convex combination of V rows).  Nothing of the
+// softmax goes through shared memory and no warp waits for another inside the
+// loop.  After the loop the warps' (max, exp-sum, output) triples are merged
+// through shared memory (the K/V stages, no longer needed).
 //
 // Non-finite values: a NaN logit (NaN in q or a used key) makes its row NaN, a
 // +inf logit makes it NaN (inf - inf), a row of -inf logits gives 0/0 = NaN,
@@ -57,28 +67,51 @@ constexpr int ROWS = 16;  // query heads per CTA (MMA M)
 constexpr int CHUNK = HS == 64 ? 64 : HS <= 128 ? 32 : 16;
 constexpr int STRIDE = HS + 8;  // shared row stride in elements: 16-byte padding against bank conflicts
 constexpr int VECS = HS / 8;    // 16-byte pieces per K/V row
-constexpr int NTILES = CHUNK / 8;                          // 8-token column tiles of the logits
-constexpr int KSL = NWARPS > NTILES ? NWARPS / NTILES : 1;  // head-dimension slices of Q K^T
-constexpr int WPK = NWARPS / KSL;                          // warps per slice
-constexpr int NTPW = NTILES / WPK;                         // column tiles per warp
-constexpr int KSTEPS = HS / 16 / KSL;                      // MMA k-steps per warp in Q K^T
-constexpr int OCOLS = HS / NWARPS;                         // output columns per warp in P V
+constexpr int TG = CHUNK / 8 < NWARPS ? CHUNK / 8 : NWARPS;  // token groups (warps along the tokens)
+constexpr int CG = NWARPS / TG;                               // column groups (warps along the output)
+constexpr int TW = CHUNK / TG;                                // tokens per warp and chunk: 8 or 16
+constexpr int NTW = TW / 8;                                   // 8-token logit tiles per warp
+constexpr int PSTEPS = TW / 16;                               // k16 steps of P V (0: one k8 step)
+constexpr int KSTEPS = HS / 16;                               // MMA k-steps of Q K^T
+constexpr int OCOLS = HS / CG;                                // output columns per warp
 constexpr int OTILES = OCOLS / 8;
-constexpr int PSTEPS = CHUNK / 16;  // MMA k-steps of P V
-constexpr int PA_TC_BT = 512;       // block-table entries kept in shared memory
+constexpr int OSTRIDE = HS + 4;  // row stride (floats) of the merge buffer: rows g and g + 1 on other banks
+constexpr int PA_TC_BT = 512;    // block-table entries kept in shared memory
 
 static_assert(HAL_DTYPE == HAL_F16 || HAL_DTYPE == HAL_BF16, "tensor-core attention takes f16 or bf16");
 static_assert(HS % 64 == 0 && HS <= 256, "HAL_HEAD_SIZE must be 64, 128, 192 or 256");
-static_assert(KSTEPS % 2 == 0 && OTILES % 2 == 0 && NTPW >= 1 && PSTEPS >= 1, "chunk layout");
+static_assert(TG * CG == NWARPS && TW % 8 == 0 && (TW == 8 || TW % 16 == 0) && KSTEPS % 2 == 0, "chunk layout");
+static_assert(OTILES % (TW == 8 ? 4 : 2) == 0, "whole ldmatrix.x4.trans per warp");
 static_assert((CHUNK * VECS) % NT == 0, "a chunk is whole rounds of 16-byte copies");
+static_assert(TG * ROWS * OSTRIDE * 4 <= 2 * 2 * CHUNK * STRIDE * 2, "the merge buffer fits the K/V stages");
 constexpr float LOG2E = 1.4426950408889634f;  // logits are kept in base 2: exp(x) = exp2(x * log2(e))
 constexpr float LN2 = 0.6931471805599453f;
+// 1.0 in both halves of a packed pair (the B operand of the exp-sum MMA).
+constexpr unsigned ONES = HAL_DTYPE == HAL_F16 ? 0x3c003c00u : 0x3f803f80u;
 
 HAL_DEVICE void mma(float* d, const unsigned* a, const unsigned* b) {
 #if HAL_DTYPE == HAL_F16
     hal_mma_m16n8k16_f16(d, a, b, d);
 #else
     hal_mma_m16n8k16_bf16(d, a, b, d);
+#endif
+}
+HAL_DEVICE void mma_k8(float* d, const unsigned* a, const unsigned* b) {
+#if HAL_DTYPE == HAL_F16
+    hal_mma_m16n8k8_f16(d, a, b, d);
+#else
+    hal_mma_m16n8k8_bf16(d, a, b, d);
+#endif
+}
+
+// 2^x: one MUFU.EX2 on the GPU (the instruction exp2f becomes under CuPy's -ftz=true build); exp2f on the host.
+HAL_DEVICE float exp2_fast(float x) {
+#if defined(HAL_MMA_SYNC)
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#else
+    return exp2f(x);
 #endif
 }
 
@@ -97,73 +130,79 @@ HAL_DEVICE unsigned pack2(float lo, float hi) {
     return (unsigned)hal_from_float(lo) | ((unsigned)hal_from_float(hi) << 16);
 #endif
 }
-HAL_DEVICE float low_half(unsigned w) { return hal_to_float(static_cast<hal_t>(w & 0xffffu)); }
-HAL_DEVICE float high_half(unsigned w) { return hal_to_float(static_cast<hal_t>(w >> 16)); }
 
-struct alignas(16) Shared {
+struct KVStages {
     hal_t k[2][CHUNK][STRIDE];
     hal_t v[2][CHUNK][STRIDE];
-    float logit[KSL][ROWS][CHUNK];
+};
+struct alignas(16) Shared {
+    union {
+        KVStages kv;                   // the main loop
+        float o[TG][ROWS][OSTRIDE];    // then the token groups' unnormalised outputs
+    } u;
+    hal_i64 row_off[2][CHUNK];  // byte offset of each token row of the next chunks in the caches (0: past t1)
+    float m[TG][ROWS], l[TG][ROWS];  // per token group: max logit (base 2) and exp-sum of each row
+    float fac[TG][ROWS];             // merge weights 2^(m_g - max_g m_g)
+    float row_m[ROWS], row_l[ROWS];  // merged max logit (base 2) and exp-sum
     int bt[PA_TC_BT];
 };
 
-// This thread's copies: token rows tok0 + r * TPR of a chunk (r < ROUNDS), 16-byte piece `vec` of each, when
-// whole rows fit a round (FIXED_ROWS: every head size but 192); otherwise piece tid + r * NT of the chunk.
+// This thread's copies: piece tid + r * NT of a chunk (token row piece / VECS, 16-byte piece piece % VECS).
 constexpr int ROUNDS = CHUNK * VECS / NT;
-constexpr bool FIXED_ROWS = NT % VECS == 0;
-constexpr int TPR = FIXED_ROWS ? NT / VECS : 1;  // token rows per round of 128 copies
 
-// Where this thread's first token row of the next chunk is: table entry j (from b0), row rem in that block.
-// Advanced by whole chunks with a few subtractions instead of a division per row.
-struct Cursor {
-    int j, rem;
-};
-HAL_DEVICE void advance(Cursor& c, int tokens, int block_size) {
-    c.rem += tokens;
-    while (c.rem >= block_size) {
-        c.rem -= block_size;
-        ++c.j;
+// Where in the caches the rows of the chunk at c0 are: thread tid < CHUNK writes the byte offset of token
+// c0 + tid (0 past t1) into row_off[buf].  Block index by a multiply-high with `magic` = (2^32 - 1) / block_size,
+// which is low by at most one (corrected), instead of a division.
+HAL_DEVICE void chunk_rows(Shared& sm, int buf, const int* HAL_RESTRICT block_table, int b0, int c0, int t1,
+                           unsigned magic, hal_i64 block_stride, hal_i64 head_off, int block_size) {
+    const int tid = threadIdx.x;
+    if (tid >= CHUNK) return;
+    const int t = c0 + tid;
+    hal_i64 off = 0;
+    if (t < t1) {
+        int q = (int)(((unsigned long long)(unsigned)t * magic) >> 32);
+        int rem = t - q * block_size;
+        if (rem >= block_size) {
+            ++q;
+            rem -= block_size;
+        }
+        const int j = q - b0;
+        const hal_i64 phys = j < PA_TC_BT ? sm.bt[j] : block_table[b0 + j];
+        off = (phys * block_stride + head_off + (hal_i64)rem * HS) * (hal_i64)sizeof(hal_t);
     }
+    sm.row_off[buf][tid] = off;
 }
 
-// Queues the cp.async copies of K and V for tokens [c0, c0 + CHUNK) into stage st (zeros past t1, no read).
-// `cur` is this thread's first row of the chunk; `head_off` = kv_head * block_size * HS (+ vec * 8 with FIXED_ROWS),
-// `block_stride` = num_kv_heads * block_size * HS.
+// Queues the cp.async copies of K and V of the chunk whose row offsets are in row_off[st] into stage st;
+// rows at or past `left` (tokens left in the partition) are zero-filled without a read.
 HAL_DEVICE void load_chunk(Shared& sm, int st, const hal_t* HAL_RESTRICT key_cache,
-                           const hal_t* HAL_RESTRICT value_cache, const int* HAL_RESTRICT block_table, int b0,
-                           int c0, int t1, Cursor cur, hal_i64 block_stride, hal_i64 head_off, int block_size) {
+                           const hal_t* HAL_RESTRICT value_cache, int left) {
 #pragma unroll
     for (int r = 0; r < ROUNDS; ++r) {
         const int piece = threadIdx.x + r * NT;
-        const int tok = piece / VECS, vec = piece % VECS;
-        hal_i64 off = 0;
-        int bytes = 0;
-        if (c0 + tok < t1) {
-            int j = cur.j, rem = cur.rem;
-            if (!FIXED_ROWS) {  // head size 192: rows are not fixed per thread, one division per row
-                j = (c0 + tok) / block_size - b0;
-                rem = (c0 + tok) % block_size;
-            }
-            const hal_i64 phys = j < PA_TC_BT ? sm.bt[j] : block_table[b0 + j];
-            off = phys * block_stride + head_off + (hal_i64)rem * HS + (FIXED_ROWS ? 0 : vec * 8);
-            bytes = 16;
-        }
-        hal_cp_async_cg16(&sm.k[st][tok][vec * 8], key_cache + off, bytes);
-        hal_cp_async_cg16(&sm.v[st][tok][vec * 8], value_cache + off, bytes);
-        if (FIXED_ROWS && r + 1 < ROUNDS) advance(cur, TPR, block_size);
+        const int tok = piece / VECS, col = (piece % VECS) * 8;
+        const hal_i64 off = sm.row_off[st][tok];
+        const int bytes = tok < left ? 16 : 0;
+        hal_cp_async_cg16(&sm.u.kv.k[st][tok][col],
+                          reinterpret_cast<const char*>(key_cache + col) + off, bytes);
+        hal_cp_async_cg16(&sm.u.kv.v[st][tok][col],
+                          reinterpret_cast<const char*>(value_cache + col) + off, bytes);
     }
     hal_cp_async_commit();
 }
 
 // Attention of query rows [0, n_valid) (heads head0 + row) of sequence s over tokens [t0, t1), t0 < t1.
-// Leaves in acc/m/l, per lane, rows g = lane / 4 and g + 8 of the output columns the warp owns.
+// Leaves in shared memory the token groups' unnormalised outputs (u.o), their merge weights (fac) and the
+// merged max logit and exp-sum of each row (row_m, row_l); the output of row r, column d, is
+// sum_g fac[g][r] * u.o[g][r][d] (divided by row_l[r] when normalised).
 HAL_DEVICE void attend(Shared& sm, const hal_t* HAL_RESTRICT query, const hal_t* HAL_RESTRICT key_cache,
                        const hal_t* HAL_RESTRICT value_cache, const int* HAL_RESTRICT block_table, float scale,
                        int s, int num_heads, int num_kv_heads, int kv_head, int head0, int n_valid,
-                       int block_size, int t0, int t1, float (*acc)[4], float* m, float* l) {
+                       int block_size, int t0, int t1) {
     const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
     const int g = lane >> 2, tig = lane & 3;
-    const int ks = warp / WPK, wn = warp % WPK;
+    const int tg = warp / CG, cg = warp % CG;
+    const int tok0 = tg * TW, ocol0 = cg * OCOLS;
 
     // The partition's block-table slice, once.
     const int b0 = t0 / block_size, nb = (t1 - 1) / block_size - b0 + 1;
@@ -176,7 +215,7 @@ HAL_DEVICE void attend(Shared& sm, const hal_t* HAL_RESTRICT query, const hal_t*
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int row = g + 8 * (i & 1);
-            const int col = (ks * KSTEPS + kk) * 16 + 2 * tig + 8 * (i >> 1);
+            const int col = kk * 16 + 2 * tig + 8 * (i >> 1);
             unsigned w = 0;
             if (row < n_valid) {
                 const hal_t* p = query + ((hal_i64)s * num_heads + head0 + row) * HS + col;
@@ -184,62 +223,61 @@ HAL_DEVICE void attend(Shared& sm, const hal_t* HAL_RESTRICT query, const hal_t*
             }
             qa[kk][i] = w;
         }
+    float acc[OTILES][4], lsum[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int nt = 0; nt < OTILES; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
-    m[0] = m[1] = HAL_NEG_INF;
-    l[0] = l[1] = 0.f;
+    float m[2] = {HAL_NEG_INF, HAL_NEG_INF};
+    const unsigned ones[2] = {ONES, ONES};  // B of the exp-sum MMA
     hal_barrier();  // the block-table slice
 
     const hal_i64 block_stride = (hal_i64)num_kv_heads * block_size * HS;
-    const hal_i64 head_off = (hal_i64)kv_head * block_size * HS + (FIXED_ROWS ? (tid % VECS) * 8 : 0);
-    const int tfirst = t0 + tid / VECS;  // this thread's first row of chunk 0
-    Cursor cur = {tfirst / block_size - b0, tfirst % block_size};
+    const hal_i64 head_off = (hal_i64)kv_head * block_size * HS;
+    const unsigned magic = 0xffffffffu / (unsigned)block_size;
     const float scale2 = scale * LOG2E;
-    load_chunk(sm, 0, key_cache, value_cache, block_table, b0, t0, t1, cur, block_stride, head_off, block_size);
-    advance(cur, CHUNK, block_size);
+    chunk_rows(sm, 0, block_table, b0, t0, t1, magic, block_stride, head_off, block_size);
+    hal_barrier();  // the rows of chunk 0
+    load_chunk(sm, 0, key_cache, value_cache, t1 - t0);
+    if (t0 + CHUNK < t1) chunk_rows(sm, 1, block_table, b0, t0 + CHUNK, t1, magic, block_stride, head_off, block_size);
     int st = 0;
     for (int c0 = t0; c0 < t1; c0 += CHUNK, st ^= 1) {
         hal_cp_async_wait_all();
-        hal_barrier();  // (A) chunk c0 visible; stage st ^ 1 and the logits free
+        hal_barrier();  // chunk c0 visible; stage st ^ 1 free; the rows of chunk c0 + CHUNK visible
         if (c0 + CHUNK < t1) {
-            load_chunk(sm, st ^ 1, key_cache, value_cache, block_table, b0, c0 + CHUNK, t1, cur, block_stride,
-                       head_off, block_size);
-            advance(cur, CHUNK, block_size);
+            load_chunk(sm, st ^ 1, key_cache, value_cache, t1 - c0 - CHUNK);
+            if (c0 + 2 * CHUNK < t1)
+                chunk_rows(sm, st, block_table, b0, c0 + 2 * CHUNK, t1, magic, block_stride, head_off, block_size);
         }
 
-        // Logits of this warp's column tiles over its head-dimension slice.
+        // Logits of this warp's tokens: NTW tiles of 16 x 8 over the whole head dimension (two accumulator
+        // chains per tile, even and odd k-steps, so that consecutive MMAs do not wait for each other).
+        float c[NTW][4];
 #pragma unroll
-        for (int j = 0; j < NTPW; ++j) {
-            const int nt = wn + j * WPK;
-            float c[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int nt = 0; nt < NTW; ++nt) {
+            float c2[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) c[nt][i] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < KSTEPS; kk += 2) {
                 unsigned b[4];
-                const int col = (ks * KSTEPS + kk) * 16 + 8 * (lane >> 3);
-                hal_ldmatrix_x4(b, &sm.k[st][nt * 8 + (lane & 7)][col]);
-                mma(c, qa[kk], b);
-                mma(c, qa[kk + 1], b + 2);
+                hal_ldmatrix_x4(b, &sm.u.kv.k[st][tok0 + nt * 8 + (lane & 7)][kk * 16 + 8 * (lane >> 3)]);
+                mma(c[nt], qa[kk], b);
+                mma(c2, qa[kk + 1], b + 2);
             }
 #pragma unroll
-            for (int i = 0; i < 4; ++i) sm.logit[ks][g + 8 * (i >> 1)][nt * 8 + 2 * tig + (i & 1)] = c[i];
+            for (int i = 0; i < 4; ++i) c[nt][i] += c2[i];
         }
-        hal_barrier();  // (B) logits complete
 
-        // Online softmax on rows g and g + 8 (the same in every warp).
-        float p[NTILES][4];
+        // Online softmax of rows g and g + 8 over this warp's tokens (token nt * 8 + 2 tig + (i & 1)).
+        const int lim = t1 - c0 - tok0 - 2 * tig;
         float mx[2] = {HAL_NEG_INF, HAL_NEG_INF};
 #pragma unroll
-        for (int nt = 0; nt < NTILES; ++nt)
+        for (int nt = 0; nt < NTW; ++nt)
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const int row = g + 8 * (i >> 1), col = nt * 8 + 2 * tig + (i & 1);
-                float v = sm.logit[0][row][col];
-#pragma unroll
-                for (int q = 1; q < KSL; ++q) v += sm.logit[q][row][col];
-                v = c0 + col < t1 ? v * scale2 : HAL_NEG_INF;
-                p[nt][i] = v;
+                const float v = nt * 8 + (i & 1) < lim ? c[nt][i] * scale2 : HAL_NEG_INF;
+                c[nt][i] = v;
                 mx[i >> 1] = fmaxf(mx[i >> 1], v);
             }
         float alpha[2], msafe[2];
@@ -249,46 +287,80 @@ HAL_DEVICE void attend(Shared& sm, const hal_t* HAL_RESTRICT query, const hal_t*
             mx[r] = fmaxf(mx[r], hal_shfl_xor(mx[r], 2));
             const float m_new = fmaxf(m[r], mx[r]);  // NaN logits are ignored here and poison the sum
             msafe[r] = m_new == HAL_NEG_INF ? 0.f : m_new;
-            alpha[r] = exp2f(m[r] - msafe[r]);
+            alpha[r] = exp2_fast(m[r] - msafe[r]);
             m[r] = m_new;
         }
-        // P rounded to the cache dtype in A-fragment words (row g: word 0, row g + 8: word 1 of each tile).
-        unsigned pw[NTILES][2];
-        float sum[2] = {0.f, 0.f};
+        // P rounded to the cache dtype: the C fragments' pairs are the A fragment's words of P V (tile nt, row
+        // half h: word 2 nt + h; a k16 step takes the words of two tiles, the k8 step of one).
+        unsigned pa[2 * NTW];
 #pragma unroll
-        for (int nt = 0; nt < NTILES; ++nt)
+        for (int nt = 0; nt < NTW; ++nt)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const unsigned w = pack2(exp2f(p[nt][2 * h] - msafe[h]), exp2f(p[nt][2 * h + 1] - msafe[h]));
-                pw[nt][h] = w;
-                sum[h] += low_half(w) + high_half(w);
-            }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            sum[r] += hal_shfl_xor(sum[r], 1);
-            sum[r] += hal_shfl_xor(sum[r], 2);
-            l[r] = l[r] * alpha[r] + sum[r];
-        }
+            for (int h = 0; h < 2; ++h)
+                pa[2 * nt + h] = pack2(exp2_fast(c[nt][2 * h] - msafe[h]), exp2_fast(c[nt][2 * h + 1] - msafe[h]));
 
-        // O[:, warp's columns] = alpha * O + P V.
+        // O = alpha * O + P V; exp-sum = alpha * l + P 1.
 #pragma unroll
         for (int nt = 0; nt < OTILES; ++nt)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[nt][i] *= alpha[i >> 1];
 #pragma unroll
-        for (int kk = 0; kk < PSTEPS; ++kk) {
-            const unsigned a[4] = {pw[2 * kk][0], pw[2 * kk][1], pw[2 * kk + 1][0], pw[2 * kk + 1][1]};
+        for (int i = 0; i < 4; ++i) lsum[i] *= alpha[i >> 1];
+        const int j = lane >> 3;
+        if (PSTEPS == 0) {  // 8 tokens: m16n8k8, ldmatrix.x4.trans matrices = tiles nt .. nt + 3
+            mma_k8(lsum, pa, ones);
+#pragma unroll
+            for (int nt = 0; nt < OTILES; nt += 4) {
+                unsigned b[4];
+                hal_ldmatrix_x4_trans(b, &sm.u.kv.v[st][tok0 + (lane & 7)][ocol0 + (nt + j) * 8]);
+#pragma unroll
+                for (int q = 0; q < 4; ++q) mma_k8(acc[nt + q], pa, b + q);
+            }
+        }
+#pragma unroll
+        for (int ps = 0; ps < PSTEPS; ++ps) {  // 16 tokens each: matrices (tokens 0-7 | 8-15) x (tiles nt | nt + 1)
+            const unsigned* a = pa + 4 * ps;
+            mma(lsum, a, ones);
 #pragma unroll
             for (int nt = 0; nt < OTILES; nt += 2) {
                 unsigned b[4];
-                const int j = lane >> 3;
-                hal_ldmatrix_x4_trans(b, &sm.v[st][kk * 16 + 8 * (j & 1) + (lane & 7)]
-                                              [warp * OCOLS + nt * 8 + 8 * (j >> 1)]);
+                hal_ldmatrix_x4_trans(
+                    b, &sm.u.kv.v[st][tok0 + 16 * ps + 8 * (j & 1) + (lane & 7)][ocol0 + (nt + (j >> 1)) * 8]);
                 mma(acc[nt], a, b);
                 mma(acc[nt + 1], a, b + 2);
             }
         }
     }
+
+    // Merge the token groups: each writes its output, max and exp-sum; the rows' weights are computed once.
+    hal_barrier();  // every warp is done with the stages the merge buffer overlays
+#pragma unroll
+    for (int nt = 0; nt < OTILES; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sm.u.o[tg][g + 8 * (i >> 1)][ocol0 + nt * 8 + 2 * tig + (i & 1)] = acc[nt][i];
+    if (cg == 0 && tig == 0) {  // every column of the exp-sum MMA holds the row's sum
+        sm.m[tg][g] = m[0];
+        sm.m[tg][g + 8] = m[1];
+        sm.l[tg][g] = lsum[0];
+        sm.l[tg][g + 8] = lsum[2];
+    }
+    hal_barrier();
+    if (tid < ROWS) {
+        float mm = sm.m[0][tid];
+#pragma unroll
+        for (int q = 1; q < TG; ++q) mm = fmaxf(mm, sm.m[q][tid]);
+        const float ms = mm == HAL_NEG_INF ? 0.f : mm;
+        float l = 0.f;
+#pragma unroll
+        for (int q = 0; q < TG; ++q) {
+            const float f = exp2_fast(sm.m[q][tid] - ms);
+            sm.fac[q][tid] = f;
+            l += f * sm.l[q][tid];
+        }
+        sm.row_m[tid] = mm;
+        sm.row_l[tid] = l;
+    }
+    hal_barrier();
 }
 
 // Maps blockIdx.x to (kv head, first query head, number of valid rows) for 16-row tiles.
@@ -304,7 +376,15 @@ HAL_DEVICE void head_tile(int num_heads, int num_kv_heads, int* kv_head, int* he
 
 }  // namespace pa_tc
 
-HAL_GLOBAL void HAL_LAUNCH_BOUNDS(128)
+// Resident CTAs per SM the register allocation is held to (d=64: 4, d=128 and 192: 3, d=256: 2), so that a
+// few registers more or less do not move the kernel off the occupancy the partition rule expects.
+#if defined(HAL_MMA_SYNC)
+#define PA_TC_LAUNCH_BOUNDS __launch_bounds__(128, HAL_HEAD_SIZE == 64 ? 4 : HAL_HEAD_SIZE == 256 ? 2 : 3)
+#else
+#define PA_TC_LAUNCH_BOUNDS HAL_LAUNCH_BOUNDS(128)
+#endif
+
+HAL_GLOBAL void PA_TC_LAUNCH_BOUNDS
 hal_paged_attention_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT tmp_out, float* HAL_RESTRICT max_logits,
                        float* HAL_RESTRICT exp_sums, const hal_t* HAL_RESTRICT query,
                        const hal_t* HAL_RESTRICT key_cache, const hal_t* HAL_RESTRICT value_cache,
@@ -315,8 +395,6 @@ hal_paged_attention_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT tmp_out, flo
     using namespace pa_tc;
     __shared__ Shared sm;
     const int s = blockIdx.y, part = blockIdx.z;
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    const int g = lane >> 2, tig = lane & 3;
     int kv_head, head0, n_valid;
     head_tile(num_heads, num_kv_heads, &kv_head, &head0, &n_valid);
     // Index checks: a bad length or block-table entry of this partition is never read (see the top).
@@ -333,17 +411,10 @@ hal_paged_attention_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT tmp_out, flo
     if (t1 > t0 && !hal_block_table_ok(table, t0 / block_size, (t1 - 1) / block_size + 1, num_blocks, NT))
         code = HAL_ERR_BLOCK_TABLES;
     if (code != 0 && threadIdx.x == 0) hal_report_index_error(error_flag, code);
-    const int col0 = warp * OCOLS + 2 * tig;
 
     if (max_partitions == 1 && (seq_len <= 0 || code != 0)) {  // an empty or unreadable sequence gives zeros
-#pragma unroll
-        for (int nt = 0; nt < OTILES; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int row = g + 8 * (i >> 1);
-                if (row < n_valid)
-                    out[((hal_i64)s * num_heads + head0 + row) * HS + col0 + nt * 8 + (i & 1)] = hal_from_float(0.f);
-            }
+        for (int e = threadIdx.x; e < n_valid * HS; e += NT)
+            out[((hal_i64)s * num_heads + head0) * HS + e] = hal_from_float(0.f);
         return;
     }
     if (code != 0) {  // split: mark the partition for the reduce step
@@ -356,26 +427,24 @@ hal_paged_attention_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT tmp_out, flo
     }
     if (t0 >= seq_len) return;
 
-    float acc[OTILES][4], m[2], l[2];
     attend(sm, query, key_cache, value_cache, table, scale, s, num_heads, num_kv_heads, kv_head, head0, n_valid,
-           block_size, t0, t1, acc, m, l);
+           block_size, t0, t1);
 
+    for (int e = threadIdx.x; e < n_valid * HS; e += NT) {
+        const int row = e / HS, d = e % HS;
+        float o = 0.f;
 #pragma unroll
-    for (int nt = 0; nt < OTILES; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int row = g + 8 * (i >> 1), d = col0 + nt * 8 + (i & 1);
-            if (row >= n_valid) continue;
-            const hal_i64 sh = (hal_i64)s * num_heads + head0 + row;
-            if (max_partitions == 1) {
-                out[sh * HS + d] = hal_from_float(acc[nt][i] / l[i >> 1]);  // l == 0: all logits -inf, NaN
-            } else {
-                const hal_i64 sp = sh * max_partitions + part;
-                tmp_out[sp * HS + d] = acc[nt][i];
-                if (warp == 0 && nt == 0 && tig == 0 && (i & 1) == 0) {
-                    max_logits[sp] = m[i >> 1] * LN2;  // natural-log units, as the reduce step reads
-                    exp_sums[sp] = l[i >> 1];
-                }
+        for (int q = 0; q < TG; ++q) o += sm.fac[q][row] * sm.u.o[q][row][d];
+        const hal_i64 sh = (hal_i64)s * num_heads + head0 + row;
+        if (max_partitions == 1) {
+            out[sh * HS + d] = hal_from_float(o / sm.row_l[row]);  // l == 0: all logits -inf, NaN
+        } else {
+            const hal_i64 sp = sh * max_partitions + part;
+            tmp_out[sp * HS + d] = o;
+            if (d == 0) {
+                max_logits[sp] = sm.row_m[row] * LN2;  // natural-log units, as the reduce step reads
+                exp_sums[sp] = sm.row_l[row];
             }
         }
+    }
 }

@@ -5,8 +5,10 @@ Selection, per call:
 - Tensor cores (the platform's warp matrix instructions at level ``PA_TC_MIN_SM``, see
   :meth:`hal_cupy.GpuPlatform.warp_mma_level`; fp16/bf16 caches; at least ``PA_TC_MIN_GROUP`` query heads per
   KV head; a head size of ``PA_TC_HEAD_SIZES``; ``HAL_<BACKEND>_TENSOR_CORES`` not 0): ``paged_attention_tc.cu``.
-  Its partitions come from compute units x the kernel's occupancy and the sequence-length bound (below); a
-  split is merged by ``hal_paged_attention_reduce`` of ``paged_attention.cu``.
+  Its partitions come from compute units x the kernel's occupancy (the device's shared memory, threads and
+  registers per compute unit against the compiled kernel's, bounded by the runtime's occupancy calculator) and
+  the sequence-length bound (below); a split is merged by ``hal_paged_attention_reduce`` of
+  ``paged_attention.cu``, in column slices that give every compute unit a CTA.
 - Otherwise (fp32, small groups, other head sizes, devices without those instructions): the SIMT kernels of
   ``paged_attention.cu``, single-pass or split-KV by :func:`choose_paged_attention_variant`.
 
@@ -90,14 +92,17 @@ def _run_tensor_cores(call: OpCall, device_index: int, storage: tuple[Any, ...],
     device = call.backend.device(device_index)
     caps = device.capabilities
     kernels = kernels_for(call, device_index, paged_attention_tc_spec(kdtype, head_size))
-    occupancy = paged_attention_tc_ctas_per_cu(head_size)
+    registers = int(getattr(kernels["hal_paged_attention_tc"], "attributes", {}).get("num_regs", 0))
+    occupancy = paged_attention_tc_ctas_per_cu(head_size, caps.shared_mem_per_cu, caps.max_threads_per_cu,
+                                               registers_per_thread=registers,
+                                               registers_per_cu=caps.registers_per_cu)
     measured = getattr(device.launcher, "blocks_per_cu", None)
     if measured is not None:
         occupancy = max(1, min(occupancy, int(measured(kernels["hal_paged_attention_tc"], 128))))
     # The bound covers every valid length (the kernels flag others); partitions past a sequence's end exit at once.
     size, parts = paged_attention_tc_partitions(num_seqs, num_heads, num_kv_heads, int(checks[1]),
                                                 head_size, caps.compute_units, occupancy)
-    plans = paged_attention_tc_launches(num_seqs, num_heads, num_kv_heads, parts)
+    plans = paged_attention_tc_launches(num_seqs, num_heads, num_kv_heads, parts, head_size, caps.compute_units)
     common = (q, kc, vc, bt, sl, np.float32(call["scale"]), np.int32(num_heads), np.int32(num_kv_heads),
               np.int32(block_size), np.int32(bt.shape[1]), np.int32(size), np.int32(parts))
     if parts == 1:
