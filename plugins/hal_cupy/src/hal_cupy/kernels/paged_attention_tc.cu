@@ -384,6 +384,25 @@ HAL_DEVICE void head_tile(int num_heads, int num_kv_heads, int* kv_head, int* he
 #define PA_TC_LAUNCH_BOUNDS HAL_LAUNCH_BOUNDS(128)
 #endif
 
+namespace pa_tc {
+// The index checks of the top: 0, or the code of the argument whose values this CTA must not read (reported
+// once).  Cooperative (hal_block_table_ok).  Kept out of line on the device so that none of its values stays
+// live in the registers the main loop needs.
+#if defined(HAL_HOST)
+HAL_DEVICE
+#else
+__device__ __noinline__
+#endif
+int check_indices(const int* HAL_RESTRICT table, bool bad_len, int t0, int t1, int block_size, int num_blocks,
+                  int* HAL_RESTRICT error_flag) {
+    int code = bad_len ? HAL_ERR_SEQ_LENS : 0;
+    if (t1 > t0 && !hal_block_table_ok(table, t0 / block_size, (t1 - 1) / block_size + 1, num_blocks, NT))
+        code = HAL_ERR_BLOCK_TABLES;
+    if (code != 0 && threadIdx.x == 0) hal_report_index_error(error_flag, code);
+    return code;
+}
+}  // namespace pa_tc
+
 HAL_GLOBAL void PA_TC_LAUNCH_BOUNDS
 hal_paged_attention_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT tmp_out, float* HAL_RESTRICT max_logits,
                        float* HAL_RESTRICT exp_sums, const hal_t* HAL_RESTRICT query,
@@ -407,10 +426,7 @@ hal_paged_attention_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT tmp_out, flo
     // One partition covers the whole sequence.
     const int t1 = max_partitions == 1 || seq_len - t0 < partition_size ? seq_len : t0 + partition_size;
     const int* table = block_tables + (hal_i64)s * max_blocks_per_seq;
-    int code = bad_len ? HAL_ERR_SEQ_LENS : 0;
-    if (t1 > t0 && !hal_block_table_ok(table, t0 / block_size, (t1 - 1) / block_size + 1, num_blocks, NT))
-        code = HAL_ERR_BLOCK_TABLES;
-    if (code != 0 && threadIdx.x == 0) hal_report_index_error(error_flag, code);
+    const int code = pa_tc::check_indices(table, bad_len, t0, t1, block_size, num_blocks, error_flag);
 
     if (max_partitions == 1 && (seq_len <= 0 || code != 0)) {  // an empty or unreadable sequence gives zeros
         for (int e = threadIdx.x; e < n_valid * HS; e += NT)
