@@ -93,6 +93,30 @@ def test_w8a8_non_finite_row_gives_nan_row(rng: np.random.Generator, bad: float)
     assert_close(got[rows], clean[rows], kind="gemm", dtype="fp32", what="W8A8 clean rows")
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 6, 16, 32])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize(("group_size", "symmetric"), [(32, False), (128, True), (128, False)])
+def test_w4a16_half_activations_keep_float32_accuracy(variant: str, rng: np.random.Generator, m: int, dtype: str,
+                                                      group_size: int, symmetric: bool) -> None:
+    """fp16/bf16 activations through the in-register kernel (AVX512_BF16 dot products where the CPU has them):
+    the float32 result meets the float32 tolerance against the float64 reference on the same rounded inputs,
+    so no activation is rounded to a narrower type on the way (an fp16 value is split exactly into bf16 parts)."""
+    args = quantized_gemm_inputs(rng, m=m, k=4 * group_size, n=300, bits=4, group_size=group_size,
+                                 symmetric=symmetric, dtype=dtype)
+    got = quantized_gemm.gemm(args["x"], args["qweight"], kernel="registers")
+    assert_close(got, REFERENCE(args), kind="gemm", dtype="fp32", what=f"{variant} W4A16 registers {dtype} x")
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_w4a16_half_activation_non_finite(rng: np.random.Generator, dtype: str, bad: float) -> None:
+    """A non-finite fp16/bf16 activation gives the reference's non-finite pattern in its row, the rest unchanged."""
+    args = quantized_gemm_inputs(rng, m=3, k=256, n=80, bits=4, group_size=64, symmetric=False, dtype=dtype)
+    args["x"][1, 5] = bad
+    got = quantized_gemm.gemm(args["x"], args["qweight"], kernel="registers")
+    assert_close(got, REFERENCE(args), kind="gemm", dtype="fp32", what=f"registers {dtype} x with {bad}")
+
+
 @pytest.mark.parametrize(("m", "k", "n", "group_size"), [(1, 640, 300, 128), (19, 520, 290, 8), (70, 1032, 97, 129)])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 def test_w4a16_blocked_panel_edges(variant: str, rng: np.random.Generator, m: int, k: int, n: int, group_size: int,
