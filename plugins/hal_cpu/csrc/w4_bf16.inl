@@ -121,7 +121,10 @@ HAL_BF16_TARGET void w4_bf16_rows(int64_t m, const uint32_t *hi, const uint32_t 
                                   const float *xsum, int64_t ngroups, const uint32_t *qw, int64_t n, int64_t n0,
                                   const typename SS::T *sc, const uint8_t *zeros, float zdef, int64_t gsize,
                                   float *y) {
-    constexpr int MB = NV >= 4 ? 1 : 4;  // accumulators and totals within the 32 zmm registers
+#ifndef HAL_W4_BF16_MB
+#define HAL_W4_BF16_MB 4
+#endif
+    constexpr int MB = NV >= 4 ? 1 : HAL_W4_BF16_MB;  // accumulators and totals within the 32 zmm registers
     for (int64_t r = 0; r < m;) {
         const int64_t left = m - r;
 #define HAL_W4_BF16_ROWS(R)                                                                                    \
