@@ -14,24 +14,16 @@
 // Products are plain IEEE float32 products of x and (q - z) * s, so non-finite activations give
 // what the float64 reference gives (NaN rows in, NaN rows out; inf times a zero weight is NaN).
 
-#if defined(HAL_ISA_AVX512) && defined(HAL_W4_MR)
-constexpr int kMR = HAL_W4_MR, kNV = 2;
-#elif defined(HAL_ISA_AVX512)
-constexpr int kMR = 8, kNV = 2;  // 8 x 32 tile: 16 zmm accumulators, 2 for B, 1 broadcast
+#if defined(HAL_ISA_AVX512)
+constexpr int kMR = 8, kNV = 2;  // 8 x 32 tile: 16 zmm accumulators, 2 for B, 1 broadcast (6 or 12 rows: no faster)
 #elif defined(HAL_ISA_AVX2)
 constexpr int kMR = 6, kNV = 2;  // 6 x 16 tile: 12 ymm accumulators, 2 for B, 1 broadcast
 #else
 constexpr int kMR = 4, kNV = 2;
 #endif
 constexpr int kNR = kNV * W;
-#ifndef HAL_W4_KC
-#define HAL_W4_KC 256
-#endif
-#ifndef HAL_W4_NC
-#define HAL_W4_NC 256
-#endif
-constexpr int64_t kKC = HAL_W4_KC;  // rows of K per dequantised panel (a multiple of 8: whole packed words)
-constexpr int64_t kNC = HAL_W4_NC;  // columns per task and panel (a multiple of kNR); panel = kKC * kNC floats
+constexpr int64_t kKC = 256;  // rows of K per dequantised panel (a multiple of 8: whole packed words; 512: no faster)
+constexpr int64_t kNC = 256;  // columns per task and panel (a multiple of kNR); panel = kKC * kNC floats = 256 KiB
 
 // c[mr][nr] (+)= sum_k a[k][mr] * b[k][nr] for one kMR x kNR tile; `accumulate` adds to c.
 template <int MR>

@@ -12,18 +12,6 @@
 constexpr float kNibbleScale[8] = {1.0f, 0.0625f, 0.00390625f, 0.000244140625f, 1.52587890625e-05f,
                                    9.5367431640625e-07f, 5.9604644775390625e-08f, 5.9604644775390625e-08f};
 
-#ifndef HAL_W4_PF_HINT
-#define HAL_W4_PF_HINT 3  // into every cache level (a non-temporal hint loses lines before their use)
-#endif
-#ifndef HAL_W4_PREFETCH
-#define HAL_W4_PREFETCH 8
-#endif
-#ifndef HAL_W4_GEMV_NV
-#define HAL_W4_GEMV_NV 4
-#endif
-constexpr int64_t kW4Prefetch = HAL_W4_PREFETCH;  // packed rows ahead of the one being read
-constexpr int kW4GemvNV = HAL_W4_GEMV_NV;
-
 template <class SS, int MB, int NV>
 inline void w4_tile(const float *xs, int64_t k, const float *xsum, int64_t ngroups, const uint32_t *qw, int64_t n,
                     int64_t n0, const typename SS::T *scales, const uint8_t *zeros, float zdef, int64_t gsize,
@@ -38,8 +26,6 @@ inline void w4_tile(const float *xs, int64_t k, const float *xsum, int64_t ngrou
             for (int v = 0; v < NV; ++v) acc[mb][v] = V::zero();
         for (int64_t r = g * words; r < (g + 1) * words; ++r) {
             const uint32_t *wrow = qw + r * n + n0;
-            if (kW4Prefetch > 0)  // rows are a page apart: the hardware prefetcher does not follow them
-                for (int v = 0; v < NV * W * 4; v += 64) __builtin_prefetch(wrow + kW4Prefetch * n + v / 4, 0, HAL_W4_PF_HINT);
             V::i w[NV];
             for (int v = 0; v < NV; ++v) w[v] = V::loadi(wrow + v * W);
             const float *xr = xs + 8 * r;
@@ -140,14 +126,14 @@ int w4a16_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, i
         for (int64_t kk = 0; kk < k; ++kk) xs[r * k + kk] = x32[r * k + kk] * kNibbleScale[kk % 8];
     });
     const bool gemv = m <= 2;
-    const int64_t nv = gemv ? kW4GemvNV : 2;
+    const int64_t nv = gemv ? 4 : 2;
     int64_t tile = std::max<int64_t>(n_tile, nv * W) / (nv * W) * (nv * W);
     const int64_t full = n / (nv * W) * (nv * W);
     const int64_t ntiles = (full + tile - 1) / tile;
     parallel_for(ntiles, threads, [&](int64_t t) {
         const int64_t c1 = std::min(full, (t + 1) * tile);
         for (int64_t c = t * tile; c < c1; c += nv * W) {
-            if (gemv) w4_rows<SS, kW4GemvNV>(m, xs.data(), k, xsum.data(), ngroups, qw, n, c, scales, zeros, float(zdef), gsize, y);
+            if (gemv) w4_rows<SS, 4>(m, xs.data(), k, xsum.data(), ngroups, qw, n, c, scales, zeros, float(zdef), gsize, y);
             else w4_rows<SS, 2>(m, xs.data(), k, xsum.data(), ngroups, qw, n, c, scales, zeros, float(zdef), gsize, y);
         }
     });
