@@ -10,6 +10,7 @@ on its arguments (no global state, no measurement).
 from __future__ import annotations
 
 __all__ = [
+    "BLOCKED_ISAS",
     "DEQUANT_TILE_BYTES",
     "SERIAL_BYTES",
     "SMALL_M_MAX",

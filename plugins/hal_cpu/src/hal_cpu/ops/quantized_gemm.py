@@ -2,7 +2,9 @@
 
 - W4A16, ``'registers'`` kernel (small M): int4 codes are unpacked inside the
   inner loop, zero points and scales applied once per group; it streams the
-  packed bytes once per call (csrc/kernels.cpp, ``w4a16_gemv``).
+  packed bytes once per call (csrc/w4a16.inl, ``w4a16_gemv``). With fp16/bf16
+  activations on a CPU with AVX512_BF16 the codes become bf16 pairs and the
+  activations exact bf16 parts, multiplied by ``vdpbf16ps`` (csrc/w4_bf16.inl).
 - W4A16, ``'blocked'`` kernel (large M, act-order, or groups that split packed
   words): a cache-blocked float32 GEMM whose B panels are dequantised from
   int4 into a 256 KiB buffer per task (L2-sized), with packed activations and
