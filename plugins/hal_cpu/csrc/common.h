@@ -30,6 +30,7 @@ struct KernelTable {
                      float *, int64_t, int32_t);
     int (*w4a16_blocked)(const void *, int32_t, int64_t, int64_t, int64_t, int64_t, const uint32_t *, const void *,
                          int32_t, const uint8_t *, int32_t, const int32_t *, int64_t, float *, int32_t);
+    int (*w4a16_half_dot)();
 };
 
 }  // namespace hal

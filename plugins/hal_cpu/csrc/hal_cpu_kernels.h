@@ -74,6 +74,9 @@ int hal_cpu_w4a16_blocked(
     const uint32_t *qweight, const void *scales, int32_t s_dtype, const uint8_t *zeros, int32_t default_zero,
     const int32_t *g_idx, int64_t group_size, float *y, int32_t threads);
 
+/* 1 when hal_cpu_w4a16_gemv runs fp16/bf16 activations through AVX512_BF16 dot products on this CPU, else 0. */
+int hal_cpu_w4a16_half_dot(void);
+
 #pragma GCC visibility pop
 
 #ifdef __cplusplus

@@ -37,7 +37,8 @@ inline V::f vload(const typename S::T *p) {
 #include "w8a8.inl"
 
 const KernelTable table = {paged_attention, to_float32, w4a16_gemv, dequant_tile, w8a8_gemm,
-                           w4a16_blocked};
+                           w4a16_blocked,
+                           w4a16_half_dot};
 
 }  // namespace HAL_ISA_NAME
 }  // namespace hal

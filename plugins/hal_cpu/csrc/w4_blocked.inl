@@ -166,3 +166,12 @@ int w4a16_blocked(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_
         return HAL_ENOMEM;
     }
 }
+
+// 1 when w4a16_gemv multiplies fp16/bf16 activations with AVX512_BF16 dot products (w4_bf16.inl), else 0.
+int w4a16_half_dot() {
+#if defined(HAL_W4_BF16)
+    return cpu_has_avx512_bf16() ? 1 : 0;
+#else
+    return 0;
+#endif
+}

@@ -93,7 +93,7 @@ def test_w8a8_non_finite_row_gives_nan_row(rng: np.random.Generator, bad: float)
     assert_close(got[rows], clean[rows], kind="gemm", dtype="fp32", what="W8A8 clean rows")
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 6, 16, 32])
+@pytest.mark.parametrize("m", [1, 2, 3, 6, 16, 32, 67])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize(("group_size", "symmetric"), [(32, False), (128, True), (128, False)])
 def test_w4a16_half_activations_keep_float32_accuracy(variant: str, rng: np.random.Generator, m: int, dtype: str,
@@ -228,4 +228,18 @@ def test_rules_pick_kernels() -> None:
     assert _rules.gemm_kernel(1, 4, 128, True) == "blocked"
     assert _rules.gemm_kernel(1, 4, 4, False) == "blocked"
     assert _rules.gemm_kernel(1, 4, 4, False, "baseline") == "tiles"
+    assert _rules.gemm_kernel(_rules.HALF_DOT_M_MAX, 4, 128, False, half_dot=True) == "registers"
+    assert _rules.gemm_kernel(_rules.HALF_DOT_M_MAX + 1, 4, 128, False, half_dot=True) == "blocked"
+    assert _rules.gemm_kernel(64, 4, 128, True, half_dot=True) == "blocked"
     assert _rules.gemm_kernel(1000, 8, 128, True) == "registers"
+
+
+def test_half_dot_only_in_the_avx512_variant(variant: str, native: object) -> None:
+    """The bf16 dot-product loop is reported only where it runs (the avx512 variant on a CPU with AVX512_BF16),
+    and only for 2-byte activations."""
+    import numpy as np
+
+    got = quantized_gemm.half_dot(native, np.dtype(np.float16))
+    if variant != "avx512":
+        assert not got
+    assert not quantized_gemm.half_dot(native, np.dtype(np.float32))

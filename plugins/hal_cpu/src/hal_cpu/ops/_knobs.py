@@ -42,9 +42,11 @@ def host_isa() -> str:
 
 
 def _gemm_kernel_rule(call: OpCall) -> str:
-    qweight = call["qweight"]
-    return _rules.gemm_kernel(call["x"].shape[0], qweight.bits, qweight.group_size, qweight.g_idx is not None,
-                              host_isa())
+    qweight, x = call["qweight"], call["x"]
+    native = _native.try_load()
+    half = native is not None and x.dtype.itemsize == 2 and bool(native.lib.hal_cpu_w4a16_half_dot())
+    return _rules.gemm_kernel(x.shape[0], qweight.bits, qweight.group_size, qweight.g_idx is not None, host_isa(),
+                              half)
 
 
 #: paged_attention: tokens per split-KV partition (0: no split).

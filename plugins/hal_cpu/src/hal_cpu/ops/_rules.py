@@ -12,6 +12,7 @@ from __future__ import annotations
 __all__ = [
     "BLOCKED_ISAS",
     "DEQUANT_TILE_BYTES",
+    "HALF_DOT_M_MAX",
     "SERIAL_BYTES",
     "SMALL_M_MAX",
     "attention_partition_tokens",
@@ -25,6 +26,9 @@ __all__ = [
 SERIAL_BYTES = 256 * 1024
 #: W4A16: the largest M served by the in-register kernel; above it, the blocked kernel.
 SMALL_M_MAX = 32
+#: W4A16 with fp16/bf16 activations where the in-register kernel uses bf16 dot products: the largest M it serves
+#: (measured faster than the blocked kernel at M=64, level at M=256).
+HALF_DOT_M_MAX = 128
 #: W4A16: instruction sets whose blocked kernel has a hand-sized register tile; elsewhere (the portable
 #: baseline) dequantised tiles fed to numpy's BLAS are faster for large M.
 BLOCKED_ISAS = ("avx512", "avx2")
@@ -62,19 +66,22 @@ def attention_partition_tokens(num_seqs: int, num_kv_heads: int, max_len: int, b
     return 0 if tokens >= max_len else tokens
 
 
-def gemm_kernel(m: int, bits: int, group_size: int, act_order: bool, isa: str = "avx512") -> str:
+def gemm_kernel(m: int, bits: int, group_size: int, act_order: bool, isa: str = "avx512",
+                half_dot: bool = False) -> str:
     """The W4A16 kernel: ``'registers'`` (codes unpacked in registers, bound by the packed bytes),
     ``'blocked'`` (cache-blocked GEMM on dequantised L2-sized panels) or ``'tiles'`` (dequantised tiles fed
     to BLAS); W8A8 always runs ``'registers'`` (exact integer sums per group).
 
     The in-register int4 kernel needs groups made of whole packed words
     (``group_size % 8 == 0``) without act-order; it wins while M is small
-    (:data:`SMALL_M_MAX`); the blocked kernel serves the rest on the
-    instruction sets of :data:`BLOCKED_ISAS`, BLAS tiles on the others.
+    (:data:`SMALL_M_MAX`, or :data:`HALF_DOT_M_MAX` when ``half_dot``: fp16/bf16
+    activations it multiplies with bf16 dot products); the blocked kernel
+    serves the rest on the instruction sets of :data:`BLOCKED_ISAS`, BLAS
+    tiles on the others.
     """
     if bits == 8:
         return "registers"
-    if not act_order and group_size % 8 == 0 and m <= SMALL_M_MAX:
+    if not act_order and group_size % 8 == 0 and m <= (HALF_DOT_M_MAX if half_dot else SMALL_M_MAX):
         return "registers"
     return "blocked" if isa in BLOCKED_ISAS else "tiles"
 

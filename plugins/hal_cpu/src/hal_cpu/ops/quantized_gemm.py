@@ -33,7 +33,7 @@ from . import _fallback_gemm, _knobs, _rules
 from ._common import finish
 from ._native_args import dtype_code
 
-__all__ = ["gemm", "quantized_gemm"]
+__all__ = ["gemm", "half_dot", "quantized_gemm"]
 
 
 def quantized_gemm(call: OpCall) -> np.ndarray:
@@ -75,7 +75,8 @@ def gemm(
     scales = scales if scales.dtype in (np.float32, np.float16) or scales.dtype.name == "bfloat16" else \
         scales.astype(np.float32)
     if kernel is None:
-        kernel = _rules.gemm_kernel(m, qweight.bits, qweight.group_size, g_idx is not None, native.isa)
+        kernel = _rules.gemm_kernel(m, qweight.bits, qweight.group_size, g_idx is not None, native.isa,
+                                    half_dot(native, x.dtype))
     if threads is None:
         threads = _rules.threads_for(qweight.nbytes + x.nbytes, native.threads)
     if n_tile is None:
@@ -108,6 +109,11 @@ def gemm(
     if kernel == "registers" and qweight.bits == 4 and not np.isfinite(y).all():
         _redo_non_finite_rows(native, x, qweight, qw, scales, zeros, g_idx, y, threads)
     return y
+
+
+def half_dot(native: _native.Native, dtype: np.dtype) -> bool:
+    """Whether the in-register W4A16 kernel multiplies activations of ``dtype`` with bf16 dot products here."""
+    return dtype.itemsize == 2 and bool(native.lib.hal_cpu_w4a16_half_dot())
 
 
 def _redo_non_finite_rows(native: _native.Native, x: np.ndarray, qweight: QuantizedWeight, qw: np.ndarray,
