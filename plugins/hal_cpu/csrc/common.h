@@ -28,6 +28,9 @@ struct KernelTable {
     int (*w8a8_gemm)(const void *, int32_t, int64_t, int64_t, int64_t, int64_t, const uint8_t *, const void *,
                      int32_t, const uint8_t *, int32_t, const int32_t *, const int64_t *, const int32_t *, int64_t,
                      float *, int64_t, int32_t);
+    int (*w4a16_blocked)(const void *, int32_t, int64_t, int64_t, int64_t, int64_t, const uint32_t *, const void *,
+                         int32_t, const uint8_t *, int32_t, const int32_t *, int64_t, float *, int32_t);
+    int (*w4a16_half_dot)();
 };
 
 }  // namespace hal

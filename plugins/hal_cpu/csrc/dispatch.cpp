@@ -223,6 +223,14 @@ int hal_cpu_w8a8_gemm(const void *x, int32_t xdt, int64_t xs, int64_t m, int64_t
                                 y, n_tile, threads);
 }
 
+int hal_cpu_w4a16_blocked(const void *x, int32_t xdt, int64_t xs, int64_t m, int64_t k, int64_t n, const uint32_t *qw,
+                          const void *scales, int32_t sdt, const uint8_t *zeros, int32_t zdef, const int32_t *g_idx,
+                          int64_t gsize, float *y, int32_t threads) {
+    return kernels()->w4a16_blocked(x, xdt, xs, m, k, n, qw, scales, sdt, zeros, zdef, g_idx, gsize, y, threads);
+}
+
+int hal_cpu_w4a16_half_dot(void) { return kernels()->w4a16_half_dot(); }
+
 int hal_cpu_write_kv_cache(const void *key, int64_t kts, int64_t khs, const void *value, int64_t vts, int64_t vhs,
                            void *key_cache, void *value_cache, int64_t cb, int64_t ch, int64_t ct, const void *slots,
                            int32_t slot_bytes, int64_t num_tokens, int32_t num_kv_heads, int32_t block_size,

@@ -66,6 +66,17 @@ int hal_cpu_w8a8_gemm(
     const int32_t *perm, const int64_t *group_starts, const int32_t *group_of_run, int64_t runs,
     float *y, int64_t n_tile, int32_t threads);
 
+/* W4A16 for large M (act-order included): a cache-blocked float32 GEMM on B panels dequantised from int4
+ * into a per-task buffer (256 KiB); the activations are packed once (M rounded up to the tile, times K floats).
+ * g_idx (nullable) gives each row of K its group. */
+int hal_cpu_w4a16_blocked(
+    const void *x, int32_t x_dtype, int64_t x_stride, int64_t m, int64_t k, int64_t n,
+    const uint32_t *qweight, const void *scales, int32_t s_dtype, const uint8_t *zeros, int32_t default_zero,
+    const int32_t *g_idx, int64_t group_size, float *y, int32_t threads);
+
+/* 1 when hal_cpu_w4a16_gemv runs fp16/bf16 activations through AVX512_BF16 dot products on this CPU, else 0. */
+int hal_cpu_w4a16_half_dot(void);
+
 #pragma GCC visibility pop
 
 #ifdef __cplusplus

@@ -6,6 +6,7 @@
 // load time. Nothing here allocates more than the bounded workspaces named in
 // docs/cpu.md, and every kernel reads its operands in their storage dtype.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -32,9 +33,12 @@ inline V::f vload(const typename S::T *p) {
 #include "activations.inl"
 #include "w4a16.inl"
 #include "dequant.inl"
+#include "w4_blocked.inl"
 #include "w8a8.inl"
 
-const KernelTable table = {paged_attention, to_float32, w4a16_gemv, dequant_tile, w8a8_gemm};
+const KernelTable table = {paged_attention, to_float32, w4a16_gemv, dequant_tile, w8a8_gemm,
+                           w4a16_blocked,
+                           w4a16_half_dot};
 
 }  // namespace HAL_ISA_NAME
 }  // namespace hal

@@ -96,14 +96,16 @@ inline void w4_rows(int64_t rows, const float *xs, int64_t k, const float *xsum,
     }
 }
 
+#include "w4_bf16.inl"
+
 template <class SS>
 int w4a16_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, int64_t n, const uint32_t *qw,
             const void *scales_v, const uint8_t *zeros, int32_t zdef, int64_t gsize, float *y, int64_t n_tile,
             int32_t threads) {
     const auto *scales = static_cast<const typename SS::T *>(scales_v);
     const int64_t ngroups = k / gsize;
-    // Bounded by the activations: the codes' pre-scaled copy of x and its group sums.
-    std::vector<float> x32(size_t(m) * k), xs(size_t(m) * k), xsum(size_t(m) * ngroups);
+    // Bounded by the activations: x in float32, its group sums and (float32 path) its pre-scaled copy.
+    std::vector<float> x32(size_t(m) * k), xsum(size_t(m) * ngroups);
     parallel_for(m, threads, [&](int64_t r) {
         float *xr = x32.data() + r * k;
         any_row_to_f32(row_ptr(x, xdt, r, xstride), xdt, k, xr);
@@ -112,7 +114,16 @@ int w4a16_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, i
             for (int64_t kk = g * gsize; kk < (g + 1) * gsize; ++kk) s += xr[kk];
             xsum[r * ngroups + g] = s;
         }
-        for (int64_t kk = 0; kk < k; ++kk) xs[r * k + kk] = xr[kk] * kNibbleScale[kk % 8];
+    });
+#if defined(HAL_W4_BF16) && !defined(HAL_W4_NO_BF16)
+    if (w4a16_bf16<SS>(x, xdt, xstride, m, k, n, qw, scales, zeros, zdef, gsize, y, n_tile, threads, x32, xsum)) {
+        w4_scalar_cols<SS>(x32.data(), m, k, qw, n, n / W * W, n, scales, zeros, float(zdef), gsize, y);
+        return HAL_OK;
+    }
+#endif
+    std::vector<float> xs(size_t(m) * k);
+    parallel_for(m, threads, [&](int64_t r) {
+        for (int64_t kk = 0; kk < k; ++kk) xs[r * k + kk] = x32[r * k + kk] * kNibbleScale[kk % 8];
     });
     const bool gemv = m <= 2;
     const int64_t nv = gemv ? 4 : 2;

@@ -1,4 +1,4 @@
-"""The compiled quantized_gemm kernels against the float64 reference: W4A16 (both kernels) and W8A8."""
+"""The compiled quantized_gemm kernels against the float64 reference: W4A16 (every kernel) and W8A8."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ M_VALUES = [1, 3, 16, 64, 257]
 
 
 @pytest.mark.parametrize("m", M_VALUES)
-@pytest.mark.parametrize("kernel", ["registers", "tiles"])
+@pytest.mark.parametrize("kernel", ["registers", "blocked", "tiles"])
 @pytest.mark.parametrize(("group_size", "symmetric"), [(32, True), (64, False), (128, True), (128, False)])
 def test_w4a16_matches_reference(variant: str, rng: np.random.Generator, m: int, kernel: str, group_size: int,
                                  symmetric: bool) -> None:
-    """Both W4A16 kernels, every M class, symmetric or with zero points; N leaves a ragged column tail."""
+    """Every W4A16 kernel, every M class, symmetric or with zero points; N leaves a ragged column tail."""
     args = quantized_gemm_inputs(rng, m=m, k=2 * group_size, n=83, bits=4, group_size=group_size,
                                  symmetric=symmetric, dtype="fp32")
     got = quantized_gemm.gemm(args["x"], args["qweight"], kernel=kernel, tile_bytes=4096)
@@ -47,7 +47,8 @@ def test_activation_and_scale_dtypes(variant: str, rng: np.random.Generator, dty
 @pytest.mark.parametrize("m", M_VALUES)
 @pytest.mark.parametrize("bits", [4, 8])
 def test_act_order(variant: str, rng: np.random.Generator, m: int, bits: int) -> None:
-    """Act-order weights (g_idx): int4 through dequantised tiles, int8 with its rows grouped by a permutation."""
+    """Act-order weights (g_idx): int4 through the blocked kernel (each row of K its own group's scales), int8
+    with its rows grouped by a permutation."""
     args = quantized_gemm_inputs(rng, m=m, k=256, n=40, bits=bits, group_size=32, symmetric=False, dtype="fp32",
                                  act_order=True)
     assert_close(quantized_gemm.gemm(args["x"], args["qweight"]), REFERENCE(args), kind="gemm", dtype="fp32",
@@ -92,11 +93,65 @@ def test_w8a8_non_finite_row_gives_nan_row(rng: np.random.Generator, bad: float)
     assert_close(got[rows], clean[rows], kind="gemm", dtype="fp32", what="W8A8 clean rows")
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 6, 16, 32, 67])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize(("group_size", "symmetric"), [(32, False), (128, True), (128, False)])
+def test_w4a16_half_activations_keep_float32_accuracy(variant: str, rng: np.random.Generator, m: int, dtype: str,
+                                                      group_size: int, symmetric: bool) -> None:
+    """fp16/bf16 activations through the in-register kernel (AVX512_BF16 dot products where the CPU has them):
+    the float32 result meets the float32 tolerance against the float64 reference on the same rounded inputs,
+    so no activation is rounded to a narrower type on the way (an fp16 value is split exactly into bf16 parts)."""
+    args = quantized_gemm_inputs(rng, m=m, k=4 * group_size, n=300, bits=4, group_size=group_size,
+                                 symmetric=symmetric, dtype=dtype)
+    got = quantized_gemm.gemm(args["x"], args["qweight"], kernel="registers")
+    assert_close(got, REFERENCE(args), kind="gemm", dtype="fp32", what=f"{variant} W4A16 registers {dtype} x")
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_w4a16_half_activation_non_finite(rng: np.random.Generator, dtype: str, bad: float) -> None:
+    """A non-finite fp16/bf16 activation gives the reference's non-finite pattern in its row, the rest unchanged."""
+    args = quantized_gemm_inputs(rng, m=3, k=256, n=80, bits=4, group_size=64, symmetric=False, dtype=dtype)
+    args["x"][1, 5] = bad
+    got = quantized_gemm.gemm(args["x"], args["qweight"], kernel="registers")
+    assert_close(got, REFERENCE(args), kind="gemm", dtype="fp32", what=f"registers {dtype} x with {bad}")
+
+
+@pytest.mark.parametrize(("m", "k", "n", "group_size"), [(1, 640, 300, 128), (19, 520, 290, 8), (70, 1032, 97, 129)])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+def test_w4a16_blocked_panel_edges(variant: str, rng: np.random.Generator, m: int, k: int, n: int, group_size: int,
+                                   dtype: str) -> None:
+    """The blocked kernel across its blocks: K past one panel and not a multiple of it, M past the register
+    tile with a remainder, N past a task's columns with a ragged strip, groups that split packed words."""
+    args = quantized_gemm_inputs(rng, m=m, k=k, n=n, bits=4, group_size=group_size, symmetric=False, dtype=dtype)
+    got = quantized_gemm.gemm(args["x"], args["qweight"], kernel="blocked").astype(args["x"].dtype)
+    assert_close(got, REFERENCE(args), kind="gemm", dtype=dtype, what=f"{variant} W4A16 blocked {m}x{k}x{n}")
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_w4a16_blocked_threads_agree(rng: np.random.Generator, threads: int) -> None:
+    """Which task computes a column block never changes its value."""
+    args = quantized_gemm_inputs(rng, m=20, k=768, n=600, bits=4, group_size=64, symmetric=False, dtype="fp32")
+    serial = quantized_gemm.gemm(args["x"], args["qweight"], kernel="blocked", threads=1)
+    got = quantized_gemm.gemm(args["x"], args["qweight"], kernel="blocked", threads=threads)
+    np.testing.assert_array_equal(got, serial)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_w4a16_blocked_non_finite_rows_follow_ieee(variant: str, rng: np.random.Generator, bad: float) -> None:
+    """Non-finite activations give what the float64 reference gives (inf times a zero weight is NaN there too);
+    the other rows, in the same register tile, are unaffected."""
+    args = quantized_gemm_inputs(rng, m=10, k=384, n=70, bits=4, group_size=64, symmetric=False, dtype="fp32")
+    args["x"][3, 100] = bad
+    assert_close(quantized_gemm.gemm(args["x"], args["qweight"], kernel="blocked"), REFERENCE(args), kind="gemm",
+                 dtype="fp32", what=f"{variant} W4A16 blocked with {bad}")
+
+
 def test_w4a16_nan_activation_propagates(rng: np.random.Generator) -> None:
-    """A NaN activation reaches every output of its row in both W4A16 kernels (no masking by zero codes)."""
+    """A NaN activation reaches every output of its row in every W4A16 kernel (no masking by zero codes)."""
     args = quantized_gemm_inputs(rng, m=3, k=128, n=48, bits=4, group_size=32, symmetric=True, dtype="fp32")
     args["x"][1, 9] = np.nan
-    for kernel in ("registers", "tiles"):
+    for kernel in ("registers", "blocked", "tiles"):
         got = quantized_gemm.gemm(args["x"], args["qweight"], kernel=kernel)
         np.testing.assert_array_equal(np.isnan(got), np.isnan(REFERENCE(args)))
 
@@ -119,9 +174,33 @@ def test_registers_kernel_refuses_act_order(rng: np.random.Generator) -> None:
         quantized_gemm.gemm(args["x"], args["qweight"], kernel="registers")
 
 
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 257])
+def test_w4a16_act_order_kernels_agree_with_reference(rng: np.random.Generator, m: int) -> None:
+    """Act-order int4 through both kernels that serve it, K across several panels."""
+    args = quantized_gemm_inputs(rng, m=m, k=640, n=72, bits=4, group_size=64, symmetric=False, dtype="fp16",
+                                 act_order=True)
+    for kernel in ("blocked", "tiles"):
+        got = quantized_gemm.gemm(args["x"], args["qweight"], kernel=kernel).astype(np.float16)
+        assert_close(got, REFERENCE(args), kind="gemm", dtype="fp16", what=f"act-order {kernel}")
+
+
+def test_blocked_kernel_allocates_no_float_weight(rng: np.random.Generator) -> None:
+    """The blocked kernel's workspaces (packed activations, one panel per task) are far below the float weight:
+    the process's peak RSS grows by less than a quarter of the K x N float32 weight."""
+    import resource
+
+    args = quantized_gemm_inputs(rng, m=8, k=4096, n=4096, bits=4, group_size=128, symmetric=True, dtype="fp32")
+    float_weight = 4096 * 4096 * 4
+    quantized_gemm.gemm(args["x"][:1], args["qweight"], kernel="blocked")  # pool threads and first-touch pages
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    quantized_gemm.gemm(args["x"], args["qweight"], kernel="blocked")
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assert after - before < float_weight // 4
+
+
 def test_no_float_weight_cache(rng: np.random.Generator) -> None:
     """No dequantised weight outlives a call: the module keeps no cache, and memory after a call is back to
-    what it was, while a large-M call allocates only its bounded tile (not the K x N float weight)."""
+    what it was, while a 'tiles' call allocates only its bounded tile (not the K x N float weight)."""
     import tracemalloc
 
     assert not [name for name in vars(quantized_gemm) if "cache" in name.lower() and not name.startswith("__")]
@@ -139,9 +218,28 @@ def test_no_float_weight_cache(rng: np.random.Generator) -> None:
 
 
 def test_rules_pick_kernels() -> None:
-    """The crossover rule: in-register int4 kernel for small M, tiles above or for act-order/odd groups."""
+    """The crossover rule: in-register int4 kernel for small M, the blocked kernel above or for act-order/odd
+    groups, BLAS tiles instead where the blocked kernel has no hand-sized tile (the portable baseline)."""
     assert _rules.gemm_kernel(1, 4, 128, False) == "registers"
-    assert _rules.gemm_kernel(_rules.SMALL_M_MAX + 1, 4, 128, False) == "tiles"
-    assert _rules.gemm_kernel(1, 4, 128, True) == "tiles"
-    assert _rules.gemm_kernel(1, 4, 4, False) == "tiles"
+    assert _rules.gemm_kernel(_rules.SMALL_M_MAX, 4, 128, False) == "registers"
+    assert _rules.gemm_kernel(_rules.SMALL_M_MAX + 1, 4, 128, False) == "blocked"
+    assert _rules.gemm_kernel(_rules.SMALL_M_MAX + 1, 4, 128, False, "avx2") == "blocked"
+    assert _rules.gemm_kernel(_rules.SMALL_M_MAX + 1, 4, 128, False, "baseline") == "tiles"
+    assert _rules.gemm_kernel(1, 4, 128, True) == "blocked"
+    assert _rules.gemm_kernel(1, 4, 4, False) == "blocked"
+    assert _rules.gemm_kernel(1, 4, 4, False, "baseline") == "tiles"
+    assert _rules.gemm_kernel(_rules.HALF_DOT_M_MAX, 4, 128, False, half_dot=True) == "registers"
+    assert _rules.gemm_kernel(_rules.HALF_DOT_M_MAX + 1, 4, 128, False, half_dot=True) == "blocked"
+    assert _rules.gemm_kernel(64, 4, 128, True, half_dot=True) == "blocked"
     assert _rules.gemm_kernel(1000, 8, 128, True) == "registers"
+
+
+def test_half_dot_only_in_the_avx512_variant(variant: str, native: object) -> None:
+    """The bf16 dot-product loop is reported only where it runs (the avx512 variant on a CPU with AVX512_BF16),
+    and only for 2-byte activations."""
+    import numpy as np
+
+    got = quantized_gemm.half_dot(native, np.dtype(np.float16))
+    if variant != "avx512":
+        assert not got
+    assert not quantized_gemm.half_dot(native, np.dtype(np.float32))

@@ -58,10 +58,10 @@ def test_every_partition_size_matches_the_reference(cpu: hal_core.Backend, token
                  what=f"partition_tokens={tokens}")
 
 
-@pytest.mark.parametrize("group", [128, 36])  # 36: groups that split a packed word, which only 'tiles' serves
+@pytest.mark.parametrize("group", [128, 36])  # 36: groups that split a packed word, which 'registers' cannot serve
 @pytest.mark.parametrize("kernel", _knobs.GEMM_KERNEL.candidates)
 def test_every_gemm_kernel_matches_the_reference(cpu: hal_core.Backend, kernel: str, group: int) -> None:
-    """Both W4A16 kernels give the reference; a choice the weight cannot use falls back to the one it can."""
+    """Every W4A16 kernel gives the reference; a choice the weight cannot use falls back to one it can."""
     rng = np.random.default_rng(SEED + group)
     print(f"seed={SEED + group}")
     k = 4 * group if group % 8 == 0 else 8 * group

@@ -46,6 +46,9 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
                                             _i64, _i32]),
     "hal_cpu_w8a8_gemm": (ctypes.c_int, [_p, _i32, _i64, _i64, _i64, _i64, _p, _p, _i32, _p, _i32, _p, _p, _p,
                                          _i64, _p, _i64, _i32]),
+    "hal_cpu_w4a16_blocked": (ctypes.c_int, [_p, _i32, _i64, _i64, _i64, _i64, _p, _p, _i32, _p, _i32, _p, _i64,
+                                             _p, _i32]),
+    "hal_cpu_w4a16_half_dot": (ctypes.c_int, []),
 }
 
 

@@ -16,7 +16,7 @@ from hal_core.tuning import Knob
 from .. import _native
 from . import _rules
 
-__all__ = ["GEMM_KERNEL", "PARTITION_TOKENS", "host_threads", "partition_tokens"]
+__all__ = ["GEMM_KERNEL", "PARTITION_TOKENS", "host_isa", "host_threads", "partition_tokens"]
 
 
 def host_threads() -> int:
@@ -35,9 +35,18 @@ def _partition_rule(call: OpCall) -> int:
     return _rules.attention_partition_tokens(num_seqs, num_kv_heads, max_len, block_size, threads)
 
 
+def host_isa() -> str:
+    """The instruction-set variant the compiled kernels run (``'baseline'`` when the library is not loaded)."""
+    native = _native.try_load()
+    return native.isa if native is not None else "baseline"
+
+
 def _gemm_kernel_rule(call: OpCall) -> str:
-    qweight = call["qweight"]
-    return _rules.gemm_kernel(call["x"].shape[0], qweight.bits, qweight.group_size, qweight.g_idx is not None)
+    qweight, x = call["qweight"], call["x"]
+    native = _native.try_load()
+    half = native is not None and x.dtype.itemsize == 2 and bool(native.lib.hal_cpu_w4a16_half_dot())
+    return _rules.gemm_kernel(x.shape[0], qweight.bits, qweight.group_size, qweight.g_idx is not None, host_isa(),
+                              half)
 
 
 #: paged_attention: tokens per split-KV partition (0: no split).
@@ -49,6 +58,8 @@ def partition_tokens(call: OpCall) -> int:
     return value if isinstance(value, int) else _partition_rule(call)
 
 
-#: quantized_gemm W4A16: the in-register kernel or dequantised tiles fed to BLAS (the small-M / large-M crossover).
-GEMM_KERNEL = Knob("kernel", ("registers", "tiles"), rule=_gemm_kernel_rule,
-                   doc="W4A16: 'registers' (int4 unpacked in registers) or 'tiles' (dequantised tiles + BLAS)")
+#: quantized_gemm W4A16: the in-register kernel, the blocked GEMM on dequantised panels, or dequantised tiles fed
+#: to BLAS (the small-M / large-M crossover).
+GEMM_KERNEL = Knob("kernel", ("registers", "blocked", "tiles"), rule=_gemm_kernel_rule,
+                   doc="W4A16: 'registers' (int4 unpacked in registers), 'blocked' (cache-blocked GEMM on "
+                       "dequantised L2-sized panels) or 'tiles' (dequantised tiles + BLAS)")

@@ -10,7 +10,9 @@ on its arguments (no global state, no measurement).
 from __future__ import annotations
 
 __all__ = [
+    "BLOCKED_ISAS",
     "DEQUANT_TILE_BYTES",
+    "HALF_DOT_M_MAX",
     "SERIAL_BYTES",
     "SMALL_M_MAX",
     "attention_partition_tokens",
@@ -22,9 +24,15 @@ __all__ = [
 
 #: Work (bytes moved) below which an op runs on the calling thread: waking the pool costs more.
 SERIAL_BYTES = 256 * 1024
-#: W4A16: the largest M served by the in-register kernel; above it, dequantised tiles feed BLAS.
+#: W4A16: the largest M served by the in-register kernel; above it, the blocked kernel.
 SMALL_M_MAX = 32
-#: W4A16 large M: bytes of one dequantised float32 tile ``[K, columns]`` (bounded; large enough that few BLAS
+#: W4A16 with fp16/bf16 activations where the in-register kernel uses bf16 dot products: the largest M it serves
+#: (measured faster than the blocked kernel at M=64, level at M=256).
+HALF_DOT_M_MAX = 128
+#: W4A16: instruction sets whose blocked kernel has a hand-sized register tile; elsewhere (the portable
+#: baseline) dequantised tiles fed to numpy's BLAS are faster for large M.
+BLOCKED_ISAS = ("avx512", "avx2")
+#: W4A16 ``'tiles'``: bytes of one dequantised float32 tile ``[K, columns]`` (bounded; large enough that few BLAS
 #: calls amortise their threading overhead, small enough to keep peak memory within 64 MiB of the weights).
 DEQUANT_TILE_BYTES = 16 * 1024 * 1024
 #: paged_attention: tasks wanted per thread before sequences are split into partitions.
@@ -58,19 +66,24 @@ def attention_partition_tokens(num_seqs: int, num_kv_heads: int, max_len: int, b
     return 0 if tokens >= max_len else tokens
 
 
-def gemm_kernel(m: int, bits: int, group_size: int, act_order: bool) -> str:
-    """``'registers'`` (codes unpacked in registers, bound by the packed bytes) or ``'tiles'`` (dequantised
-    tiles fed to BLAS) for W4A16; W8A8 always runs ``'registers'`` (exact integer sums per group).
+def gemm_kernel(m: int, bits: int, group_size: int, act_order: bool, isa: str = "avx512",
+                half_dot: bool = False) -> str:
+    """The W4A16 kernel: ``'registers'`` (codes unpacked in registers, bound by the packed bytes),
+    ``'blocked'`` (cache-blocked GEMM on dequantised L2-sized panels) or ``'tiles'`` (dequantised tiles fed
+    to BLAS); W8A8 always runs ``'registers'`` (exact integer sums per group).
 
     The in-register int4 kernel needs groups made of whole packed words
     (``group_size % 8 == 0``) without act-order; it wins while M is small
-    (:data:`SMALL_M_MAX`), BLAS on bounded tiles wins above.
+    (:data:`SMALL_M_MAX`, or :data:`HALF_DOT_M_MAX` when ``half_dot``: fp16/bf16
+    activations it multiplies with bf16 dot products); the blocked kernel
+    serves the rest on the instruction sets of :data:`BLOCKED_ISAS`, BLAS
+    tiles on the others.
     """
     if bits == 8:
         return "registers"
-    if act_order or group_size % 8:
-        return "tiles"
-    return "registers" if m <= SMALL_M_MAX else "tiles"
+    if not act_order and group_size % 8 == 0 and m <= (HALF_DOT_M_MAX if half_dot else SMALL_M_MAX):
+        return "registers"
+    return "blocked" if isa in BLOCKED_ISAS else "tiles"
 
 
 def gemv_column_tile(n: int, threads: int) -> int:

@@ -2,11 +2,17 @@
 
 - W4A16, ``'registers'`` kernel (small M): int4 codes are unpacked inside the
   inner loop, zero points and scales applied once per group; it streams the
-  packed bytes once per call (csrc/kernels.cpp, ``w4a16_gemv``).
-- W4A16, ``'tiles'`` kernel (large M, act-order, or groups that split packed
-  words): columns are dequantised into one bounded float32 tile ``[K, n_tile]``
-  at a time (:data:`~hal_cpu.ops._rules.DEQUANT_TILE_BYTES`) and multiplied
-  with numpy's BLAS; the tile is freed when the call returns.
+  packed bytes once per call (csrc/w4a16.inl, ``w4a16_gemv``). With fp16/bf16
+  activations on a CPU with AVX512_BF16 the codes become bf16 pairs and the
+  activations exact bf16 parts, multiplied by ``vdpbf16ps`` (csrc/w4_bf16.inl).
+- W4A16, ``'blocked'`` kernel (large M, act-order, or groups that split packed
+  words): a cache-blocked float32 GEMM whose B panels are dequantised from
+  int4 into a 256 KiB buffer per task (L2-sized), with packed activations and
+  a register-tiled micro-kernel (csrc/w4_blocked.inl, ``w4a16_blocked``).
+- W4A16, ``'tiles'`` kernel (a candidate for ``hal tune``): columns are
+  dequantised into one bounded float32 tile ``[K, columns]`` at a time
+  (:data:`~hal_cpu.ops._rules.DEQUANT_TILE_BYTES`) and multiplied with numpy's
+  BLAS, for hosts whose BLAS outruns the blocked kernel; freed when the call returns.
 - W8A8: activations are quantised per token inside the kernel, bit for bit as
   :func:`~hal_core.quant.quantize_activations`; integer dot products are exact
   per group, then scaled by the group scales and the token scale. A row of
@@ -27,7 +33,7 @@ from . import _fallback_gemm, _knobs, _rules
 from ._common import finish
 from ._native_args import dtype_code
 
-__all__ = ["gemm", "quantized_gemm"]
+__all__ = ["gemm", "half_dot", "quantized_gemm"]
 
 
 def quantized_gemm(call: OpCall) -> np.ndarray:
@@ -35,7 +41,7 @@ def quantized_gemm(call: OpCall) -> np.ndarray:
     qweight = call["qweight"]
     kernel = str(_knobs.GEMM_KERNEL.value(call))
     if kernel == "registers" and qweight.bits == 4 and (qweight.g_idx is not None or qweight.group_size % 8):
-        kernel = "tiles"  # a stored choice the in-register kernel cannot serve for this weight
+        kernel = "blocked"  # a stored choice the in-register kernel cannot serve for this weight
     return finish(call, gemm(np.asarray(call["x"]), qweight, kernel=kernel))
 
 
@@ -50,7 +56,7 @@ def gemm(
 ) -> np.ndarray:
     """``x [M, K]`` times the quantised weight, as float32 ``[M, N]`` (validated numpy inputs).
 
-    ``kernel`` (``'registers'`` or ``'tiles'``), ``n_tile`` (columns per task
+    ``kernel`` (``'registers'``, ``'blocked'`` or ``'tiles'``), ``n_tile`` (columns per task
     of the in-register kernels), ``tile_bytes`` (the dequantised tile's size)
     and ``threads`` default to the rules in :mod:`hal_cpu.ops._rules`.
     """
@@ -69,7 +75,8 @@ def gemm(
     scales = scales if scales.dtype in (np.float32, np.float16) or scales.dtype.name == "bfloat16" else \
         scales.astype(np.float32)
     if kernel is None:
-        kernel = _rules.gemm_kernel(m, qweight.bits, qweight.group_size, g_idx is not None)
+        kernel = _rules.gemm_kernel(m, qweight.bits, qweight.group_size, g_idx is not None, native.isa,
+                                    half_dot(native, x.dtype))
     if threads is None:
         threads = _rules.threads_for(qweight.nbytes + x.nbytes, native.threads)
     if n_tile is None:
@@ -89,21 +96,30 @@ def gemm(
         rc = native.lib.hal_cpu_w4a16_gemv(
             ptr(x), dtype_code(x), xs, m, k, n, ptr(qw), ptr(scales), dtype_code(scales), ptr(zeros),
             qweight.default_zero, qweight.group_size, ptr(y), n_tile, threads)
+    elif kernel == "blocked":
+        rc = native.lib.hal_cpu_w4a16_blocked(
+            ptr(x), dtype_code(x), xs, m, k, n, ptr(qw), ptr(scales), dtype_code(scales), ptr(zeros),
+            qweight.default_zero, ptr(g_idx), qweight.group_size, ptr(y), threads)
     elif kernel == "tiles":
         rc = _tiles(native, x, xs, qweight, qw, scales, zeros, g_idx, y, tile_bytes, threads)
     else:
-        raise ValueError(f"argument 'kernel': expected 'registers' or 'tiles', got {kernel!r}")
+        raise ValueError(f"argument 'kernel': expected 'registers', 'blocked' or 'tiles', got {kernel!r}")
     if rc:
-        raise MemoryError("quantized_gemm: the CPU kernel could not allocate its activation workspace")
+        raise MemoryError("quantized_gemm: the CPU kernel could not allocate its workspace")
     if kernel == "registers" and qweight.bits == 4 and not np.isfinite(y).all():
-        _redo_non_finite_rows(native, x, qweight, qw, scales, zeros, g_idx, y, tile_bytes, threads)
+        _redo_non_finite_rows(native, x, qweight, qw, scales, zeros, g_idx, y, threads)
     return y
+
+
+def half_dot(native: _native.Native, dtype: np.dtype) -> bool:
+    """Whether the in-register W4A16 kernel multiplies activations of ``dtype`` with bf16 dot products here."""
+    return dtype.itemsize == 2 and bool(native.lib.hal_cpu_w4a16_half_dot())
 
 
 def _redo_non_finite_rows(native: _native.Native, x: np.ndarray, qweight: QuantizedWeight, qw: np.ndarray,
                           scales: np.ndarray, zeros: np.ndarray | None, g_idx: np.ndarray | None, y: np.ndarray,
-                          tile_bytes: int | None, threads: int) -> None:
-    """Rows of ``x`` holding NaN/inf again through dequantised tiles, so they follow IEEE products as the reference.
+                          threads: int) -> None:
+    """Rows of ``x`` holding NaN/inf again through the blocked kernel, so they follow IEEE products as the reference.
 
     The in-register kernel factors the zero point out of each group's sum, which turns ``inf * 0``
     patterns into NaN where the float64 reference gives an infinity. Only reached when a result is not
@@ -114,8 +130,10 @@ def _redo_non_finite_rows(native: _native.Native, x: np.ndarray, qweight: Quanti
         return  # an overflow of finite inputs: the kernel's result stands
     rows = np.ascontiguousarray(x[bad])
     redo = np.empty((bad.size, y.shape[1]), dtype=np.float32)
-    rc = _tiles(native, rows, rows.strides[0] // rows.itemsize, qweight, qw, scales, zeros, g_idx, redo,
-                tile_bytes, threads)
+    rc = native.lib.hal_cpu_w4a16_blocked(
+        _native.pointer(rows), dtype_code(rows), rows.strides[0] // rows.itemsize, bad.size, x.shape[1], y.shape[1],
+        _native.pointer(qw), _native.pointer(scales), dtype_code(scales), _native.pointer(zeros),
+        qweight.default_zero, _native.pointer(g_idx), qweight.group_size, _native.pointer(redo), threads)
     if rc:
         raise MemoryError("quantized_gemm: the CPU kernel could not allocate its activation workspace")
     y[bad] = redo
