@@ -27,9 +27,9 @@ def isa(native: _native.Native, name: str) -> Iterator[None]:
         native.lib.hal_cpu_select_isa(native.isa.encode())
 
 
-@pytest.fixture(params=["best", "avx2", "baseline"])
+@pytest.fixture(params=["best", "avx512", "avx2", "baseline"])
 def variant(request: pytest.FixtureRequest, native: _native.Native) -> Iterator[str]:
-    """Each test body runs with the chosen variant, AVX2 (where it is not the chosen one) and the baseline."""
+    """Each test body runs with the chosen variant, AVX-512 and AVX2 (where not the chosen one) and the baseline."""
     if request.param == "best":
         yield native.isa
         return
