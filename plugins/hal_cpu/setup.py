@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 from concurrent.futures import ThreadPoolExecutor
-
-from distutils import log
-from distutils.errors import CompileError
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.errors import CompileError
 
 CSRC = "csrc"
 COMMON = ["-std=c++17", "-O3", "-fPIC", "-fvisibility=hidden", "-fno-math-errno", "-Wall",
@@ -101,8 +100,8 @@ class BuildKernels(build_ext):
         try:
             self.compiler.compile([source], output_dir=probe_dir, extra_postargs=COMMON + flags)
         except CompileError:
-            log.warn("hal-cpu: the compiler rejects the %s variant's flags (%s); building without it",
-                     name, " ".join(flags))
+            print(f"hal-cpu: the compiler rejects the {name} variant's flags ({' '.join(flags)}); building without it",
+                  file=sys.stderr)
             return False
         return True
 

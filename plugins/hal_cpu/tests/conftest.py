@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 
 import pytest
 from hal_cpu import _native
@@ -37,3 +37,9 @@ def variant(request: pytest.FixtureRequest, native: _native.Native) -> Iterator[
         pytest.skip(f"{native.isa} is the chosen variant, already tested as 'best'")
     with isa(native, request.param):
         yield request.param
+
+
+@pytest.fixture
+def select_isa(native: _native.Native) -> Callable[[str], AbstractContextManager[None]]:
+    """``with select_isa(name):`` runs a block under that variant (skips the test where it does not run)."""
+    return lambda name: isa(native, name)
