@@ -239,14 +239,17 @@ inline void w8v_columns(const W8Panel &p, const std::vector<Segment> &segs, cons
     else w8v_tile<SS, MB, false>(p, segs, w, k, c0, c1, y, acc);
 }
 
-// Pack columns [c0, c0 + valid) of the codes, every segment, into dot-product layout [Kp / 4][64][4].
+// Pack columns [c0, c0 + valid) of the codes, every segment, into dot-product layout [Kp / 4][64][4];
+// code rows kVnniPrefetchRows ahead are prefetched into L2 (the reads are one line per row, strided).
 template <class SS>
-inline void w8_pack_panel(const W8Panel &p, const std::vector<Segment> &segs, const W8Weight<SS> &w, int64_t c0,
-                          int64_t valid, uint8_t *dst) {
+inline void w8_pack_panel(const W8Panel &p, const std::vector<Segment> &segs, const W8Weight<SS> &w, int64_t k,
+                          int64_t c0, int64_t valid, uint8_t *dst) {
     for (size_t sg = 0; sg < segs.size(); ++sg) {
         const int64_t last = segs[sg].end - 1;
         uint8_t *d = dst + p.pstart[sg] * 64;
         for (int64_t i = segs[sg].start; i < segs[sg].end; i += 4, d += 256) {
+            if (i + kVnniPrefetchRows + 4 <= k)
+                for (int64_t j = i + kVnniPrefetchRows; j < i + kVnniPrefetchRows + 4; ++j) w8_prefetch(w.row(j) + c0);
             VI::i o[4];
             VI::interleave4(VI::load_bytes(w.row(i) + c0, valid), VI::load_bytes(w.row(std::min(i + 1, last)) + c0, valid),
                             VI::load_bytes(w.row(std::min(i + 2, last)) + c0, valid),
@@ -332,7 +335,7 @@ int w8a8_vnni_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t 
             uint8_t *panel = workspaces[size_t(slot)];
             for (int64_t pi = panels * t / tasks; pi < panels * (t + 1) / tasks; ++pi) {
                 const int64_t c0 = pi * 64, valid = std::min<int64_t>(64, n - c0);
-                w8_pack_panel<SS>(p, segs, w, c0, valid, panel);
+                w8_pack_panel<SS>(p, segs, w, k, c0, valid, panel);
                 int64_t r = 0;
                 for (; r + kVnniTileRows <= m; r += kVnniTileRows)
                     w8_tile_rows<SS, kVnniTileRows>(p, segs, w, panel, r, c0, valid, y);

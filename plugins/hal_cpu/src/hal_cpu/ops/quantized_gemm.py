@@ -9,8 +9,12 @@
   with numpy's BLAS; the tile is freed when the call returns.
 - W8A8: activations are quantised per token inside the kernel, bit for bit as
   :func:`~hal_core.quant.quantize_activations`; integer dot products are exact
-  per group, then scaled by the group scales and the token scale. A row of
-  ``x`` holding NaN or Inf gives a row of NaN.
+  per group, then scaled by the group scales and the token scale. On CPUs with
+  AVX512_VNNI the products are int8 x uint8 byte dot products summed in int32
+  (codes read in place over wide column tiles for M <= 4, packed 64-column
+  panels and register tiles above; csrc/w8a8_vnni.inl), elsewhere exact float
+  sums; both give the same bits. A row of ``x`` holding NaN or Inf gives a row
+  of NaN.
 
 No weight-derived array outlives a call.
 """
