@@ -14,16 +14,35 @@
 // Activations are quantised once per call into an int8 panel [M, Kp]: each segment's rows (in the
 // permuted order for act-order weights) zero-padded to a multiple of 4, so a 4-row step never
 // crosses a segment; padding rows multiply a real (readable) code row by zero.
-//   M <= kVnniGemvRows: the codes are read straight from [K, N], four rows at a time interleaved in
-//     registers; the accumulators hold the columns in a lane-blocked order, put back per segment.
+//   M <= kVnniGemvRows: the codes are read straight from [K, N]; each step reads 4 rows across a wide
+//     column tile (contiguous bytes), interleaves them in registers and accumulates into an int32
+//     [M, tile] workspace in L1 (columns in a lane-blocked order, put back per segment).
 //   larger M: each 64-column panel of the codes is packed once into dot-product layout ([Kp / 4,
 //     64, 4] bytes, natural column order) in a per-task workspace, then 6 x 64 register tiles run
 //     over it (24 int32 accumulators, 4 code vectors and one broadcast per step of 4 rows).
 
 constexpr int64_t kVnniGemvRows = 4;
 constexpr int kVnniTileRows = 6;
-constexpr int64_t kVnniMaxTile = 2048;
-constexpr int64_t kVnniPrefetchRows = 32;  // small M: code rows read this far ahead are prefetched  // columns per small-M task at most (its accumulators: 32 KiB of stack)
+constexpr int64_t kVnniMaxTile = 2048;      // columns per small-M task at most (its accumulators: 32 KiB of stack)
+constexpr int64_t kVnniPrefetchRows = 32;  // code rows read this far ahead are prefetched into L2
+
+// Per-thread workspaces of one parallel_for: at most `threads` tasks run at once (the pool's contract),
+// so with that many slots acquire() always finds a free one. Allocated before any task runs, so a
+// failed allocation is reported before anything is written (no exception leaves a pool thread).
+class W8Slots {
+  public:
+    explicit W8Slots(int64_t count) : busy_(size_t(std::max<int64_t>(count, 1)), 0) {}
+    int64_t count() const { return int64_t(busy_.size()); }
+    int64_t acquire() {
+        int64_t s = 0;
+        while (__atomic_exchange_n(&busy_[size_t(s)], 1, __ATOMIC_ACQUIRE)) s = (s + 1) % count();
+        return s;
+    }
+    void release(int64_t s) { __atomic_store_n(&busy_[size_t(s)], 0, __ATOMIC_RELEASE); }
+
+  private:
+    std::vector<int> busy_;
+};
 
 struct W8Panel {
     int64_t kp = 0;              // padded row length of q (a multiple of 4)
@@ -43,17 +62,22 @@ inline void w8_quantise(const void *x, int32_t xdt, int64_t xstride, int64_t m, 
     p.q.assign(size_t(m) * p.kp, 0);
     p.sum.assign(size_t(m) * std::max<int64_t>(nseg, 1), 0.0f);
     p.sx.assign(size_t(m), 0.0f);
-    const int64_t per_task = 8;
-    parallel_for((m + per_task - 1) / per_task, threads, [&](int64_t t) {
-        std::vector<float> row(size_t(k) + W);
-        std::vector<int8_t> q8(size_t(k) + W);
+    const int64_t per_task = 8, tasks = (m + per_task - 1) / per_task;
+    W8Slots slots(std::min<int64_t>(tasks, std::max<int32_t>(threads, 1)));
+    const size_t width = size_t(k) + W;
+    std::vector<float> rows(size_t(slots.count()) * width);
+    std::vector<int8_t> codes(size_t(slots.count()) * width);
+    parallel_for(tasks, threads, [&](int64_t t) {
+        const int64_t slot = slots.acquire();
+        float *row = rows.data() + size_t(slot) * width;
+        int8_t *q8 = codes.data() + size_t(slot) * width;
         for (int64_t r = t * per_task; r < std::min(m, (t + 1) * per_task); ++r) {
-            any_row_to_f32(row_ptr(x, xdt, r, xstride), xdt, k, row.data());
+            any_row_to_f32(row_ptr(x, xdt, r, xstride), xdt, k, row);
             V::f vmax = V::zero();
             __mmask16 nonfinite = 0;
             int64_t i = 0;
             for (; i + W <= k; i += W) {
-                const V::f v = V::load(row.data() + i);
+                const V::f v = V::load(row + i);
                 nonfinite |= _mm512_fpclass_ps_mask(v, 0x99);  // QNaN, SNaN, +Inf, -Inf
                 vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
             }
@@ -72,10 +96,10 @@ inline void w8_quantise(const void *x, int32_t xdt, int64_t xstride, int64_t m, 
             p.sx[r] = s;
             const V::f vs = V::set1(s), lo = V::set1(-127.0f), hi = V::set1(127.0f);
             for (i = 0; i + W <= k; i += W) {
-                V::f v = _mm512_roundscale_ps(_mm512_div_ps(V::load(row.data() + i), vs),
+                V::f v = _mm512_roundscale_ps(_mm512_div_ps(V::load(row + i), vs),
                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
                 v = _mm512_min_ps(hi, _mm512_max_ps(lo, v));
-                _mm_storeu_si128(reinterpret_cast<__m128i *>(q8.data() + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
+                _mm_storeu_si128(reinterpret_cast<__m128i *>(q8 + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
             }
             for (; i < k; ++i) q8[i] = int8_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(row[i] / s))));
             for (int64_t sg = 0; sg < nseg; ++sg) {
@@ -84,12 +108,13 @@ inline void w8_quantise(const void *x, int32_t xdt, int64_t xstride, int64_t m, 
                 if (perm)
                     for (int64_t j = 0; j < len; ++j) d[j] = q8[perm[a + j]];
                 else
-                    std::memcpy(d, q8.data() + a, size_t(len));
+                    std::memcpy(d, q8 + a, size_t(len));
                 int32_t total = 0;
                 for (int64_t j = 0; j < len; ++j) total += d[j];
                 p.sum[r * nseg + sg] = float(total);
             }
         }
+        slots.release(slot);
     });
 }
 
@@ -317,10 +342,11 @@ int w8a8_vnni_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t 
         // One packed-panel workspace per running task, all allocated before any output is written.
         const int64_t panels = (n + 63) / 64;
         const int64_t tasks = std::min<int64_t>(panels, 4 * std::max<int32_t>(threads, 1));
-        const int64_t slots = std::min<int64_t>(tasks, std::max<int32_t>(threads, 1));
+        W8Slots slots(std::min<int64_t>(tasks, std::max<int32_t>(threads, 1)));
         const size_t bytes = size_t(p.kp) * 64;
         std::vector<uint8_t *> workspaces;  // indexed by slot
-        for (int64_t s = 0; s < slots; ++s) {
+        workspaces.reserve(size_t(slots.count()));
+        for (int64_t s = 0; s < slots.count(); ++s) {
             auto *panel = static_cast<uint8_t *>(_mm_malloc(bytes, 64));
             if (!panel) {
                 for (uint8_t *q : workspaces) _mm_free(q);
@@ -328,10 +354,8 @@ int w8a8_vnni_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t 
             }
             workspaces.push_back(panel);
         }
-        std::vector<int> busy(size_t(slots), 0);  // at most `threads` tasks run at once: one slot is always free
         parallel_for(tasks, threads, [&](int64_t t) {
-            int64_t slot = 0;
-            while (__atomic_exchange_n(&busy[size_t(slot)], 1, __ATOMIC_ACQUIRE)) slot = (slot + 1) % slots;
+            const int64_t slot = slots.acquire();
             uint8_t *panel = workspaces[size_t(slot)];
             for (int64_t pi = panels * t / tasks; pi < panels * (t + 1) / tasks; ++pi) {
                 const int64_t c0 = pi * 64, valid = std::min<int64_t>(64, n - c0);
@@ -348,7 +372,7 @@ int w8a8_vnni_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t 
                     default: break;
                 }
             }
-            __atomic_store_n(&busy[size_t(slot)], 0, __ATOMIC_RELEASE);
+            slots.release(slot);
         });
         for (uint8_t *q : workspaces) _mm_free(q);
     }
