@@ -202,6 +202,45 @@ inline void w8v_rows(const uint8_t *r0, const uint8_t *r1, const uint8_t *r2, co
     if (c < width) w8v_step<MB, false>(r0 + c, r1 + c, r2 + c, r3 + c, width - c, b, acc + c, lda);
 }
 
+// 8 consecutive code rows r, r + n, ..., r + 7n (64 columns) for MB token rows: two 4-row interleaves
+// into one load and store of each accumulator (b0: rows 0-3, b1: rows 4-7 of the activations).
+template <int MB, bool FULL>
+inline void w8v_step8(const uint8_t *r, int64_t n, int64_t valid, const VI::i (&b0)[MB], const VI::i (&b1)[MB],
+                      int32_t *acc, int64_t lda) {
+    VI::i u[2][4];
+    for (int h = 0; h < 2; ++h) {
+        const uint8_t *q = r + 4 * h * n;
+        const VI::i w0 = FULL ? _mm512_loadu_si512(q) : VI::load_bytes(q, valid);
+        const VI::i w1 = FULL ? _mm512_loadu_si512(q + n) : VI::load_bytes(q + n, valid);
+        const VI::i w2 = FULL ? _mm512_loadu_si512(q + 2 * n) : VI::load_bytes(q + 2 * n, valid);
+        const VI::i w3 = FULL ? _mm512_loadu_si512(q + 3 * n) : VI::load_bytes(q + 3 * n, valid);
+        const VI::i t0 = _mm512_unpacklo_epi8(w0, w1), t1 = _mm512_unpackhi_epi8(w0, w1);
+        const VI::i t2 = _mm512_unpacklo_epi8(w2, w3), t3 = _mm512_unpackhi_epi8(w2, w3);
+        u[h][0] = _mm512_unpacklo_epi16(t0, t2), u[h][1] = _mm512_unpackhi_epi16(t0, t2);
+        u[h][2] = _mm512_unpacklo_epi16(t1, t3), u[h][3] = _mm512_unpackhi_epi16(t1, t3);
+    }
+    for (int mb = 0; mb < MB; ++mb) {
+        int32_t *q = acc + mb * lda;
+        for (int v = 0; v < 4; ++v)
+            _mm512_store_si512(q + 16 * v, VI::dot(VI::dot(_mm512_load_si512(q + 16 * v), u[0][v], b0[mb]), u[1][v], b1[mb]));
+    }
+}
+
+// 8 consecutive code rows from r across the whole tile; rows `ahead` rows further are prefetched into L2.
+template <int MB>
+inline void w8v_rows8(const uint8_t *r, int64_t n, int64_t ahead, int64_t width, const int8_t *a, int64_t kp,
+                      int32_t *acc, int64_t lda) {
+    VI::i b0[MB], b1[MB];
+    for (int mb = 0; mb < MB; ++mb) b0[mb] = VI::bcast4(a + mb * kp), b1[mb] = VI::bcast4(a + mb * kp + 4);
+    int64_t c = 0;
+    for (; c + 64 <= width; c += 64) {
+        if (ahead)
+            for (int j = 0; j < 8; ++j) w8_prefetch(r + (ahead + j) * n + c);
+        w8v_step8<MB, true>(r + c, n, 64, b0, b1, acc + c, lda);
+    }
+    if (c < width) w8v_step8<MB, false>(r + c, n, width - c, b0, b1, acc + c, lda);
+}
+
 // Small M: rows [0, MB) of y, columns [c0, c1), codes read in place: per segment, each step reads 4
 // code rows across the whole tile (contiguous bytes, so the hardware prefetchers follow, whatever N is),
 // into int32 accumulators in a [MB, tile] workspace that stays in L1.
@@ -218,7 +257,10 @@ inline void w8v_tile(const W8Panel &p, const std::vector<Segment> &segs, const W
         int64_t i = seg.start;
         const uint8_t *const none[4] = {nullptr, nullptr, nullptr, nullptr};
         if (!PERM) {
-            for (const uint8_t *r = w.qw + i * n + c0; i < body; i += 4, a += 4, r += 4 * n) {
+            const uint8_t *r = w.qw + i * n + c0;
+            for (; i + 8 <= body; i += 8, a += 8, r += 8 * n)
+                w8v_rows8<MB>(r, n, i + kVnniPrefetchRows + 8 <= k ? kVnniPrefetchRows : 0, width, a, kp, acc, lda);
+            for (; i < body; i += 4, a += 4, r += 4 * n) {
                 const int64_t d = (i + kVnniPrefetchRows + 4 <= k ? kVnniPrefetchRows : 0) * n;
                 const uint8_t *const ahead[4] = {r + d, r + n + d, r + 2 * n + d, r + 3 * n + d};
                 w8v_rows<MB>(r, r + n, r + 2 * n, r + 3 * n, d ? ahead : none, width, a, kp, acc, lda);
