@@ -14,7 +14,7 @@
 // Activations are quantised once per call into an int8 panel [M, Kp]: each segment's rows (in the
 // permuted order for act-order weights) zero-padded to a multiple of 4, so a 4-row step never
 // crosses a segment; padding rows multiply a real (readable) code row by zero.
-//   M <= kVnniGemvRows: the codes are read straight from [K, N]; each step reads 4 rows across a wide
+//   M <= kVnniGemvRows: the codes are read straight from [K, N]; each step reads 8 rows across a wide
 //     column tile (contiguous bytes), interleaves them in registers and accumulates into an int32
 //     [M, tile] workspace in L1 (columns in a lane-blocked order, put back per segment).
 //   larger M: each 64-column panel of the codes is packed once into dot-product layout ([Kp / 4,
@@ -241,8 +241,8 @@ inline void w8v_rows8(const uint8_t *r, int64_t n, int64_t ahead, int64_t width,
     if (c < width) w8v_step8<MB, false>(r + c, n, width - c, b0, b1, acc + c, lda);
 }
 
-// Small M: rows [0, MB) of y, columns [c0, c1), codes read in place: per segment, each step reads 4
-// code rows across the whole tile (contiguous bytes, so the hardware prefetchers follow, whatever N is),
+// Small M: rows [0, MB) of y, columns [c0, c1), codes read in place: per segment, each step reads 8
+// (at a segment's end 4) code rows across the whole tile (contiguous bytes, so the hardware prefetchers follow, whatever N is),
 // into int32 accumulators in a [MB, tile] workspace that stays in L1.
 template <class SS, int MB, bool PERM>
 inline void w8v_tile(const W8Panel &p, const std::vector<Segment> &segs, const W8Weight<SS> &w, int64_t k,

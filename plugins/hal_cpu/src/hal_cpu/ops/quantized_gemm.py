@@ -157,7 +157,7 @@ def w8a8_column_tile(n: int, threads: int) -> int:
     """Columns per task of the small-M W8A8 kernel: as wide as :data:`W8A8_MAX_COLUMN_TILE` allows, in a
     multiple of ``threads`` tasks.
 
-    Each step of that kernel reads 4 code rows across the task's columns, so a wide task reads long
+    Each step of that kernel reads 8 code rows across the task's columns, so a wide task reads long
     contiguous runs of the ``[K, N]`` codes (what the hardware prefetchers follow, whatever ``N`` is).
     """
     threads = max(1, threads)
