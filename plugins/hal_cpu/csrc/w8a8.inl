@@ -6,7 +6,8 @@
 // Codes and quantised activations are small integers, so their products and running sums are
 // exact in fp32 while below 2**24: 127 * 255 * 512 < 2**24. Groups are therefore walked in
 // segments of at most 512 rows; each segment's exact sum has its zero-point term subtracted
-// (exact too) before the group scale is applied.
+// (exact too) before the group scale is applied. The avx512vnni variant runs the integer kernels of
+// w8a8_vnni.inl instead (the same segments and epilogue, so the same bits).
 
 constexpr int64_t kExactRows = 512;
 
