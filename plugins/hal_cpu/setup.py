@@ -2,30 +2,45 @@
 
 The library is a plain shared object with a C ABI (``csrc/hal_cpu_kernels.h``),
 loaded with ctypes by ``hal_cpu._native``; it is not a Python extension module,
-so it does not depend on the Python version. Variants (x86-64): ``avx512``
+so it does not depend on the Python version. Variants (x86-64): ``avx512vnni``
+(the avx512 flags plus AVX512_VNNI byte dot products, used by W8A8), ``avx512``
 (AVX-512 F/BW/VL/DQ, FMA, F16C), ``avx2`` (AVX2, FMA, F16C) and ``baseline``
 (the architecture's base ISA); other architectures build the baseline only.
 ``dispatch.cpp`` picks one at load time. ``HAL_CPU_BUILD_VARIANTS=baseline``
 (comma-separated names) limits what is built, e.g. for a compiler without
-AVX-512 support.
+AVX-512 support; a variant whose flags the compiler rejects is skipped with a
+warning (the library then runs the others).
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.errors import CompileError
 
 CSRC = "csrc"
 COMMON = ["-std=c++17", "-O3", "-fPIC", "-fvisibility=hidden", "-fno-math-errno", "-Wall",
           "-Wno-maybe-uninitialized"]
+AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]
 X86_VARIANTS = {
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+    "avx512vnni": [*AVX512, "-mavx512vnni"],
+    "avx512": AVX512,
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "baseline": [],
+}
+#: The preprocessor names each variant's translation unit is compiled with (isa.h reads them).
+VARIANT_MACROS = {"avx512vnni": ["HAL_ISA_AVX512", "HAL_ISA_VNNI"], "avx512": ["HAL_ISA_AVX512"],
+                  "avx2": ["HAL_ISA_AVX2"], "baseline": []}
+#: A translation unit each non-baseline variant's flags must compile (its intrinsics), else it is skipped.
+PROBES = {
+    "avx512vnni": "__m512i f(__m512i a, __m512i b, __m512i c) { return _mm512_dpbusd_epi32(a, b, c); }",
+    "avx512": "__m512 f(__m512 a) { return _mm512_fmadd_ps(a, a, a); }",
+    "avx2": "__m256 f(__m256 a) { return _mm256_fmadd_ps(a, a, a); }",
 }
 
 
@@ -53,9 +68,11 @@ class BuildKernels(build_ext):
             if cmd and os.path.basename(cmd[0]).startswith(("gcc", "cc")) and name != "compiler_cxx":
                 cmd[0] = os.environ.get("CXX", "g++")
 
+        variants = {name: flags for name, flags in variants.items() if self._compiles(name, flags)}
+
         def compile_variant(item: tuple[str, list[str]]) -> list[str]:
             name, flags = item
-            macros = [(f"HAL_ISA_{name.upper()}", "1")] if name != "baseline" else []
+            macros = [(macro, "1") for macro in VARIANT_MACROS.get(name, [])]
             return compiler.compile([os.path.join(CSRC, "kernels.cpp")], output_dir=os.path.join(self.build_temp, name),
                                     macros=macros, extra_postargs=COMMON + flags, depends=ext.depends)
 
@@ -69,6 +86,24 @@ class BuildKernels(build_ext):
         os.makedirs(os.path.dirname(target), exist_ok=True)
         compiler.link_shared_object(objects, target, extra_postargs=["-pthread", "-static-libstdc++", "-static-libgcc"],
                                     target_lang="c++")
+
+
+    def _compiles(self, name: str, flags: list[str]) -> bool:
+        """Whether the compiler accepts ``name``'s flags and intrinsics (always true for the baseline)."""
+        if name not in PROBES:
+            return True
+        probe_dir = os.path.join(self.build_temp, "probe", name)
+        os.makedirs(probe_dir, exist_ok=True)
+        source = os.path.join(probe_dir, "probe.cpp")
+        with open(source, "w") as f:
+            f.write("#include <immintrin.h>\n" + PROBES[name] + "\n")
+        try:
+            self.compiler.compile([source], output_dir=probe_dir, extra_postargs=COMMON + flags)
+        except CompileError:
+            print(f"hal-cpu: the compiler rejects the {name} variant's flags ({' '.join(flags)}); building without it",
+                  file=sys.stderr)
+            return False
+        return True
 
 
 KERNELS = Extension(

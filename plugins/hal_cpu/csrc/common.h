@@ -35,6 +35,7 @@ struct KernelTable {
 
 }  // namespace hal
 
+extern "C" const hal::KernelTable *hal_kernels_avx512vnni();
 extern "C" const hal::KernelTable *hal_kernels_avx512();
 extern "C" const hal::KernelTable *hal_kernels_avx2();
 extern "C" const hal::KernelTable *hal_kernels_baseline();

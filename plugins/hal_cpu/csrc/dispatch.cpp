@@ -2,8 +2,8 @@
 // and the kernels that need no SIMD (write_kv_cache is a scatter of contiguous rows).
 //
 // Compiled for the portable baseline. Each SIMD variant of kernels.cpp is linked in when
-// the build compiled it (HAL_HAVE_AVX512 / HAL_HAVE_AVX2); hal_cpu_select_isa picks the best
-// one this CPU and OS support, unless a name is forced (HAL_CPU_ISA, for testing and diagnosis).
+// the build compiled it (HAL_HAVE_AVX512VNNI / HAL_HAVE_AVX512 / HAL_HAVE_AVX2); hal_cpu_select_isa
+// picks the best one this CPU and OS support, unless a name is forced (HAL_CPU_ISA, for testing and diagnosis).
 #include <pthread.h>
 #include <sched.h>
 #include <unistd.h>
@@ -124,6 +124,12 @@ bool has_avx512() {
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
            __builtin_cpu_supports("fma") && __builtin_cpu_supports("avx2");
 }
+#ifdef HAL_HAVE_AVX512VNNI
+bool has_avx512vnni() {
+    __builtin_cpu_init();
+    return has_avx512() && __builtin_cpu_supports("avx512vnni");
+}
+#endif
 bool has_avx2() {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("avx");
@@ -132,6 +138,9 @@ bool has_avx2() {
 bool always() { return true; }
 
 const Variant variants[] = {
+#ifdef HAL_HAVE_AVX512VNNI
+    {"avx512vnni", hal_kernels_avx512vnni, has_avx512vnni},
+#endif
 #ifdef HAL_HAVE_AVX512
     {"avx512", hal_kernels_avx512, has_avx512},
 #endif

@@ -19,7 +19,7 @@ extern "C" {
 enum { HAL_F32 = 0, HAL_F16 = 1, HAL_BF16 = 2 };
 enum { HAL_OK = 0, HAL_ENOMEM = 1 };
 
-/* The variant chosen at load time ("avx512", "avx2", "baseline"); forced = NULL or "" picks the best. */
+/* The variant chosen at load time ("avx512vnni", "avx512", "avx2", "baseline"); forced = NULL or "" picks the best. */
 const char *hal_cpu_select_isa(const char *forced);
 const char *hal_cpu_isa(void);
 const char *hal_cpu_available_isas(void);

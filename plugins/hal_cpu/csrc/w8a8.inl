@@ -6,7 +6,8 @@
 // Codes and quantised activations are small integers, so their products and running sums are
 // exact in fp32 while below 2**24: 127 * 255 * 512 < 2**24. Groups are therefore walked in
 // segments of at most 512 rows; each segment's exact sum has its zero-point term subtracted
-// (exact too) before the group scale is applied.
+// (exact too) before the group scale is applied. The avx512vnni variant runs the integer kernels of
+// w8a8_vnni.inl instead (the same segments and epilogue, so the same bits).
 
 constexpr int64_t kExactRows = 512;
 
@@ -63,15 +64,20 @@ inline void w8_rows(int64_t rows, const float *xq, int64_t k, const float *xqsum
     }
 }
 
-template <class SS>
-int w8a8_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, int64_t n, const uint8_t *qw,
-           const void *scales_v, const uint8_t *zeros, int32_t zdef, const int32_t *perm, const int64_t *starts,
-           const int32_t *group_of_run, int64_t runs, float *y, int64_t n_tile, int32_t threads) {
-    const auto *scales = static_cast<const typename SS::T *>(scales_v);
+// Each run of one group cut into segments of at most kExactRows rows.
+inline std::vector<Segment> w8_segments(const int64_t *starts, const int32_t *group_of_run, int64_t runs) {
     std::vector<Segment> segs;
     for (int64_t r = 0; r < runs; ++r)
         for (int64_t s = starts[r]; s < starts[r + 1]; s += kExactRows)
             segs.push_back({s, std::min(starts[r + 1], s + kExactRows), group_of_run[r]});
+    return segs;
+}
+
+template <class SS>
+int w8a8_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, int64_t n, const uint8_t *qw,
+           const void *scales_v, const uint8_t *zeros, int32_t zdef, const int32_t *perm,
+           const std::vector<Segment> &segs, float *y, int64_t n_tile, int32_t threads) {
+    const auto *scales = static_cast<const typename SS::T *>(scales_v);
     const int64_t nseg = int64_t(segs.size());
     std::vector<float> xq(size_t(m) * k), xqsum(size_t(m) * std::max<int64_t>(nseg, 1)), sx(m);
     std::vector<char> bad(m, 0);
@@ -136,16 +142,27 @@ int w8a8_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, in
     return HAL_OK;
 }
 
+#if defined(HAL_ISA_VNNI)
+#include "w8a8_vnni.inl"
+#endif
+
 int w8a8_gemm(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, int64_t n, const uint8_t *qw,
               const void *scales, int32_t sdt, const uint8_t *zeros, int32_t zdef, const int32_t *perm,
               const int64_t *starts, const int32_t *group_of_run, int64_t runs, float *y, int64_t n_tile,
               int32_t threads) {
     try {
-        if (sdt == HAL_F16)
-            return w8a8_t<F16>(x, xdt, xstride, m, k, n, qw, scales, zeros, zdef, perm, starts, group_of_run, runs, y, n_tile, threads);
-        if (sdt == HAL_BF16)
-            return w8a8_t<BF16>(x, xdt, xstride, m, k, n, qw, scales, zeros, zdef, perm, starts, group_of_run, runs, y, n_tile, threads);
-        return w8a8_t<F32>(x, xdt, xstride, m, k, n, qw, scales, zeros, zdef, perm, starts, group_of_run, runs, y, n_tile, threads);
+        const std::vector<Segment> segs = w8_segments(starts, group_of_run, runs);
+#define HAL_W8_CALL(KERNEL, SS) KERNEL<SS>(x, xdt, xstride, m, k, n, qw, scales, zeros, zdef, perm, segs, y, n_tile, threads)
+#if defined(HAL_ISA_VNNI)
+#define HAL_W8_KERNEL w8a8_vnni_t
+#else
+#define HAL_W8_KERNEL w8a8_t
+#endif
+        if (sdt == HAL_F16) return HAL_W8_CALL(HAL_W8_KERNEL, F16);
+        if (sdt == HAL_BF16) return HAL_W8_CALL(HAL_W8_KERNEL, BF16);
+        return HAL_W8_CALL(HAL_W8_KERNEL, F32);
+#undef HAL_W8_KERNEL
+#undef HAL_W8_CALL
     } catch (const std::bad_alloc &) {
         return HAL_ENOMEM;
     }

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 
 import pytest
 from hal_cpu import _native
@@ -27,9 +27,9 @@ def isa(native: _native.Native, name: str) -> Iterator[None]:
         native.lib.hal_cpu_select_isa(native.isa.encode())
 
 
-@pytest.fixture(params=["best", "avx2", "baseline"])
+@pytest.fixture(params=["best", "avx512", "avx2", "baseline"])
 def variant(request: pytest.FixtureRequest, native: _native.Native) -> Iterator[str]:
-    """Each test body runs with the chosen variant, AVX2 (where it is not the chosen one) and the baseline."""
+    """Each test body runs with the chosen variant, AVX-512 and AVX2 (where not the chosen one) and the baseline."""
     if request.param == "best":
         yield native.isa
         return
@@ -37,3 +37,9 @@ def variant(request: pytest.FixtureRequest, native: _native.Native) -> Iterator[
         pytest.skip(f"{native.isa} is the chosen variant, already tested as 'best'")
     with isa(native, request.param):
         yield request.param
+
+
+@pytest.fixture
+def select_isa(native: _native.Native) -> Callable[[str], AbstractContextManager[None]]:
+    """``with select_isa(name):`` runs a block under that variant (skips the test where it does not run)."""
+    return lambda name: isa(native, name)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from hal_cpu import _native
 from hal_cpu.ops import paged_attention
 
@@ -58,3 +59,18 @@ def test_every_variant_gives_the_same_attention(native: _native.Native, rng: np.
         native.lib.hal_cpu_select_isa(native.isa.encode())
     for name, got in results.items():
         np.testing.assert_allclose(got, results["baseline"], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_every_runnable_variant_can_be_forced(native: _native.Native) -> None:
+    """HAL_CPU_ISA accepts each variant this CPU runs (avx512vnni included where the CPU has AVX512_VNNI)."""
+    code = "from hal_cpu import _native; print(_native.load().isa)"
+    for name in native.available:
+        assert _python(code, HAL_CPU_ISA=name) == name
+
+
+def test_vnni_variant_ranks_first_where_it_runs(native: _native.Native) -> None:
+    """The byte-dot-product variant is preferred over plain AVX-512 whenever this CPU runs both."""
+    if "avx512vnni" not in native.available:
+        pytest.skip(f"this CPU or build has no avx512vnni variant (available: {', '.join(native.available)})")
+    assert native.available.index("avx512vnni") < native.available.index("avx512")
+    assert native.isa == "avx512vnni"

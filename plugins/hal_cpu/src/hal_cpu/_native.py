@@ -3,7 +3,7 @@
 Nothing here runs on ``import hal_cpu``: :func:`load` is called when an op
 first runs. The library holds every instruction-set variant of the kernels
 built for this architecture and picks the best one the CPU supports;
-``HAL_CPU_ISA=baseline|avx2|avx512`` forces one (for testing and diagnosis
+``HAL_CPU_ISA=baseline|avx2|avx512|avx512vnni`` forces one (for testing and diagnosis
 only; an unknown or unsupported name is logged and ignored). When the
 library cannot be loaded (a source checkout whose build failed), the ops
 fall back to their numpy paths and say so once in the log.

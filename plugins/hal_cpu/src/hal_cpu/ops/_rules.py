@@ -31,7 +31,7 @@ SMALL_M_MAX = 32
 HALF_DOT_M_MAX = 128
 #: W4A16: instruction sets whose blocked kernel has a hand-sized register tile; elsewhere (the portable
 #: baseline) dequantised tiles fed to numpy's BLAS are faster for large M.
-BLOCKED_ISAS = ("avx512", "avx2")
+BLOCKED_ISAS = ("avx512vnni", "avx512", "avx2")
 #: W4A16 ``'tiles'``: bytes of one dequantised float32 tile ``[K, columns]`` (bounded; large enough that few BLAS
 #: calls amortise their threading overhead, small enough to keep peak memory within 64 MiB of the weights).
 DEQUANT_TILE_BYTES = 16 * 1024 * 1024

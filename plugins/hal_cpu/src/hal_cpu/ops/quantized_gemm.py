@@ -15,8 +15,12 @@
   BLAS, for hosts whose BLAS outruns the blocked kernel; freed when the call returns.
 - W8A8: activations are quantised per token inside the kernel, bit for bit as
   :func:`~hal_core.quant.quantize_activations`; integer dot products are exact
-  per group, then scaled by the group scales and the token scale. A row of
-  ``x`` holding NaN or Inf gives a row of NaN.
+  per group, then scaled by the group scales and the token scale. On CPUs with
+  AVX512_VNNI the products are int8 x uint8 byte dot products summed in int32
+  (codes read in place over wide column tiles for M <= 4, packed 64-column
+  panels and register tiles above; csrc/w8a8_vnni.inl), elsewhere exact float
+  sums; both give the same bits. A row of ``x`` holding NaN or Inf gives a row
+  of NaN.
 
 No weight-derived array outlives a call.
 """
@@ -33,7 +37,10 @@ from . import _fallback_gemm, _knobs, _rules
 from ._common import finish
 from ._native_args import dtype_code
 
-__all__ = ["gemm", "half_dot", "quantized_gemm"]
+__all__ = ["W8A8_MAX_COLUMN_TILE", "gemm", "half_dot", "quantized_gemm", "w8a8_column_tile"]
+
+#: The widest column tile of the small-M W8A8 kernel (csrc/w8a8_vnni.inl, ``kVnniMaxTile``).
+W8A8_MAX_COLUMN_TILE = 2048
 
 
 def quantized_gemm(call: OpCall) -> np.ndarray:
@@ -80,7 +87,7 @@ def gemm(
     if threads is None:
         threads = _rules.threads_for(qweight.nbytes + x.nbytes, native.threads)
     if n_tile is None:
-        n_tile = _rules.gemv_column_tile(n, threads)
+        n_tile = w8a8_column_tile(n, threads) if qweight.bits == 8 else _rules.gemv_column_tile(n, threads)
     y = np.empty((m, n), dtype=np.float32)
     xs = x.strides[0] // x.itemsize
     ptr = _native.pointer
@@ -162,6 +169,19 @@ def _tiles(native: _native.Native, x: np.ndarray, xs: int, qweight: QuantizedWei
         np.matmul(x32, t, out=out)
         y[:, n0:n0 + width] = out
     return 0
+
+
+def w8a8_column_tile(n: int, threads: int) -> int:
+    """Columns per task of the small-M W8A8 kernel: as wide as :data:`W8A8_MAX_COLUMN_TILE` allows, in a
+    multiple of ``threads`` tasks.
+
+    Each step of that kernel reads 8 code rows across the task's columns, so a wide task reads long
+    contiguous runs of the ``[K, N]`` codes (what the hardware prefetchers follow, whatever ``N`` is).
+    """
+    threads = max(1, threads)
+    tasks = threads * -(-n // (W8A8_MAX_COLUMN_TILE * threads))
+    per_task = -(-n // tasks)
+    return max(64, -(-per_task // 64) * 64)
 
 
 def _group_runs(k: int, group_size: int, g_idx: np.ndarray | None) -> tuple[np.ndarray | None, np.ndarray,
