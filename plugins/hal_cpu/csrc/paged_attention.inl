@@ -14,17 +14,8 @@
 
 //: Tokens scored per step (a block, or a slice of a long block); a multiple of every W.
 constexpr int kChunk = 32;
-//: Bytes of K and V (all heads) prefetched ahead of the current step: a few blocks, well inside L2.
-#ifndef HAL_PF_BYTES
-#define HAL_PF_BYTES (96 * 1024)
-#endif
-#ifndef HAL_PF_MODE
-#define HAL_PF_MODE 1
-#endif
-#ifndef HAL_PF_STEP
-#define HAL_PF_STEP 64
-#endif
-constexpr int64_t kLookaheadBytes = HAL_PF_BYTES;
+//: Bytes of K and V (all heads) between a step and the rows it prefetches: about a block or two, well inside L2.
+constexpr int64_t kLookaheadBytes = 96 * 1024;
 
 struct AttnArgs {
     const void *query;
@@ -148,7 +139,7 @@ inline void prefetch_rows(const T *base, int rows, int64_t stride, int d) {
     const int64_t bytes = int64_t(d) * sizeof(T);
     for (int r = 0; r < rows; ++r) {
         const char *row = reinterpret_cast<const char *>(base + r * stride);
-        for (int64_t b = 0; b < bytes; b += HAL_PF_STEP) __builtin_prefetch(row + b, 0, 2);
+        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
     }
 }
 
@@ -231,7 +222,7 @@ void attn_task(const AttnArgs &a, int s, int64_t t0, int64_t t1, float *part) {
         for (int kvh = 0; kvh < KV; ++kvh) {
             const int h0 = kvh * gq;
             const T *k = kc + base + kvh * a.ch, *v = vc + base + kvh * a.ch;
-            if (HAL_PF_MODE && Tp > 0) {
+            if (Tp > 0) {
                 prefetch_rows(kc + pbase + kvh * a.ch, Tp, a.ct, d);
                 prefetch_rows(vc + pbase + kvh * a.ch, Tp, a.ct, d);
             }

@@ -103,3 +103,20 @@ def test_strided_query(rng: np.random.Generator) -> None:
     args_strided = dict(args, query=fused[:, :8])
     assert not args_strided["query"].flags.c_contiguous
     np.testing.assert_array_equal(_attend(args_strided), _attend(args))
+
+
+@pytest.mark.parametrize(("num_seqs", "max_len", "threads", "expected"), [
+    (1, 32768, 2, 4096),   # one long sequence: cut so that every thread gets TASKS_PER_THREAD partitions
+    (4, 8192, 2, 4096),
+    (8, 512, 2, 0),        # enough sequences for the threads: no split, no merge
+    (32, 4096, 2, 0),
+    (1, 200, 2, 0),        # shorter than a partition is worth
+    (1, 32768, 1, 0),      # one thread: nothing to balance
+    (1, 1000, 2, 256),     # at least MIN_PARTITION_TOKENS, a multiple of the block size
+])
+def test_partition_rule(num_seqs: int, max_len: int, threads: int, expected: int) -> None:
+    """A task covers every KV head of its tokens, so the split depends on sequences, not (sequence, head) pairs."""
+    from hal_cpu.ops import _rules
+
+    for kv_heads in (1, 8):
+        assert _rules.attention_partition_tokens(num_seqs, kv_heads, max_len, 16, threads) == expected
