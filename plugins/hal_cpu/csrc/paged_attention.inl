@@ -36,6 +36,7 @@ template <class S, int G, int N>
 inline void qk_tile(const float *q, int d, const typename S::T *k, int64_t ct, float *sc) {
     static_assert(G * N <= kAttnAcc, "the tile must fit the accumulators");
     V::f acc[kAttnAcc];
+#pragma GCC unroll 16  // unrolled before loop distribution, or the zeroing becomes a memset of a stack copy
     for (int i = 0; i < kAttnAcc; ++i) acc[i] = V::zero();
     int c = 0;
     for (; c + W <= d; c += W) {
