@@ -28,6 +28,7 @@ struct AttnArgs {
     float *out;
     int32_t num_seqs, num_heads, num_kv_heads, block_size, d, gq;
     float scale;
+    bool bf16_dot;  // bf16 scores by vdpbf16ps (AVX512_BF16, head size a multiple of 32)
 };
 
 // sc[g * kChunk + n] = q_g . k_n for G query heads and N key rows: G * N accumulators in registers,
@@ -106,6 +107,68 @@ inline void pv_rows_all(float *acc, const float *alpha, int d, const float *p, i
             acc[g * d + c] = s;
         }
 }
+
+#if defined(HAL_ISA_AVX512)
+// bf16 scores by AVX512_BF16: vdpbf16ps multiplies bf16 pairs exactly and accumulates in fp32, so one
+// instruction does the work of two FMAs and K needs no widening. The query is read raw (bf16, unscaled:
+// rounding the scaled query to bf16 would lose precision); the scale multiplies the finished dot product.
+template <int G, int N>
+__attribute__((target("avx512bf16"))) inline void qk_tile_bf16(const uint16_t *q, int64_t qh, int d,
+                                                               const uint16_t *k, int64_t ct, float scale,
+                                                               float *sc) {
+    static_assert(G * N <= kAttnAcc, "the tile must fit the accumulators");
+    V::f acc[kAttnAcc];
+#pragma GCC unroll 16
+    for (int i = 0; i < kAttnAcc; ++i) acc[i] = V::zero();
+    for (int c = 0; c < d; c += 32) {
+        __m512bh qv[G];
+        for (int g = 0; g < G; ++g) qv[g] = (__m512bh)_mm512_loadu_si512(q + g * qh + c);
+        for (int n = 0; n < N; ++n) {
+            const __m512bh kv = (__m512bh)_mm512_loadu_si512(k + n * ct + c);
+            for (int g = 0; g < G; ++g) acc[n * G + g] = _mm512_dpbf16_ps(acc[n * G + g], qv[g], kv);
+        }
+    }
+    alignas(64) float sums[kAttnAcc];
+    hsum_acc(acc, sums);
+    for (int n = 0; n < N; ++n)
+        for (int g = 0; g < G; ++g) sc[g * kChunk + n] = sums[n * G + g] * scale;
+}
+
+template <int G>
+__attribute__((target("avx512bf16"), noinline)) void qk_rows_bf16(const uint16_t *q, int64_t qh, int d,
+                                                                  const uint16_t *k, int64_t ct, int T,
+                                                                  float scale, float *sc) {
+    constexpr int N = qk_rows<G>();
+    int t = 0;
+    for (; t + N <= T; t += N) qk_tile_bf16<G, N>(q, qh, d, k + t * ct, ct, scale, sc + t);
+    for (; t < T; ++t) qk_tile_bf16<G, 1>(q, qh, d, k + t * ct, ct, scale, sc + t);
+}
+
+inline void qk_heads_bf16(int gq, const uint16_t *q, int64_t qh, int d, const uint16_t *k, int64_t ct, int T,
+                          float scale, float *sc) {
+    for (int g0 = 0; g0 < gq; g0 += 8) {
+        const uint16_t *qg = q + int64_t(g0) * qh;
+        float *sg = sc + int64_t(g0) * kChunk;
+        switch (std::min(8, gq - g0)) {
+            case 1: qk_rows_bf16<1>(qg, qh, d, k, ct, T, scale, sg); break;
+            case 2: qk_rows_bf16<2>(qg, qh, d, k, ct, T, scale, sg); break;
+            case 3: qk_rows_bf16<3>(qg, qh, d, k, ct, T, scale, sg); break;
+            case 4: qk_rows_bf16<4>(qg, qh, d, k, ct, T, scale, sg); break;
+            case 5: qk_rows_bf16<5>(qg, qh, d, k, ct, T, scale, sg); break;
+            case 6: qk_rows_bf16<6>(qg, qh, d, k, ct, T, scale, sg); break;
+            case 7: qk_rows_bf16<7>(qg, qh, d, k, ct, T, scale, sg); break;
+            default: qk_rows_bf16<8>(qg, qh, d, k, ct, T, scale, sg); break;
+        }
+    }
+}
+
+inline bool cpu_has_bf16_dot() {
+    static const bool has = __builtin_cpu_supports("avx512bf16");
+    return has;
+}
+#else
+inline bool cpu_has_bf16_dot() { return false; }
+#endif
 
 // Groups of up to 8 query heads share each loaded row.
 template <class S>
@@ -228,7 +291,16 @@ void attn_task(const AttnArgs &a, int s, int64_t t0, int64_t t1, float *part) {
                 prefetch_rows(vc + pbase + kvh * a.ch, Tp, a.ct, d);
             }
             float *qk = q + int64_t(h0) * d, *ak = acc + int64_t(h0) * d;
-            for_heads<S>(gq, qk, ak, alpha, sc, d, T_, k, v, a.ct, true);
+            bool scored = false;
+#if defined(HAL_ISA_AVX512)
+            if constexpr (std::is_same<S, BF16>::value) {
+                if (a.bf16_dot) {
+                    qk_heads_bf16(gq, query + s * a.qs + int64_t(h0) * a.qh, a.qh, d, k, a.ct, T_, a.scale, sc);
+                    scored = true;
+                }
+            }
+#endif
+            if (!scored) for_heads<S>(gq, qk, ak, alpha, sc, d, T_, k, v, a.ct, true);
             softmax_step(sc, T_, gq, m + h0, l + h0, poisoned + h0, alpha, scratch);
             for_heads<S>(gq, qk, ak, alpha, sc, d, T_, k, v, a.ct, false);
         }
@@ -327,7 +399,8 @@ int paged_attention(const void *query, int64_t qs, int64_t qh, const void *kc, c
                     int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads, int32_t block_size, int32_t d,
                     int32_t dtype, float scale, int32_t partition_tokens, int32_t threads) {
     AttnArgs a{query, qs, qh, kc, vc, cb, ch, ct, bt, bts, sl, out,
-               num_seqs, num_heads, num_kv_heads, block_size, d, num_heads / num_kv_heads, scale};
+               num_seqs, num_heads, num_kv_heads, block_size, d, num_heads / num_kv_heads, scale,
+               dtype == HAL_BF16 && d % 32 == 0 && cpu_has_bf16_dot()};
     try {
         if (dtype == HAL_F16) return paged_attention_t<F16>(a, partition_tokens, threads);
         if (dtype == HAL_BF16) return paged_attention_t<BF16>(a, partition_tokens, threads);
