@@ -201,6 +201,67 @@ struct V {
 };
 #endif
 
+
+// ---------------------------------------------------------------------------------------------
+// Attention helpers: register-tile sizes and reductions used by paged_attention.inl.
+//   kAttnAcc        vector accumulators one register tile may hold (what the variant's register file
+//                   leaves after the operands: 32 zmm registers on AVX-512, 16 ymm/xmm elsewhere).
+//   hsum_acc(a, o)  o[i] = sum of the lanes of a[i] for the kAttnAcc vectors a[0..kAttnAcc) at once
+//                   (one transpose-reduce instead of kAttnAcc separate horizontal sums).
+//   vmax(a, b)      lane-wise max that ignores a NaN in a (returns b's lane), hmax(a) its reduction.
+// ---------------------------------------------------------------------------------------------
+#if defined(HAL_ISA_AVX512)
+constexpr int kAttnAcc = 16;
+// Four vectors -> one whose 128-bit lane L holds their four partial sums over lane L.
+[[gnu::always_inline]] inline __m512 hsum4_lanes(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    return _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xEE));
+}
+[[gnu::always_inline]] inline void hsum_acc(const V::f *a, float *out) {
+    __m512 s0 = hsum4_lanes(a[0], a[1], a[2], a[3]), s1 = hsum4_lanes(a[4], a[5], a[6], a[7]);
+    __m512 s2 = hsum4_lanes(a[8], a[9], a[10], a[11]), s3 = hsum4_lanes(a[12], a[13], a[14], a[15]);
+    __m512 v01 = _mm512_add_ps(_mm512_shuffle_f32x4(s0, s1, 0x44), _mm512_shuffle_f32x4(s0, s1, 0xEE));
+    __m512 v23 = _mm512_add_ps(_mm512_shuffle_f32x4(s2, s3, 0x44), _mm512_shuffle_f32x4(s2, s3, 0xEE));
+    _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_f32x4(v01, v23, 0x88), _mm512_shuffle_f32x4(v01, v23, 0xDD)));
+}
+inline V::f vmax(V::f a, V::f b) { return _mm512_max_ps(a, b); }  // maxps returns b where a lane is NaN
+inline float hmax(V::f a) { return _mm512_reduce_max_ps(a); }
+#elif defined(HAL_ISA_AVX2)
+constexpr int kAttnAcc = 8;
+[[gnu::always_inline]] inline __m256 hsum4_lanes(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 s01 = _mm256_add_ps(_mm256_unpacklo_ps(a0, a1), _mm256_unpackhi_ps(a0, a1));
+    __m256 s23 = _mm256_add_ps(_mm256_unpacklo_ps(a2, a3), _mm256_unpackhi_ps(a2, a3));
+    return _mm256_add_ps(_mm256_shuffle_ps(s01, s23, 0x44), _mm256_shuffle_ps(s01, s23, 0xEE));
+}
+[[gnu::always_inline]] inline void hsum_acc(const V::f *a, float *out) {
+    __m256 s0 = hsum4_lanes(a[0], a[1], a[2], a[3]), s1 = hsum4_lanes(a[4], a[5], a[6], a[7]);
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31)));
+}
+inline V::f vmax(V::f a, V::f b) { return _mm256_max_ps(a, b); }
+inline float hmax(V::f a) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+#else
+constexpr int kAttnAcc = 8;
+[[gnu::always_inline]] inline void hsum_acc(const V::f *a, float *out) {
+    for (int i = 0; i < kAttnAcc; ++i) out[i] = V::hsum(a[i]);
+}
+inline V::f vmax(V::f a, V::f b) {
+    for (int l = 0; l < 4; ++l) a.v[l] = a.v[l] > b.v[l] ? a.v[l] : b.v[l];
+    return a;
+}
+inline float hmax(V::f a) {
+    float m = a.v[0];
+    for (int l = 1; l < 4; ++l) m = a.v[l] > m ? a.v[l] : m;
+    return m;
+}
+#endif
+// ---------------------------------------------------------------------------------------------
+
 }  // namespace hal
 
 // ---------------------------------------------------------------------------------------------

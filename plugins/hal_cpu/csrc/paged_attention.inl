@@ -1,12 +1,21 @@
 // paged_attention.inl: included by kernels.cpp inside namespace hal::<variant>; not a standalone header.
 // ---------------------------------------------------------------------------------------------
 // paged_attention
+//
+// One task per (sequence, partition of its tokens), covering every KV head: a task walks its
+// blocks in order and, inside a block, its KV heads in order, so it reads each block's K (and V)
+// rows of all heads as one contiguous run of memory (the cache is [block, kv_head, token, d]),
+// which the hardware prefetcher streams, instead of one small run per (block, head).
+// Per head, a step scores up to kChunk tokens with register tiles of (tokens x query heads)
+// dot products reduced together, updates the online softmax, and accumulates P @ V with
+// register tiles of (query heads x columns); the rescale of the accumulator is folded into
+// that tile's load.
 // ---------------------------------------------------------------------------------------------
 
 //: Tokens scored per step (a block, or a slice of a long block); a multiple of every W.
 constexpr int kChunk = 32;
-//: Tokens ahead of the current chunk whose K/V rows are prefetched (a few blocks; they fit in L2).
-constexpr int64_t kLookahead = 96;
+//: Bytes of K and V (all heads) between a step and the rows it prefetches: about a block or two, well inside L2.
+constexpr int64_t kLookaheadBytes = 96 * 1024;
 
 struct AttnArgs {
     const void *query;
@@ -19,75 +28,173 @@ struct AttnArgs {
     float *out;
     int32_t num_seqs, num_heads, num_kv_heads, block_size, d, gq;
     float scale;
+    bool bf16_dot;  // bf16 scores by vdpbf16ps (AVX512_BF16, head size a multiple of 32)
 };
 
-// sc[g * kChunk] = q_g . k for G query heads of one key row (the row is loaded once for all G).
-template <class S, int G>
-inline void qk_row(const float *q, int d, const typename S::T *k, float *sc) {
-    V::f acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = V::zero();
+// sc[g * kChunk + n] = q_g . k_n for G query heads and N key rows: G * N accumulators in registers,
+// each K vector loaded once for all G heads, each q vector once for all N rows, one joint reduction.
+template <class S, int G, int N>
+inline void qk_tile(const float *q, int d, const typename S::T *k, int64_t ct, float *sc) {
+    static_assert(G * N <= kAttnAcc, "the tile must fit the accumulators");
+    V::f acc[kAttnAcc];
+#pragma GCC unroll 16  // unrolled before loop distribution, or the zeroing becomes a memset of a stack copy
+    for (int i = 0; i < kAttnAcc; ++i) acc[i] = V::zero();
     int c = 0;
     for (; c + W <= d; c += W) {
-        V::f kv = vload<S>(k + c);
-        for (int g = 0; g < G; ++g) acc[g] = V::fma(V::load(q + g * d + c), kv, acc[g]);
-    }
-    float sums[G + 3];
-    int g = 0;
-    for (; g + 4 <= G; g += 4) V::hsum4(acc[g], acc[g + 1], acc[g + 2], acc[g + 3], sums + g);
-    for (; g < G; ++g) sums[g] = V::hsum(acc[g]);
-    for (g = 0; g < G; ++g) {
-        float s = sums[g];
-        for (int e = c; e < d; ++e) s += q[g * d + e] * S::scalar(k + e);
-        sc[g * kChunk] = s;
-    }
-}
-
-// acc[g] += sum_t p[g][t] * v_t for G heads over T value rows, accumulators in registers per W lanes.
-template <class S, int G>
-inline void pv_rows(float *acc, int d, const float *p, int T, const typename S::T *v, int64_t vstride) {
-    int c = 0;
-    for (; c + W <= d; c += W) {
-        V::f a[G];
-        for (int g = 0; g < G; ++g) a[g] = V::load(acc + g * d + c);
-        for (int t = 0; t < T; ++t) {
-            V::f vv = vload<S>(v + t * vstride + c);
-            for (int g = 0; g < G; ++g) a[g] = V::fma(V::set1(p[g * kChunk + t]), vv, a[g]);
+        V::f qv[G];
+        for (int g = 0; g < G; ++g) qv[g] = V::load(q + g * d + c);
+        for (int n = 0; n < N; ++n) {
+            const V::f kv = vload<S>(k + n * ct + c);
+            for (int g = 0; g < G; ++g) acc[n * G + g] = V::fma(qv[g], kv, acc[n * G + g]);
         }
-        for (int g = 0; g < G; ++g) V::store(acc + g * d + c, a[g]);
     }
-    for (; c < d; ++c)
-        for (int g = 0; g < G; ++g)
-            for (int t = 0; t < T; ++t) acc[g * d + c] += p[g * kChunk + t] * S::scalar(v + t * vstride + c);
+    alignas(64) float sums[kAttnAcc];
+    hsum_acc(acc, sums);
+    for (int n = 0; n < N; ++n)
+        for (int g = 0; g < G; ++g) {
+            float s = sums[n * G + g];
+            for (int e = c; e < d; ++e) s += q[g * d + e] * S::scalar(k + n * ct + e);
+            sc[g * kChunk + n] = s;
+        }
 }
 
+template <int G>
+constexpr int qk_rows() { return G >= kAttnAcc ? 1 : kAttnAcc / G; }
+
 template <class S, int G>
-inline void heads_step(const float *q, float *acc, float *sc, int d, int T, const typename S::T *k,
-                       const typename S::T *v, int64_t ct, bool scores) {
-    if (scores) {
-        for (int t = 0; t < T; ++t) qk_row<S, G>(q, d, k + t * ct, sc + t);
-    } else {
-        pv_rows<S, G>(acc, d, sc, T, v, ct);
+inline void qk_rows_all(const float *q, int d, const typename S::T *k, int64_t ct, int T, float *sc) {
+    constexpr int N = qk_rows<G>();
+    int t = 0;
+    for (; t + N <= T; t += N) qk_tile<S, G, N>(q, d, k + t * ct, ct, sc + t);
+    for (; t < T; ++t) qk_tile<S, G, 1>(q, d, k + t * ct, ct, sc + t);
+}
+
+// Columns [c, c + CB * W) of acc[g] = alpha[g] * acc[g] + sum_t p[g][t] * v_t, held in registers over the T rows.
+template <class S, int G, int CB>
+inline void pv_tile(float *acc, const float *alpha, int d, int c, const float *p, int T, const typename S::T *v,
+                    int64_t ct) {
+    V::f a[G][CB];
+    for (int g = 0; g < G; ++g) {
+        const V::f al = V::set1(alpha[g]);
+        for (int b = 0; b < CB; ++b) a[g][b] = V::mul(V::load(acc + g * d + c + b * W), al);
+    }
+    for (int t = 0; t < T; ++t) {
+        V::f pv[G];
+        for (int g = 0; g < G; ++g) pv[g] = V::set1(p[g * kChunk + t]);
+        for (int b = 0; b < CB; ++b) {
+            const V::f vv = vload<S>(v + t * ct + c + b * W);
+            for (int g = 0; g < G; ++g) a[g][b] = V::fma(pv[g], vv, a[g][b]);
+        }
+    }
+    for (int g = 0; g < G; ++g)
+        for (int b = 0; b < CB; ++b) V::store(acc + g * d + c + b * W, a[g][b]);
+}
+
+template <int G>
+constexpr int pv_cols() { return G >= kAttnAcc ? 1 : (kAttnAcc / G < 8 ? kAttnAcc / G : 8); }
+
+template <class S, int G>
+inline void pv_rows_all(float *acc, const float *alpha, int d, const float *p, int T, const typename S::T *v,
+                        int64_t ct) {
+    constexpr int CB = pv_cols<G>();
+    int c = 0;
+    for (; c + CB * W <= d; c += CB * W) pv_tile<S, G, CB>(acc, alpha, d, c, p, T, v, ct);
+    for (; c + W <= d; c += W) pv_tile<S, G, 1>(acc, alpha, d, c, p, T, v, ct);
+    for (; c < d; ++c)
+        for (int g = 0; g < G; ++g) {
+            float s = acc[g * d + c] * alpha[g];
+            for (int t = 0; t < T; ++t) s += p[g * kChunk + t] * S::scalar(v + t * ct + c);
+            acc[g * d + c] = s;
+        }
+}
+
+#if defined(HAL_ISA_AVX512)
+// bf16 scores by AVX512_BF16: vdpbf16ps multiplies bf16 pairs exactly and accumulates in fp32, so one
+// instruction does the work of two FMAs and K needs no widening. The query is read raw (bf16, unscaled:
+// rounding the scaled query to bf16 would lose precision); the scale multiplies the finished dot product.
+template <int G, int N>
+__attribute__((target("avx512bf16"))) inline void qk_tile_bf16(const uint16_t *q, int64_t qh, int d,
+                                                               const uint16_t *k, int64_t ct, float scale,
+                                                               float *sc) {
+    static_assert(G * N <= kAttnAcc, "the tile must fit the accumulators");
+    V::f acc[kAttnAcc];
+#pragma GCC unroll 16
+    for (int i = 0; i < kAttnAcc; ++i) acc[i] = V::zero();
+    for (int c = 0; c < d; c += 32) {
+        __m512bh qv[G];
+        for (int g = 0; g < G; ++g) qv[g] = (__m512bh)_mm512_loadu_si512(q + g * qh + c);
+        for (int n = 0; n < N; ++n) {
+            const __m512bh kv = (__m512bh)_mm512_loadu_si512(k + n * ct + c);
+            for (int g = 0; g < G; ++g) acc[n * G + g] = _mm512_dpbf16_ps(acc[n * G + g], qv[g], kv);
+        }
+    }
+    alignas(64) float sums[kAttnAcc];
+    hsum_acc(acc, sums);
+    for (int n = 0; n < N; ++n)
+        for (int g = 0; g < G; ++g) sc[g * kChunk + n] = sums[n * G + g] * scale;
+}
+
+template <int G>
+__attribute__((target("avx512bf16"), noinline)) void qk_rows_bf16(const uint16_t *q, int64_t qh, int d,
+                                                                  const uint16_t *k, int64_t ct, int T,
+                                                                  float scale, float *sc) {
+    constexpr int N = qk_rows<G>();
+    int t = 0;
+    for (; t + N <= T; t += N) qk_tile_bf16<G, N>(q, qh, d, k + t * ct, ct, scale, sc + t);
+    for (; t < T; ++t) qk_tile_bf16<G, 1>(q, qh, d, k + t * ct, ct, scale, sc + t);
+}
+
+inline void qk_heads_bf16(int gq, const uint16_t *q, int64_t qh, int d, const uint16_t *k, int64_t ct, int T,
+                          float scale, float *sc) {
+    for (int g0 = 0; g0 < gq; g0 += 8) {
+        const uint16_t *qg = q + int64_t(g0) * qh;
+        float *sg = sc + int64_t(g0) * kChunk;
+        switch (std::min(8, gq - g0)) {
+            case 1: qk_rows_bf16<1>(qg, qh, d, k, ct, T, scale, sg); break;
+            case 2: qk_rows_bf16<2>(qg, qh, d, k, ct, T, scale, sg); break;
+            case 3: qk_rows_bf16<3>(qg, qh, d, k, ct, T, scale, sg); break;
+            case 4: qk_rows_bf16<4>(qg, qh, d, k, ct, T, scale, sg); break;
+            case 5: qk_rows_bf16<5>(qg, qh, d, k, ct, T, scale, sg); break;
+            case 6: qk_rows_bf16<6>(qg, qh, d, k, ct, T, scale, sg); break;
+            case 7: qk_rows_bf16<7>(qg, qh, d, k, ct, T, scale, sg); break;
+            default: qk_rows_bf16<8>(qg, qh, d, k, ct, T, scale, sg); break;
+        }
     }
 }
+
+inline bool cpu_has_bf16_dot() {
+    static const bool has = __builtin_cpu_supports("avx512bf16");
+    return has;
+}
+#else
+inline bool cpu_has_bf16_dot() { return false; }
+#endif
 
 // Groups of up to 8 query heads share each loaded row.
 template <class S>
-inline void for_heads(int gq, const float *q, float *acc, float *sc, int d, int T, const typename S::T *k,
-                      const typename S::T *v, int64_t ct, bool scores) {
+inline void for_heads(int gq, const float *q, float *acc, const float *alpha, float *sc, int d, int T,
+                      const typename S::T *k, const typename S::T *v, int64_t ct, bool scores) {
     for (int g0 = 0; g0 < gq; g0 += 8) {
         const float *qg = q + int64_t(g0) * d;
         float *ag = acc + int64_t(g0) * d;
         float *sg = sc + int64_t(g0) * kChunk;
+        const float *al = alpha + g0;
+#define HAL_HEADS_CASE(G)                                        \
+    case G:                                                      \
+        if (scores) qk_rows_all<S, G>(qg, d, k, ct, T, sg);      \
+        else pv_rows_all<S, G>(ag, al, d, sg, T, v, ct);         \
+        break;
         switch (std::min(8, gq - g0)) {
-            case 1: heads_step<S, 1>(qg, ag, sg, d, T, k, v, ct, scores); break;
-            case 2: heads_step<S, 2>(qg, ag, sg, d, T, k, v, ct, scores); break;
-            case 3: heads_step<S, 3>(qg, ag, sg, d, T, k, v, ct, scores); break;
-            case 4: heads_step<S, 4>(qg, ag, sg, d, T, k, v, ct, scores); break;
-            case 5: heads_step<S, 5>(qg, ag, sg, d, T, k, v, ct, scores); break;
-            case 6: heads_step<S, 6>(qg, ag, sg, d, T, k, v, ct, scores); break;
-            case 7: heads_step<S, 7>(qg, ag, sg, d, T, k, v, ct, scores); break;
-            default: heads_step<S, 8>(qg, ag, sg, d, T, k, v, ct, scores); break;
+            HAL_HEADS_CASE(1)
+            HAL_HEADS_CASE(2)
+            HAL_HEADS_CASE(3)
+            HAL_HEADS_CASE(4)
+            HAL_HEADS_CASE(5)
+            HAL_HEADS_CASE(6)
+            HAL_HEADS_CASE(7)
+            default: HAL_HEADS_CASE(8)
         }
+#undef HAL_HEADS_CASE
     }
 }
 
@@ -100,83 +207,119 @@ inline void prefetch_rows(const T *base, int rows, int64_t stride, int d) {
     }
 }
 
-// Tokens [t0, t1) of sequence s for KV head kvh: online softmax in fp32.
-// Writes either the normalised output rows (final) or (max, denominator, acc[d]) per head to part.
-// NaN scores, or a max of +/-inf, poison the head (NaN out), as in the float64 reference.
-template <class S>
-void attn_task(const AttnArgs &a, int s, int kvh, int64_t t0, int64_t t1, float *part, bool final) {
-    using T = typename S::T;
-    const int gq = a.gq, d = a.d;
-    std::vector<float> buf(size_t(gq) * (2 * d + kChunk + 3));
-    float *q = buf.data(), *acc = q + size_t(gq) * d, *sc = acc + size_t(gq) * d;
-    float *m = sc + size_t(gq) * kChunk, *l = m + gq, *poisoned = l + gq;
-    const T *query = static_cast<const T *>(a.query);
+// The online softmax step of a head group's gq heads over the step's scores sc[g * kChunk + [0, T)]:
+// the scores become probabilities, alpha[g] the rescale of head g's accumulator, m/l/poisoned advance.
+// A NaN score poisons its head. scratch holds 2 * round_up(gq, W) floats.
+inline void softmax_step(float *sc, int T, int gq, float *m, float *l, float *poisoned, float *alpha,
+                         float *scratch) {
+    const int padded = (T + W - 1) / W * W, gp = (gq + W - 1) / W * W;
+    float *mold = scratch, *ms = scratch + gp;
     for (int g = 0; g < gq; ++g) {
-        const T *qrow = query + s * a.qs + int64_t(kvh * gq + g) * a.qh;
-        for (int e = 0; e < d; ++e) q[g * d + e] = S::scalar(qrow + e) * a.scale;
-        m[g] = -kInf;
-        l[g] = 0.0f;
-        poisoned[g] = 0.0f;
+        float *sg = sc + g * kChunk;
+        for (int i = T; i < padded; ++i) sg[i] = -kInf;
+        V::f vm = V::set1(-kInf);
+        for (int i = 0; i < padded; i += W) vm = vmax(V::load(sg + i), vm);  // NaN lanes ignored here
+        const float mnew = std::max(m[g], hmax(vm));
+        mold[g] = m[g];
+        ms[g] = std::isfinite(mnew) ? mnew : 0.0f;  // -inf so far: every p is exp(-inf) = 0
+        m[g] = mnew;
     }
-    std::fill(acc, acc + size_t(gq) * d, 0.0f);
+    for (int g = gq; g < gp; ++g) mold[g] = ms[g] = 0.0f;
+    // exp(-inf - ms) = 0: a head with no finite score yet has nothing to rescale.
+    for (int g = 0; g < gp; g += W) V::store(alpha + g, V::exp(V::sub(V::load(mold + g), V::load(ms + g))));
+    for (int g = 0; g < gq; ++g) {
+        float *sg = sc + g * kChunk;
+        V::f sum = V::zero();
+        const V::f vms = V::set1(ms[g]);
+        for (int i = 0; i < padded; i += W) {
+            const V::f p = V::exp(V::sub(V::load(sg + i), vms));
+            V::store(sg + i, p);
+            sum = V::add(sum, p);
+        }
+        const float chunk = V::hsum(sum);
+        if (chunk != chunk) poisoned[g] = 1.0f;  // exp keeps a NaN score NaN, and so does the sum
+        l[g] = l[g] * alpha[g] + chunk;
+    }
+}
+
+// Tokens [t0, t1) of sequence s, every KV head: online softmax in fp32.
+// Writes either the normalised output rows (part == nullptr) or, per query head, (max, denominator,
+// acc[d]) to part. NaN scores, or a max of +/-inf, poison the head (NaN out), as in the float64 reference.
+template <class S>
+void attn_task(const AttnArgs &a, int s, int64_t t0, int64_t t1, float *part) {
+    using T = typename S::T;
+    const int H = a.num_heads, KV = a.num_kv_heads, gq = a.gq, d = a.d;
+    // q and acc per query head, one head group's scores, alpha and softmax scratch (gq rounded up to W),
+    // and (m, l, poisoned) per query head.
+    const size_t gp = size_t(gq + W - 1) / W * W;
+    std::vector<float> buf(size_t(H) * (2 * d + 3) + size_t(gq) * kChunk + 3 * gp);
+    float *q = buf.data(), *acc = q + size_t(H) * d, *sc = acc + size_t(H) * d;
+    float *alpha = sc + size_t(gq) * kChunk, *scratch = alpha + gp, *m = scratch + 2 * gp, *l = m + H;
+    float *poisoned = l + H;
+    const T *query = static_cast<const T *>(a.query);
+    const V::f vscale = V::set1(a.scale);
+    for (int h = 0; h < H; ++h) {
+        const T *qrow = query + s * a.qs + int64_t(h) * a.qh;
+        float *qh = q + int64_t(h) * d;
+        int e = 0;
+        for (; e + W <= d; e += W) V::store(qh + e, V::mul(vload<S>(qrow + e), vscale));
+        for (; e < d; ++e) qh[e] = S::scalar(qrow + e) * a.scale;
+        m[h] = -kInf;
+        l[h] = 0.0f;
+        poisoned[h] = 0.0f;
+    }
+    std::fill(acc, acc + size_t(H) * d, 0.0f);
     const T *kc = static_cast<const T *>(a.kc), *vc = static_cast<const T *>(a.vc);
     const int bs = a.block_size;
-    int64_t prefetched = t0;
+    const int64_t block_bytes = 2 * int64_t(KV) * bs * d * int64_t(sizeof(T));
+    const int64_t ahead = std::max<int64_t>(1, kLookaheadBytes / std::max<int64_t>(1, block_bytes));  // blocks
+    const int32_t *table = a.bt + s * a.bts;
     for (int64_t t = t0; t < t1;) {
         const int64_t j = t / bs, off = t % bs;
         const int T_ = int(std::min<int64_t>({int64_t(bs) - off, t1 - t, int64_t(kChunk)}));
-        const int64_t blk = a.bt[s * a.bts + j];
-        const int64_t base = blk * a.cb + kvh * a.ch + off * a.ct;
-        // Blocks are scattered: keep the rows of the next kLookahead tokens in flight while this chunk computes.
-        for (const int64_t until = std::min(t1, t + T_ + kLookahead); prefetched < until;) {
-            const int64_t jn = prefetched / bs, offn = prefetched % bs;
-            const int Tn = int(std::min<int64_t>(int64_t(bs) - offn, until - prefetched));
-            const int64_t nbase = int64_t(a.bt[s * a.bts + jn]) * a.cb + kvh * a.ch + offn * a.ct;
-            prefetch_rows(kc + nbase, Tn, a.ct, d);
-            prefetch_rows(vc + nbase, Tn, a.ct, d);
-            prefetched += Tn;
-        }
-        if (T_ < kChunk)
-            for (int g = 0; g < gq; ++g) std::fill(sc + g * kChunk + T_, sc + (g + 1) * kChunk, -kInf);
-        for_heads<S>(gq, q, acc, sc, d, T_, kc + base, vc + base, a.ct, true);
-        for (int g = 0; g < gq; ++g) {
-            float *sg = sc + g * kChunk;
-            float mx = -kInf;
-            bool nan = false;
-            for (int i = 0; i < T_; ++i) {
-                nan |= sg[i] != sg[i];
-                mx = sg[i] > mx ? sg[i] : mx;
+        const int64_t base = int64_t(table[j]) * a.cb + off * a.ct;
+        // Blocks are scattered: each head's step prefetches the same rows `ahead` blocks later, so the
+        // prefetches spread evenly over the compute instead of coming in one burst per block.
+        const int64_t tp = t + ahead * bs;
+        const int Tp = int(std::min<int64_t>(T_, t1 - tp));
+        const int64_t pbase = Tp > 0 ? int64_t(table[j + ahead]) * a.cb + off * a.ct : 0;
+        for (int kvh = 0; kvh < KV; ++kvh) {
+            const int h0 = kvh * gq;
+            const T *k = kc + base + kvh * a.ch, *v = vc + base + kvh * a.ch;
+            if (Tp > 0) {
+                prefetch_rows(kc + pbase + kvh * a.ch, Tp, a.ct, d);
+                prefetch_rows(vc + pbase + kvh * a.ch, Tp, a.ct, d);
             }
-            if (nan) poisoned[g] = 1.0f;
-            const float mnew = std::max(m[g], mx);
-            const float ms = std::isfinite(mnew) ? mnew : 0.0f;  // -inf so far: every p is exp(-inf) = 0
-            const float alpha = m[g] == -kInf ? 0.0f : std::exp(m[g] - ms);
-            V::f sum = V::zero();
-            const V::f vms = V::set1(ms);
-            for (int i = 0; i < kChunk; i += W) {
-                V::f p = V::exp(V::sub(V::load(sg + i), vms));
-                V::store(sg + i, p);
-                sum = V::add(sum, p);
+            float *qk = q + int64_t(h0) * d, *ak = acc + int64_t(h0) * d;
+            bool scored = false;
+#if defined(HAL_ISA_AVX512)
+            if constexpr (std::is_same<S, BF16>::value) {
+                if (a.bf16_dot) {
+                    qk_heads_bf16(gq, query + s * a.qs + int64_t(h0) * a.qh, a.qh, d, k, a.ct, T_, a.scale, sc);
+                    scored = true;
+                }
             }
-            l[g] = l[g] * alpha + V::hsum(sum);
-            if (alpha != 1.0f)
-                for (int e = 0; e < d; ++e) acc[g * d + e] *= alpha;
-            m[g] = mnew;
+#endif
+            if (!scored) for_heads<S>(gq, qk, ak, alpha, sc, d, T_, k, v, a.ct, true);
+            softmax_step(sc, T_, gq, m + h0, l + h0, poisoned + h0, alpha, scratch);
+            for_heads<S>(gq, qk, ak, alpha, sc, d, T_, k, v, a.ct, false);
         }
-        for_heads<S>(gq, q, acc, sc, d, T_, kc + base, vc + base, a.ct, false);
         t += T_;
     }
-    for (int g = 0; g < gq; ++g) {
-        const bool bad = poisoned[g] != 0.0f || !std::isfinite(m[g]);
-        if (final) {
-            float *o = a.out + (int64_t(s) * a.num_heads + kvh * gq + g) * d;
-            const float inv = 1.0f / l[g];
-            for (int e = 0; e < d; ++e) o[e] = bad ? kNaN : acc[g * d + e] * inv;
+    for (int h = 0; h < H; ++h) {
+        const float *ah = acc + int64_t(h) * d;
+        if (!part) {
+            float *o = a.out + (int64_t(s) * H + h) * d;
+            const bool bad = poisoned[h] != 0.0f || !std::isfinite(m[h]);
+            const V::f inv = V::set1(bad ? kNaN : 1.0f / l[h]);  // NaN * anything is NaN
+            int e = 0;
+            for (; e + W <= d; e += W) V::store(o + e, V::mul(V::load(ah + e), inv));
+            for (; e < d; ++e) o[e] = bad ? kNaN : ah[e] * (1.0f / l[h]);
         } else {
-            float *p = part + int64_t(g) * (d + 2);
-            p[0] = poisoned[g] != 0.0f ? kNaN : m[g];
-            p[1] = l[g];
-            std::memcpy(p + 2, acc + size_t(g) * d, sizeof(float) * d);
+            float *p = part + int64_t(h) * (d + 2);
+            p[0] = poisoned[h] != 0.0f ? kNaN : m[h];
+            p[1] = l[h];
+            std::memcpy(p + 2, ah, sizeof(float) * d);
         }
     }
 }
@@ -184,13 +327,14 @@ void attn_task(const AttnArgs &a, int s, int kvh, int64_t t0, int64_t t1, float 
 // Log-sum-exp merge of a sequence's partitions for one KV head's query heads.
 inline void attn_merge(const AttnArgs &a, int s, int kvh, const float *parts, int nparts) {
     const int gq = a.gq, d = a.d;
-    const int64_t pstride = int64_t(gq) * (d + 2);
+    const int64_t pstride = int64_t(a.num_heads) * (d + 2);
     for (int g = 0; g < gq; ++g) {
-        float *o = a.out + (int64_t(s) * a.num_heads + kvh * gq + g) * d;
+        const int h = kvh * gq + g;
+        float *o = a.out + (int64_t(s) * a.num_heads + h) * d;
         float top = -kInf;
         bool bad = false;
         for (int p = 0; p < nparts; ++p) {
-            const float mp = parts[p * pstride + g * (d + 2)];
+            const float mp = parts[p * pstride + h * (d + 2)];
             bad |= mp != mp;
             top = std::max(top, mp);
         }
@@ -201,7 +345,7 @@ inline void attn_merge(const AttnArgs &a, int s, int kvh, const float *parts, in
         std::fill(o, o + d, 0.0f);
         float denom = 0.0f;
         for (int p = 0; p < nparts; ++p) {
-            const float *pp = parts + p * pstride + g * (d + 2);
+            const float *pp = parts + p * pstride + h * (d + 2);
             const float w = pp[0] == -kInf ? 0.0f : std::exp(pp[0] - top);
             denom += w * pp[1];
             for (int e = 0; e < d; ++e) o[e] += w * pp[2 + e];
@@ -213,9 +357,9 @@ inline void attn_merge(const AttnArgs &a, int s, int kvh, const float *parts, in
 
 template <class S>
 int paged_attention_t(const AttnArgs &a, int32_t partition_tokens, int32_t threads) {
-    struct Task { int32_t s, kvh; int64_t t0, t1; int64_t part; };
+    struct Task { int32_t s; int64_t t0, t1; int64_t part; };
     std::vector<Task> tasks;
-    std::vector<int64_t> first_part(size_t(a.num_seqs) * a.num_kv_heads, -1);
+    std::vector<int64_t> first_part(size_t(a.num_seqs), -1);
     std::vector<int32_t> nparts(a.num_seqs, 0);
     int64_t parts_total = 0;
     for (int s = 0; s < a.num_seqs; ++s) {
@@ -227,28 +371,24 @@ int paged_attention_t(const AttnArgs &a, int32_t partition_tokens, int32_t threa
         const int64_t ptok = partition_tokens > 0 ? partition_tokens : len;
         const int np = int((len + ptok - 1) / ptok);
         nparts[s] = np;
-        for (int h = 0; h < a.num_kv_heads; ++h) {
-            if (np > 1) first_part[size_t(s) * a.num_kv_heads + h] = parts_total;
-            for (int p = 0; p < np; ++p)
-                tasks.push_back({s, h, p * ptok, std::min(len, (p + 1) * ptok), np > 1 ? parts_total + p : -1});
-            if (np > 1) parts_total += np;
-        }
+        if (np > 1) first_part[s] = parts_total;
+        for (int p = 0; p < np; ++p)
+            tasks.push_back({s, p * ptok, std::min(len, (p + 1) * ptok), np > 1 ? parts_total + p : -1});
+        if (np > 1) parts_total += np;
     }
-    std::vector<float> parts(size_t(parts_total) * a.gq * (a.d + 2));
+    const int64_t pstride = int64_t(a.num_heads) * (a.d + 2);
+    std::vector<float> parts(size_t(parts_total) * pstride);
     // Longest tasks first: dynamic scheduling then balances the ragged tail.
     std::stable_sort(tasks.begin(), tasks.end(), [](const Task &x, const Task &y) { return x.t1 - x.t0 > y.t1 - y.t0; });
-    const int64_t pstride = int64_t(a.gq) * (a.d + 2);
     parallel_for(int64_t(tasks.size()), threads, [&](int64_t i) {
         const Task &t = tasks[i];
-        attn_task<S>(a, t.s, t.kvh, t.t0, t.t1, t.part >= 0 ? parts.data() + t.part * pstride : nullptr, t.part < 0);
+        attn_task<S>(a, t.s, t.t0, t.t1, t.part >= 0 ? parts.data() + t.part * pstride : nullptr);
     });
     if (parts_total) {
         parallel_for(int64_t(a.num_seqs) * a.num_kv_heads, threads, [&](int64_t i) {
-            const int64_t fp = first_part[i];
-            if (fp >= 0) {
-                const int s = int(i / a.num_kv_heads);
-                attn_merge(a, s, int(i % a.num_kv_heads), parts.data() + fp * pstride, nparts[s]);
-            }
+            const int s = int(i / a.num_kv_heads);
+            if (first_part[s] >= 0)
+                attn_merge(a, s, int(i % a.num_kv_heads), parts.data() + first_part[s] * pstride, nparts[s]);
         });
     }
     return HAL_OK;
@@ -259,7 +399,8 @@ int paged_attention(const void *query, int64_t qs, int64_t qh, const void *kc, c
                     int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads, int32_t block_size, int32_t d,
                     int32_t dtype, float scale, int32_t partition_tokens, int32_t threads) {
     AttnArgs a{query, qs, qh, kc, vc, cb, ch, ct, bt, bts, sl, out,
-               num_seqs, num_heads, num_kv_heads, block_size, d, num_heads / num_kv_heads, scale};
+               num_seqs, num_heads, num_kv_heads, block_size, d, num_heads / num_kv_heads, scale,
+               dtype == HAL_BF16 && d % 32 == 0 && cpu_has_bf16_dot()};
     try {
         if (dtype == HAL_F16) return paged_attention_t<F16>(a, partition_tokens, threads);
         if (dtype == HAL_BF16) return paged_attention_t<BF16>(a, partition_tokens, threads);

@@ -31,13 +31,15 @@ def test_matches_reference(variant: str, rng: np.random.Generator, dtype: str, n
     assert_close(got, REFERENCE(args), kind="attention", dtype=dtype, what=f"{variant} attention")
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])  # bf16: head sizes with and without the vdpbf16ps path
 @pytest.mark.parametrize("head_size", [40, 64, 80, 96, 128, 256])
 @pytest.mark.parametrize("block_size", [1, 8, 16, 32, 48])
-def test_head_and_block_sizes(variant: str, rng: np.random.Generator, head_size: int, block_size: int) -> None:
+def test_head_and_block_sizes(variant: str, rng: np.random.Generator, head_size: int, block_size: int,
+                              dtype: str) -> None:
     """Head sizes that fill SIMD vectors or leave a tail; blocks smaller and larger than a scoring chunk."""
     args = paged_attention_inputs(rng, seq_lens=[3, 70, 33], num_heads=8, num_kv_heads=2, head_size=head_size,
-                                  block_size=block_size, dtype="fp16")
-    assert_close(_attend(args), REFERENCE(args), kind="attention", dtype="fp16", what=f"{variant} attention")
+                                  block_size=block_size, dtype=dtype)
+    assert_close(_attend(args), REFERENCE(args), kind="attention", dtype=dtype, what=f"{variant} attention")
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -60,14 +62,15 @@ def _poison(args: dict, what: str, value: float, seq: int, token: int) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the reference's inf - inf
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # bf16: the vdpbf16ps score path where the CPU has it
 @pytest.mark.parametrize("partition_tokens", [0, 32], ids=["no-split", "split"])
 @pytest.mark.parametrize(("what", "value"), [("query", np.nan), ("key", np.nan), ("key", np.inf),
                                              ("key", -np.inf), ("value", np.nan), ("value", np.inf)])
 def test_non_finite_inputs_propagate_like_the_reference(variant: str, rng: np.random.Generator, what: str,
-                                                        value: float, partition_tokens: int) -> None:
+                                                        value: float, partition_tokens: int, dtype: str) -> None:
     """NaN/Inf in the query or a used key/value row gives exactly the reference's NaN pattern (never zeros)."""
     args = paged_attention_inputs(rng, seq_lens=[90, 40], num_heads=4, num_kv_heads=2, head_size=32,
-                                  block_size=8, dtype="fp32")
+                                  block_size=8, dtype=dtype)
     _poison(args, what, value, seq=0, token=70)
     expected = REFERENCE(args)
     assert not np.isfinite(expected).all() or what == "key", "the poisoned input must matter"
@@ -76,8 +79,8 @@ def test_non_finite_inputs_propagate_like_the_reference(variant: str, rng: np.ra
     np.testing.assert_array_equal(np.isposinf(got), np.isposinf(expected))
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(expected))
     finite = np.isfinite(expected)
-    assert_close(got[finite], expected[finite], kind="attention", dtype="fp32",
-                 what=f"{variant} attention with {what}={value}")
+    assert_close(got[finite], expected[finite], kind="attention", dtype=dtype,
+                 what=f"{variant} {dtype} attention with {what}={value}")
 
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the reference's -inf - -inf
@@ -103,3 +106,20 @@ def test_strided_query(rng: np.random.Generator) -> None:
     args_strided = dict(args, query=fused[:, :8])
     assert not args_strided["query"].flags.c_contiguous
     np.testing.assert_array_equal(_attend(args_strided), _attend(args))
+
+
+@pytest.mark.parametrize(("num_seqs", "max_len", "threads", "expected"), [
+    (1, 32768, 2, 4096),   # one long sequence: cut so that every thread gets TASKS_PER_THREAD partitions
+    (4, 8192, 2, 4096),
+    (8, 512, 2, 0),        # enough sequences for the threads: no split, no merge
+    (32, 4096, 2, 0),
+    (1, 200, 2, 0),        # shorter than a partition is worth
+    (1, 32768, 1, 0),      # one thread: nothing to balance
+    (1, 1000, 2, 256),     # at least MIN_PARTITION_TOKENS, a multiple of the block size
+])
+def test_partition_rule(num_seqs: int, max_len: int, threads: int, expected: int) -> None:
+    """A task covers every KV head of its tokens, so the split depends on sequences, not (sequence, head) pairs."""
+    from hal_cpu.ops import _rules
+
+    for kv_heads in (1, 8):
+        assert _rules.attention_partition_tokens(num_seqs, kv_heads, max_len, 16, threads) == expected

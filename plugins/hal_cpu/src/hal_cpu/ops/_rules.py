@@ -35,7 +35,7 @@ BLOCKED_ISAS = ("avx512vnni", "avx512", "avx2")
 #: W4A16 ``'tiles'``: bytes of one dequantised float32 tile ``[K, columns]`` (bounded; large enough that few BLAS
 #: calls amortise their threading overhead, small enough to keep peak memory within 64 MiB of the weights).
 DEQUANT_TILE_BYTES = 16 * 1024 * 1024
-#: paged_attention: tasks wanted per thread before sequences are split into partitions.
+#: paged_attention: tasks (sequences or partitions of one) wanted per thread before sequences are split.
 TASKS_PER_THREAD = 4
 #: paged_attention: the shortest partition worth a task (its merge costs one row per head).
 MIN_PARTITION_TOKENS = 256
@@ -50,17 +50,19 @@ def attention_partition_tokens(num_seqs: int, num_kv_heads: int, max_len: int, b
                                threads: int) -> int:
     """Tokens per split-KV partition, 0 for no split.
 
-    A (sequence, KV head) pair is one task; when there are fewer than
-    :data:`TASKS_PER_THREAD` per thread (small batches, long contexts), each
-    sequence is cut into partitions of at least :data:`MIN_PARTITION_TOKENS`
-    tokens (a multiple of ``block_size``) so every core has work; the
-    partitions are merged by log-sum-exp.
+    A sequence is one task (it covers every KV head, so each block's heads are
+    read as one contiguous run; ``num_kv_heads`` does not change the count);
+    when there are fewer than :data:`TASKS_PER_THREAD` sequences per thread
+    (small batches, long contexts), each sequence is cut into partitions of at
+    least :data:`MIN_PARTITION_TOKENS` tokens (a multiple of ``block_size``) so
+    every core has work; the partitions are merged by log-sum-exp.
     """
-    pairs = max(1, num_seqs * num_kv_heads)
+    del num_kv_heads  # part of the rule's signature; a task spans all KV heads
+    seqs = max(1, num_seqs)
     wanted = TASKS_PER_THREAD * max(1, threads)
-    if threads <= 1 or pairs >= wanted or max_len <= MIN_PARTITION_TOKENS:
+    if threads <= 1 or seqs >= wanted or max_len <= MIN_PARTITION_TOKENS:
         return 0
-    parts = -(-wanted // pairs)
+    parts = -(-wanted // seqs)
     tokens = max(MIN_PARTITION_TOKENS, -(-max_len // parts))
     tokens = -(-tokens // block_size) * block_size
     return 0 if tokens >= max_len else tokens
