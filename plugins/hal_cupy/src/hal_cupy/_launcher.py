@@ -17,13 +17,12 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hal_core import (
     CompiledKernel,
-    DeviceCapabilities,
     KernelCompileError,
     KernelLauncher,
     KernelSource,
@@ -37,6 +36,9 @@ from . import _env
 from ._cupy import cupy
 from ._platform import GpuPlatform
 from ._stream import native_stream
+
+if TYPE_CHECKING:
+    from hal_core import DeviceCapabilities
 
 __all__ = ["CupyKernel", "CupyLauncher", "compiled_simd_width", "kernel_arg"]
 
