@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -126,6 +125,8 @@ class KernelSource:
 
     @property
     def digest(self) -> str:
+        import hashlib  # where a kernel is hashed, not at start-up (OpenSSL takes milliseconds to load)
+
         hasher = hashlib.sha256(self.code.encode())
         for option in self.options:
             hasher.update(b"\0" + option.encode())

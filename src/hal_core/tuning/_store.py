@@ -14,12 +14,10 @@ are kept (the least recently written go first).
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
 import json
 import logging
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,6 +72,8 @@ def _file_prefix(backend: str) -> str:
 
 def table_path(key: dict[str, Any], folder: Path | None = None) -> Path:
     """``<folder>/<backend>-<hash of key>.json``."""
+    import hashlib  # imported where a table is looked up, not when ops are bound
+
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return (folder or tune_dir()) / f"{_file_prefix(key['backend'])}{digest}.json"
 
@@ -180,6 +180,8 @@ def save_table(table: TuneTable, folder: Path | None = None) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     _bounded(table)
     table.updated = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+    import tempfile
+
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "w") as handle:

@@ -14,7 +14,6 @@ launch on a device of another: its lane layout would silently drop columns.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -132,6 +131,8 @@ class CupyLauncher(KernelLauncher):
 
     def cache_key(self, source: KernelSource) -> tuple[str, str]:
         """``(digest of code and every option, arch)``."""
+        import hashlib  # where a kernel is compiled, not when the plugin is discovered
+
         hasher = hashlib.sha256(source.digest.encode())
         for option in self.compile_options(source)[len(source.options):]:
             hasher.update(b"\0" + option.encode())
