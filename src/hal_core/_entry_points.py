@@ -102,7 +102,7 @@ def _from_metadata(group: str, path: list[str] | None, seen: set[str]) -> list[F
     from importlib import metadata
 
     found = []
-    for dist in metadata.distributions(**({"path": path} if path is not None else {})):
+    for dist in (metadata.distributions() if path is None else metadata.distributions(path=path)):
         name = dist.metadata["Name"] or "?"
         if _normalise(name) in seen:
             continue
