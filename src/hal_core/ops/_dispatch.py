@@ -270,7 +270,7 @@ class Ops:
 
     def _execute(self, call: OpCall, out: Any = None) -> Any:
         stats = self._stats[call.op]
-        if self._fallback is not None and _env.force_cpu():  # a host backend has no fallback: no variable to read
+        if _env.force_cpu() and self._fallback is not None:  # read on every backend: a misspelt value fails closed
             return self._fall_back(call, out, "HAL_FORCE_CPU is set", stats, log_it=False)
         impl, reasons = self.choose(call)
         if impl is not None:
