@@ -344,3 +344,37 @@ def test_a_backend_that_is_neither_hashable_nor_weakly_referable_still_gets_its_
     assert table is not None and table.choices == {"quantized_gemm": {"w4:m1": "x"}}
     assert tuning.table_for(backend) is table  # from memory the second time
     assert tuning.source(backend, "quantized_gemm") == {"tuned": True, "choices": 1, "knobs": {}}
+
+
+def test_without_a_file_of_the_backend_the_device_key_is_never_built(store: Path) -> None:
+    """No file of this backend in the store: no table, and the capabilities (maybe a driver query) stay unasked.
+
+    A file of another backend does not count; once one of this backend is written, it is found.
+    """
+    from halfakes import FAKE_CAPS
+
+    asked: list[int] = []
+
+    class Device:
+        @property
+        def capabilities(self) -> object:
+            asked.append(1)
+            return FAKE_CAPS
+
+    class Lazy:
+        name = "lazy"
+
+        def device(self, index: int = 0) -> Device:
+            return Device()
+
+    backend = Lazy()
+    assert tuning.table_for(backend) is None and asked == []  # no store folder at all
+    other = dict(tuning.key_for(backend), backend="other")
+    tuning.save_table(tuning.TuneTable(key=other, choices={"quantized_gemm": {"w4:m1": "x"}}))
+    asked.clear()
+    tuning.forget()
+    assert tuning.table_for(backend) is None and asked == []  # only another backend's file
+    tuning.save_table(tuning.TuneTable(key=tuning.key_for(backend), choices={"quantized_gemm": {"w4:m1": "y"}}))
+    tuning.forget()
+    table = tuning.table_for(backend)
+    assert table is not None and table.choices == {"quantized_gemm": {"w4:m1": "y"}}

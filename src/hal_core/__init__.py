@@ -8,14 +8,16 @@ Engine code asks for a backend and calls its ops::
 
 Importing this package imports no plugin and no vendor SDK; plugins are
 discovered on the first :func:`get_backend` or :func:`list_backends`.
+:class:`DeviceCapabilities`, :func:`load_profile` and :func:`profile_names`
+(pydantic) are imported on first use.
 """
 
 from __future__ import annotations
 
 import contextlib
+import typing
 
 from ._backend import Availability, Backend
-from ._capabilities import DeviceCapabilities, load_profile, profile_names
 from ._device import DeviceHandle
 from ._discovery import PluginRecord
 from ._errors import (
@@ -40,6 +42,9 @@ from ._runtime import reset
 from ._selection import BackendInfo, check_errors, get_backend, list_backends, stats
 from ._stream import Event, Stream
 from ._version import API_VERSION, __version__
+
+if typing.TYPE_CHECKING:
+    from ._capabilities import DeviceCapabilities, load_profile, profile_names
 
 __all__ = [
     "API_VERSION",
@@ -94,13 +99,42 @@ def list_plugins() -> list[PluginRecord]:
     return list(current().discovery().plugins)
 
 
+#: Public names whose module is imported on first use: pydantic (capabilities) costs as much as numpy to import,
+#: and selecting and running the CPU backend never needs it.
+_LAZY = {"DeviceCapabilities": "._capabilities", "load_profile": "._capabilities", "profile_names": "._capabilities"}
+
+
+if not typing.TYPE_CHECKING:  # the type checker sees the imports above, and still flags a misspelt name
+
+    def __getattr__(name: str) -> typing.Any:
+        module = _LAZY.get(name)
+        if module is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        import importlib
+
+        loaded = importlib.import_module(module, __name__)
+        for lazy, where in _LAZY.items():
+            if where == module:
+                globals()[lazy] = value = getattr(loaded, lazy)
+                _claim(value)
+        return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+def _claim(value: typing.Any) -> None:
+    """A public name reports ``hal_core`` as its module (documented and pickled from here)."""
+    if getattr(value, "__module__", "").startswith(("hal_core._", "pluggy")):
+        with contextlib.suppress(AttributeError, TypeError):  # a pluggy marker instance keeps its own
+            value.__module__ = __name__
+
+
 def _claim_public_names() -> None:
-    """Public names report ``hal_core`` as their module (they are documented and pickled from here)."""
     for name in __all__:
-        value = globals()[name]
-        if getattr(value, "__module__", "").startswith(("hal_core._", "pluggy")):
-            with contextlib.suppress(AttributeError, TypeError):  # a pluggy marker instance keeps its own
-                value.__module__ = __name__
+        if name not in _LAZY:
+            _claim(globals()[name])
 
 
 _claim_public_names()

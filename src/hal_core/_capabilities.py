@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from functools import cache
-from importlib import resources
 from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
@@ -143,6 +142,8 @@ class DeviceCapabilities(BaseModel):
 
 @cache
 def _raw_profiles() -> dict[str, dict[str, Any]]:
+    from importlib import resources
+
     text = resources.files("hal_core.profiles").joinpath("device-profiles.json").read_text()
     return {entry["name"]: entry for entry in json.loads(text)}
 

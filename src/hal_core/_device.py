@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
-from ._capabilities import DeviceCapabilities
 from ._launch import KernelLauncher
 from ._memory import Allocator
 from ._stream import Event, Stream
+
+if TYPE_CHECKING:
+    from ._capabilities import DeviceCapabilities
 
 __all__ = ["DeviceHandle"]
 

@@ -22,13 +22,13 @@ import inspect
 import logging
 import warnings
 from dataclasses import dataclass, field
-from importlib import metadata
 from typing import Any
 
 import pluggy
 
 from . import _env, _hookspecs
 from ._backend import Backend
+from ._entry_points import FoundEntryPoint, entry_points
 from ._version import API_VERSION
 
 __all__ = ["BackendEntry", "Discovery", "PluginRecord", "discover_plugins", "extra_op_impls", "guarded",
@@ -135,14 +135,9 @@ def _check_backend_class(cls: Any) -> str:
     return ""
 
 
-def _load_plugin(manager: pluggy.PluginManager, ep: metadata.EntryPoint) -> tuple[PluginRecord, list[BackendEntry]]:
-    dist = getattr(ep, "dist", None)
-    record = PluginRecord(
-        name=ep.name, value=ep.value,
-        distribution=dist.metadata["Name"] if dist is not None else "?",
-        version=dist.version if dist is not None else "?",
-        status="rejected",
-    )
+def _load_plugin(manager: pluggy.PluginManager, ep: FoundEntryPoint) -> tuple[PluginRecord, list[BackendEntry]]:
+    record = PluginRecord(name=ep.name, value=ep.value, distribution=ep.distribution, version=ep.version,
+                          status="rejected")
 
     def reject(reason: str, exc: BaseException | None = None) -> tuple[PluginRecord, list[BackendEntry]]:
         record.reason = reason
@@ -269,16 +264,14 @@ def discover_plugins() -> Discovery:
     plugins: list[PluginRecord] = []
     backends: list[BackendEntry] = []
     seen: set[tuple[str, str]] = set()
-    for ep in sorted(metadata.entry_points(group=_hookspecs.PROJECT_NAME), key=lambda e: e.name):
+    for ep in sorted(entry_points(_hookspecs.PROJECT_NAME), key=lambda e: e.name):
         if (ep.name, ep.value) in seen:  # the same distribution visible twice on sys.path
             continue
         seen.add((ep.name, ep.value))
         clash = next((p for p in plugins if p.name == ep.name and p.status == "loaded"), None)
         if clash is not None:
-            dist = getattr(ep, "dist", None)
             plugins.append(PluginRecord(
-                name=ep.name, value=ep.value, distribution=dist.metadata["Name"] if dist else "?",
-                version=dist.version if dist else "?", status="rejected",
+                name=ep.name, value=ep.value, distribution=ep.distribution, version=ep.version, status="rejected",
                 reason=(f"entry point name {ep.name!r} is already taken by {clash.value!r} "
                         f"({clash.distribution}); uninstall one, or disable it with HAL_DISABLE_PLUGINS"),
             ))

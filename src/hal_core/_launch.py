@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from importlib import resources
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from ._capabilities import DeviceCapabilities
 from ._errors import LaunchConfigError
+
+if TYPE_CHECKING:
+    from ._capabilities import DeviceCapabilities
 
 __all__ = ["CompiledKernel", "KernelLauncher", "KernelSource", "LaunchConfig", "grid_for"]
 
@@ -125,6 +125,8 @@ class KernelSource:
 
     @property
     def digest(self) -> str:
+        import hashlib  # where a kernel is hashed, not at start-up (OpenSSL takes milliseconds to load)
+
         hasher = hashlib.sha256(self.code.encode())
         for option in self.options:
             hasher.update(b"\0" + option.encode())
@@ -142,6 +144,8 @@ class KernelSource:
     ) -> KernelSource:
         """Load ``filename`` from the package data of ``package`` (the plugin shipping the kernel),
         optionally prefixed by a prelude file of the same package."""
+        from importlib import resources  # only where a kernel is loaded: it costs milliseconds to import
+
         root = resources.files(package)
         code = root.joinpath(filename).read_text()
         if prelude is not None:

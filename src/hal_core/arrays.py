@@ -72,6 +72,10 @@ def dtype_name(array_or_dtype: Any) -> str:
     Arrays tagged with a ``hal_dtype`` attribute (16-bit storage carrying
     bf16, for example) report the tag.
     """
+    if type(array_or_dtype) is np.ndarray:  # the hot path: no tag to look for, one dict lookup
+        name = _NAMES.get(array_or_dtype.dtype)
+        if name is not None:
+            return name
     tag = getattr(array_or_dtype, "hal_dtype", None)
     if isinstance(tag, str):
         return tag
@@ -118,6 +122,8 @@ def device_of(array: Any) -> tuple[str, int]:
 
 def is_c_contiguous(array: Any) -> bool:
     """Whether ``array`` is C-contiguous (row-major with no gaps)."""
+    if type(array) is np.ndarray:
+        return bool(array.flags.c_contiguous)
     flags = getattr(array, "flags", None)
     if flags is not None:
         try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection
 from typing import Any, Literal
 
 import numpy as np
@@ -10,7 +10,21 @@ import numpy as np
 from .._errors import ArgumentError, ArgumentTypeError
 from ..arrays import dtype_name, is_c_contiguous, untag
 
-__all__ = ["byte_range", "check_array", "check_disjoint", "check_writable", "fail", "host_index_checks"]
+__all__ = [
+    "byte_range",
+    "check_array",
+    "check_block_tables",
+    "check_disjoint",
+    "check_slots",
+    "check_writable",
+    "fail",
+    "host_index_checks",
+]
+
+#: Index arrays up to this many entries are checked as Python lists: a numpy reduction costs about 1 us
+#: of call overhead whatever its size, while ``tolist()`` and ``min``/``max`` over a few hundred ints
+#: cost less than that (the decode steps of a small batch, where the front door is most of the call).
+SMALL_INDEX_ARRAY = 256
 
 
 def fail(arg: str, expected: str, actual: Any) -> ArgumentError:
@@ -39,7 +53,7 @@ def check_array(
     *,
     layout: str,
     ndim: int,
-    dtypes: Iterable[str],
+    dtypes: Collection[str],
     contiguous: bool | Literal["last"] = True,
 ) -> str:
     """Check rank, dtype and layout of ``value``; return its dtype name.
@@ -49,6 +63,16 @@ def check_array(
     contiguous last dimension and non-negative strides (views such as the
     key slice of a fused QKV projection); False checks no layout.
     """
+    if type(value) is np.ndarray:  # the hot path: a valid numpy array answered in a few attribute reads
+        name = dtype_name(value)
+        if name in dtypes and value.ndim == ndim:
+            if contiguous is True and value.flags.c_contiguous:
+                return name
+            if contiguous == "last" and _rows_contiguous(value):
+                return name
+            if contiguous is False:
+                return name
+        # anything else: the checks below name what is wrong
     if not hasattr(value, "shape") or not hasattr(value, "dtype"):
         raise ArgumentTypeError(
             f"argument {arg!r}: expected an array {layout}, got {type(value).__name__}"
@@ -77,15 +101,22 @@ def _strides(value: Any) -> tuple[int, ...] | None:
     return None if strides is None else tuple(int(x) for x in strides)
 
 
-def _check_rows_contiguous(arg: str, value: Any) -> None:
+def _rows_contiguous(value: Any) -> bool:
+    """Whether ``value``'s last dimension is contiguous and no stride of a dimension above 1 is negative."""
     if is_c_contiguous(value):
-        return
+        return True
     strides = _strides(value)
     itemsize = getattr(untag(value), "dtype", np.dtype(np.uint8)).itemsize
     shape = tuple(value.shape)
-    if strides is None or (shape[-1] > 1 and strides[-1] != itemsize) or any(
+    return not (strides is None or (shape[-1] > 1 and strides[-1] != itemsize) or any(
         x < 0 for x, size in zip(strides, shape, strict=True) if size > 1
-    ):
+    ))
+
+
+def _check_rows_contiguous(arg: str, value: Any) -> None:
+    if not _rows_contiguous(value):
+        strides = _strides(value)
+        shape = tuple(value.shape)
         raise ArgumentError(
             f"argument {arg!r}: expected a contiguous last dimension and non-negative strides, got strides "
             f"{strides if strides is not None else '?'} (bytes) for shape {shape}; pass a contiguous copy"
@@ -151,3 +182,77 @@ def check_disjoint(first: str, a: Any, second: str, b: Any) -> None:
     ra, rb = byte_range(a), byte_range(b)
     if ra is not None and rb is not None and ra[0] < rb[1] and rb[0] < ra[1]:
         raise ArgumentError(f"arguments {first!r} and {second!r} overlap in memory; pass two separate arrays")
+
+
+def check_block_tables(block_tables: np.ndarray, seq_lens: np.ndarray, num_blocks: int, block_size: int,
+                       max_seq_len: int | None = None) -> None:
+    """Check host ``seq_lens`` against the table's capacity (and ``max_seq_len`` when given) and every *used*
+    entry of ``block_tables``.
+
+    A sequence of length ``n`` uses the first ``ceil(n / block_size)``
+    entries of its row; those must lie in ``[0, num_blocks)``. Entries past
+    them may hold anything. The first offender (in row-major order) is named.
+    """
+    max_blocks = block_tables.shape[1]
+    capacity = max_blocks * block_size
+    if block_tables.size <= SMALL_INDEX_ARRAY:
+        lens = seq_lens.tolist()
+        if not lens:
+            return
+        low, high = min(lens), max(lens)
+    else:
+        lens = None
+        low, high = int(seq_lens.min()), int(seq_lens.max())  # two reductions answer the common, valid case
+    if low < 0:
+        s = int(np.flatnonzero(seq_lens < 0)[0])
+        raise fail("seq_lens", "lengths >= 0", f"seq_lens[{s}] = {int(seq_lens[s])}")
+    if high > capacity:
+        s = int(np.flatnonzero(seq_lens > capacity)[0])
+        raise fail("seq_lens", f"lengths <= max_blocks_per_seq * block_size = {capacity} "
+                   "(seq_len beyond its block table)", f"seq_lens[{s}] = {int(seq_lens[s])}")
+    if max_seq_len is not None and high > max_seq_len:
+        s = int(np.flatnonzero(seq_lens > max_seq_len)[0])
+        raise fail("seq_lens", f"lengths <= max_seq_len = {max_seq_len}", f"seq_lens[{s}] = {int(seq_lens[s])}")
+    if lens is not None:
+        bad = _first_bad_used_entry(block_tables.tolist(), lens, num_blocks, block_size)
+    elif block_tables.size and int(block_tables.min()) >= 0 and int(block_tables.max()) < num_blocks:
+        return  # every entry is in range, used or not
+    else:
+        used = np.arange(max_blocks)[None, :] < -(-seq_lens[:, None] // block_size)
+        flagged = np.argwhere(used & ((block_tables < 0) | (block_tables >= num_blocks)))
+        bad = (int(flagged[0][0]), int(flagged[0][1])) if flagged.size else None
+    if bad is not None:
+        s, j = bad
+        raise fail("block_tables", f"entries in [0, {num_blocks}) for used blocks",
+                   f"block_tables[{s}, {j}] = {int(block_tables[s, j])}")
+
+
+def _first_bad_used_entry(rows: list[list[int]], lens: list[int], num_blocks: int,
+                          block_size: int) -> tuple[int, int] | None:
+    """``(s, j)`` of the first used entry outside ``[0, num_blocks)``, from the table as lists, or None."""
+    for s, (n, row) in enumerate(zip(lens, rows, strict=True)):
+        used = row[: -(-n // block_size)]
+        if used and (min(used) < 0 or max(used) >= num_blocks):
+            return s, next(j for j, b in enumerate(used) if b < 0 or b >= num_blocks)
+    return None
+
+
+def check_slots(slot_mapping: np.ndarray, capacity: int) -> None:
+    """Check host ``slot_mapping``: every slot below ``capacity`` (negative ones skip a token), no slot twice."""
+    if slot_mapping.size <= SMALL_INDEX_ARRAY:
+        slots = slot_mapping.tolist()
+        if not slots:
+            return
+        high = max(slots)
+        used = [slot for slot in slots if slot >= 0] if min(slots) < 0 else slots
+        distinct = len(set(used))
+    else:
+        high = int(slot_mapping.max())
+        kept = slot_mapping[slot_mapping >= 0]
+        used, distinct = kept, np.unique(kept).size
+    if high >= capacity:
+        i = int(np.flatnonzero(slot_mapping >= capacity)[0])
+        raise fail("slot_mapping", f"slots < num_blocks * block_size = {capacity} (or negative to skip)",
+                   f"slot_mapping[{i}] = {int(slot_mapping[i])}")
+    if distinct != len(used):
+        raise fail("slot_mapping", "distinct non-negative slots", "a slot used twice")

@@ -220,10 +220,10 @@ class Ops:
     def _prepare(self, spec: OpSpec, args: dict[str, Any]) -> tuple[OpCall, Any]:
         """The validated call (without ``out``, which implementations never see) and the caller's ``out``."""
         backend = self._backend
-        arrays = list(spec.iter_arrays(args))
-        host = all(type(value) is np.ndarray for _, value in arrays)
+        host = all(type(value) is np.ndarray for _, value in spec.iter_arrays(args))
         device = ("cpu", 0)
         if not host:
+            arrays = list(spec.iter_arrays(args))
             devices = {name: device_of(value) for name, value in arrays}
             for name, (kind, _) in devices.items():
                 if kind == "unknown":
@@ -244,11 +244,10 @@ class Ops:
                 )
             device = next(iter(kinds)) if kinds else device
         spec.validate(args, self._to_numpy)
-        for name in (*spec.inplace_args, "out"):
-            value = args.get(name)
-            if value is not None and not _writable(value):
-                raise ArgumentError(f"argument {name!r} is read-only; pass a writable array")
-        out = args.pop("out", None) if "out" in args else None
+        for name in spec.inplace_args:
+            _check_writable(name, args.get(name))
+        out = args.pop("out", None)
+        _check_writable("out", out)
         return OpCall(spec=spec, args=args, backend=backend, device_index=device[1] if not host else 0,
                       host_arrays=host and not backend.is_host), out
 
@@ -276,7 +275,7 @@ class Ops:
 
     def _execute(self, call: OpCall, out: Any = None) -> Any:
         stats = self._stats[call.op]
-        if _env.force_cpu() and self._fallback is not None:
+        if _env.force_cpu() and self._fallback is not None:  # read on every backend: a misspelt value fails closed
             return self._fall_back(call, out, "HAL_FORCE_CPU is set", stats, log_it=False)
         impl, reasons = self.choose(call)
         if impl is not None:
@@ -423,8 +422,16 @@ class Ops:
 
 def _writable(array: Any) -> bool:
     """Whether ``array`` may be written (numpy's flag; arrays without one count as writable)."""
+    if type(array) is np.ndarray:
+        return bool(array.flags.writeable)
     flags = getattr(getattr(array, "storage", array), "flags", None)
     return bool(getattr(flags, "writeable", True))
+
+
+def _check_writable(name: str, value: Any) -> None:
+    """Refuse a read-only ``value`` that the op would write (None: an argument not given)."""
+    if value is not None and not _writable(value):
+        raise ArgumentError(f"argument {name!r} is read-only; pass a writable array")
 
 
 def _reference_result(call: OpCall) -> Any:

@@ -47,8 +47,8 @@ from typing import Any
 import numpy as np
 
 from .._errors import ArgumentTypeError
-from ..arrays import device_of, numpy_dtype
-from ._checks import check_array, fail, host_index_checks
+from ..arrays import device_of, dtype_name, numpy_dtype
+from ._checks import check_array, check_block_tables, fail, host_index_checks
 from ._spec import OpSpec
 
 __all__ = ["PagedAttention", "attention_dtypes"]
@@ -110,39 +110,14 @@ class PagedAttention(OpSpec):
 
     def check_index_values(self, args: Mapping[str, Any]) -> None:
         """Lengths in ``[0, min(capacity, max_seq_len)]``, used table entries in ``[0, num_blocks)`` (host arrays)."""
-        bt, sl = np.asarray(args["block_tables"]), np.asarray(args["seq_lens"])
-        if not sl.size:
-            return
         num_blocks, _, block_size, _ = args["key_cache"].shape
-        max_seq_len = args.get("max_seq_len")
-        max_blocks = bt.shape[1]
-        low, high = int(sl.min()), int(sl.max())  # two reductions answer the common, valid case
-        if low < 0:
-            s = int(np.flatnonzero(sl < 0)[0])
-            raise fail("seq_lens", "lengths >= 0", f"seq_lens[{s}] = {int(sl[s])}")
-        capacity = max_blocks * block_size
-        if high > capacity:
-            s = int(np.flatnonzero(sl > capacity)[0])
-            raise fail("seq_lens", f"lengths <= max_blocks_per_seq * block_size = {capacity} "
-                       "(seq_len beyond its block table)", f"seq_lens[{s}] = {int(sl[s])}")
-        if max_seq_len is not None and high > max_seq_len:
-            s = int(np.flatnonzero(sl > max_seq_len)[0])
-            raise fail("seq_lens", f"lengths <= max_seq_len = {max_seq_len}", f"seq_lens[{s}] = {int(sl[s])}")
-        if bt.size and int(bt.min()) >= 0 and int(bt.max()) < num_blocks:
-            return  # every entry is in range, used or not
-        used = np.arange(max_blocks)[None, :] < -(-sl[:, None] // block_size)
-        bad = used & ((bt < 0) | (bt >= num_blocks))
-        if bad.any():
-            s, j = (int(i) for i in np.argwhere(bad)[0])
-            raise fail("block_tables", f"entries in [0, {num_blocks}) for used blocks",
-                       f"block_tables[{s}, {j}] = {int(bt[s, j])}")
+        check_block_tables(np.asarray(args["block_tables"]), np.asarray(args["seq_lens"]), num_blocks, block_size,
+                           args.get("max_seq_len"))
 
     def output_shape(self, args: Mapping[str, Any]) -> tuple[int, ...]:
         return tuple(args["query"].shape)
 
     def output_dtype(self, args: Mapping[str, Any]) -> np.dtype:
-        from ..arrays import dtype_name
-
         return numpy_dtype(dtype_name(args["query"]))
 
     def flops(self, args: Mapping[str, Any]) -> int:

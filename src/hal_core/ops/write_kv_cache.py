@@ -27,7 +27,7 @@ import numpy as np
 
 from .._errors import ArgumentTypeError
 from ..arrays import dtype_name, numpy_dtype
-from ._checks import check_array, check_disjoint, check_writable, fail, host_index_checks
+from ._checks import check_array, check_disjoint, check_slots, check_writable, fail, host_index_checks
 from ._spec import OpSpec
 from .paged_attention import attention_dtypes
 
@@ -70,20 +70,8 @@ class WriteKVCache(OpSpec):
 
     def check_index_values(self, args: Mapping[str, Any]) -> None:
         """Slots below ``num_blocks * block_size`` (or negative) and distinct (a host ``slot_mapping``)."""
-        host = np.asarray(args["slot_mapping"])
-        if not host.size:
-            return
         kc = args["key_cache"]
-        capacity = kc.shape[0] * kc.shape[2]
-        if int(host.max()) >= capacity:
-            i = int(np.flatnonzero(host >= capacity)[0])
-            raise fail("slot_mapping", f"slots < num_blocks * block_size = {capacity} (or negative to skip)",
-                       f"slot_mapping[{i}] = {int(host[i])}")
-        used = host[host >= 0]
-        # a set is quicker than a sort for the few tokens of a decode step; np.unique above that
-        distinct = len(set(used.tolist())) if used.size <= 256 else np.unique(used).size
-        if distinct != used.size:
-            raise fail("slot_mapping", "distinct non-negative slots", "a slot used twice")
+        check_slots(np.asarray(args["slot_mapping"]), kc.shape[0] * kc.shape[2])
 
     def output_shape(self, args: Mapping[str, Any]) -> None:
         return None
@@ -92,7 +80,7 @@ class WriteKVCache(OpSpec):
         return numpy_dtype(dtype_name(args["key_cache"]))
 
     def is_empty(self, args: Mapping[str, Any]) -> bool:
-        return int(np.prod(args["key"].shape)) == 0
+        return 0 in args["key"].shape
 
     def flops(self, args: Mapping[str, Any]) -> int:
         return 0

@@ -2,6 +2,8 @@
 
 Tables are read from the store once per (backend object, device) and kept
 in memory; :func:`forget` drops them (``hal tune`` does after writing).
+Where the store holds no file of the backend, the device key (and so the
+device's capabilities) is not even built.
 ``HAL_TUNE=0`` ignores the store (built-in rules only), read when a table
 is first loaded. With no table, :func:`ordered` costs two dictionary
 look-ups.
@@ -17,7 +19,7 @@ from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._buckets import bucket
-from ._store import TuneTable, device_key, load_table
+from ._store import TuneTable, device_key, has_tables, load_table
 
 if TYPE_CHECKING:
     from ..ops import OpCall, OpImpl
@@ -55,7 +57,9 @@ def table_for(backend: Any, device_index: int = 0) -> TuneTable | None:
         if found is not _MISSING:
             return found  # type: ignore[return-value]
     with _lock:
-        table = load_table(key_for(backend, device_index)) if enabled() else None
+        # the key needs the device's capabilities (for some backends a driver query): built only when the
+        # store holds a file of this backend at all
+        table = load_table(key_for(backend, device_index)) if enabled() and has_tables(backend.name) else None
         if table is not None and table.is_empty():
             table = None
         entry = _tables.get(id(backend))

@@ -14,20 +14,18 @@ are kept (the least recently written go first).
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
 import json
 import logging
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .. import env
 
-__all__ = ["MAX_BUCKETS", "MAX_FILES", "MAX_FILE_BYTES", "SCHEMA", "TuneTable", "device_key", "list_tables",
-           "load_table", "save_table", "table_path", "tune_dir"]
+__all__ = ["MAX_BUCKETS", "MAX_FILES", "MAX_FILE_BYTES", "SCHEMA", "TuneTable", "device_key", "has_tables",
+           "list_tables", "load_table", "save_table", "table_path", "tune_dir"]
 
 log = logging.getLogger("hal")
 
@@ -68,11 +66,31 @@ def device_key(backend: str, capabilities: Any, version: str) -> dict[str, Any]:
     }
 
 
+def _file_prefix(backend: str) -> str:
+    return (re.sub(r"[^A-Za-z0-9_.-]+", "-", str(backend)) or "backend") + "-"
+
+
 def table_path(key: dict[str, Any], folder: Path | None = None) -> Path:
     """``<folder>/<backend>-<hash of key>.json``."""
+    import hashlib  # imported where a table is looked up, not when ops are bound
+
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", str(key["backend"])) or "backend"
-    return (folder or tune_dir()) / f"{safe}-{digest}.json"
+    return (folder or tune_dir()) / f"{_file_prefix(key['backend'])}{digest}.json"
+
+
+def has_tables(backend: str, folder: Path | None = None) -> bool:
+    """Whether the store holds any file of ``backend`` (one directory listing: no device key, no file read).
+
+    False lets a caller skip building the device key, which needs the
+    device's capabilities; True may include another backend whose name
+    starts alike, so it only means "look up the key".
+    """
+    prefix = _file_prefix(backend)
+    try:
+        with os.scandir(folder or tune_dir()) as entries:
+            return any(e.name.startswith(prefix) and e.name.endswith(".json") for e in entries)
+    except OSError:  # no folder (nothing tuned yet), or one that cannot be read: no table either way
+        return False
 
 
 @dataclass
@@ -162,6 +180,8 @@ def save_table(table: TuneTable, folder: Path | None = None) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     _bounded(table)
     table.updated = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+    import tempfile
+
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "w") as handle:

@@ -8,12 +8,16 @@ import threading
 import weakref
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from hal_core import DeviceCapabilities, DeviceHandle
+from hal_core import DeviceHandle
 
 from ._launcher import CpuLauncher
 from ._memory import CpuAllocator
 from ._stream import CpuEvent, CpuStream, _WorkQueue
+
+if TYPE_CHECKING:
+    from hal_core import DeviceCapabilities
 
 __all__ = ["CpuDevice", "host_capabilities"]
 
@@ -115,6 +119,8 @@ def _cache_bytes(level: int, default: int) -> int:
 
 def host_capabilities() -> DeviceCapabilities:
     """The capabilities of this machine's CPU, read from the OS."""
+    from hal_core import DeviceCapabilities  # imported on first use: pydantic is slow to import
+
     info = _cpuinfo()
     machine = platform.machine().lower() or "unknown"
     flags = set((info.get("flags") or info.get("features") or "").split())

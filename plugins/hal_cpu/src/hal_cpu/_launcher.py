@@ -30,9 +30,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hal_core import CompiledKernel, DeviceCapabilities, KernelCompileError, KernelLauncher, KernelSource, LaunchConfig
+from hal_core import CompiledKernel, KernelCompileError, KernelLauncher, KernelSource, LaunchConfig
 
 if TYPE_CHECKING:
+    from hal_core import DeviceCapabilities
+
     from ._device import CpuDevice
 
 __all__ = ["BlockContext", "CpuKernel", "CpuLauncher"]

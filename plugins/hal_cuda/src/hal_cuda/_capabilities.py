@@ -9,11 +9,12 @@ GPU: tests feed it dicts built from saved profiles.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hal_cupy import ddr_bandwidth_gbps, property_text
 
-from hal_core import DeviceCapabilities
+if TYPE_CHECKING:
+    from hal_core import DeviceCapabilities
 
 __all__ = ["ATTRIBUTE_FIELDS", "ATTRIBUTE_NAMES", "capabilities_from_properties", "dtypes_for", "features_for"]
 
@@ -85,6 +86,8 @@ def capabilities_from_properties(
     (:data:`ATTRIBUTE_NAMES`), which win over ``props``; ``memory_free``:
     bytes free now (``cudaMemGetInfo``).
     """
+    from hal_core import DeviceCapabilities  # imported on first use: pydantic is slow to import
+
     merged = {**props, **{ATTRIBUTE_FIELDS.get(k, k): v for k, v in (attributes or {}).items()}}
     major, minor = int(merged["major"]), int(merged["minor"])
     shared_block = int(merged["sharedMemPerBlock"])

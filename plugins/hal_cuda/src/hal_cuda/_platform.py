@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from importlib import resources
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from hal_cupy import GpuPlatform
 
-from hal_core import Availability, DeviceCapabilities
+from hal_core import Availability
 
 from ._capabilities import ATTRIBUTE_NAMES, capabilities_from_properties
 from ._probe import PIP_INSTALL, probe
+
+if TYPE_CHECKING:
+    from hal_core import DeviceCapabilities
 
 __all__ = ["CUDA", "CudaPlatform"]
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hal_core import AllocationPolicy, DeviceCapabilities, DeviceHandle
+from hal_core import AllocationPolicy, DeviceHandle
 
 from . import _env
 from ._cupy import cupy
@@ -14,6 +14,9 @@ from ._launcher import CupyLauncher
 from ._memory import CupyAllocator
 from ._platform import GpuPlatform
 from ._stream import CupyEvent, CupyStream
+
+if TYPE_CHECKING:
+    from hal_core import DeviceCapabilities
 
 __all__ = ["CupyDevice", "query_capabilities"]
 

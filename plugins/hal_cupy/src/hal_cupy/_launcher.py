@@ -14,16 +14,14 @@ launch on a device of another: its lane layout would silently drop columns.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hal_core import (
     CompiledKernel,
-    DeviceCapabilities,
     KernelCompileError,
     KernelLauncher,
     KernelSource,
@@ -37,6 +35,9 @@ from . import _env
 from ._cupy import cupy
 from ._platform import GpuPlatform
 from ._stream import native_stream
+
+if TYPE_CHECKING:
+    from hal_core import DeviceCapabilities
 
 __all__ = ["CupyKernel", "CupyLauncher", "compiled_simd_width", "kernel_arg"]
 
@@ -130,6 +131,8 @@ class CupyLauncher(KernelLauncher):
 
     def cache_key(self, source: KernelSource) -> tuple[str, str]:
         """``(digest of code and every option, arch)``."""
+        import hashlib  # where a kernel is compiled, not when the plugin is discovered
+
         hasher = hashlib.sha256(source.digest.encode())
         for option in self.compile_options(source)[len(source.options):]:
             hasher.update(b"\0" + option.encode())

@@ -22,9 +22,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from hal_core import Availability, DeviceCapabilities
+from hal_core import Availability
+
+if TYPE_CHECKING:
+    from hal_core import DeviceCapabilities
 
 __all__ = ["DLPACK_CPU", "GpuPlatform"]
 

@@ -14,8 +14,6 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 
 from ._platform import GpuPlatform
 from ._specializations import Specialization, all_specializations
@@ -58,6 +56,9 @@ def precompile(platform: GpuPlatform, specs: Sequence[Specialization] | None = N
     fmad = _env.fmad(platform.name) if fmad is None else fmad
     workers = max(1, min(len(specs), processes or (os.cpu_count() or 1)))
     start = time.perf_counter()
+    from concurrent.futures import ProcessPoolExecutor  # only here: multiprocessing is slow to import
+    from multiprocessing import get_context
+
     with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
         done = list(pool.map(_compile_one, specs, [platform] * len(specs), [device_index] * len(specs),
                              [fmad] * len(specs)))

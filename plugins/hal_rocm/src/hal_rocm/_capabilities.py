@@ -18,11 +18,12 @@ HIP fields mean something else than their CUDA namesakes (see
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hal_cupy import ddr_bandwidth_gbps, property_text
 
-from hal_core import DeviceCapabilities
+if TYPE_CHECKING:
+    from hal_core import DeviceCapabilities
 
 __all__ = ["arch_of", "capabilities_from_properties", "dtypes_for", "features_for"]
 
@@ -83,6 +84,8 @@ def capabilities_from_properties(
     memory_free: int | None = None,
 ) -> DeviceCapabilities:
     """The capabilities of one AMD device from ``hipDeviceProp_t`` fields by name (``attributes`` win)."""
+    from hal_core import DeviceCapabilities  # imported on first use: pydantic is slow to import
+
     merged = {**props, **(attributes or {})}
     arch = arch_of(merged["gcnArchName"])
     shared_block = int(merged["sharedMemPerBlock"])

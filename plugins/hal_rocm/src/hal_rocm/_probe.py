@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import importlib
-import importlib.metadata
 import importlib.util
 import os
 import re
@@ -104,6 +103,8 @@ def _load_runtime(loader: Callable[[str], Any], environ: Any) -> tuple[Any, str,
 
 def cupy_distributions() -> list[str]:
     """Names of the installed distributions that provide CuPy (``cupy``, ``cupy-cuda12x``, ``cupy-rocm-7-0`` ...)."""
+    import importlib.metadata  # only once a HIP runtime and a device were found: it is slow to import
+
     names = set()
     for dist in importlib.metadata.distributions():
         name = (dist.metadata["Name"] or "").lower().replace("_", "-")
