@@ -8,51 +8,16 @@ the values).  Skipped, with the reason, without the NVRTC or nvdisasm wheels.
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
-import os
-import sys
-from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
-
 import pytest
+from sass_budgets import measure_all, sb
 
-BENCH = Path(__file__).resolve().parents[3] / "benchmarks"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("_sass_budget_attention", BENCH / "sass_budget.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-sb = _load()
 SPECS = sb.attention_specs()
 ARCHS = sb.DEFAULT_ARCHS
 
 
-def _measure(job):
-    spec, arch, tool = job
-    return [dataclasses.asdict(b) for b in sb.measure_attention(spec, arch, tool)]
-
-
 @pytest.fixture(scope="module")
 def budgets():
-    from hal_cuda import _nvrtc
-
-    try:
-        _nvrtc.nvrtc_version()
-    except _nvrtc.NvrtcUnavailable as exc:
-        pytest.skip(f"NVRTC Python packages not installed (cuda-bindings, nvidia-cuda-nvrtc): {exc}")
-    tool = sb.nvdisasm_path()
-    if tool is None:
-        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
-    jobs = [(s, a, tool) for s in SPECS for a in ARCHS]
-    with ProcessPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
-        results = list(pool.map(_measure, jobs))
-    return {(s.id, a): sb.AttentionBudget(**r[0]) for (s, a, _), r in zip(jobs, results, strict=True)}
+    return measure_all("measure_attention", SPECS, ARCHS, sb.AttentionBudget)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
