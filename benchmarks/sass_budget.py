@@ -154,7 +154,9 @@ def conversion_counts(body: list[Insn]) -> dict[str, int]:
 
 
 @dataclass
-class KernelBudget:
+class SassBudget:
+    """What every kernel's budget reads from its SASS: resources, occupancy and the main loop's size."""
+
     spec: str
     arch: str
     kernel: str
@@ -165,6 +167,10 @@ class KernelBudget:
     mma_total: int
     mma_main_loop: int
     main_loop_instructions: int
+
+
+@dataclass
+class KernelBudget(SassBudget):
     kblocks_per_iteration: float
     instructions_per_kblock: float
     instructions_per_byte: float
@@ -229,17 +235,7 @@ def measure(spec, arch: str, tool: str) -> list[KernelBudget]:
 
 
 @dataclass
-class AttentionBudget:
-    spec: str
-    arch: str
-    kernel: str
-    registers: int
-    spill_bytes: int
-    static_shared_bytes: int
-    ctas_per_sm: int
-    mma_total: int
-    mma_main_loop: int
-    main_loop_instructions: int
+class AttentionBudget(SassBudget):
     chunks_per_iteration: float
     kv_bytes_per_warp: int  # bytes of K and V of one chunk, divided by the CTA's 4 warps
     instructions_per_byte: float
