@@ -16,7 +16,7 @@ from typing import Any
 import fakecupy
 import numpy as np
 
-from hal_core.arrays import BFLOAT16
+from hal_core.arrays import BFLOAT16, TaggedArray
 
 
 class DevArray(np.ndarray):
@@ -43,6 +43,21 @@ def dev(array: np.ndarray) -> DevArray:
     if array.dtype == BFLOAT16:
         array = array.view(np.uint16)
     return np.array(array).view(DevArray)
+
+
+def to_dev(value: Any) -> Any:
+    """A host array as the emulated device holds it (bf16 tagged); anything else unchanged."""
+    if isinstance(value, np.ndarray):
+        storage = dev(value)
+        return TaggedArray(storage, "bf16") if value.dtype == BFLOAT16 else storage
+    return value
+
+
+def host(value: Any) -> np.ndarray:
+    """An emulated device array (or a host one) as a host numpy array, bf16 viewed as bf16."""
+    if isinstance(value, TaggedArray):
+        return np.asarray(value.storage).view(BFLOAT16)
+    return np.asarray(value)
 
 
 def _floats(array: np.ndarray, code: int) -> np.ndarray:

@@ -24,6 +24,7 @@ import fakecupy
 import kernel_emulator as emu
 import numpy as np
 import pytest
+from kernel_emulator import host, to_dev
 
 import hal_core
 from hal_core.arrays import BFLOAT16, TaggedArray
@@ -199,19 +200,6 @@ def gpu(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Any:
     emu.LAUNCHED.clear()
     backend.counter = counter  # type: ignore[attr-defined]
     return backend
-
-
-def to_dev(value: Any) -> Any:
-    if isinstance(value, np.ndarray):
-        storage = emu.dev(value)
-        return TaggedArray(storage, "bf16") if value.dtype == BFLOAT16 else storage
-    return value
-
-
-def host(value: Any) -> np.ndarray:
-    if isinstance(value, TaggedArray):
-        return np.asarray(value.storage).view(BFLOAT16)
-    return np.asarray(value)
 
 
 def rel_err(out: Any, ref: np.ndarray) -> float:

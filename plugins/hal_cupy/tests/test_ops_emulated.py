@@ -17,9 +17,10 @@ import fakecupy
 import kernel_emulator as emu
 import numpy as np
 import pytest
+from kernel_emulator import host, to_dev
 
 import hal_core
-from hal_core.arrays import BFLOAT16, TaggedArray
+from hal_core.arrays import BFLOAT16
 from hal_core.ops import OPS, OpCall
 from hal_core.quant import quantize
 
@@ -46,19 +47,6 @@ def backend(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> 
     device = SimpleNamespace(capabilities=caps, launcher=CupyLauncher(0, caps), platform=platform)
     emu.LAUNCHED.clear()
     return SimpleNamespace(name="cuda", device=lambda index: device, platform=platform)
-
-
-def to_dev(value: Any) -> Any:
-    if isinstance(value, np.ndarray):
-        storage = emu.dev(value)
-        return TaggedArray(storage, "bf16") if value.dtype == BFLOAT16 else storage
-    return value
-
-
-def host(value: Any) -> np.ndarray:
-    if isinstance(value, TaggedArray):
-        return np.asarray(value.storage).view(BFLOAT16)
-    return np.asarray(value)
 
 
 def rel_err(out: Any, ref: np.ndarray) -> float:
