@@ -179,7 +179,8 @@ def test_plot_draws_a_file(cpu, tmp_path: Path) -> None:
 
 
 def test_presets_hold_the_documented_shapes() -> None:
-    """decode: GQA 32/8 d128 in fp16/bf16/fp32 at 8x512, 32x4096, 1x32k; gemm: W4A16 G128 and W8A8 grids."""
+    """decode: GQA 32/8 d128 in fp16/bf16/fp32 at 8x512, 32x4096, 1x32k; gemm: W4A16 G128 and W8A8 grids (W4A16
+    small M in bf16 too)."""
     decode = bench.preset_cases("decode")
     for dtype in ("fp16", "bf16", "fp32"):
         for seqs, ctx in ((8, 512), (32, 4096), (1, 32768)):
@@ -191,6 +192,9 @@ def test_presets_hold_the_documented_shapes() -> None:
         for k, n in ((4096, 11008), (11008, 4096)):
             for m in (1, 16, 256):
                 assert bench.make_case("quantized_gemm", m=m, k=k, n=n, bits=bits, group=128) in gemm
+            for m in (1, 16):
+                assert (bench.make_case("quantized_gemm", m=m, k=k, n=n, bits=bits, group=128, dtype="bf16")
+                        in gemm) == (bits == 4)
     everything = bench.preset_cases("all")
     assert len(everything) == len(set(everything)) >= len(decode) + len(gemm)
     assert {c.op for c in bench.preset_cases("all", ["write_kv_cache"])} == {"write_kv_cache"}

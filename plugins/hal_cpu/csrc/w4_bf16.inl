@@ -61,74 +61,142 @@ HAL_BF16_TARGET inline __m512i w4_bf16_codes(__m512i w) {
     return _mm512_ternarylogic_epi32(t, mask, one, 0xEA);  // (a & b) | c
 }
 
-// Columns [n0, n0 + 16 NV) of MB rows; totals accumulate in y (zeroed by the caller's first group).
-template <class SS, int MB, int NV, bool SPLIT>
-HAL_BF16_TARGET void w4_bf16_tile(const uint32_t *hi, const uint32_t *lo, int64_t pstride, const float *xsum,
-                                  int64_t ngroups, const uint32_t *qw, int64_t n, int64_t n0,
-                                  const typename SS::T *scales, const uint8_t *zeros, float zdef, int64_t gsize,
-                                  float *y, int64_t ldy) {
-    const int64_t words = gsize / 8;
-    __m512 tot[MB][NV];
-    for (int mb = 0; mb < MB; ++mb)
-        for (int v = 0; v < NV; ++v) tot[mb][v] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < ngroups; ++g) {
-        __m512 acc[MB][NV];
-        for (int mb = 0; mb < MB; ++mb)
-            for (int v = 0; v < NV; ++v) acc[mb][v] = _mm512_setzero_ps();
-        for (int64_t r = g * words; r < (g + 1) * words; ++r) {
-            const uint32_t *wrow = qw + r * n + n0;
-            __m512i w[NV];
-            for (int v = 0; v < NV; ++v) w[v] = _mm512_loadu_si512(wrow + v * 16);
-#define HAL_W4_BF16_STEP(J, S)                                                                               \
+// acc[mb][v] + acl[mb][v] += the dot products of packed row r (codes w[v]) with row mb's activation pairs. The
+// two chains take turns (and an fp16 value's low part goes to the other chain than its high part), so that twice
+// as many dot products are in flight: a chain of one per nibble pair is latency-bound at small MB x NV.
+template <int MB, int NV, bool SPLIT>
+HAL_BF16_TARGET inline void w4_bf16_row(__m512 (&acc)[MB][NV], __m512 (&acl)[MB][NV], const __m512i (&w)[NV], const uint32_t *hi,
+                                        const uint32_t *lo, int64_t pstride, int64_t r) {
+#define HAL_W4_BF16_STEP(J, S, A, B)                                                                           \
     {                                                                                                        \
         __m512i b[NV];                                                                                       \
         for (int v = 0; v < NV; ++v) b[v] = w4_bf16_codes<S>(w[v]);                                          \
         for (int mb = 0; mb < MB; ++mb) {                                                                    \
             const __m512bh xh = (__m512bh)_mm512_set1_epi32(int(hi[mb * pstride + r * 4 + J]));              \
-            for (int v = 0; v < NV; ++v) acc[mb][v] = _mm512_dpbf16_ps(acc[mb][v], (__m512bh)b[v], xh);     \
+            for (int v = 0; v < NV; ++v) A[mb][v] = _mm512_dpbf16_ps(A[mb][v], (__m512bh)b[v], xh);         \
             if (SPLIT) {                                                                                     \
                 const __m512bh xl = (__m512bh)_mm512_set1_epi32(int(lo[mb * pstride + r * 4 + J]));          \
-                for (int v = 0; v < NV; ++v) acc[mb][v] = _mm512_dpbf16_ps(acc[mb][v], (__m512bh)b[v], xl); \
+                for (int v = 0; v < NV; ++v) B[mb][v] = _mm512_dpbf16_ps(B[mb][v], (__m512bh)b[v], xl);     \
             }                                                                                                \
         }                                                                                                    \
     }
-            HAL_W4_BF16_STEP(0, 3)
-            HAL_W4_BF16_STEP(1, -1)
-            HAL_W4_BF16_STEP(2, -5)
-            HAL_W4_BF16_STEP(3, -9)
+    HAL_W4_BF16_STEP(0, 3, acc, acl)
+    HAL_W4_BF16_STEP(1, -1, acl, acc)
+    HAL_W4_BF16_STEP(2, -5, acc, acl)
+    HAL_W4_BF16_STEP(3, -9, acl, acc)
 #undef HAL_W4_BF16_STEP
+}
+
+// base + s (16 acc - (16 + z) sum x): group g's contribution to 16 columns from col = g * n + column.
+template <class SS>
+HAL_BF16_TARGET inline __m512 w4_bf16_fold(__m512 acc, __m512 base, const typename SS::T *scales,
+                                           const uint8_t *zeros, float zdef, int64_t col, float xsum) {
+    const __m512 s = vload<SS>(scales + col);
+    const __m512 z16 = _mm512_add_ps(zeros ? V::load_u8(zeros + col) : _mm512_set1_ps(zdef), _mm512_set1_ps(16.0f));
+    const __m512 t = _mm512_fnmadd_ps(z16, _mm512_set1_ps(xsum), _mm512_mul_ps(_mm512_set1_ps(16.0f), acc));
+    return _mm512_fmadd_ps(s, t, base);
+}
+
+// Columns [n0, n0 + 16 NV) of MB rows over groups [g0, g1), each column walking those packed rows: totals stay
+// in registers, starting from y's (add) or from zero.
+template <class SS, int MB, int NV, bool SPLIT>
+HAL_BF16_TARGET void w4_bf16_tile(const uint32_t *hi, const uint32_t *lo, int64_t pstride, const float *xsum,
+                                  int64_t ngroups, const uint32_t *qw, int64_t n, int64_t n0,
+                                  const typename SS::T *scales, const uint8_t *zeros, float zdef, int64_t gsize,
+                                  int64_t g0, int64_t g1, bool add, float *y, int64_t ldy) {
+    const int64_t words = gsize / 8;
+    __m512 tot[MB][NV];
+    for (int mb = 0; mb < MB; ++mb)
+        for (int v = 0; v < NV; ++v) tot[mb][v] = add ? _mm512_loadu_ps(y + mb * ldy + n0 + v * 16) : _mm512_setzero_ps();
+    for (int64_t g = g0; g < g1; ++g) {
+        __m512 acc[MB][NV], acl[MB][NV];
+        for (int mb = 0; mb < MB; ++mb)
+            for (int v = 0; v < NV; ++v) acc[mb][v] = acl[mb][v] = _mm512_setzero_ps();
+        for (int64_t r = g * words; r < (g + 1) * words; ++r) {
+            const uint32_t *wrow = qw + r * n + n0;
+            __m512i w[NV];
+            for (int v = 0; v < NV; ++v) w[v] = _mm512_loadu_si512(wrow + v * 16);
+            w4_bf16_row<MB, NV, SPLIT>(acc, acl, w, hi, lo, pstride, r);
         }
-        for (int v = 0; v < NV; ++v) {
-            const int64_t col = g * n + n0 + v * 16;
-            const __m512 s = vload<SS>(scales + col);
-            const __m512 z16 = _mm512_add_ps(zeros ? V::load_u8(zeros + col) : _mm512_set1_ps(zdef),
-                                             _mm512_set1_ps(16.0f));
-            for (int mb = 0; mb < MB; ++mb) {
-                const __m512 t = _mm512_fnmadd_ps(z16, _mm512_set1_ps(xsum[mb * ngroups + g]),
-                                                  _mm512_mul_ps(_mm512_set1_ps(16.0f), acc[mb][v]));
-                tot[mb][v] = _mm512_fmadd_ps(s, t, tot[mb][v]);
-            }
-        }
+        for (int v = 0; v < NV; ++v)
+            for (int mb = 0; mb < MB; ++mb)
+                tot[mb][v] = w4_bf16_fold<SS>(_mm512_add_ps(acc[mb][v], acl[mb][v]), tot[mb][v], scales, zeros, zdef, g * n + n0 + v * 16,
+                                              xsum[mb * ngroups + g]);
     }
     for (int mb = 0; mb < MB; ++mb)
         for (int v = 0; v < NV; ++v) _mm512_storeu_ps(y + mb * ldy + n0 + v * 16, tot[mb][v]);
 }
 
+// Columns [c0, c1) of MB rows (c1 - c0 a multiple of 16 NV) swept pass by pass: kW4PassRows packed rows at a
+// time cross the whole range, so the weight is read as a few long sequential runs (one per packed row of the
+// pass) that the prefetchers stream, not as many short runs a row apart. A group's partial sums wait between
+// passes in part[MB][c1 - c0]; y holds the totals.
+template <class SS, int MB, int NV, bool SPLIT>
+HAL_BF16_TARGET void w4_bf16_sweep(const uint32_t *hi, const uint32_t *lo, int64_t pstride, const float *xsum,
+                                   int64_t ngroups, const uint32_t *qw, int64_t n, int64_t c0, int64_t c1,
+                                   const typename SS::T *scales, const uint8_t *zeros, float zdef, int64_t gsize,
+                                   float *y, float *part) {
+    const int64_t words = gsize / 8, width = c1 - c0;
+    for (int mb = 0; mb < MB; ++mb) std::fill(y + mb * n + c0, y + mb * n + c1, 0.0f);
+    for (int64_t g = 0; g < ngroups; ++g) {
+        const int64_t g0 = g * words, g1 = g0 + words;
+        for (int64_t r0 = g0; r0 < g1; r0 += kW4PassRows) {
+            const int64_t r1 = std::min(g1, r0 + kW4PassRows);
+            const bool first = r0 == g0, last = r1 == g1;
+            for (int64_t c = c0; c < c1; c += 16 * NV) {
+                float *pc = part + (c - c0);
+                __m512 acc[MB][NV], acl[MB][NV];
+                for (int mb = 0; mb < MB; ++mb)
+                    for (int v = 0; v < NV; ++v) {
+                        acc[mb][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(pc + mb * width + v * 16);
+                        acl[mb][v] = _mm512_setzero_ps();
+                    }
+                for (int64_t r = r0; r < r1; ++r) {
+                    const uint32_t *wrow = qw + r * n + c;
+                    for (int v = 0; v < NV; ++v)
+                        _mm_prefetch(reinterpret_cast<const char *>(wrow + kW4PrefetchWords + v * 16), _MM_HINT_T0);
+                    __m512i w[NV];
+                    for (int v = 0; v < NV; ++v) w[v] = _mm512_loadu_si512(wrow + v * 16);
+                    w4_bf16_row<MB, NV, SPLIT>(acc, acl, w, hi, lo, pstride, r);
+                }
+                for (int mb = 0; mb < MB; ++mb)
+                    for (int v = 0; v < NV; ++v) {
+                        acc[mb][v] = _mm512_add_ps(acc[mb][v], acl[mb][v]);
+                        if (!last) {
+                            _mm512_storeu_ps(pc + mb * width + v * 16, acc[mb][v]);
+                            continue;
+                        }
+                        float *yc = y + mb * n + c + v * 16;
+                        _mm512_storeu_ps(yc, w4_bf16_fold<SS>(acc[mb][v], _mm512_loadu_ps(yc), scales, zeros, zdef,
+                                                              g * n + c + v * 16, xsum[mb * ngroups + g]));
+                    }
+            }
+        }
+    }
+}
+
+// Rows [0, m) x columns [c0, c1) over groups [g0, g1), one row tile at a time across the columns, so the tile's
+// activations stay in L1 while the weights stream past them.
 template <class SS, int NV, bool SPLIT>
 HAL_BF16_TARGET void w4_bf16_rows(int64_t m, const uint32_t *hi, const uint32_t *lo, int64_t pstride,
-                                  const float *xsum, int64_t ngroups, const uint32_t *qw, int64_t n, int64_t n0,
-                                  const typename SS::T *sc, const uint8_t *zeros, float zdef, int64_t gsize,
-                                  float *y) {
+                                  const float *xsum, int64_t ngroups, const uint32_t *qw, int64_t n, int64_t c0,
+                                  int64_t c1, const typename SS::T *sc, const uint8_t *zeros, float zdef,
+                                  int64_t gsize, int64_t g0, int64_t g1, bool add, float *y) {
     constexpr int MB = NV >= 4 ? 1 : 4;  // accumulators and totals within the 32 zmm registers (6, 8: no faster)
     for (int64_t r = 0; r < m;) {
         const int64_t left = m - r;
-#define HAL_W4_BF16_ROWS(R)                                                                                    \
-    w4_bf16_tile<SS, R, NV, SPLIT>(hi + r * pstride, SPLIT ? lo + r * pstride : nullptr, pstride,              \
-                                   xsum + r * ngroups, ngroups, qw, n, n0, sc, zeros, zdef, gsize, y + r * n, n)
-        if (left >= MB) { HAL_W4_BF16_ROWS(MB); r += MB; }
-        else if (MB >= 2 && left >= 2) { HAL_W4_BF16_ROWS(MB >= 2 ? 2 : 1); r += 2; }
-        else { HAL_W4_BF16_ROWS(1); r += 1; }
+        const int64_t rows = left >= MB ? MB : left >= 2 ? 2 : 1;
+        for (int64_t c = c0; c < c1; c += 16 * NV) {
+#define HAL_W4_BF16_ROWS(R)                                                                                      \
+    w4_bf16_tile<SS, R, NV, SPLIT>(hi + r * pstride, SPLIT ? lo + r * pstride : nullptr, pstride,                \
+                                   xsum + r * ngroups, ngroups, qw, n, c, sc, zeros, zdef, gsize, g0, g1, add,   \
+                                   y + r * n, n)
+            if (rows == MB) HAL_W4_BF16_ROWS(MB);
+            else if (rows == 2) HAL_W4_BF16_ROWS(MB >= 2 ? 2 : 1);
+            else HAL_W4_BF16_ROWS(1);
 #undef HAL_W4_BF16_ROWS
+        }
+        r += rows;
     }
 }
 
@@ -137,20 +205,34 @@ HAL_BF16_TARGET void w4_bf16_columns(int64_t m, const uint32_t *hi, const uint32
                                      const float *xsum, int64_t ngroups, const uint32_t *qw, int64_t n,
                                      const typename SS::T *sc, const uint8_t *zeros, float zdef, int64_t gsize,
                                      float *y, int64_t n_tile, int32_t threads) {
-    const int64_t nv = m <= 2 ? 8 : 2;  // 8: measured faster than 4 or 16 here
+    const bool sweep = m <= kW4SweepMaxM;
+    const int64_t nv = sweep ? 4 : 2;
     const int64_t step = nv * 16;
     const int64_t full = n / step * step;
     const int64_t tile = std::max<int64_t>(n_tile, step) / step * step;
     const int64_t ntiles = (full + tile - 1) / tile;
-    parallel_for(ntiles, threads, [&](int64_t t) {
-        const int64_t c1 = std::min(full, (t + 1) * tile);
-        for (int64_t c = t * tile; c < c1; c += step) {
-            if (nv == 8) w4_bf16_rows<SS, 8, SPLIT>(m, hi, lo, pstride, xsum, ngroups, qw, n, c, sc, zeros, zdef, gsize, y);
-            else w4_bf16_rows<SS, 2, SPLIT>(m, hi, lo, pstride, xsum, ngroups, qw, n, c, sc, zeros, zdef, gsize, y);
-        }
-    });
-    for (int64_t c = full; c + 16 <= n; c += 16)
-        w4_bf16_rows<SS, 1, SPLIT>(m, hi, lo, pstride, xsum, ngroups, qw, n, c, sc, zeros, zdef, gsize, y);
+    if (sweep) {
+        // Bounded by the output: the partial sums of one pass, m x tile floats per task.
+        std::vector<float> part(size_t(ntiles) * m * tile);
+        parallel_for(ntiles, threads, [&](int64_t t) {
+            const int64_t c0 = t * tile, c1 = std::min(full, c0 + tile);
+            float *pt = part.data() + t * m * tile;
+            if (m == 2) w4_bf16_sweep<SS, 2, 4, SPLIT>(hi, lo, pstride, xsum, ngroups, qw, n, c0, c1, sc, zeros, zdef, gsize, y, pt);
+            else w4_bf16_sweep<SS, 1, 4, SPLIT>(hi, lo, pstride, xsum, ngroups, qw, n, c0, c1, sc, zeros, zdef, gsize, y, pt);
+        });
+    } else {
+        // K in chunks of about kW4ChunkRows packed rows: a row tile's activations for a chunk fit L1.
+        const int64_t gchunk = std::max<int64_t>(1, kW4ChunkRows / (gsize / 8));
+        parallel_for(ntiles, threads, [&](int64_t t) {
+            const int64_t c0 = t * tile, c1 = std::min(full, c0 + tile);
+            for (int64_t g0 = 0; g0 < ngroups; g0 += gchunk)
+                w4_bf16_rows<SS, 2, SPLIT>(m, hi, lo, pstride, xsum, ngroups, qw, n, c0, c1, sc, zeros, zdef, gsize,
+                                           g0, std::min(ngroups, g0 + gchunk), g0 > 0, y);
+        });
+    }
+    const int64_t tail = (n - full) / 16 * 16;
+    w4_bf16_rows<SS, 1, SPLIT>(m, hi, lo, pstride, xsum, ngroups, qw, n, full, full + tail, sc, zeros, zdef, gsize,
+                               0, ngroups, false, y);
 }
 
 // Returns false when this path does not apply (no AVX512_BF16, or float32 activations): nothing written.

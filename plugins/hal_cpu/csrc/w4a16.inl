@@ -12,6 +12,54 @@
 constexpr float kNibbleScale[8] = {1.0f, 0.0625f, 0.00390625f, 0.000244140625f, 1.52587890625e-05f,
                                    9.5367431640625e-07f, 5.9604644775390625e-08f, 5.9604644775390625e-08f};
 
+//: M up to this is served by the sweep (w4_sweep, w4_bf16_sweep): one wide column range per task.
+constexpr int64_t kW4SweepMaxM = 2;
+//: Packed rows (8 k each) per pass of the sweep. Measured on a 2-core Zen 4 (4096x11008, M=1, weight in DRAM):
+//: 8 rows reach ~30 GB/s, 4 rows ~27, 16 rows (a whole G=128 group) ~15-20; ranges cut into 4-8 tasks per thread
+//: instead of one drop to 15-20 GB/s: short runs a row apart are what the prefetchers do not follow.
+constexpr int64_t kW4PassRows = 8;
+//: The sweep prefetches each packed row this many words (512 bytes) ahead of its loads.
+constexpr int64_t kW4PrefetchWords = 128;
+//: Above the sweep's M the bf16 loop walks K in chunks of about this many packed rows (1024 k), so that a row tile's
+//: activations for one chunk stay in L1 across the task's columns.
+constexpr int64_t kW4ChunkRows = 128;
+//: Vectors per sweep step: 4 zmm (64 columns, 256 bytes a packed row); 2 for narrower vectors, whose register
+//: file (16 on AVX2) would not hold 2 rows x 4 accumulators beside the codes.
+constexpr int kW4SweepNV = W >= 16 ? 4 : 2;
+
+// acc[mb][v] += packed row r (codes w[v]) times the pre-scaled activations xr[mb * k + j], j = nibble.
+template <int MB, int NV>
+inline void w4_row(V::f (&acc)[MB][NV], const V::i (&w)[NV], const float *xr, int64_t k) {
+#define HAL_W4_STEP(J, EXPR)                                                               \
+    {                                                                                      \
+        V::f wf[NV];                                                                       \
+        for (int v = 0; v < NV; ++v) wf[v] = V::cvt(EXPR);                                 \
+        for (int mb = 0; mb < MB; ++mb) {                                                  \
+            const V::f xb = V::set1(xr[mb * k + J]);                                       \
+            for (int v = 0; v < NV; ++v) acc[mb][v] = V::fma(xb, wf[v], acc[mb][v]);       \
+        }                                                                                  \
+    }
+    HAL_W4_STEP(0, V::andi(w[v], V::seti(0xFu << 0)))
+    HAL_W4_STEP(1, V::andi(w[v], V::seti(0xFu << 4)))
+    HAL_W4_STEP(2, V::andi(w[v], V::seti(0xFu << 8)))
+    HAL_W4_STEP(3, V::andi(w[v], V::seti(0xFu << 12)))
+    HAL_W4_STEP(4, V::andi(w[v], V::seti(0xFu << 16)))
+    HAL_W4_STEP(5, V::andi(w[v], V::seti(0xFu << 20)))
+    HAL_W4_STEP(6, V::andi(w[v], V::seti(0xFu << 24)))
+    HAL_W4_STEP(7, V::andi(V::srli<4>(w[v]), V::seti(0xFu << 24)))
+#undef HAL_W4_STEP
+}
+
+// base + s (acc - z sum x): group g's contribution to W columns from col = g * n + column.
+template <class SS>
+inline V::f w4_fold(V::f acc, V::f base, const typename SS::T *scales, const uint8_t *zeros, float zdef,
+                    int64_t col, float xsum) {
+    const V::f s = vload<SS>(scales + col);
+    const V::f z = zeros ? V::load_u8(zeros + col) : V::set1(zdef);
+    return V::fma(s, V::fnma(z, V::set1(xsum), acc), base);
+}
+
+// Columns [n0, n0 + W NV) of MB rows, each column walking every packed row: totals stay in registers.
 template <class SS, int MB, int NV>
 inline void w4_tile(const float *xs, int64_t k, const float *xsum, int64_t ngroups, const uint32_t *qw, int64_t n,
                     int64_t n0, const typename SS::T *scales, const uint8_t *zeros, float zdef, int64_t gsize,
@@ -28,36 +76,55 @@ inline void w4_tile(const float *xs, int64_t k, const float *xsum, int64_t ngrou
             const uint32_t *wrow = qw + r * n + n0;
             V::i w[NV];
             for (int v = 0; v < NV; ++v) w[v] = V::loadi(wrow + v * W);
-            const float *xr = xs + 8 * r;
-#define HAL_W4_STEP(J, EXPR)                                                               \
-    {                                                                                      \
-        V::f wf[NV];                                                                       \
-        for (int v = 0; v < NV; ++v) wf[v] = V::cvt(EXPR);                                 \
-        for (int mb = 0; mb < MB; ++mb) {                                                  \
-            const V::f xb = V::set1(xr[mb * k + J]);                                       \
-            for (int v = 0; v < NV; ++v) acc[mb][v] = V::fma(xb, wf[v], acc[mb][v]);       \
-        }                                                                                  \
-    }
-            HAL_W4_STEP(0, V::andi(w[v], V::seti(0xFu << 0)))
-            HAL_W4_STEP(1, V::andi(w[v], V::seti(0xFu << 4)))
-            HAL_W4_STEP(2, V::andi(w[v], V::seti(0xFu << 8)))
-            HAL_W4_STEP(3, V::andi(w[v], V::seti(0xFu << 12)))
-            HAL_W4_STEP(4, V::andi(w[v], V::seti(0xFu << 16)))
-            HAL_W4_STEP(5, V::andi(w[v], V::seti(0xFu << 20)))
-            HAL_W4_STEP(6, V::andi(w[v], V::seti(0xFu << 24)))
-            HAL_W4_STEP(7, V::andi(V::srli<4>(w[v]), V::seti(0xFu << 24)))
-#undef HAL_W4_STEP
+            w4_row<MB, NV>(acc, w, xs + 8 * r, k);
         }
-        for (int v = 0; v < NV; ++v) {
-            const int64_t col = g * n + n0 + v * W;
-            const V::f s = vload<SS>(scales + col);
-            const V::f z = zeros ? V::load_u8(zeros + col) : V::set1(zdef);
+        for (int v = 0; v < NV; ++v)
             for (int mb = 0; mb < MB; ++mb)
-                tot[mb][v] = V::fma(s, V::fnma(z, V::set1(xsum[mb * ngroups + g]), acc[mb][v]), tot[mb][v]);
-        }
+                tot[mb][v] = w4_fold<SS>(acc[mb][v], tot[mb][v], scales, zeros, zdef, g * n + n0 + v * W,
+                                         xsum[mb * ngroups + g]);
     }
     for (int mb = 0; mb < MB; ++mb)
         for (int v = 0; v < NV; ++v) V::store(y + mb * ldy + n0 + v * W, tot[mb][v]);
+}
+
+// Columns [c0, c1) of MB rows (c1 - c0 a multiple of W NV) swept pass by pass, kW4PassRows packed rows at a time
+// across the whole range (see kW4PassRows); a group's partial sums wait between passes in part[MB][c1 - c0].
+template <class SS, int MB, int NV>
+inline void w4_sweep(const float *xs, int64_t k, const float *xsum, int64_t ngroups, const uint32_t *qw, int64_t n,
+                     int64_t c0, int64_t c1, const typename SS::T *scales, const uint8_t *zeros, float zdef,
+                     int64_t gsize, float *y, float *part) {
+    const int64_t words = gsize / 8, width = c1 - c0;
+    for (int mb = 0; mb < MB; ++mb) std::fill(y + mb * n + c0, y + mb * n + c1, 0.0f);
+    for (int64_t g = 0; g < ngroups; ++g) {
+        const int64_t g0 = g * words, g1 = g0 + words;
+        for (int64_t r0 = g0; r0 < g1; r0 += kW4PassRows) {
+            const int64_t r1 = std::min(g1, r0 + kW4PassRows);
+            const bool first = r0 == g0, last = r1 == g1;
+            for (int64_t c = c0; c < c1; c += W * NV) {
+                float *pc = part + (c - c0);
+                V::f acc[MB][NV];
+                for (int mb = 0; mb < MB; ++mb)
+                    for (int v = 0; v < NV; ++v) acc[mb][v] = first ? V::zero() : V::load(pc + mb * width + v * W);
+                for (int64_t r = r0; r < r1; ++r) {
+                    const uint32_t *wrow = qw + r * n + c;
+                    for (int v = 0; v < NV; v += 16 / W) __builtin_prefetch(wrow + kW4PrefetchWords + v * W, 0, 3);
+                    V::i w[NV];
+                    for (int v = 0; v < NV; ++v) w[v] = V::loadi(wrow + v * W);
+                    w4_row<MB, NV>(acc, w, xs + 8 * r, k);
+                }
+                for (int mb = 0; mb < MB; ++mb)
+                    for (int v = 0; v < NV; ++v) {
+                        if (!last) {
+                            V::store(pc + mb * width + v * W, acc[mb][v]);
+                            continue;
+                        }
+                        float *yc = y + mb * n + c + v * W;
+                        V::store(yc, w4_fold<SS>(acc[mb][v], V::load(yc), scales, zeros, zdef, g * n + c + v * W,
+                                                 xsum[mb * ngroups + g]));
+                    }
+            }
+        }
+    }
 }
 
 // Columns [n0, n1) that do not fill a vector: scalar.
@@ -125,18 +192,27 @@ int w4a16_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, i
     parallel_for(m, threads, [&](int64_t r) {
         for (int64_t kk = 0; kk < k; ++kk) xs[r * k + kk] = x32[r * k + kk] * kNibbleScale[kk % 8];
     });
-    const bool gemv = m <= 2;
-    const int64_t nv = gemv ? 4 : 2;
+    const bool sweep = m <= kW4SweepMaxM;
+    const int64_t nv = sweep ? kW4SweepNV : 2;
     int64_t tile = std::max<int64_t>(n_tile, nv * W) / (nv * W) * (nv * W);
     const int64_t full = n / (nv * W) * (nv * W);
     const int64_t ntiles = (full + tile - 1) / tile;
-    parallel_for(ntiles, threads, [&](int64_t t) {
-        const int64_t c1 = std::min(full, (t + 1) * tile);
-        for (int64_t c = t * tile; c < c1; c += nv * W) {
-            if (gemv) w4_rows<SS, 4>(m, xs.data(), k, xsum.data(), ngroups, qw, n, c, scales, zeros, float(zdef), gsize, y);
-            else w4_rows<SS, 2>(m, xs.data(), k, xsum.data(), ngroups, qw, n, c, scales, zeros, float(zdef), gsize, y);
-        }
-    });
+    if (sweep) {
+        // Bounded by the output: the partial sums of one pass, m x tile floats per task.
+        std::vector<float> part(size_t(ntiles) * m * tile);
+        parallel_for(ntiles, threads, [&](int64_t t) {
+            const int64_t c0 = t * tile, c1 = std::min(full, c0 + tile);
+            float *pt = part.data() + t * m * tile;
+            if (m == 2) w4_sweep<SS, 2, kW4SweepNV>(xs.data(), k, xsum.data(), ngroups, qw, n, c0, c1, scales, zeros, float(zdef), gsize, y, pt);
+            else w4_sweep<SS, 1, kW4SweepNV>(xs.data(), k, xsum.data(), ngroups, qw, n, c0, c1, scales, zeros, float(zdef), gsize, y, pt);
+        });
+    } else {
+        parallel_for(ntiles, threads, [&](int64_t t) {
+            const int64_t c1 = std::min(full, (t + 1) * tile);
+            for (int64_t c = t * tile; c < c1; c += nv * W)
+                w4_rows<SS, 2>(m, xs.data(), k, xsum.data(), ngroups, qw, n, c, scales, zeros, float(zdef), gsize, y);
+        });
+    }
     int64_t c = full;
     for (; c + W <= n; c += W)
         w4_rows<SS, 1>(m, xs.data(), k, xsum.data(), ngroups, qw, n, c, scales, zeros, float(zdef), gsize, y);

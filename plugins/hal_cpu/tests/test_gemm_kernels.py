@@ -168,6 +168,41 @@ def test_tiling_and_threads_agree(rng: np.random.Generator, threads: int, n_tile
     np.testing.assert_array_equal(got, serial)
 
 
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize(("k", "group_size"), [(256, 32), (384, 96), (512, 128), (1024, 1024)])
+def test_w4a16_sweep_matches_reference(variant: str, rng: np.random.Generator, m: int, dtype: str, k: int,
+                                       group_size: int) -> None:
+    """The small-M sweep (one column range per task, packed rows in passes of 8): groups of fewer rows than a
+    pass, of a pass and a remainder, of two passes and of the whole K (many passes, partial sums kept between
+    them), over two ranges of uneven width and a ragged column tail."""
+    args = quantized_gemm_inputs(rng, m=m, k=k, n=300, bits=4, group_size=group_size, symmetric=False,
+                                 dtype=dtype)
+    got = quantized_gemm.gemm(args["x"], args["qweight"], kernel="registers", threads=2, n_tile=192)
+    assert_close(got, REFERENCE(args), kind="gemm", dtype="fp32",
+                 what=f"{variant} W4A16 sweep M={m} G={group_size} {dtype} x")
+
+
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_w4a16_sweep_tiling_and_threads_agree(rng: np.random.Generator, m: int, dtype: str) -> None:
+    """Where the sweep's ranges start and which thread runs them never changes a column's value."""
+    args = quantized_gemm_inputs(rng, m=m, k=512, n=700, bits=4, group_size=128, symmetric=False, dtype=dtype)
+    serial = quantized_gemm.gemm(args["x"], args["qweight"], kernel="registers", threads=1, n_tile=64)
+    for threads, n_tile in [(1, 4096), (2, 128), (3, 64), (2, None)]:
+        got = quantized_gemm.gemm(args["x"], args["qweight"], kernel="registers", threads=threads, n_tile=n_tile)
+        np.testing.assert_array_equal(got, serial, err_msg=f"threads={threads} n_tile={n_tile}")
+
+
+def test_sweep_column_tile_rule() -> None:
+    """Up to SWEEP_M_MAX rows one range per thread (long runs), above it about 8 tasks per thread."""
+    for n, threads in [(11008, 2), (4096, 2), (300, 3), (64, 8), (28672, 16)]:
+        sweep = _rules.gemv_column_tile(n, threads, 1)
+        assert sweep % 64 == 0 and -(-n // sweep) <= threads and sweep * threads >= n
+        tiles = _rules.gemv_column_tile(n, threads, _rules.SWEEP_M_MAX + 1)
+        assert tiles % 64 == 0 and tiles <= sweep
+
+
 def test_registers_kernel_refuses_act_order(rng: np.random.Generator) -> None:
     """Asking the in-register int4 kernel for an act-order weight is an error, not a wrong answer."""
     args = quantized_gemm_inputs(rng, m=2, k=64, n=16, bits=4, group_size=32, symmetric=True, dtype="fp32",

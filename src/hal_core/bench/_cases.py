@@ -135,8 +135,8 @@ def _attention(seqs: int, ctx: int, dtype: str) -> Case:
     return make_case("paged_attention", seqs=seqs, ctx=ctx, dtype=dtype)
 
 
-def _gemm(m: int, k: int, n: int, bits: int) -> Case:
-    return make_case("quantized_gemm", m=m, k=k, n=n, bits=bits, group=128)
+def _gemm(m: int, k: int, n: int, bits: int, dtype: str = "fp16") -> Case:
+    return make_case("quantized_gemm", m=m, k=k, n=n, bits=bits, group=128, dtype=dtype)
 
 
 def _decode() -> list[Case]:
@@ -153,7 +153,11 @@ def _prefill() -> list[Case]:
 
 
 def _gemms() -> list[Case]:
-    return [_gemm(m, k, n, bits) for bits in (4, 8) for k, n in ((4096, 11008), (11008, 4096)) for m in (1, 16, 256)]
+    shapes = ((4096, 11008), (11008, 4096))
+    cases = [_gemm(m, k, n, bits) for bits in (4, 8) for k, n in shapes for m in (1, 16, 256)]
+    # W4A16 small M also with bf16 activations, the dtype torch's int4 peer runs: the like-for-like comparison.
+    cases += [_gemm(m, k, n, 4, "bf16") for k, n in shapes for m in (1, 16)]
+    return cases
 
 
 _BUILDERS = {"decode": _decode, "prefill": _prefill, "gemm": _gemms}

@@ -15,6 +15,7 @@ __all__ = [
     "HALF_DOT_M_MAX",
     "SERIAL_BYTES",
     "SMALL_M_MAX",
+    "SWEEP_M_MAX",
     "attention_partition_tokens",
     "dequant_tile_columns",
     "gemm_kernel",
@@ -26,6 +27,9 @@ __all__ = [
 SERIAL_BYTES = 256 * 1024
 #: W4A16: the largest M served by the in-register kernel; above it, the blocked kernel.
 SMALL_M_MAX = 32
+#: W4A16: the largest M the in-register kernel serves by a sweep of one wide column range per thread
+#: (csrc/w4a16.inl, ``kW4SweepMaxM``).
+SWEEP_M_MAX = 2
 #: W4A16 with fp16/bf16 activations where the in-register kernel uses bf16 dot products: the largest M it serves
 #: (measured faster than the blocked kernel at M=64, level at M=256).
 HALF_DOT_M_MAX = 128
@@ -88,9 +92,16 @@ def gemm_kernel(m: int, bits: int, group_size: int, act_order: bool, isa: str = 
     return "blocked" if isa in BLOCKED_ISAS else "tiles"
 
 
-def gemv_column_tile(n: int, threads: int) -> int:
-    """Columns per task of the in-register kernels: about 8 tasks per thread, at least 64 columns."""
-    per_task = -(-n // max(1, 8 * threads))
+def gemv_column_tile(n: int, threads: int, m: int = SWEEP_M_MAX + 1) -> int:
+    """Columns per task of the in-register W4A16 kernels, a multiple of 64.
+
+    Up to :data:`SWEEP_M_MAX` rows the kernel sweeps each task's columns as
+    long sequential runs, so a task is one contiguous range per thread (more,
+    shorter ranges measured 1.2-2x slower); above it, about 8 tasks per
+    thread balance the compute-bound tiles.
+    """
+    tasks = max(1, threads) * (1 if m <= SWEEP_M_MAX else 8)
+    per_task = -(-n // tasks)
     return max(64, -(-per_task // 64) * 64)
 
 

@@ -87,7 +87,7 @@ def gemm(
     if threads is None:
         threads = _rules.threads_for(qweight.nbytes + x.nbytes, native.threads)
     if n_tile is None:
-        n_tile = w8a8_column_tile(n, threads) if qweight.bits == 8 else _rules.gemv_column_tile(n, threads)
+        n_tile = w8a8_column_tile(n, threads) if qweight.bits == 8 else _rules.gemv_column_tile(n, threads, m)
     y = np.empty((m, n), dtype=np.float32)
     xs = x.strides[0] // x.itemsize
     ptr = _native.pointer
