@@ -23,7 +23,8 @@
 
 constexpr int64_t kVnniGemvRows = 4;
 constexpr int kVnniTileRows = 6;
-constexpr int64_t kVnniMaxTile = 2048;      // columns per small-M task at most (its accumulators: 32 KiB of stack)
+constexpr int64_t kVnniAccWords = 8192;     // int32 accumulators of a small-M task (32 KiB of stack): M x tile
+                                            // at most, so up to 8192 columns for M = 1 and 2048 for M = 4
 constexpr int64_t kVnniPrefetchRows = 32;  // code rows read this far ahead are prefetched into L2
 
 // Per-thread workspaces of one parallel_for: at most `threads` tasks run at once (the pool's contract),
@@ -371,10 +372,10 @@ int w8a8_vnni_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t 
     if (segs.empty()) {
         std::fill(y, y + m * n, 0.0f);
     } else if (m <= kVnniGemvRows) {
-        const int64_t tile = std::min(kVnniMaxTile, std::max<int64_t>(64, n_tile / 64 * 64));
+        const int64_t tile = std::min(kVnniAccWords / m / 64 * 64, std::max<int64_t>(64, n_tile / 64 * 64));
         parallel_for((n + tile - 1) / tile, threads, [&](int64_t t) {
             const int64_t c0 = t * tile, c1 = std::min(n, c0 + tile);
-            alignas(64) int32_t acc[kVnniGemvRows * kVnniMaxTile];
+            alignas(64) int32_t acc[kVnniAccWords];
             if (m == 1) w8v_columns<SS, 1>(p, segs, w, k, c0, c1, y, acc);
             else if (m == 2) w8v_columns<SS, 2>(p, segs, w, k, c0, c1, y, acc);
             else if (m == 3) w8v_columns<SS, 3>(p, segs, w, k, c0, c1, y, acc);

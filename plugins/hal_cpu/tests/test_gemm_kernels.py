@@ -338,6 +338,19 @@ def test_w8a8_tiling_and_threads_agree(variant: str, rng: np.random.Generator, m
     assert_close(serial, REFERENCE(args), kind="gemm", dtype="fp32", what=f"{variant} W8A8 tiles")
 
 
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_w8a8_widest_small_m_tiles(variant: str, rng: np.random.Generator, m: int) -> None:
+    """Small-M W8A8 tasks as wide as the accumulators allow (8192 / M columns, more asked for is clamped):
+    the same bits as narrow tasks, and the reference's values."""
+    n = quantized_gemm.W8A8_ACC_WORDS // m + 100
+    args = quantized_gemm_inputs(rng, m=m, k=256, n=n, bits=8, group_size=128, symmetric=False, dtype="fp16")
+    narrow = quantized_gemm.gemm(args["x"], args["qweight"], threads=2, n_tile=64)
+    for n_tile in (None, quantized_gemm.W8A8_ACC_WORDS // m, 10**6):
+        got = quantized_gemm.gemm(args["x"], args["qweight"], threads=2, n_tile=n_tile)
+        np.testing.assert_array_equal(got, narrow, err_msg=f"n_tile={n_tile}")
+    assert_close(narrow, REFERENCE(args), kind="gemm", dtype="fp32", what=f"{variant} W8A8 wide tiles M={m}")
+
+
 @pytest.mark.parametrize("m", [3, 9])
 def test_w8a8_non_finite_rows_both_kernels(variant: str, rng: np.random.Generator, m: int) -> None:
     """NaN/Inf rows give NaN rows in the small-M and the large-M kernel; the other rows match the reference."""
@@ -354,8 +367,11 @@ def test_w8a8_non_finite_rows_both_kernels(variant: str, rng: np.random.Generato
 
 def test_w8a8_column_tile_rule() -> None:
     """Wide small-M W8A8 tasks, a multiple of the thread count, never past the kernel's widest tile."""
-    for n, threads in [(11008, 2), (4096, 2), (77, 2), (4096, 1), (11008, 16), (100000, 3)]:
-        tile = quantized_gemm.w8a8_column_tile(n, threads)
-        assert tile % 64 == 0 and 64 <= tile <= quantized_gemm.W8A8_MAX_COLUMN_TILE
-        tasks = -(-n // tile)
-        assert tasks >= min(threads, -(-n // 64)), (n, threads, tile)
+    for m in (1, 2, 3, 4):
+        widest = quantized_gemm.W8A8_ACC_WORDS // m // 64 * 64
+        for n, threads in [(11008, 2), (4096, 2), (77, 2), (4096, 1), (11008, 16), (100000, 3)]:
+            tile = quantized_gemm.w8a8_column_tile(n, threads, m)
+            assert tile % 64 == 0 and 64 <= tile <= widest <= quantized_gemm.W8A8_MAX_COLUMN_TILE
+            tasks = -(-n // tile)
+            assert tasks >= min(threads, -(-n // 64)), (n, threads, tile)
+    assert quantized_gemm.w8a8_column_tile(11008, 2, 1) == 5504  # M = 1: one long range per thread

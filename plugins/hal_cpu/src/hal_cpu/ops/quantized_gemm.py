@@ -37,10 +37,15 @@ from . import _fallback_gemm, _knobs, _rules
 from ._common import finish
 from ._native_args import dtype_code
 
-__all__ = ["W8A8_MAX_COLUMN_TILE", "gemm", "half_dot", "quantized_gemm", "w8a8_column_tile"]
+__all__ = ["W8A8_ACC_WORDS", "W8A8_MAX_COLUMN_TILE", "W8A8_SMALL_M_MAX", "gemm", "half_dot", "quantized_gemm",
+           "w8a8_column_tile"]
 
-#: The widest column tile of the small-M W8A8 kernel (csrc/w8a8_vnni.inl, ``kVnniMaxTile``).
-W8A8_MAX_COLUMN_TILE = 2048
+#: The int32 accumulators of one small-M W8A8 task (csrc/w8a8_vnni.inl, ``kVnniAccWords``): M x columns at most.
+W8A8_ACC_WORDS = 8192
+#: The widest column tile of the small-M W8A8 kernel (M = 1; M rows get ``W8A8_ACC_WORDS // M`` columns).
+W8A8_MAX_COLUMN_TILE = W8A8_ACC_WORDS
+#: The largest M of the small-M W8A8 kernel (``kVnniGemvRows``).
+W8A8_SMALL_M_MAX = 4
 
 
 def quantized_gemm(call: OpCall) -> np.ndarray:
@@ -87,7 +92,7 @@ def gemm(
     if threads is None:
         threads = _rules.threads_for(qweight.nbytes + x.nbytes, native.threads)
     if n_tile is None:
-        n_tile = w8a8_column_tile(n, threads) if qweight.bits == 8 else _rules.gemv_column_tile(n, threads, m)
+        n_tile = w8a8_column_tile(n, threads, m) if qweight.bits == 8 else _rules.gemv_column_tile(n, threads, m)
     y = np.empty((m, n), dtype=np.float32)
     xs = x.strides[0] // x.itemsize
     ptr = _native.pointer
@@ -171,15 +176,17 @@ def _tiles(native: _native.Native, x: np.ndarray, xs: int, qweight: QuantizedWei
     return 0
 
 
-def w8a8_column_tile(n: int, threads: int) -> int:
-    """Columns per task of the small-M W8A8 kernel: as wide as :data:`W8A8_MAX_COLUMN_TILE` allows, in a
-    multiple of ``threads`` tasks.
+def w8a8_column_tile(n: int, threads: int, m: int = 1) -> int:
+    """Columns per task of the small-M W8A8 kernel: as wide as its accumulators allow (``W8A8_ACC_WORDS``
+    over ``min(m, W8A8_SMALL_M_MAX)`` rows, a multiple of 64), in a multiple of ``threads`` tasks.
 
     Each step of that kernel reads 8 code rows across the task's columns, so a wide task reads long
-    contiguous runs of the ``[K, N]`` codes (what the hardware prefetchers follow, whatever ``N`` is).
+    contiguous runs of the ``[K, N]`` codes (what the hardware prefetchers follow, whatever ``N`` is):
+    at M = 1 one range per thread, up to 8192 columns.
     """
     threads = max(1, threads)
-    tasks = threads * -(-n // (W8A8_MAX_COLUMN_TILE * threads))
+    widest = max(64, W8A8_ACC_WORDS // max(1, min(m, W8A8_SMALL_M_MAX)) // 64 * 64)
+    tasks = threads * -(-n // (widest * threads))
     per_task = -(-n // tasks)
     return max(64, -(-per_task // 64) * 64)
 
