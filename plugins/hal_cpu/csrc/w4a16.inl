@@ -18,7 +18,8 @@ constexpr int64_t kW4SweepMaxM = 2;
 //: 8 rows reach ~30 GB/s, 4 rows ~27, 16 rows (a whole G=128 group) ~15-20; ranges cut into 4-8 tasks per thread
 //: instead of one drop to 15-20 GB/s: short runs a row apart are what the prefetchers do not follow.
 constexpr int64_t kW4PassRows = 8;
-//: The sweep prefetches each packed row this many words (512 bytes) ahead of its loads.
+//: The sweep prefetches each packed row this many words (512 bytes) ahead of its loads, into L2: with N a multiple
+//: of 1024 words the 8 rows of a pass share L1 sets.
 constexpr int64_t kW4PrefetchWords = 128;
 //: Above the sweep's M the bf16 loop walks K in chunks of about this many packed rows (1024 k), so that a row tile's
 //: activations for one chunk stay in L1 across the task's columns.
@@ -107,7 +108,7 @@ inline void w4_sweep(const float *xs, int64_t k, const float *xsum, int64_t ngro
                     for (int v = 0; v < NV; ++v) acc[mb][v] = first ? V::zero() : V::load(pc + mb * width + v * W);
                 for (int64_t r = r0; r < r1; ++r) {
                     const uint32_t *wrow = qw + r * n + c;
-                    for (int v = 0; v < NV; v += 16 / W) __builtin_prefetch(wrow + kW4PrefetchWords + v * W, 0, 3);
+                    for (int v = 0; v < NV; v += 16 / W) __builtin_prefetch(wrow + kW4PrefetchWords + v * W, 0, 2);
                     V::i w[NV];
                     for (int v = 0; v < NV; ++v) w[v] = V::loadi(wrow + v * W);
                     w4_row<MB, NV>(acc, w, xs + 8 * r, k);
