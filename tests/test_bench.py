@@ -248,6 +248,27 @@ def test_timing_stops_at_the_time_cap_with_a_fake_clock() -> None:
     assert samples.as_dict() == pytest.approx({"median_ms": 400.0, "min_ms": 400.0, "max_ms": 400.0, "samples": 3})
 
 
+def test_warm_up_runs_for_warmup_seconds_before_timing() -> None:
+    """Untimed calls continue past ``warmup`` until ``warmup_seconds`` have passed; a slow call needs only one."""
+    now = [0.0]
+    calls = []
+
+    def fn(i: int) -> None:
+        calls.append(i)
+        now[0] += 0.4
+
+    policy = bench.TimingPolicy(repeat=2, warmup=1, min_repeat=2, max_seconds=10.0, warmup_seconds=1.0)
+    samples = bench.measure(fn, policy, clock=lambda: now[0])
+    assert calls == [0, 1, 2, 3, 4]  # three warm-up calls (0.4, 0.8, 1.2 s), then two timed ones
+    assert samples.seconds == pytest.approx((0.4, 0.4))
+    calls.clear()
+    slow = bench.TimingPolicy(repeat=1, warmup=1, min_repeat=1, max_seconds=10.0, warmup_seconds=0.3)
+    bench.measure(fn, slow, clock=lambda: now[0])
+    assert calls == [0, 1]
+    with pytest.raises(ValueError, match="--warmup-time"):
+        bench.TimingPolicy(warmup_seconds=-1.0)
+
+
 def test_a_very_slow_call_is_timed_fewer_times() -> None:
     """Once min_repeat * max_seconds have passed, measure() stops even below min_repeat samples."""
     now = [0.0]

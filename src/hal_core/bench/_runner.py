@@ -104,7 +104,8 @@ def _hal_runner(backend: Any, case: Case, sets: list[dict[str, Any]]) -> Callabl
 
 def _limits(backend: Any, settings: BenchSettings, sync: Callable[[], None], llc: int,
             host: bool) -> dict[str, Any]:
-    policy = TimingPolicy(repeat=settings.policy.repeat, warmup=1, min_repeat=3, max_seconds=1.0)
+    policy = TimingPolicy(repeat=settings.policy.repeat, warmup=1, min_repeat=3, max_seconds=1.0,
+                          warmup_seconds=settings.policy.warmup_seconds)
     copy_bytes = settings.copy_bytes or (32 << 20 if settings.quick else max(256 << 20, 8 * llc))
     blas_n = settings.blas_n or (256 if settings.quick else (2048 if host else 8192))
     limits: dict[str, Any] = {"llc_bytes": llc}
@@ -216,6 +217,7 @@ def run_bench(
                                                               "features": sorted(caps.features)}},
         "versions": versions(),
         "settings": {"repeat": settings.policy.repeat, "warmup": settings.policy.warmup,
+                     "warmup_seconds": settings.policy.warmup_seconds,
                      "min_repeat": settings.policy.min_repeat, "max_seconds": settings.policy.max_seconds,
                      "quick": settings.quick, "cached_weights": settings.cached_weights,
                      "peers": None if settings.peers is None else list(settings.peers),

@@ -14,7 +14,11 @@ __all__ = ["Samples", "TimingPolicy", "measure"]
 class TimingPolicy:
     """How long to measure one function.
 
-    ``warmup`` untimed runs, then timed runs until ``repeat`` samples, or
+    ``warmup`` untimed runs, and more until ``warmup_seconds`` of them have
+    passed (an op called after a pause runs slower for its first few
+    milliseconds of calls while the worker threads and the machine wake up;
+    a serving engine calls it continuously), then timed runs until
+    ``repeat`` samples, or
     until ``max_seconds`` of timed runs have passed once ``min_repeat``
     samples exist, or until ``min_repeat * max_seconds`` have passed
     whatever the count (so a call of several seconds is timed once or
@@ -25,6 +29,7 @@ class TimingPolicy:
     warmup: int = 1
     min_repeat: int = 3
     max_seconds: float = 1.0
+    warmup_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if self.repeat < 1:
@@ -33,6 +38,8 @@ class TimingPolicy:
             raise ValueError(f"argument --warmup: expected >= 0, got {self.warmup}")
         if self.max_seconds <= 0:
             raise ValueError(f"argument --max-time: expected > 0, got {self.max_seconds}")
+        if self.warmup_seconds < 0:
+            raise ValueError(f"argument --warmup-time: expected >= 0, got {self.warmup_seconds}")
 
 
 @dataclass(frozen=True)
@@ -68,10 +75,12 @@ def measure(
 ) -> Samples:
     """Time ``fn(i)`` (``i`` counts calls, for rotating inputs), ``sync()`` included in each run."""
     calls = 0
-    for _ in range(policy.warmup):
+    start = clock()
+    while calls < policy.warmup or (policy.warmup_seconds > 0 and clock() - start < policy.warmup_seconds):
         fn(calls)
         calls += 1
-    sync()
+        if calls >= policy.warmup:
+            sync()
     samples: list[float] = []
     spent = 0.0
     while len(samples) < policy.repeat:

@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-__all__ = ["add_case_options", "add_timing_options", "cases_from", "policy_from"]
+__all__ = ["WARMUP_SECONDS", "add_case_options", "add_timing_options", "cases_from", "policy_from"]
+
+#: Untimed calls continue this long before timing starts (a call after a pause runs slower for the first few
+#: milliseconds of calls while the worker threads and the machine wake up; engines call ops continuously).
+WARMUP_SECONDS = 0.25
 
 
 def add_case_options(parser: argparse.ArgumentParser, default_preset: str) -> None:
@@ -25,6 +29,9 @@ def add_timing_options(parser: argparse.ArgumentParser, repeat: int, max_time: f
     parser.add_argument("--repeat", type=int, default=None,
                         help=f"timed runs per measurement, at most (default {repeat})")
     parser.add_argument("--warmup", type=int, default=None, help="untimed runs first (default 1)")
+    parser.add_argument("--warmup-time", type=float, default=None, metavar="S",
+                        help=f"and untimed runs until S seconds of them have passed (default {WARMUP_SECONDS:g}; "
+                             "--quick: 0)")
     parser.add_argument("--max-time", type=float, default=None, metavar="S",
                         help=f"stop a measurement after S seconds once 3 runs exist (default {max_time:g})")
     parser.add_argument("--quick", action="store_true", help="few short runs (tests, CI): --repeat 3 --max-time 0.2")
@@ -41,6 +48,7 @@ def policy_from(args: argparse.Namespace, repeat: int, max_time: float) -> Any:
             warmup=args.warmup if args.warmup is not None else 1,
             min_repeat=min(3, args.repeat) if args.repeat is not None else 3,
             max_seconds=args.max_time if args.max_time is not None else (0.2 if quick else max_time),
+            warmup_seconds=args.warmup_time if args.warmup_time is not None else (0.0 if quick else WARMUP_SECONDS),
         )
     except ValueError as exc:
         raise BenchArgumentError(str(exc)) from None
