@@ -301,6 +301,41 @@ def test_the_progress_bar_counts_every_step(cpu) -> None:
     assert lines[-1].startswith("[" + "#" * 24 + f"] {total}/{total}")
 
 
+def test_rounds_pool_every_rounds_samples(cpu) -> None:
+    """--rounds 3: each case measured three times, round-robin; its figures are from the pooled samples (the
+    median of all of them), each round's median is kept, the progress bar counts every round's steps."""
+    import io
+    import statistics
+
+    stream = io.StringIO()
+    cases = _cases()
+    total = bench.planned_steps(cases, True, (), 3)
+    assert total == 2 + 3 * len(cases)
+    settings = bench.BenchSettings(policy=QUICK.policy, quick=True, copy_bytes=1 << 20, blas_n=64, peers=(),
+                                   rounds=3)
+    report = bench.run_bench(cases, cpu, settings, progress=bench.Progress(total, stream=stream))
+    assert len(stream.getvalue().splitlines()) == total and report["settings"]["rounds"] == 3
+    for case in report["cases"]:
+        hal = case["hal"]
+        assert len(hal["round_medians_ms"]) == 3
+        assert len(hal["times_ms"]) == hal["samples"] >= 3 * QUICK.policy.min_repeat
+        assert hal["median_ms"] == pytest.approx(statistics.median(hal["times_ms"]))
+        assert hal["gbps"] == pytest.approx(case["bytes"] / (hal["median_ms"] / 1e3) / 1e9)
+    with pytest.raises(ValueError, match="--rounds"):
+        bench.BenchSettings(rounds=0)
+
+
+def test_rounds_pool_the_peers_too(cpu) -> None:
+    """A peer measured in every round: its samples pooled and its speed ratio taken from the pooled medians."""
+    case = bench.parse_shape("quantized_gemm", "M=2,K=128,N=32,bits=4,group=32")
+    settings = bench.BenchSettings(policy=QUICK.policy, quick=True, copy_bytes=1 << 20, blas_n=64,
+                                   peers=("numpy",), rounds=2)
+    (result,) = bench.run_bench([case], cpu, settings)["cases"]
+    (peer,) = result["peers"]
+    assert peer["status"] == "ok" and len(peer["round_medians_ms"]) == 2
+    assert peer["hal_speedup"] == pytest.approx(peer["median_ms"] / result["hal"]["median_ms"])
+
+
 class _FakeDeviceArray:
     """Stands for a device array: its module, not numpy, is the backend's array library."""
 

@@ -38,7 +38,11 @@ class BenchSettings:
     over and over instead of rotating distinct ones. ``budget_s``: cases
     not started within it are reported as skipped. ``copy_bytes`` and
     ``blas_n`` override the sizes of the limit measurements (defaults in
-    docs/benchmarks.md).
+    docs/benchmarks.md). ``rounds``: every case is measured that many
+    times, round-robin over the cases (fresh inputs each round), and its
+    figures come from all rounds' samples pooled, so that a burst of
+    interference on a shared machine reaches one round of a case, not all
+    of its samples.
     """
 
     policy: TimingPolicy = field(default_factory=TimingPolicy)
@@ -49,6 +53,11 @@ class BenchSettings:
     seed: int = 0
     copy_bytes: int | None = None
     blas_n: int | None = None
+    rounds: int = 1
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1:
+            raise ValueError(f"argument --rounds: expected >= 1, got {self.rounds}")
 
 
 def rotation(case: Case, nbytes: int, llc_bytes: int, cached: bool) -> int:
@@ -70,7 +79,39 @@ def rotation(case: Case, nbytes: int, llc_bytes: int, cached: bool) -> int:
 
 def _metrics(samples: Samples, nbytes: int, flops: int) -> dict[str, Any]:
     t = samples.median
-    return {**samples.as_dict(), "gbps": nbytes / t / 1e9, "gflops": flops / t / 1e9}
+    return {**samples.as_dict(), "gbps": nbytes / t / 1e9, "gflops": flops / t / 1e9,
+            "times_ms": [round(x * 1e3, 6) for x in samples.seconds]}
+
+
+def _pool(measurements: list[dict[str, Any]], nbytes: int, flops: int) -> dict[str, Any]:
+    """One measurement from its rounds: the times pooled, the figures recomputed, each round's median kept."""
+    timed = [m for m in measurements if "times_ms" in m]
+    if not timed:
+        return measurements[0]
+    pooled = _metrics(Samples(tuple(x / 1e3 for m in timed for x in m["times_ms"])), nbytes, flops)
+    extra = {k: v for k, v in timed[0].items() if k not in pooled and k != "hal_speedup"}
+    return {**extra, **pooled, "round_medians_ms": [m["median_ms"] for m in timed]}
+
+
+def _merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One case's result from its rounds (see ``BenchSettings.rounds``); skipped rounds are left out."""
+    measured = [r for r in rounds if "hal" in r] or rounds[:1]
+    if len(measured) == 1:
+        return measured[0]
+    first = measured[0]
+    nbytes, flops = first["bytes"], first["flops"]
+    merged = {**first, "seconds": round(sum(r.get("seconds", 0.0) for r in measured), 3)}
+    merged["hal"] = _pool([r["hal"] for r in measured], nbytes, flops)
+    peers = []
+    for i, peer in enumerate(first.get("peers", [])):
+        same = [r["peers"][i] for r in measured
+                if i < len(r.get("peers", [])) and r["peers"][i]["name"] == peer["name"]]
+        entry = _pool(same, nbytes, flops)
+        if "median_ms" in entry and "median_ms" in merged["hal"]:
+            entry["hal_speedup"] = entry["median_ms"] / merged["hal"]["median_ms"]
+        peers.append(entry)
+    merged["peers"] = peers
+    return merged
 
 
 def _add_ratios(results: list[dict[str, Any]], limits: dict[str, Any]) -> None:
@@ -165,10 +206,10 @@ def _run_case(backend: Any, case: Case, settings: BenchSettings, llc: int, sync:
     return result
 
 
-def planned_steps(cases: Sequence[Case], host: bool, peers: Sequence[str] | None) -> int:
-    """Progress steps of a run: the limits, each case and each of its peers, the limits again."""
+def planned_steps(cases: Sequence[Case], host: bool, peers: Sequence[str] | None, rounds: int = 1) -> int:
+    """Progress steps of a run: the limits, each case and each of its peers (every round), the limits again."""
     wanted = None if peers is None else list(peers)
-    return 2 + sum(1 + (0 if wanted == [] else len(peers_for(c, host, wanted))) for c in cases)
+    return 2 + rounds * sum(1 + (0 if wanted == [] else len(peers_for(c, host, wanted))) for c in cases)
 
 
 def run_bench(
@@ -186,22 +227,24 @@ def run_bench(
     caps = device.capabilities
     host = array_module(backend) is np
     llc = last_level_cache_bytes(caps)
-    bar = progress or Progress(planned_steps(cases, host, settings.peers), enabled=False)
+    bar = progress or Progress(planned_steps(cases, host, settings.peers, settings.rounds), enabled=False)
     started = time.monotonic()
     date, commit = utc_now(), git_commit()  # of the code that runs, taken before it runs
     bar.step("machine limits (copy bandwidth, BLAS)")
     before = _limits(backend, settings, sync, llc, host)
     rng = np.random.default_rng(settings.seed)
-    results = []
-    for case in cases:
-        if settings.budget_s is not None and time.monotonic() - started > settings.budget_s:
-            results.append({**case_summary(case), "skipped": f"time budget of {settings.budget_s:g} s spent"})
-            continue
-        try:
-            results.append(_run_case(backend, case, settings, llc, sync, host, rng, bar.step))
-        except Exception as exc:  # e.g. no memory for its inputs: reported, and the next case runs
-            results.append({**case_summary(case), "hal": {"error": f"{type(exc).__name__}: {exc}"}, "peers": []})
-        gc.collect()
+    rounds: list[list[dict[str, Any]]] = [[] for _ in cases]
+    for _ in range(settings.rounds):
+        for case, done in zip(cases, rounds, strict=True):
+            if settings.budget_s is not None and time.monotonic() - started > settings.budget_s:
+                done.append({**case_summary(case), "skipped": f"time budget of {settings.budget_s:g} s spent"})
+                continue
+            try:
+                done.append(_run_case(backend, case, settings, llc, sync, host, rng, bar.step))
+            except Exception as exc:  # e.g. no memory for its inputs: reported, and the next case runs
+                done.append({**case_summary(case), "hal": {"error": f"{type(exc).__name__}: {exc}"}, "peers": []})
+            gc.collect()
+    results = [_merge_rounds(done) for done in rounds]
     bar.step("machine limits again")
     limits = _best_limits(before, _limits(backend, settings, sync, llc, host))
     _add_ratios(results, limits)
@@ -221,7 +264,7 @@ def run_bench(
                      "min_repeat": settings.policy.min_repeat, "max_seconds": settings.policy.max_seconds,
                      "quick": settings.quick, "cached_weights": settings.cached_weights,
                      "peers": None if settings.peers is None else list(settings.peers),
-                     "budget_s": settings.budget_s, "seed": settings.seed},
+                     "budget_s": settings.budget_s, "seed": settings.seed, "rounds": settings.rounds},
         "limits": limits,
         "seconds": time.monotonic() - started,
         "cases": results,

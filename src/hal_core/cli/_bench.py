@@ -26,6 +26,9 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--budget", type=float, default=None, metavar="S",
                        help="skip the cases not started within S seconds")
     bench.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    bench.add_argument("--rounds", type=int, default=1, metavar="N",
+                       help="measure every case N times, round-robin over the cases, and pool the samples "
+                            "(robust to bursts of load on a shared machine; default 1)")
     bench.add_argument("--json", metavar="PATH", help="write the full report as JSON (schema in docs/benchmarks.md)")
     bench.add_argument("--plot", metavar="PATH", help="draw ratio against size (needs: pip install 'hal-core[bench]')")
     bench.set_defaults(func=_cmd_bench)
@@ -49,6 +52,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _fail("argument --plot needs matplotlib, which is not installed: pip install 'hal-core[bench]'")
     if args.budget is not None and args.budget <= 0:
         return _fail(f"argument --budget: expected > 0 seconds, got {args.budget}")
+    if args.rounds < 1:
+        return _fail(f"argument --rounds: expected >= 1, got {args.rounds}")
     peers = None
     if args.peers is not None:
         names = [p.strip() for p in args.peers.split(",") if p.strip()]
@@ -58,9 +63,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     except HalError as exc:
         return _fail(f"argument --backend: {exc}")
     settings = bench.BenchSettings(policy=policy, quick=args.quick, cached_weights=args.cached_weights,
-                                   peers=peers, budget_s=args.budget, seed=args.seed)
+                                   peers=peers, budget_s=args.budget, seed=args.seed, rounds=args.rounds)
     host = bench.array_module(backend).__name__ == "numpy"
-    progress = bench.Progress(bench.planned_steps(cases, host, peers), enabled=not args.quiet)
+    progress = bench.Progress(bench.planned_steps(cases, host, peers, args.rounds), enabled=not args.quiet)
     argv = ["hal", *getattr(args, "argv", sys.argv[1:])]
     report = bench.run_bench(cases, backend, settings, progress=progress, argv=argv)
     print(bench.format_table(report))
