@@ -133,7 +133,7 @@ step bench_paged_attention 50 "$PY" benchmarks/bench_paged_attention.py --json "
 step bench_quantized_gemm 65 "$PY" benchmarks/bench_quantized_gemm.py --json "$RESULTS/quantized_gemm.json"
 # hal bench starts no case after 25 s (the rest are reported as skipped), so it ends well inside its 40 s.
 step hal_bench 40 "$PY" -m hal_core bench --backend cuda --preset all --budget 25 \
-  --repeat 5 --max-time 0.3 -q --json "$TMP/hal-bench.json"
+  --repeat 5 --max-time 0.3 --warmup-time 0.05 -q --json "$TMP/hal-bench.json"
 
 echo "gpu_check: done in $((SECONDS - START)) s"
 while read -r name rc seconds; do printf '  %-22s rc=%-8s %4s s\n' "$name" "$rc" "$seconds"; done <"$TMP/steps"
