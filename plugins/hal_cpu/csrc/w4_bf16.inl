@@ -65,8 +65,8 @@ HAL_BF16_TARGET inline __m512i w4_bf16_codes(__m512i w) {
 // two chains take turns (and an fp16 value's low part goes to the other chain than its high part), so that twice
 // as many dot products are in flight: a chain of one per nibble pair is latency-bound at small MB x NV.
 template <int MB, int NV, bool SPLIT>
-HAL_BF16_TARGET inline void w4_bf16_row(__m512 (&acc)[MB][NV], __m512 (&acl)[MB][NV], const __m512i (&w)[NV], const uint32_t *hi,
-                                        const uint32_t *lo, int64_t pstride, int64_t r) {
+HAL_BF16_TARGET inline void w4_bf16_row(__m512 (&acc)[MB][NV], __m512 (&acl)[MB][NV], const __m512i (&w)[NV],
+                                        const uint32_t *hi, const uint32_t *lo, int64_t pstride, int64_t r) {
 #define HAL_W4_BF16_STEP(J, S, A, B)                                                                           \
     {                                                                                                        \
         __m512i b[NV];                                                                                       \
@@ -107,7 +107,8 @@ HAL_BF16_TARGET void w4_bf16_tile(const uint32_t *hi, const uint32_t *lo, int64_
     const int64_t words = gsize / 8;
     __m512 tot[MB][NV];
     for (int mb = 0; mb < MB; ++mb)
-        for (int v = 0; v < NV; ++v) tot[mb][v] = add ? _mm512_loadu_ps(y + mb * ldy + n0 + v * 16) : _mm512_setzero_ps();
+        for (int v = 0; v < NV; ++v)
+            tot[mb][v] = add ? _mm512_loadu_ps(y + mb * ldy + n0 + v * 16) : _mm512_setzero_ps();
     for (int64_t g = g0; g < g1; ++g) {
         __m512 acc[MB][NV], acl[MB][NV];
         for (int mb = 0; mb < MB; ++mb)
@@ -120,8 +121,8 @@ HAL_BF16_TARGET void w4_bf16_tile(const uint32_t *hi, const uint32_t *lo, int64_
         }
         for (int v = 0; v < NV; ++v)
             for (int mb = 0; mb < MB; ++mb)
-                tot[mb][v] = w4_bf16_fold<SS>(_mm512_add_ps(acc[mb][v], acl[mb][v]), tot[mb][v], scales, zeros, zdef, g * n + n0 + v * 16,
-                                              xsum[mb * ngroups + g]);
+                tot[mb][v] = w4_bf16_fold<SS>(_mm512_add_ps(acc[mb][v], acl[mb][v]), tot[mb][v], scales, zeros, zdef,
+                                              g * n + n0 + v * 16, xsum[mb * ngroups + g]);
     }
     for (int mb = 0; mb < MB; ++mb)
         for (int v = 0; v < NV; ++v) _mm512_storeu_ps(y + mb * ldy + n0 + v * 16, tot[mb][v]);
@@ -220,8 +221,12 @@ HAL_BF16_TARGET void w4_bf16_columns(int64_t m, const uint32_t *hi, const uint32
         parallel_for(ntiles, threads, [&](int64_t t) {
             const int64_t c0 = t * tile, c1 = std::min(full, c0 + tile);
             float *pt = part.data() + t * m * tile;
-            if (m == 2) w4_bf16_sweep<SS, 2, 4, SPLIT>(hi, lo, pstride, xsum, ngroups, qw, n, c0, c1, sc, zeros, zdef, gsize, y, pt);
-            else w4_bf16_sweep<SS, 1, 4, SPLIT>(hi, lo, pstride, xsum, ngroups, qw, n, c0, c1, sc, zeros, zdef, gsize, y, pt);
+            if (m == 2)
+                w4_bf16_sweep<SS, 2, 4, SPLIT>(hi, lo, pstride, xsum, ngroups, qw, n, c0, c1, sc, zeros, zdef, gsize,
+                                               y, pt);
+            else
+                w4_bf16_sweep<SS, 1, 4, SPLIT>(hi, lo, pstride, xsum, ngroups, qw, n, c0, c1, sc, zeros, zdef, gsize,
+                                               y, pt);
         });
     } else {
         // K in chunks of about kW4ChunkRows packed rows: a row tile's activations for a chunk fit L1.

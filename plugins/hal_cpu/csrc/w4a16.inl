@@ -204,8 +204,12 @@ int w4a16_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, i
         parallel_for(ntiles, threads, [&](int64_t t) {
             const int64_t c0 = t * tile, c1 = std::min(full, c0 + tile);
             float *pt = part.data() + t * m * tile;
-            if (m == 2) w4_sweep<SS, 2, kW4SweepNV>(xs.data(), k, xsum.data(), ngroups, qw, n, c0, c1, scales, zeros, float(zdef), gsize, y, pt);
-            else w4_sweep<SS, 1, kW4SweepNV>(xs.data(), k, xsum.data(), ngroups, qw, n, c0, c1, scales, zeros, float(zdef), gsize, y, pt);
+            if (m == 2)
+                w4_sweep<SS, 2, kW4SweepNV>(xs.data(), k, xsum.data(), ngroups, qw, n, c0, c1, scales, zeros,
+                                            float(zdef), gsize, y, pt);
+            else
+                w4_sweep<SS, 1, kW4SweepNV>(xs.data(), k, xsum.data(), ngroups, qw, n, c0, c1, scales, zeros,
+                                            float(zdef), gsize, y, pt);
         });
     } else {
         parallel_for(ntiles, threads, [&](int64_t t) {
