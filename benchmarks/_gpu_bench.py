@@ -129,13 +129,18 @@ def capture_graph(cp: Any, fn: Callable[[], Any], warmup: int = 3) -> tuple[Call
     for _ in range(warmup):
         fn()
     stream.synchronize()
+    return _capture(stream, fn)  # refused (a sync, an allocation): the caller times the plain calls instead
+
+
+def _capture(stream: Any, fn: Callable[[], Any]) -> tuple[Callable[[], None] | None, str]:
+    """``fn`` captured on ``stream``: ``(replay, '')``, or ``(None, why)`` where the capture is refused."""
     try:
         stream.begin_capture()
         try:
             fn()
         finally:
             graph = stream.end_capture()
-    except Exception as exc:  # capture refused (a sync, an allocation): time the plain calls instead
+    except Exception as exc:
         return None, f"{type(exc).__name__}: {exc}"
 
     def replay() -> None:
@@ -160,19 +165,9 @@ def capture_private(cp: Any, fn: Callable[[], Any]) -> tuple[Callable[[], None] 
     with cp.cuda.using_allocator(pool.malloc):
         fn()
         stream.synchronize()
-        try:
-            stream.begin_capture()
-            try:
-                fn()
-            finally:
-                graph = stream.end_capture()
-        except Exception as exc:  # capture refused: a host read, a synchronisation, an allocation outside the pool
-            return None, f"{type(exc).__name__}: {exc}", pool
-
-    def replay() -> None:
-        graph.launch(stream)
-
-    return replay, "", pool
+        # refused: a host read, a synchronisation, an allocation outside the pool
+        replay, why = _capture(stream, fn)
+    return replay, why, pool
 
 
 def measure_copy_bandwidth(cp: Any, nbytes: int = 2 << 30, repeat: int = 20) -> dict[str, float]:

@@ -60,6 +60,33 @@ def host(value: Any) -> np.ndarray:
     return np.asarray(value)
 
 
+#: The numpy dtype of each hal dtype name the tests use.
+NP = {"fp32": np.float32, "fp16": np.float16, "bf16": BFLOAT16}
+
+
+def rel_err(out: Any, ref: np.ndarray, *, all_written: bool = True) -> float:
+    """Relative Frobenius error of an (emulated device) result against a float64 reference; with
+    ``all_written``, first that every element of it is finite (written)."""
+    out64 = host(out).astype(np.float64)
+    if all_written:
+        assert np.isfinite(out64).all(), "an output element was not written"
+    return float(np.linalg.norm(out64 - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def attention_inputs(rng: np.random.Generator, dtype: str, seq_lens: list[int], heads: int = 8, kv_heads: int = 2,
+                     head_size: int = 64, block: int = 16, spare_blocks: int = 0) -> dict[str, Any]:
+    """Host paged_attention arguments: random distinct blocks (two unused), ``spare_blocks`` table columns past
+    the longest sequence."""
+    max_blocks = max(1, -(-max(seq_lens) // block)) + spare_blocks
+    n = len(seq_lens)
+    table = rng.permutation(n * max_blocks + 2)[: n * max_blocks].reshape(n, max_blocks).astype(np.int32)
+    shape = (n * max_blocks + 2, kv_heads, block, head_size)
+    return dict(query=rng.standard_normal((n, heads, head_size)).astype(NP[dtype]),
+                key_cache=rng.standard_normal(shape).astype(NP[dtype]),
+                value_cache=rng.standard_normal(shape).astype(NP[dtype]),
+                block_tables=table, seq_lens=np.array(seq_lens, np.int32), scale=0.125)
+
+
 def _floats(array: np.ndarray, code: int) -> np.ndarray:
     base = np.asarray(array)
     if code == 2:

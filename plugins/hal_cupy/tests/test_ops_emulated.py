@@ -17,14 +17,12 @@ import fakecupy
 import kernel_emulator as emu
 import numpy as np
 import pytest
-from kernel_emulator import host, to_dev
+from kernel_emulator import NP, attention_inputs, host, rel_err, to_dev
 
 import hal_core
-from hal_core.arrays import BFLOAT16
 from hal_core.ops import OPS, OpCall
 from hal_core.quant import quantize
 
-NP = {"fp32": np.float32, "fp16": np.float16, "bf16": BFLOAT16}
 TOL = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 1.5e-2}
 
 
@@ -49,12 +47,6 @@ def backend(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> 
     return SimpleNamespace(name="cuda", device=lambda index: device, platform=platform)
 
 
-def rel_err(out: Any, ref: np.ndarray) -> float:
-    out64 = host(out).astype(np.float64)
-    assert np.isfinite(out64).all(), "an output element was not written"
-    return float(np.linalg.norm(out64 - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
 def run(op: str, backend: Any, host_args: dict[str, Any], *, host_arrays: bool = False) -> Any:
     from hal_cupy.ops import OPS as CUDA_OPS
 
@@ -66,16 +58,8 @@ def run(op: str, backend: Any, host_args: dict[str, Any], *, host_arrays: bool =
     return impl(call), args
 
 
-def attention(rng: np.random.Generator, dtype: str, seq_lens: list[int], heads: int = 8, kv_heads: int = 2,
-              head_size: int = 64, block: int = 16) -> dict[str, Any]:
-    max_blocks = max(1, -(-max(seq_lens) // block))
-    n = len(seq_lens)
-    table = rng.permutation(n * max_blocks + 2)[: n * max_blocks].reshape(n, max_blocks).astype(np.int32)
-    shape = (n * max_blocks + 2, kv_heads, block, head_size)
-    return dict(query=rng.standard_normal((n, heads, head_size)).astype(NP[dtype]),
-                key_cache=rng.standard_normal(shape).astype(NP[dtype]),
-                value_cache=rng.standard_normal(shape).astype(NP[dtype]),
-                block_tables=table, seq_lens=np.array(seq_lens, np.int32), scale=0.125, out=None)
+def attention(rng: np.random.Generator, dtype: str, seq_lens: list[int], **shape: int) -> dict[str, Any]:
+    return {**attention_inputs(rng, dtype, seq_lens, **shape), "out": None}
 
 
 @pytest.mark.parametrize("dtype", list(NP))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -109,19 +110,20 @@ def _b16_values(values: np.ndarray, bf16: bool) -> np.ndarray:
 # --- mma.sync -----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["f16", "bf16"])
-def test_mma_m16n8k16_fragments(probe: ctypes.CDLL, host_rng: np.random.Generator, bf16: bool) -> None:
-    mats = [(host_rng.standard_normal((16, 16)), host_rng.standard_normal((16, 8)), host_rng.standard_normal((16, 8)))
+def _check_b16_mma(probe_fn: Any, rng: np.random.Generator, bf16: bool, k: int, a_map: Any, b_map: Any) -> None:
+    """mma.sync m16n8k``k`` with fp16/bf16 inputs through ``probe_fn``: A and B packed by the ISA's fragment
+    tables ``a_map``/``b_map``, C by the accumulator table; every lane's D against the float64 product."""
+    mats = [(rng.standard_normal((16, k)), rng.standard_normal((k, 8)), rng.standard_normal((16, 8)))
             for _ in range(WARPS)]
-    a_regs = np.concatenate([_pack(_b16_bits(a, bf16), _f16_a, 8, 2) for a, _, _ in mats])
-    b_regs = np.concatenate([_pack(_b16_bits(b, bf16), _f16_b, 4, 2) for _, b, _ in mats])
+    a_regs = np.concatenate([_pack(_b16_bits(a, bf16), a_map, k // 2, 2) for a, _, _ in mats])
+    b_regs = np.concatenate([_pack(_b16_bits(b, bf16), b_map, k // 4, 2) for _, b, _ in mats])
     c_frag = np.zeros((32 * WARPS, 4), dtype=np.float32)
     for w, (_, _, c) in enumerate(mats):
         for lane in range(32):
             for i in range(4):
                 c_frag[32 * w + lane, i] = np.float32(c[_acc(lane, i)])
     d_frag = np.zeros_like(c_frag)
-    assert probe.probe_mma_m16n8k16(_ptr(a_regs), _ptr(b_regs), _ptr(c_frag), _ptr(d_frag), int(bf16)) == 0
+    assert probe_fn(_ptr(a_regs), _ptr(b_regs), _ptr(c_frag), _ptr(d_frag), int(bf16)) == 0
     for w, (a, b, c) in enumerate(mats):
         expected = _b16_values(a, bf16) @ _b16_values(b, bf16) + c.astype(np.float32).astype(np.float64)
         for lane in range(32):
@@ -132,25 +134,15 @@ def test_mma_m16n8k16_fragments(probe: ctypes.CDLL, host_rng: np.random.Generato
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["f16", "bf16"])
+def test_mma_m16n8k16_fragments(probe: ctypes.CDLL, host_rng: np.random.Generator, bf16: bool) -> None:
+    """m16n8k16 (the GEMMs and the scores): every lane's D from the ISA's A/B/C tables, against float64."""
+    _check_b16_mma(probe.probe_mma_m16n8k16, host_rng, bf16, 16, _f16_a, _f16_b)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["f16", "bf16"])
 def test_mma_m16n8k8_fragments(probe: ctypes.CDLL, host_rng: np.random.Generator, bf16: bool) -> None:
     """m16n8k8 (the P V step of 8-token warps): every lane's D from the ISA's A/B/C tables, against float64."""
-    mats = [(host_rng.standard_normal((16, 8)), host_rng.standard_normal((8, 8)), host_rng.standard_normal((16, 8)))
-            for _ in range(WARPS)]
-    a_regs = np.concatenate([_pack(_b16_bits(a, bf16), _f16_a8, 4, 2) for a, _, _ in mats])
-    b_regs = np.concatenate([_pack(_b16_bits(b, bf16), _f16_b8, 2, 2) for _, b, _ in mats])
-    c_frag = np.zeros((32 * WARPS, 4), dtype=np.float32)
-    for w, (_, _, c) in enumerate(mats):
-        for lane in range(32):
-            for i in range(4):
-                c_frag[32 * w + lane, i] = np.float32(c[_acc(lane, i)])
-    d_frag = np.zeros_like(c_frag)
-    assert probe.probe_mma_m16n8k8(_ptr(a_regs), _ptr(b_regs), _ptr(c_frag), _ptr(d_frag), int(bf16)) == 0
-    for w, (a, b, c) in enumerate(mats):
-        expected = _b16_values(a, bf16) @ _b16_values(b, bf16) + c.astype(np.float32).astype(np.float64)
-        for lane in range(32):
-            for i in range(4):
-                np.testing.assert_allclose(d_frag[32 * w + lane, i], expected[_acc(lane, i)], rtol=2**-23, atol=1e-6,
-                                           err_msg=f"warp {w} lane {lane} d{i}")
+    _check_b16_mma(probe.probe_mma_m16n8k8, host_rng, bf16, 8, _f16_a8, _f16_b8)
 
 
 def test_mma_m16n8k32_s8_fragments(probe: ctypes.CDLL, host_rng: np.random.Generator) -> None:

@@ -37,13 +37,10 @@ from . import _fallback_gemm, _knobs, _rules
 from ._common import finish
 from ._native_args import dtype_code
 
-__all__ = ["W8A8_ACC_WORDS", "W8A8_MAX_COLUMN_TILE", "W8A8_SMALL_M_MAX", "gemm", "half_dot", "quantized_gemm",
-           "w8a8_column_tile"]
+__all__ = ["W8A8_ACC_WORDS", "W8A8_SMALL_M_MAX", "gemm", "half_dot", "quantized_gemm", "w8a8_column_tile"]
 
 #: The int32 accumulators of one small-M W8A8 task (csrc/w8a8_vnni.inl, ``kVnniAccWords``): M x columns at most.
 W8A8_ACC_WORDS = 8192
-#: The widest column tile of the small-M W8A8 kernel (M = 1; M rows get ``W8A8_ACC_WORDS // M`` columns).
-W8A8_MAX_COLUMN_TILE = W8A8_ACC_WORDS
 #: The largest M of the small-M W8A8 kernel (``kVnniGemvRows``).
 W8A8_SMALL_M_MAX = 4
 
