@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
@@ -23,13 +24,51 @@
 namespace {
 
 // ---------------------------------------------------------------------------------------------
-// Thread pool: workers block on a condition variable between jobs (no spinning, so they never
-// compete with BLAS or another runtime's threads); the calling thread works too.
+// Thread pool: the calling thread works too; workers take tasks from an atomic counter.
+//
+// Waking a blocked worker costs 20-50 us on a virtual machine (a futex wake and an IPI to a halted
+// vCPU), as much as a whole small op. So:
+//  - after a job a worker polls for the next one for spin_us microseconds (hal_cpu_set_spin_us,
+//    HAL_CPU_SPIN_US) before it blocks on a condition variable: back-to-back op calls find it
+//    awake, and a pause between calls still leaves the cores to other runtimes' threads;
+//  - a worker joins a job only while the caller is still taking tasks: once the caller has run out
+//    of tasks it closes the job and waits only for the workers that joined, never for one still
+//    waking up (which then goes back to waiting);
+//  - the caller polls for the joined workers to finish before it blocks.
 // ---------------------------------------------------------------------------------------------
+using Clock = std::chrono::steady_clock;
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+}
+
+// Polls pred() for up to `us` microseconds; true as soon as it holds.
+template <class Pred>
+bool poll_for(int64_t us, Pred pred) {
+    if (pred()) return true;
+    if (us <= 0) return false;
+    const Clock::time_point until = Clock::now() + std::chrono::microseconds(us);
+    for (;;) {
+        for (int i = 0; i < 64; ++i) {
+            cpu_relax();
+            if (pred()) return true;
+        }
+        if (Clock::now() >= until) return false;
+    }
+}
+
+std::atomic<int64_t> spin_us{100};
+//: The caller polls this long for joined workers to finish before it blocks (it has nothing else to do).
+constexpr int64_t kCallerPollUs = 2000;
+
 class Pool {
   public:
     explicit Pool(int workers) {
-        for (int w = 0; w < workers; ++w) threads_.emplace_back([this, w] { loop(w); });
+        for (int w = 0; w < workers; ++w) threads_.emplace_back([this] { loop(); });
     }
     int size() const { return int(threads_.size()); }
 
@@ -43,14 +82,20 @@ class Pool {
             ctx_ = ctx;
             n_ = n;
             next_.store(0);
-            helpers_ = std::min(helpers, size());
-            pending_ = helpers_;
-            ++generation_;
+            seats_ = std::min(helpers, size());
+            open_ = true;
+            generation_.fetch_add(1, std::memory_order_release);
         }
         cv_.notify_all();
         work();
-        std::unique_lock<std::mutex> lock(mu_);
-        done_.wait(lock, [this] { return pending_ == 0; });
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            open_ = false;  // no task is left: a worker not yet in has nothing to join
+        }
+        if (!poll_for(kCallerPollUs, [this] { return active_.load(std::memory_order_acquire) == 0; })) {
+            std::unique_lock<std::mutex> lock(mu_);
+            done_.wait(lock, [this] { return active_.load(std::memory_order_acquire) == 0; });
+        }
         return true;
     }
 
@@ -58,18 +103,26 @@ class Pool {
     void work() {
         for (int64_t i; (i = next_.fetch_add(1)) < n_;) fn_(ctx_, i);
     }
-    void loop(int w) {
+    void loop() {
         uint64_t seen = 0;
         for (;;) {
-            {
+            const auto fresh = [&] { return generation_.load(std::memory_order_acquire) != seen; };
+            if (!poll_for(spin_us.load(std::memory_order_relaxed), fresh)) {
                 std::unique_lock<std::mutex> lock(mu_);
-                cv_.wait(lock, [&] { return generation_ != seen; });
-                seen = generation_;
-                if (w >= helpers_) continue;
+                cv_.wait(lock, fresh);
+            }
+            {
+                std::lock_guard<std::mutex> lock(mu_);
+                seen = generation_.load(std::memory_order_relaxed);
+                if (!open_ || seats_ == 0) continue;
+                --seats_;
+                active_.fetch_add(1, std::memory_order_relaxed);
             }
             work();
-            std::lock_guard<std::mutex> lock(mu_);
-            if (--pending_ == 0) done_.notify_all();
+            if (active_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+                std::lock_guard<std::mutex> lock(mu_);
+                done_.notify_all();
+            }
         }
     }
 
@@ -80,8 +133,10 @@ class Pool {
     void *ctx_ = nullptr;
     int64_t n_ = 0;
     std::atomic<int64_t> next_{0};
-    int helpers_ = 0, pending_ = 0;
-    uint64_t generation_ = 0;
+    std::atomic<uint64_t> generation_{0};
+    std::atomic<int> active_{0};
+    int seats_ = 0;      // workers that may still join the current job (under mu_)
+    bool open_ = false;  // whether the caller is still taking tasks (under mu_)
 };
 
 int cpu_count() {
@@ -196,6 +251,8 @@ const char *hal_cpu_available_isas(void) {
 }
 
 int hal_cpu_default_threads(void) { return cpu_count(); }
+
+int64_t hal_cpu_set_spin_us(int64_t us) { return spin_us.exchange(std::max<int64_t>(0, us)); }
 
 int hal_cpu_paged_attention(const void *query, int64_t qs, int64_t qh, const void *kc, const void *vc, int64_t cb,
                             int64_t ch, int64_t ct, const int32_t *bt, int64_t bts, const int32_t *sl, float *out,

@@ -24,6 +24,9 @@ const char *hal_cpu_select_isa(const char *forced);
 const char *hal_cpu_isa(void);
 const char *hal_cpu_available_isas(void);
 int hal_cpu_default_threads(void);
+/* Sets the microseconds a pool worker polls for the next job before it blocks (0: block at once);
+   returns the previous setting. */
+int64_t hal_cpu_set_spin_us(int64_t us);
 
 int hal_cpu_paged_attention(
     const void *query, int64_t q_seq_stride, int64_t q_head_stride,

@@ -154,8 +154,9 @@ HAL_BF16_TARGET void w4_bf16_sweep(const uint32_t *hi, const uint32_t *lo, int64
                     }
                 for (int64_t r = r0; r < r1; ++r) {
                     const uint32_t *wrow = qw + r * n + c;
+                    const uint32_t *pf = w4_sweep_prefetch(qw, n, ngroups * words, r1 - r0, r, c, c0, c1);
                     for (int v = 0; v < NV; ++v)
-                        _mm_prefetch(reinterpret_cast<const char *>(wrow + kW4PrefetchWords + v * 16), _MM_HINT_T1);
+                        _mm_prefetch(reinterpret_cast<const char *>(pf + v * 16), _MM_HINT_T1);
                     __m512i w[NV];
                     for (int v = 0; v < NV; ++v) w[v] = _mm512_loadu_si512(wrow + v * 16);
                     w4_bf16_row<MB, NV, SPLIT>(acc, acl, w, hi, lo, pstride, r);

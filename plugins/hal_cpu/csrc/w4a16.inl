@@ -28,6 +28,18 @@ constexpr int64_t kW4ChunkRows = 128;
 //: file (16 on AVX2) would not hold 2 rows x 4 accumulators beside the codes.
 constexpr int kW4SweepNV = W >= 16 ? 4 : 2;
 
+// Where the sweep prefetches while it loads packed row r at column c of its range [c0, c1), in a pass of `pass` rows:
+// kW4PrefetchWords ahead in the same row, or, within that distance of the range's end, as far into the same row of
+// the next pass, so that the streams do not restart cold at every pass. (With N = 4096 on two threads a pass crosses
+// only 8 KiB a row.) Past the last row it names the current position, already loaded.
+inline const uint32_t *w4_sweep_prefetch(const uint32_t *qw, int64_t n, int64_t rows, int64_t pass, int64_t r,
+                                         int64_t c, int64_t c0, int64_t c1) {
+    const int64_t ahead = c + kW4PrefetchWords;
+    if (ahead < c1) return qw + r * n + ahead;
+    const int64_t next = r + pass;
+    return next < rows ? qw + next * n + c0 + (ahead - c1) : qw + r * n + c;
+}
+
 // acc[mb][v] += packed row r (codes w[v]) times the pre-scaled activations xr[mb * k + j], j = nibble.
 template <int MB, int NV>
 inline void w4_row(V::f (&acc)[MB][NV], const V::i (&w)[NV], const float *xr, int64_t k) {
@@ -108,7 +120,8 @@ inline void w4_sweep(const float *xs, int64_t k, const float *xsum, int64_t ngro
                     for (int v = 0; v < NV; ++v) acc[mb][v] = first ? V::zero() : V::load(pc + mb * width + v * W);
                 for (int64_t r = r0; r < r1; ++r) {
                     const uint32_t *wrow = qw + r * n + c;
-                    for (int v = 0; v < NV; v += 16 / W) __builtin_prefetch(wrow + kW4PrefetchWords + v * W, 0, 2);
+                    const uint32_t *pf = w4_sweep_prefetch(qw, n, ngroups * words, r1 - r0, r, c, c0, c1);
+                    for (int v = 0; v < NV; v += 16 / W) __builtin_prefetch(pf + v * W, 0, 2);
                     V::i w[NV];
                     for (int v = 0; v < NV; ++v) w[v] = V::loadi(wrow + v * W);
                     w4_row<MB, NV>(acc, w, xs + 8 * r, k);

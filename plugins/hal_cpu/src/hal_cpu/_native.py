@@ -28,6 +28,11 @@ _log = logging.getLogger("hal")
 _LIBRARY = Path(__file__).with_name("_kernels.so")
 #: Environment variable forcing an instruction-set variant (testing and diagnosis only).
 ISA_ENV = "HAL_CPU_ISA"
+#: Environment variable: microseconds a pool worker polls for the next job before it blocks.
+SPIN_ENV = "HAL_CPU_SPIN_US"
+#: Its default: long enough to bridge the Python between back-to-back op calls (waking a blocked
+#: worker costs 20-50 us on a virtual machine), short enough to leave idle cores to other runtimes.
+DEFAULT_SPIN_US = 100
 
 _i32, _i64, _f32, _p = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
@@ -35,6 +40,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "hal_cpu_isa": (ctypes.c_char_p, []),
     "hal_cpu_available_isas": (ctypes.c_char_p, []),
     "hal_cpu_default_threads": (ctypes.c_int, []),
+    "hal_cpu_set_spin_us": (_i64, [_i64]),
     "hal_cpu_paged_attention": (ctypes.c_int, [_p, _i64, _i64, _p, _p, _i64, _i64, _i64, _p, _i64, _p, _p,
                                                _i32, _i32, _i32, _i32, _i32, _i32, _f32, _i32, _i32]),
     "hal_cpu_write_kv_cache": (ctypes.c_int, [_p, _i64, _i64, _p, _i64, _i64, _p, _p, _i64, _i64, _i64, _p, _i32,
@@ -93,6 +99,7 @@ def _open() -> Native:
                      ISA_ENV, forced, ", ".join(available))
     if chosen is None:
         chosen = lib.hal_cpu_select_isa(b"")
+    lib.hal_cpu_set_spin_us(env.integer(SPIN_ENV, DEFAULT_SPIN_US, minimum=0, maximum=1_000_000))
     return Native(lib=lib, isa=chosen.decode(), available=available, threads=int(lib.hal_cpu_default_threads()))
 
 
