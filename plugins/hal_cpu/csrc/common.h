@@ -22,12 +22,12 @@ struct KernelTable {
                            int32_t, int32_t, float, int32_t, int32_t);
     int (*to_float32)(const void *, int32_t, int64_t, int64_t, int64_t, float *, int32_t);
     int (*w4a16_gemv)(const void *, int32_t, int64_t, int64_t, int64_t, int64_t, const uint32_t *, const void *,
-                      int32_t, const uint8_t *, int32_t, int64_t, float *, int64_t, int32_t);
+                      int32_t, const uint8_t *, int32_t, int64_t, float *, int64_t, int32_t, int32_t);
     int (*dequant_tile)(const void *, int32_t, const void *, int32_t, const uint8_t *, int32_t, const int32_t *,
                         int64_t, int64_t, int64_t, int64_t, int64_t, float *, int64_t, int32_t);
     int (*w8a8_gemm)(const void *, int32_t, int64_t, int64_t, int64_t, int64_t, const uint8_t *, const void *,
                      int32_t, const uint8_t *, int32_t, const int32_t *, const int64_t *, const int32_t *, int64_t,
-                     float *, int64_t, int32_t);
+                     float *, int64_t, int32_t, int32_t);
     int (*w4a16_blocked)(const void *, int32_t, int64_t, int64_t, int64_t, int64_t, const uint32_t *, const void *,
                          int32_t, const uint8_t *, int32_t, const int32_t *, int64_t, float *, int32_t);
     int (*w4a16_half_dot)();

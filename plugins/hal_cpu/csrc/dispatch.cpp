@@ -270,8 +270,9 @@ int hal_cpu_to_float32(const void *x, int32_t dtype, int64_t stride, int64_t m, 
 
 int hal_cpu_w4a16_gemv(const void *x, int32_t xdt, int64_t xs, int64_t m, int64_t k, int64_t n, const uint32_t *qw,
                        const void *scales, int32_t sdt, const uint8_t *zeros, int32_t zdef, int64_t gsize, float *y,
-                       int64_t n_tile, int32_t threads) {
-    return kernels()->w4a16_gemv(x, xdt, xs, m, k, n, qw, scales, sdt, zeros, zdef, gsize, y, n_tile, threads);
+                       int64_t n_tile, int32_t k_parts, int32_t threads) {
+    return kernels()->w4a16_gemv(x, xdt, xs, m, k, n, qw, scales, sdt, zeros, zdef, gsize, y, n_tile, k_parts,
+                                 threads);
 }
 
 int hal_cpu_dequant_tile(const void *qweight, int32_t bits, const void *scales, int32_t sdt, const uint8_t *zeros,
@@ -284,9 +285,9 @@ int hal_cpu_dequant_tile(const void *qweight, int32_t bits, const void *scales, 
 int hal_cpu_w8a8_gemm(const void *x, int32_t xdt, int64_t xs, int64_t m, int64_t k, int64_t n, const uint8_t *qw,
                       const void *scales, int32_t sdt, const uint8_t *zeros, int32_t zdef, const int32_t *perm,
                       const int64_t *starts, const int32_t *group_of_run, int64_t runs, float *y, int64_t n_tile,
-                      int32_t threads) {
+                      int32_t k_parts, int32_t threads) {
     return kernels()->w8a8_gemm(x, xdt, xs, m, k, n, qw, scales, sdt, zeros, zdef, perm, starts, group_of_run, runs,
-                                y, n_tile, threads);
+                                y, n_tile, k_parts, threads);
 }
 
 int hal_cpu_w4a16_blocked(const void *x, int32_t xdt, int64_t xs, int64_t m, int64_t k, int64_t n, const uint32_t *qw,

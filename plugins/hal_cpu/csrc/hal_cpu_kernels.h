@@ -48,11 +48,14 @@ int hal_cpu_write_kv_cache(
 int hal_cpu_to_float32(const void *x, int32_t dtype, int64_t x_stride, int64_t m, int64_t k, float *out,
                        int32_t threads);
 
-/* W4A16 without act-order, group_size % 8 == 0: y [M, N] fp32 = x @ dequant(w), int4 unpacked in registers. */
+/* W4A16 without act-order, group_size % 8 == 0: y [M, N] fp32 = x @ dequant(w), int4 unpacked in registers.
+ * n_tile: columns per task. k_parts (small M only, else ignored): K is cut into that many runs of whole groups,
+ * each summed on its own and the runs added in order at the end; the result depends on k_parts, not on
+ * n_tile or threads. */
 int hal_cpu_w4a16_gemv(
     const void *x, int32_t x_dtype, int64_t x_stride, int64_t m, int64_t k, int64_t n,
     const uint32_t *qweight, const void *scales, int32_t s_dtype, const uint8_t *zeros, int32_t default_zero,
-    int64_t group_size, float *y, int64_t n_tile, int32_t threads);
+    int64_t group_size, float *y, int64_t n_tile, int32_t k_parts, int32_t threads);
 
 /* Columns [n0, n1) of the dequantised weight (int4 or int8) as float32 [K, n1 - n0] (row stride ld). */
 int hal_cpu_dequant_tile(
@@ -62,12 +65,14 @@ int hal_cpu_dequant_tile(
 
 /* W8A8: per-token int8 quantisation fused, exact integer sums per group, y [M, N] fp32.
  * perm (nullable) orders rows so groups are contiguous runs (act-order); group_starts [groups + 1]
- * bounds those runs in the permuted order. A row of x holding NaN or Inf gives a row of NaN. */
+ * bounds those runs in the permuted order. A row of x holding NaN or Inf gives a row of NaN.
+ * k_parts (M <= 2 only, else ignored): the segments are cut into that many runs, each summed on its own
+ * and the runs added in order; every variant gives the same bits for the same k_parts. */
 int hal_cpu_w8a8_gemm(
     const void *x, int32_t x_dtype, int64_t x_stride, int64_t m, int64_t k, int64_t n,
     const uint8_t *qweight, const void *scales, int32_t s_dtype, const uint8_t *zeros, int32_t default_zero,
     const int32_t *perm, const int64_t *group_starts, const int32_t *group_of_run, int64_t runs,
-    float *y, int64_t n_tile, int32_t threads);
+    float *y, int64_t n_tile, int32_t k_parts, int32_t threads);
 
 /* W4A16 for large M (act-order included): a cache-blocked float32 GEMM on B panels dequantised from int4
  * into a per-task buffer (256 KiB); the activations are packed once (M rounded up to the tile, times K floats).

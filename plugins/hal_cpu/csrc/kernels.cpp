@@ -31,6 +31,7 @@ inline V::f vload(const typename S::T *p) {
 
 #include "paged_attention.inl"
 #include "activations.inl"
+#include "parts.inl"
 #include "w4a16.inl"
 #include "dequant.inl"
 #include "w4_blocked.inl"

@@ -128,22 +128,22 @@ HAL_BF16_TARGET void w4_bf16_tile(const uint32_t *hi, const uint32_t *lo, int64_
         for (int v = 0; v < NV; ++v) _mm512_storeu_ps(y + mb * ldy + n0 + v * 16, tot[mb][v]);
 }
 
-// Columns [c0, c1) of MB rows (c1 - c0 a multiple of 16 NV) swept pass by pass: kW4PassRows packed rows at a
-// time cross the whole range, so the weight is read as a few long sequential runs (one per packed row of the
-// pass) that the prefetchers stream, not as many short runs a row apart. A group's partial sums wait between
-// passes in part[MB][c1 - c0]; y holds the totals.
+// Columns [c0, c1) of MB rows (c1 - c0 a multiple of 16 NV) over groups [g0, g1), swept pass by pass: `pass`
+// packed rows at a time cross the whole range, so the weight is read as a few long sequential runs (one per
+// packed row of the pass) that the prefetchers stream, not as many short runs a row apart. A group's partial
+// sums wait between passes in part[MB][c1 - c0]; out (row stride n) receives the totals.
 template <class SS, int MB, int NV, bool SPLIT>
 HAL_BF16_TARGET void w4_bf16_sweep(const uint32_t *hi, const uint32_t *lo, int64_t pstride, const float *xsum,
                                    int64_t ngroups, const uint32_t *qw, int64_t n, int64_t c0, int64_t c1,
                                    const typename SS::T *scales, const uint8_t *zeros, float zdef, int64_t gsize,
-                                   float *y, float *part) {
-    const int64_t words = gsize / 8, width = c1 - c0;
-    for (int mb = 0; mb < MB; ++mb) std::fill(y + mb * n + c0, y + mb * n + c1, 0.0f);
-    for (int64_t g = 0; g < ngroups; ++g) {
-        const int64_t g0 = g * words, g1 = g0 + words;
-        for (int64_t r0 = g0; r0 < g1; r0 += kW4PassRows) {
-            const int64_t r1 = std::min(g1, r0 + kW4PassRows);
-            const bool first = r0 == g0, last = r1 == g1;
+                                   int64_t g0, int64_t g1, int64_t pass, float *out, float *part) {
+    const int64_t words = gsize / 8, width = c1 - c0, rows = g1 * words;
+    for (int mb = 0; mb < MB; ++mb) std::fill(out + mb * n + c0, out + mb * n + c1, 0.0f);
+    for (int64_t g = g0; g < g1; ++g) {
+        const int64_t r_begin = g * words, r_end = r_begin + words;
+        for (int64_t r0 = r_begin; r0 < r_end; r0 += pass) {
+            const int64_t r1 = std::min(r_end, r0 + pass);
+            const bool first = r0 == r_begin, last = r1 == r_end;
             for (int64_t c = c0; c < c1; c += 16 * NV) {
                 float *pc = part + (c - c0);
                 __m512 acc[MB][NV], acl[MB][NV];
@@ -154,11 +154,16 @@ HAL_BF16_TARGET void w4_bf16_sweep(const uint32_t *hi, const uint32_t *lo, int64
                     }
                 for (int64_t r = r0; r < r1; ++r) {
                     const uint32_t *wrow = qw + r * n + c;
-                    const uint32_t *pf = w4_sweep_prefetch(qw, n, ngroups * words, r1 - r0, r, c, c0, c1);
-                    for (int v = 0; v < NV; ++v)
-                        _mm_prefetch(reinterpret_cast<const char *>(pf + v * 16), _MM_HINT_T1);
+                    const uint32_t *pf = w4_sweep_prefetch(qw, n, rows, r1 - r0, r, c, c0, c1);
+                    for (int v = 0; v < NV; ++v) _mm_prefetch(reinterpret_cast<const char *>(pf + v * 16), _MM_HINT_T1);
                     __m512i w[NV];
-                    for (int v = 0; v < NV; ++v) w[v] = _mm512_loadu_si512(wrow + v * 16);
+                    for (int v = 0; v < NV; ++v) {
+                        w[v] = _mm512_loadu_si512(wrow + v * 16);
+                        // One load per vector, kept in a register: left to itself the compiler folds the load
+                        // into each of the 4 shifts, and 4 load uops per cache line waiting on one miss fill
+                        // the load queue, so fewer lines are in flight.
+                        asm("" : "+v"(w[v]));
+                    }
                     w4_bf16_row<MB, NV, SPLIT>(acc, acl, w, hi, lo, pstride, r);
                 }
                 for (int mb = 0; mb < MB; ++mb)
@@ -168,7 +173,7 @@ HAL_BF16_TARGET void w4_bf16_sweep(const uint32_t *hi, const uint32_t *lo, int64
                             _mm512_storeu_ps(pc + mb * width + v * 16, acc[mb][v]);
                             continue;
                         }
-                        float *yc = y + mb * n + c + v * 16;
+                        float *yc = out + mb * n + c + v * 16;
                         _mm512_storeu_ps(yc, w4_bf16_fold<SS>(acc[mb][v], _mm512_loadu_ps(yc), scales, zeros, zdef,
                                                               g * n + c + v * 16, xsum[mb * ngroups + g]));
                     }
@@ -209,30 +214,32 @@ template <class SS, bool SPLIT>
 HAL_BF16_TARGET void w4_bf16_columns(int64_t m, const uint32_t *hi, const uint32_t *lo, int64_t pstride,
                                      const float *xsum, int64_t ngroups, const uint32_t *qw, int64_t n,
                                      const typename SS::T *sc, const uint8_t *zeros, float zdef, int64_t gsize,
-                                     float *y, int64_t n_tile, int32_t threads) {
+                                     float *y, int64_t n_tile, int32_t k_parts, int32_t threads) {
     const bool sweep = m <= kW4SweepMaxM;
     const int64_t nv = sweep ? 4 : 2;
     const int64_t step = nv * 16;
     const int64_t full = n / step * step;
     const int64_t tile = std::max<int64_t>(n_tile, step) / step * step;
-    const int64_t ntiles = (full + tile - 1) / tile;
     if (sweep) {
-        // Bounded by the output: the partial sums of one pass, m x tile floats per task.
-        std::vector<float> part(size_t(ntiles) * m * tile);
-        parallel_for(ntiles, threads, [&](int64_t t) {
-            const int64_t c0 = t * tile, c1 = std::min(full, c0 + tile);
-            float *pt = part.data() + t * m * tile;
+        const int64_t parts = k_part_count(k_parts, ngroups), pass = parts > 1 ? kW4SplitPassRows : kW4PassRows;
+        TaskSlots slots(std::max<int32_t>(threads, 1));
+        // Bounded by the output: per running task the partial sums of one pass, m x tile floats.
+        std::vector<float> part(size_t(slots.count()) * m * tile);
+        run_k_parts(parts, m, n, full, tile, y, threads, [&](int64_t p, int64_t c0, int64_t c1, float *out) {
+            const int64_t g0 = ngroups * p / parts, g1 = ngroups * (p + 1) / parts, slot = slots.acquire();
+            float *pt = part.data() + slot * m * tile;
             if (m == 2)
                 w4_bf16_sweep<SS, 2, 4, SPLIT>(hi, lo, pstride, xsum, ngroups, qw, n, c0, c1, sc, zeros, zdef, gsize,
-                                               y, pt);
+                                               g0, g1, pass, out, pt);
             else
                 w4_bf16_sweep<SS, 1, 4, SPLIT>(hi, lo, pstride, xsum, ngroups, qw, n, c0, c1, sc, zeros, zdef, gsize,
-                                               y, pt);
+                                               g0, g1, pass, out, pt);
+            slots.release(slot);
         });
     } else {
         // K in chunks of about kW4ChunkRows packed rows: a row tile's activations for a chunk fit L1.
         const int64_t gchunk = std::max<int64_t>(1, kW4ChunkRows / (gsize / 8));
-        parallel_for(ntiles, threads, [&](int64_t t) {
+        parallel_for((full + tile - 1) / tile, threads, [&](int64_t t) {
             const int64_t c0 = t * tile, c1 = std::min(full, c0 + tile);
             for (int64_t g0 = 0; g0 < ngroups; g0 += gchunk)
                 w4_bf16_rows<SS, 2, SPLIT>(m, hi, lo, pstride, xsum, ngroups, qw, n, c0, c1, sc, zeros, zdef, gsize,
@@ -248,7 +255,7 @@ HAL_BF16_TARGET void w4_bf16_columns(int64_t m, const uint32_t *hi, const uint32
 template <class SS>
 bool w4a16_bf16(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, int64_t n, const uint32_t *qw,
                 const typename SS::T *scales, const uint8_t *zeros, int32_t zdef, int64_t gsize, float *y,
-                int64_t n_tile, int32_t threads, std::vector<float> &x32, std::vector<float> &xsum) {
+                int64_t n_tile, int32_t k_parts, int32_t threads, std::vector<float> &x32, std::vector<float> &xsum) {
     if (xdt == HAL_F32 || !cpu_has_avx512_bf16()) return false;
     const bool split = xdt == HAL_F16;
     const int64_t ngroups = k / gsize, pstride = k / 2;  // 4 pair words per packed row
@@ -259,10 +266,10 @@ bool w4a16_bf16(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t 
     });
     if (split)
         w4_bf16_columns<SS, true>(m, hi.data(), lo.data(), pstride, xsum.data(), ngroups, qw, n, scales, zeros,
-                                  float(zdef), gsize, y, n_tile, threads);
+                                  float(zdef), gsize, y, n_tile, k_parts, threads);
     else
         w4_bf16_columns<SS, false>(m, hi.data(), nullptr, pstride, xsum.data(), ngroups, qw, n, scales, zeros,
-                                   float(zdef), gsize, y, n_tile, threads);
+                                   float(zdef), gsize, y, n_tile, k_parts, threads);
     return true;
 }
 #endif

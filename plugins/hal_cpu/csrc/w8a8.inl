@@ -13,14 +13,15 @@ constexpr int64_t kExactRows = 512;
 
 struct Segment { int64_t start, end; int32_t group; };
 
+// Columns [n0, n0 + NV W) of MB rows over segments [s0, s1) (nseg in all, the stride of xqsum's rows).
 template <class SS, int MB, int NV>
-inline void w8_tile(const float *xq, int64_t k, const float *xqsum, int64_t nseg, const Segment *segs,
-                    const int32_t *perm, const uint8_t *qw, int64_t n, int64_t n0, const typename SS::T *scales,
-                    const uint8_t *zeros, float zdef, float *y, int64_t ldy) {
+inline void w8_tile(const float *xq, int64_t k, const float *xqsum, int64_t nseg, int64_t s0, int64_t s1,
+                    const Segment *segs, const int32_t *perm, const uint8_t *qw, int64_t n, int64_t n0,
+                    const typename SS::T *scales, const uint8_t *zeros, float zdef, float *y, int64_t ldy) {
     V::f tot[MB][NV];
     for (int mb = 0; mb < MB; ++mb)
         for (int v = 0; v < NV; ++v) tot[mb][v] = V::zero();
-    for (int64_t sgi = 0; sgi < nseg; ++sgi) {
+    for (int64_t sgi = s0; sgi < s1; ++sgi) {
         const Segment sg = segs[sgi];
         V::f acc[MB][NV];
         for (int mb = 0; mb < MB; ++mb)
@@ -47,14 +48,14 @@ inline void w8_tile(const float *xq, int64_t k, const float *xqsum, int64_t nseg
 }
 
 template <class SS, int NV>
-inline void w8_rows(int64_t rows, const float *xq, int64_t k, const float *xqsum, int64_t nseg, const Segment *segs,
-                    const int32_t *perm, const uint8_t *qw, int64_t n, int64_t n0, const typename SS::T *sc,
-                    const uint8_t *zeros, float zdef, float *y) {
+inline void w8_rows(int64_t rows, const float *xq, int64_t k, const float *xqsum, int64_t nseg, int64_t s0,
+                    int64_t s1, const Segment *segs, const int32_t *perm, const uint8_t *qw, int64_t n, int64_t n0,
+                    const typename SS::T *sc, const uint8_t *zeros, float zdef, float *y) {
     constexpr int MB = NV >= 4 ? 1 : (W >= 16 ? 6 : 2);
     for (int64_t r = 0; r < rows;) {
         const int64_t left = std::min<int64_t>(MB, rows - r);
-#define HAL_W8_ROWS(R) w8_tile<SS, R, NV>(xq + r * k, k, xqsum + r * nseg, nseg, segs, perm, qw, n, n0, sc, zeros, \
-                                          zdef, y + r * n, n)
+#define HAL_W8_ROWS(R) w8_tile<SS, R, NV>(xq + r * k, k, xqsum + r * nseg, nseg, s0, s1, segs, perm, qw, n, n0, sc, \
+                                          zeros, zdef, y + r * n, n)
         if (left >= MB) HAL_W8_ROWS(MB);
         else if (MB > 4 && left >= 4) { HAL_W8_ROWS(4 <= MB ? 4 : 1); r += 4; continue; }
         else if (left >= 2) { HAL_W8_ROWS(2 <= MB ? 2 : 1); r += 2; continue; }
@@ -76,7 +77,7 @@ inline std::vector<Segment> w8_segments(const int64_t *starts, const int32_t *gr
 template <class SS>
 int w8a8_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, int64_t n, const uint8_t *qw,
            const void *scales_v, const uint8_t *zeros, int32_t zdef, const int32_t *perm,
-           const std::vector<Segment> &segs, float *y, int64_t n_tile, int32_t threads) {
+           const std::vector<Segment> &segs, float *y, int64_t n_tile, int32_t k_parts, int32_t threads) {
     const auto *scales = static_cast<const typename SS::T *>(scales_v);
     const int64_t nseg = int64_t(segs.size());
     std::vector<float> xq(size_t(m) * k), xqsum(size_t(m) * std::max<int64_t>(nseg, 1)), sx(m);
@@ -107,33 +108,36 @@ int w8a8_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, in
         }
     });
     const bool gemv = m <= 2;
-    const int64_t nv = gemv ? 4 : 2;
-    int64_t tile = std::max<int64_t>(n_tile, nv * W) / (nv * W) * (nv * W);
-    const int64_t full = n / (nv * W) * (nv * W);
-    const int64_t ntiles = (full + tile - 1) / tile;
-    parallel_for(ntiles, threads, [&](int64_t t) {
-        const int64_t c1 = std::min(full, (t + 1) * tile);
-        for (int64_t c = t * tile; c < c1; c += nv * W) {
-            if (gemv) w8_rows<SS, 4>(m, xq.data(), k, xqsum.data(), nseg, segs.data(), perm, qw, n, c, scales, zeros, float(zdef), y);
-            else w8_rows<SS, 2>(m, xq.data(), k, xqsum.data(), nseg, segs.data(), perm, qw, n, c, scales, zeros, float(zdef), y);
+    const int64_t nv = gemv ? 4 : 2, step = nv * W;
+    const int64_t tile = std::max<int64_t>(n_tile, step) / step * step;
+    // Columns [c0, c1) (c0 a multiple of step) over segments [s0, s1), into out (row stride n).
+    const auto columns = [&](int64_t c0, int64_t c1, int64_t s0, int64_t s1, float *out) {
+        int64_t c = c0;
+        for (; c + step <= c1; c += step) {
+            if (gemv) w8_rows<SS, 4>(m, xq.data(), k, xqsum.data(), nseg, s0, s1, segs.data(), perm, qw, n, c, scales, zeros, float(zdef), out);
+            else w8_rows<SS, 2>(m, xq.data(), k, xqsum.data(), nseg, s0, s1, segs.data(), perm, qw, n, c, scales, zeros, float(zdef), out);
         }
-    });
-    int64_t c = full;
-    for (; c + W <= n; c += W)
-        w8_rows<SS, 1>(m, xq.data(), k, xqsum.data(), nseg, segs.data(), perm, qw, n, c, scales, zeros, float(zdef), y);
-    for (; c < n; ++c)
-        for (int64_t r = 0; r < m; ++r) {
-            float total = 0.0f;
-            for (int64_t sgi = 0; sgi < nseg; ++sgi) {
-                float acc = 0.0f;
-                for (int64_t i = segs[sgi].start; i < segs[sgi].end; ++i)
-                    acc += xq[r * k + i] * float(qw[(perm ? int64_t(perm[i]) : i) * n + c]);
-                const int64_t col = int64_t(segs[sgi].group) * n + c;
-                const float z = zeros ? float(zeros[col]) : float(zdef);
-                total += SS::scalar(scales + col) * (acc - z * xqsum[r * nseg + sgi]);
+        for (; c + W <= c1; c += W)
+            w8_rows<SS, 1>(m, xq.data(), k, xqsum.data(), nseg, s0, s1, segs.data(), perm, qw, n, c, scales, zeros, float(zdef), out);
+        for (; c < c1; ++c)
+            for (int64_t r = 0; r < m; ++r) {
+                float total = 0.0f;
+                for (int64_t sgi = s0; sgi < s1; ++sgi) {
+                    float acc = 0.0f;
+                    for (int64_t i = segs[sgi].start; i < segs[sgi].end; ++i)
+                        acc += xq[r * k + i] * float(qw[(perm ? int64_t(perm[i]) : i) * n + c]);
+                    const int64_t col = int64_t(segs[sgi].group) * n + c;
+                    const float z = zeros ? float(zeros[col]) : float(zdef);
+                    total += SS::scalar(scales + col) * (acc - z * xqsum[r * nseg + sgi]);
+                }
+                out[r * n + c] = total;
             }
-            y[r * n + c] = total;
-        }
+    };
+    // Small M: K in parts (parts.inl), segments split evenly; the integer kernels of w8a8_vnni.inl cut them alike.
+    const int64_t parts = gemv ? k_part_count(k_parts, nseg) : 1;
+    run_k_parts(parts, m, n, n, tile, y, threads, [&](int64_t p, int64_t c0, int64_t c1, float *out) {
+        columns(c0, c1, nseg * p / parts, nseg * (p + 1) / parts, out);
+    });
     parallel_for(m, threads, [&](int64_t r) {
         float *yr = y + r * n;
         const float s = bad[r] ? kNaN : sx[r];
@@ -149,10 +153,11 @@ int w8a8_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, in
 int w8a8_gemm(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, int64_t n, const uint8_t *qw,
               const void *scales, int32_t sdt, const uint8_t *zeros, int32_t zdef, const int32_t *perm,
               const int64_t *starts, const int32_t *group_of_run, int64_t runs, float *y, int64_t n_tile,
-              int32_t threads) {
+              int32_t k_parts, int32_t threads) {
     try {
         const std::vector<Segment> segs = w8_segments(starts, group_of_run, runs);
-#define HAL_W8_CALL(KERNEL, SS) KERNEL<SS>(x, xdt, xstride, m, k, n, qw, scales, zeros, zdef, perm, segs, y, n_tile, threads)
+#define HAL_W8_CALL(KERNEL, SS) \
+    KERNEL<SS>(x, xdt, xstride, m, k, n, qw, scales, zeros, zdef, perm, segs, y, n_tile, k_parts, threads)
 #if defined(HAL_ISA_VNNI)
 #define HAL_W8_KERNEL w8a8_vnni_t
 #else

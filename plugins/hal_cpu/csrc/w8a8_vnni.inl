@@ -27,24 +27,6 @@ constexpr int64_t kVnniAccWords = 8192;     // int32 accumulators of a small-M t
                                             // at most, so up to 8192 columns for M = 1 and 2048 for M = 4
 constexpr int64_t kVnniPrefetchRows = 32;  // code rows read this far ahead are prefetched into L2
 
-// Per-thread workspaces of one parallel_for: at most `threads` tasks run at once (the pool's contract),
-// so with that many slots acquire() always finds a free one. Allocated before any task runs, so a
-// failed allocation is reported before anything is written (no exception leaves a pool thread).
-class W8Slots {
-  public:
-    explicit W8Slots(int64_t count) : busy_(size_t(std::max<int64_t>(count, 1)), 0) {}
-    int64_t count() const { return int64_t(busy_.size()); }
-    int64_t acquire() {
-        int64_t s = 0;
-        while (__atomic_exchange_n(&busy_[size_t(s)], 1, __ATOMIC_ACQUIRE)) s = (s + 1) % count();
-        return s;
-    }
-    void release(int64_t s) { __atomic_store_n(&busy_[size_t(s)], 0, __ATOMIC_RELEASE); }
-
-  private:
-    std::vector<int> busy_;
-};
-
 struct W8Panel {
     int64_t kp = 0;              // padded row length of q (a multiple of 4)
     std::vector<int64_t> pstart; // [nseg + 1] padded offset of each segment
@@ -64,7 +46,7 @@ inline void w8_quantise(const void *x, int32_t xdt, int64_t xstride, int64_t m, 
     p.sum.assign(size_t(m) * std::max<int64_t>(nseg, 1), 0.0f);
     p.sx.assign(size_t(m), 0.0f);
     const int64_t per_task = 8, tasks = (m + per_task - 1) / per_task;
-    W8Slots slots(std::min<int64_t>(tasks, std::max<int32_t>(threads, 1)));
+    TaskSlots slots(std::min<int64_t>(tasks, std::max<int32_t>(threads, 1)));
     const size_t width = size_t(k) + W;
     std::vector<float> rows(size_t(slots.count()) * width);
     std::vector<int8_t> codes(size_t(slots.count()) * width);
@@ -246,11 +228,11 @@ inline void w8v_rows8(const uint8_t *r, int64_t n, int64_t ahead, int64_t width,
 // (at a segment's end 4) code rows across the whole tile (contiguous bytes, so the hardware prefetchers follow, whatever N is),
 // into int32 accumulators in a [MB, tile] workspace that stays in L1.
 template <class SS, int MB, bool PERM>
-inline void w8v_tile(const W8Panel &p, const std::vector<Segment> &segs, const W8Weight<SS> &w, int64_t k,
-                     int64_t c0, int64_t c1, float *y, int32_t *acc) {
+inline void w8v_tile(const W8Panel &p, const std::vector<Segment> &segs, int64_t s0, int64_t s1,
+                     const W8Weight<SS> &w, int64_t k, int64_t c0, int64_t c1, float *y, int32_t *acc) {
     const int64_t nseg = int64_t(segs.size()), n = w.n, kp = p.kp, width = c1 - c0;
     const int64_t lda = (width + 63) / 64 * 64;
-    for (int64_t sg = 0; sg < nseg; ++sg) {
+    for (int64_t sg = s0; sg < s1; ++sg) {
         const Segment &seg = segs[sg];
         std::memset(acc, 0, size_t(MB * lda) * sizeof(int32_t));
         const int8_t *a = p.q.data() + p.pstart[sg];
@@ -294,17 +276,17 @@ inline void w8v_tile(const W8Panel &p, const std::vector<Segment> &segs, const W
                 const int64_t col = c0 + c + 16 * v;
                 const V::f s = w.scale(seg.group, col, mask), z = w.zero(seg.group, col, mask);
                 for (int mb = 0; mb < MB; ++mb)
-                    w8_accumulate(o[mb][v], s, z, p.sum[mb * nseg + sg], sg == 0, y + mb * n + col, mask);
+                    w8_accumulate(o[mb][v], s, z, p.sum[mb * nseg + sg], sg == s0, y + mb * n + col, mask);
             }
         }
     }
 }
 
 template <class SS, int MB>
-inline void w8v_columns(const W8Panel &p, const std::vector<Segment> &segs, const W8Weight<SS> &w, int64_t k,
-                        int64_t c0, int64_t c1, float *y, int32_t *acc) {
-    if (w.perm) w8v_tile<SS, MB, true>(p, segs, w, k, c0, c1, y, acc);
-    else w8v_tile<SS, MB, false>(p, segs, w, k, c0, c1, y, acc);
+inline void w8v_columns(const W8Panel &p, const std::vector<Segment> &segs, int64_t s0, int64_t s1,
+                        const W8Weight<SS> &w, int64_t k, int64_t c0, int64_t c1, float *y, int32_t *acc) {
+    if (w.perm) w8v_tile<SS, MB, true>(p, segs, s0, s1, w, k, c0, c1, y, acc);
+    else w8v_tile<SS, MB, false>(p, segs, s0, s1, w, k, c0, c1, y, acc);
 }
 
 // Pack columns [c0, c0 + valid) of the codes, every segment, into dot-product layout [Kp / 4][64][4];
@@ -365,7 +347,7 @@ inline void w8_tile_rows(const W8Panel &p, const std::vector<Segment> &segs, con
 template <class SS>
 int w8a8_vnni_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, int64_t n, const uint8_t *qw,
                 const void *scales_v, const uint8_t *zeros, int32_t zdef, const int32_t *perm,
-                const std::vector<Segment> &segs, float *y, int64_t n_tile, int32_t threads) {
+                const std::vector<Segment> &segs, float *y, int64_t n_tile, int32_t k_parts, int32_t threads) {
     W8Panel p;
     w8_quantise(x, xdt, xstride, m, k, perm, segs, p, threads);
     const W8Weight<SS> w{qw, n, perm, static_cast<const typename SS::T *>(scales_v), zeros, float(zdef)};
@@ -373,19 +355,21 @@ int w8a8_vnni_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t 
         std::fill(y, y + m * n, 0.0f);
     } else if (m <= kVnniGemvRows) {
         const int64_t tile = std::min(kVnniAccWords / m / 64 * 64, std::max<int64_t>(64, n_tile / 64 * 64));
-        parallel_for((n + tile - 1) / tile, threads, [&](int64_t t) {
-            const int64_t c0 = t * tile, c1 = std::min(n, c0 + tile);
+        // M <= 2: K in parts (parts.inl), segments split as the float kernel splits them (w8a8_t).
+        const int64_t nseg = int64_t(segs.size()), parts = m <= 2 ? k_part_count(k_parts, nseg) : 1;
+        run_k_parts(parts, m, n, n, tile, y, threads, [&](int64_t part, int64_t c0, int64_t c1, float *out) {
+            const int64_t s0 = nseg * part / parts, s1 = nseg * (part + 1) / parts;
             alignas(64) int32_t acc[kVnniAccWords];
-            if (m == 1) w8v_columns<SS, 1>(p, segs, w, k, c0, c1, y, acc);
-            else if (m == 2) w8v_columns<SS, 2>(p, segs, w, k, c0, c1, y, acc);
-            else if (m == 3) w8v_columns<SS, 3>(p, segs, w, k, c0, c1, y, acc);
-            else w8v_columns<SS, 4>(p, segs, w, k, c0, c1, y, acc);
+            if (m == 1) w8v_columns<SS, 1>(p, segs, s0, s1, w, k, c0, c1, out, acc);
+            else if (m == 2) w8v_columns<SS, 2>(p, segs, s0, s1, w, k, c0, c1, out, acc);
+            else if (m == 3) w8v_columns<SS, 3>(p, segs, s0, s1, w, k, c0, c1, out, acc);
+            else w8v_columns<SS, 4>(p, segs, s0, s1, w, k, c0, c1, out, acc);
         });
     } else {
         // One packed-panel workspace per running task, all allocated before any output is written.
         const int64_t panels = (n + 63) / 64;
         const int64_t tasks = std::min<int64_t>(panels, 4 * std::max<int32_t>(threads, 1));
-        W8Slots slots(std::min<int64_t>(tasks, std::max<int32_t>(threads, 1)));
+        TaskSlots slots(std::min<int64_t>(tasks, std::max<int32_t>(threads, 1)));
         const size_t bytes = size_t(p.kp) * 64;
         std::vector<uint8_t *> workspaces;  // indexed by slot
         workspaces.reserve(size_t(slots.count()));

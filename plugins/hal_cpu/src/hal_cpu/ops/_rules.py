@@ -13,6 +13,9 @@ __all__ = [
     "BLOCKED_ISAS",
     "DEQUANT_TILE_BYTES",
     "HALF_DOT_M_MAX",
+    "K_PARTS",
+    "K_PARTS_M_MAX_W4",
+    "K_PART_ROW_BYTES",
     "SERIAL_BYTES",
     "SMALL_M_MAX",
     "SWEEP_M_MAX",
@@ -20,6 +23,7 @@ __all__ = [
     "dequant_tile_columns",
     "gemm_kernel",
     "gemv_column_tile",
+    "gemv_k_parts",
     "threads_for",
 ]
 
@@ -30,6 +34,14 @@ SMALL_M_MAX = 32
 #: W4A16: the largest M the in-register kernel serves by a sweep of one wide column range per thread
 #: (csrc/w4a16.inl, ``kW4SweepMaxM``).
 SWEEP_M_MAX = 2
+#: Small-M GEMVs (M <= SWEEP_M_MAX) of weights whose packed rows are shorter than this cut K into
+#: :data:`K_PARTS` parts (csrc/parts.inl), so that a task reads whole rows instead of a short run of each.
+K_PART_ROW_BYTES = 32 * 1024
+#: The parts of K then: a multiple of small thread counts, and few enough that adding the parts up (one
+#: [M, N] float32 buffer each) stays negligible beside the weight.
+K_PARTS = 8
+#: W4A16 cuts K only at M up to this (W8A8 up to :data:`SWEEP_M_MAX`).
+K_PARTS_M_MAX_W4 = 1
 #: W4A16 with fp16/bf16 activations where the in-register kernel uses bf16 dot products: the largest M it serves
 #: (measured faster than the blocked kernel at M=64, level at M=256).
 HALF_DOT_M_MAX = 128
@@ -92,15 +104,38 @@ def gemm_kernel(m: int, bits: int, group_size: int, act_order: bool, isa: str = 
     return "blocked" if isa in BLOCKED_ISAS else "tiles"
 
 
-def gemv_column_tile(n: int, threads: int, m: int = SWEEP_M_MAX + 1) -> int:
+def gemv_k_parts(n: int, bits: int, m: int) -> int:
+    """Parts of K a small-M GEMV is cut into (1: none), from the shape alone, never the host.
+
+    The packed weight is ``[K rows, N]`` row-major; a task owning a column range reads one run of its
+    width per row. When a row is short (4096 int4 columns: 16 KiB, 8 KiB a thread on two) the runs are
+    too, and the prefetchers restart at every one: 11008x4096 M=1 streamed at 16-20 GB/s against 19-25
+    with K in 8 parts, where each task reads whole rows (interleaved A/B). The parts are summed in
+    order, so the result depends on this count; it is fixed by ``n``, ``bits`` and ``m`` so that it
+    does not change with the thread count or the column tiles.
+    """
+    row_bytes = 4 * n if bits == 4 else n  # a packed row: N int32 words of 8 codes, or N bytes
+    # W4A16 at M = 2 measured 10 % slower in parts (each task's two rows of partial sums no longer fit L1
+    # beside the pass); W8A8 (int32 sums in a workspace either way) 7 % faster.
+    m_max = K_PARTS_M_MAX_W4 if bits == 4 else SWEEP_M_MAX
+    return K_PARTS if m <= m_max and row_bytes < K_PART_ROW_BYTES else 1
+
+
+def _tasks_per_part(threads: int, k_parts: int) -> int:
+    return max(1, -(-max(1, threads) // max(1, k_parts)))
+
+
+def gemv_column_tile(n: int, threads: int, m: int = SWEEP_M_MAX + 1, k_parts: int = 1) -> int:
     """Columns per task of the in-register W4A16 kernels, a multiple of 64.
 
     Up to :data:`SWEEP_M_MAX` rows the kernel sweeps each task's columns as
     long sequential runs, so a task is one contiguous range per thread (more,
-    shorter ranges measured 1.2-2x slower); above it, about 8 tasks per
-    thread balance the compute-bound tiles.
+    shorter ranges measured 1.2-2x slower), or, with K in ``k_parts`` parts,
+    one range per thread of a part (the whole width when there are as many
+    parts as threads); above it, about 8 tasks per thread balance the
+    compute-bound tiles.
     """
-    tasks = max(1, threads) * (1 if m <= SWEEP_M_MAX else 8)
+    tasks = _tasks_per_part(threads, k_parts) if m <= SWEEP_M_MAX else max(1, threads) * 8
     per_task = -(-n // tasks)
     return max(64, -(-per_task // 64) * 64)
 

@@ -60,14 +60,17 @@ def gemm(
     *,
     kernel: str | None = None,
     n_tile: int | None = None,
+    k_parts: int | None = None,
     tile_bytes: int | None = None,
     threads: int | None = None,
 ) -> np.ndarray:
     """``x [M, K]`` times the quantised weight, as float32 ``[M, N]`` (validated numpy inputs).
 
     ``kernel`` (``'registers'``, ``'blocked'`` or ``'tiles'``), ``n_tile`` (columns per task
-    of the in-register kernels), ``tile_bytes`` (the dequantised tile's size)
-    and ``threads`` default to the rules in :mod:`hal_cpu.ops._rules`.
+    of the in-register kernels), ``k_parts`` (parts of K of the small-M in-register
+    and W8A8 kernels, summed in order: the result depends on it), ``tile_bytes``
+    (the dequantised tile's size) and ``threads`` default to the rules in
+    :mod:`hal_cpu.ops._rules`.
     """
     m, k = x.shape
     n = qweight.shape[1]
@@ -88,8 +91,11 @@ def gemm(
                                     half_dot(native, x.dtype))
     if threads is None:
         threads = _rules.threads_for(qweight.nbytes + x.nbytes, native.threads)
+    if k_parts is None:
+        k_parts = _rules.gemv_k_parts(n, qweight.bits, m)
     if n_tile is None:
-        n_tile = w8a8_column_tile(n, threads, m) if qweight.bits == 8 else _rules.gemv_column_tile(n, threads, m)
+        n_tile = (w8a8_column_tile(n, threads, m, k_parts) if qweight.bits == 8
+                  else _rules.gemv_column_tile(n, threads, m, k_parts))
     y = np.empty((m, n), dtype=np.float32)
     xs = x.strides[0] // x.itemsize
     ptr = _native.pointer
@@ -98,13 +104,13 @@ def gemm(
         perm, starts, groups = runs
         rc = native.lib.hal_cpu_w8a8_gemm(
             ptr(x), dtype_code(x), xs, m, k, n, ptr(qw), ptr(scales), dtype_code(scales), ptr(zeros),
-            qweight.default_zero, ptr(perm), ptr(starts), ptr(groups), groups.size, ptr(y), n_tile, threads)
+            qweight.default_zero, ptr(perm), ptr(starts), ptr(groups), groups.size, ptr(y), n_tile, k_parts, threads)
     elif kernel == "registers":
         if g_idx is not None or qweight.group_size % 8:
             raise ValueError("quantized_gemm: kernel='registers' needs group_size % 8 == 0 and no act-order")
         rc = native.lib.hal_cpu_w4a16_gemv(
             ptr(x), dtype_code(x), xs, m, k, n, ptr(qw), ptr(scales), dtype_code(scales), ptr(zeros),
-            qweight.default_zero, qweight.group_size, ptr(y), n_tile, threads)
+            qweight.default_zero, qweight.group_size, ptr(y), n_tile, k_parts, threads)
     elif kernel == "blocked":
         rc = native.lib.hal_cpu_w4a16_blocked(
             ptr(x), dtype_code(x), xs, m, k, n, ptr(qw), ptr(scales), dtype_code(scales), ptr(zeros),
@@ -173,17 +179,18 @@ def _tiles(native: _native.Native, x: np.ndarray, xs: int, qweight: QuantizedWei
     return 0
 
 
-def w8a8_column_tile(n: int, threads: int, m: int = 1) -> int:
+def w8a8_column_tile(n: int, threads: int, m: int = 1, k_parts: int = 1) -> int:
     """Columns per task of the small-M W8A8 kernel: as wide as its accumulators allow (``W8A8_ACC_WORDS``
-    over ``min(m, W8A8_SMALL_M_MAX)`` rows, a multiple of 64), in a multiple of ``threads`` tasks.
+    over ``min(m, W8A8_SMALL_M_MAX)`` rows, a multiple of 64), in a multiple of the tasks per part of K.
 
     Each step of that kernel reads 8 code rows across the task's columns, so a wide task reads long
     contiguous runs of the ``[K, N]`` codes (what the hardware prefetchers follow, whatever ``N`` is):
-    at M = 1 one range per thread, up to 8192 columns.
+    at M = 1 one range per thread, or, with K in ``k_parts`` parts, per thread of a part, up to 8192
+    columns.
     """
-    threads = max(1, threads)
+    per_part = max(1, -(-max(1, threads) // max(1, k_parts)))
     widest = max(64, W8A8_ACC_WORDS // max(1, min(m, W8A8_SMALL_M_MAX)) // 64 * 64)
-    tasks = threads * -(-n // (widest * threads))
+    tasks = per_part * -(-n // (widest * per_part))
     per_task = -(-n // tasks)
     return max(64, -(-per_task // 64) * 64)
 
