@@ -18,7 +18,7 @@ constexpr int64_t kW4SweepMaxM = 2;
 //: 8 rows reach ~30 GB/s, 4 rows ~27, 16 rows (a whole G=128 group) ~15-20; ranges cut into 4-8 tasks per thread
 //: instead of one drop to 15-20 GB/s: short runs a row apart are what the prefetchers do not follow.
 constexpr int64_t kW4PassRows = 8;
-//: Packed rows per pass when K is cut into parts (w4_sweep_tasks): each task then crosses whole rows, and 4 rows
+//: Packed rows per pass when K is cut into parts (parts.inl): each task then crosses whole rows, and 4 rows
 //: per pass measured 5-10 % faster than 8 there (11008x4096, interleaved A/B).
 constexpr int64_t kW4SplitPassRows = 4;
 //: The sweep prefetches each packed row this many words (512 bytes) ahead of its loads, into L2: with N a multiple
@@ -250,7 +250,8 @@ int w4a16_gemv(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k
                const void *scales, int32_t sdt, const uint8_t *zeros, int32_t zdef, int64_t gsize, float *y,
                int64_t n_tile, int32_t k_parts, int32_t threads) {
     try {
-#define HAL_W4_CALL(SS) w4a16_t<SS>(x, xdt, xstride, m, k, n, qw, scales, zeros, zdef, gsize, y, n_tile, k_parts, threads)
+#define HAL_W4_CALL(SS) \
+    w4a16_t<SS>(x, xdt, xstride, m, k, n, qw, scales, zeros, zdef, gsize, y, n_tile, k_parts, threads)
         if (sdt == HAL_F16) return HAL_W4_CALL(F16);
         if (sdt == HAL_BF16) return HAL_W4_CALL(BF16);
         return HAL_W4_CALL(F32);

@@ -112,13 +112,16 @@ int w8a8_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, in
     const int64_t tile = std::max<int64_t>(n_tile, step) / step * step;
     // Columns [c0, c1) (c0 a multiple of step) over segments [s0, s1), into out (row stride n).
     const auto columns = [&](int64_t c0, int64_t c1, int64_t s0, int64_t s1, float *out) {
+#define HAL_W8_COLS(NV) \
+    w8_rows<SS, NV>(m, xq.data(), k, xqsum.data(), nseg, s0, s1, segs.data(), perm, qw, n, c, scales, zeros, \
+                    float(zdef), out)
         int64_t c = c0;
         for (; c + step <= c1; c += step) {
-            if (gemv) w8_rows<SS, 4>(m, xq.data(), k, xqsum.data(), nseg, s0, s1, segs.data(), perm, qw, n, c, scales, zeros, float(zdef), out);
-            else w8_rows<SS, 2>(m, xq.data(), k, xqsum.data(), nseg, s0, s1, segs.data(), perm, qw, n, c, scales, zeros, float(zdef), out);
+            if (gemv) HAL_W8_COLS(4);
+            else HAL_W8_COLS(2);
         }
-        for (; c + W <= c1; c += W)
-            w8_rows<SS, 1>(m, xq.data(), k, xqsum.data(), nseg, s0, s1, segs.data(), perm, qw, n, c, scales, zeros, float(zdef), out);
+        for (; c + W <= c1; c += W) HAL_W8_COLS(1);
+#undef HAL_W8_COLS
         for (; c < c1; ++c)
             for (int64_t r = 0; r < m; ++r) {
                 float total = 0.0f;
