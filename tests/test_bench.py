@@ -232,17 +232,26 @@ def test_inputs_are_distinct_per_rotation_and_valid() -> None:
         OPS[c.op].validate(dict(args), np.asarray)
 
 
+class _FakeClock:
+    """A clock that advances ``step`` seconds per call of :meth:`fn`, which records its argument."""
+
+    def __init__(self, step: float) -> None:
+        self.now, self.step, self.calls = 0.0, step, []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def fn(self, i: int) -> None:
+        self.calls.append(i)
+        self.now += self.step
+
+
 def test_timing_stops_at_the_time_cap_with_a_fake_clock() -> None:
     """measure() keeps min_repeat samples, then stops once max_seconds of timed runs have passed."""
-    now = [0.0]
-    calls = []
-
-    def fn(i: int) -> None:
-        calls.append(i)
-        now[0] += 0.4
-
-    samples = bench.measure(fn, bench.TimingPolicy(repeat=10, warmup=2, min_repeat=3, max_seconds=1.0),
-                            clock=lambda: now[0])
+    clock = _FakeClock(0.4)
+    calls = clock.calls
+    samples = bench.measure(clock.fn, bench.TimingPolicy(repeat=10, warmup=2, min_repeat=3, max_seconds=1.0),
+                            clock=clock)
     assert samples.seconds == pytest.approx((0.4, 0.4, 0.4))
     assert calls == [0, 1, 2, 3, 4]
     assert samples.as_dict() == pytest.approx({"median_ms": 400.0, "min_ms": 400.0, "max_ms": 400.0, "samples": 3})
@@ -250,20 +259,15 @@ def test_timing_stops_at_the_time_cap_with_a_fake_clock() -> None:
 
 def test_warm_up_runs_for_warmup_seconds_before_timing() -> None:
     """Untimed calls continue past ``warmup`` until ``warmup_seconds`` have passed; a slow call needs only one."""
-    now = [0.0]
-    calls = []
-
-    def fn(i: int) -> None:
-        calls.append(i)
-        now[0] += 0.4
-
+    clock = _FakeClock(0.4)
+    calls = clock.calls
     policy = bench.TimingPolicy(repeat=2, warmup=1, min_repeat=2, max_seconds=10.0, warmup_seconds=1.0)
-    samples = bench.measure(fn, policy, clock=lambda: now[0])
+    samples = bench.measure(clock.fn, policy, clock=clock)
     assert calls == [0, 1, 2, 3, 4]  # three warm-up calls (0.4, 0.8, 1.2 s), then two timed ones
     assert samples.seconds == pytest.approx((0.4, 0.4))
     calls.clear()
     slow = bench.TimingPolicy(repeat=1, warmup=1, min_repeat=1, max_seconds=10.0, warmup_seconds=0.3)
-    bench.measure(fn, slow, clock=lambda: now[0])
+    bench.measure(clock.fn, slow, clock=clock)
     assert calls == [0, 1]
     with pytest.raises(ValueError, match="--warmup-time"):
         bench.TimingPolicy(warmup_seconds=-1.0)
@@ -271,13 +275,9 @@ def test_warm_up_runs_for_warmup_seconds_before_timing() -> None:
 
 def test_a_very_slow_call_is_timed_fewer_times() -> None:
     """Once min_repeat * max_seconds have passed, measure() stops even below min_repeat samples."""
-    now = [0.0]
-
-    def fn(i: int) -> None:
-        now[0] += 2.0
-
-    samples = bench.measure(fn, bench.TimingPolicy(repeat=10, warmup=1, min_repeat=3, max_seconds=1.0),
-                            clock=lambda: now[0])
+    clock = _FakeClock(2.0)
+    samples = bench.measure(clock.fn, bench.TimingPolicy(repeat=10, warmup=1, min_repeat=3, max_seconds=1.0),
+                            clock=clock)
     assert samples.seconds == pytest.approx((2.0, 2.0))
 
 

@@ -34,18 +34,24 @@ inline int64_t k_part_count(int32_t k_parts, int64_t units) {
     return std::max<int64_t>(1, std::min<int64_t>(k_parts, units));
 }
 
-// Runs task(p, c0, c1, out) for every part p of `parts` and column range [c0, c1) of [0, cols) cut in
-// ranges of `tile`, out being where part p's m x n totals go (row stride n); then adds the parts to y
-// in order, columns [0, cols). The tasks of part 0 come first, so threads start on different parts.
+// Runs task(p, c0, c1, out, scratch) for every part p of `parts` and column range [c0, c1) of [0, cols)
+// cut in ranges of `tile`, out being where part p's m x n totals go (row stride n) and scratch the
+// running task's own `scratch_floats` floats (uninitialised); then adds the parts to y in order,
+// columns [0, cols). The tasks of part 0 come first, so threads start on different parts.
 template <class Task>
-void run_k_parts(int64_t parts, int64_t m, int64_t n, int64_t cols, int64_t tile, float *y, int32_t threads,
-                 Task &&task) {
-    const int64_t ntiles = (cols + tile - 1) / tile;
-    // Bounded by the output: the totals of every part but the first.
-    std::vector<float> later(size_t(parts - 1) * m * n);
-    parallel_for(parts * ntiles, threads, [&](int64_t t) {
-        const int64_t p = t / ntiles, c0 = t % ntiles * tile;
-        task(p, c0, std::min(cols, c0 + tile), p == 0 ? y : later.data() + (p - 1) * m * n);
+void run_k_parts(int64_t parts, int64_t m, int64_t n, int64_t cols, int64_t tile, int64_t scratch_floats,
+                 float *y, int32_t threads, Task &&task) {
+    const int64_t ntiles = (cols + tile - 1) / tile, tasks = parts * ntiles;
+    TaskSlots slots(std::min<int64_t>(tasks, std::max<int32_t>(threads, 1)));
+    // Bounded by the output: per running task its scratch, and the totals of every part but the first
+    // (each written whole before it is read).
+    std::unique_ptr<float[]> scratch(new float[size_t(slots.count() * scratch_floats)]);
+    std::unique_ptr<float[]> later(new float[size_t((parts - 1) * m * n)]);
+    parallel_for(tasks, threads, [&](int64_t t) {
+        const int64_t p = t / ntiles, c0 = t % ntiles * tile, slot = slots.acquire();
+        task(p, c0, std::min(cols, c0 + tile), p == 0 ? y : later.get() + (p - 1) * m * n,
+             scratch.get() + slot * scratch_floats);
+        slots.release(slot);
     });
     if (parts == 1) return;
     constexpr int64_t chunk = 1024;
@@ -54,7 +60,7 @@ void run_k_parts(int64_t parts, int64_t m, int64_t n, int64_t cols, int64_t tile
         const int64_t r = t / chunks, c0 = t % chunks * chunk, c1 = std::min(cols, c0 + chunk);
         float *yr = y + r * n;
         for (int64_t p = 0; p + 1 < parts; ++p) {
-            const float *src = later.data() + (p * m + r) * n;
+            const float *src = later.get() + (p * m + r) * n;
             for (int64_t c = c0; c < c1; ++c) yr[c] += src[c];
         }
     });

@@ -221,20 +221,14 @@ HAL_BF16_TARGET void w4_bf16_columns(int64_t m, const uint32_t *hi, const uint32
     const int64_t full = n / step * step;
     const int64_t tile = std::max<int64_t>(n_tile, step) / step * step;
     if (sweep) {
-        const int64_t parts = k_part_count(k_parts, ngroups), pass = parts > 1 ? kW4SplitPassRows : kW4PassRows;
-        TaskSlots slots(std::max<int32_t>(threads, 1));
-        // Bounded by the output: per running task the partial sums of one pass, m x tile floats.
-        std::vector<float> part(size_t(slots.count()) * m * tile);
-        run_k_parts(parts, m, n, full, tile, y, threads, [&](int64_t p, int64_t c0, int64_t c1, float *out) {
-            const int64_t g0 = ngroups * p / parts, g1 = ngroups * (p + 1) / parts, slot = slots.acquire();
-            float *pt = part.data() + slot * m * tile;
+        w4_sweep_parts(k_parts, ngroups, m, n, full, tile, y, threads,
+                       [&](int64_t g0, int64_t g1, int64_t pass, int64_t c0, int64_t c1, float *out, float *part) {
             if (m == 2)
                 w4_bf16_sweep<SS, 2, 4, SPLIT>(hi, lo, pstride, xsum, ngroups, qw, n, c0, c1, sc, zeros, zdef, gsize,
-                                               g0, g1, pass, out, pt);
+                                               g0, g1, pass, out, part);
             else
                 w4_bf16_sweep<SS, 1, 4, SPLIT>(hi, lo, pstride, xsum, ngroups, qw, n, c0, c1, sc, zeros, zdef, gsize,
-                                               g0, g1, pass, out, pt);
-            slots.release(slot);
+                                               g0, g1, pass, out, part);
         });
     } else {
         // K in chunks of about kW4ChunkRows packed rows: a row tile's activations for a chunk fit L1.

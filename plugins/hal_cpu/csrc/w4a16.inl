@@ -43,6 +43,18 @@ inline const uint32_t *w4_sweep_prefetch(const uint32_t *qw, int64_t n, int64_t 
     return next < rows ? qw + next * n + c0 + (ahead - c1) : qw + r * n + c;
 }
 
+// The small-M sweep's tasks (parts.inl): sweep(g0, g1, pass, c0, c1, out, part) for groups [g0, g1) of each
+// part of K and each column range, `pass` packed rows a pass, `part` the task's m x tile partial-sum buffer.
+template <class Sweep>
+void w4_sweep_parts(int32_t k_parts, int64_t ngroups, int64_t m, int64_t n, int64_t cols, int64_t tile, float *y,
+                    int32_t threads, Sweep &&sweep) {
+    const int64_t parts = k_part_count(k_parts, ngroups), pass = parts > 1 ? kW4SplitPassRows : kW4PassRows;
+    run_k_parts(parts, m, n, cols, tile, m * tile, y, threads,
+                [&](int64_t p, int64_t c0, int64_t c1, float *out, float *part) {
+                    sweep(ngroups * p / parts, ngroups * (p + 1) / parts, pass, c0, c1, out, part);
+                });
+}
+
 // acc[mb][v] += packed row r (codes w[v]) times the pre-scaled activations xr[mb * k + j], j = nibble.
 template <int MB, int NV>
 inline void w4_row(V::f (&acc)[MB][NV], const V::i (&w)[NV], const float *xr, int64_t k) {
@@ -217,20 +229,14 @@ int w4a16_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, i
     const int64_t full = n / (nv * W) * (nv * W);
     const int64_t ntiles = (full + tile - 1) / tile;
     if (sweep) {
-        const int64_t parts = k_part_count(k_parts, ngroups), pass = parts > 1 ? kW4SplitPassRows : kW4PassRows;
-        TaskSlots slots(std::max<int32_t>(threads, 1));
-        // Bounded by the output: per running task the partial sums of one pass, m x tile floats.
-        std::vector<float> part(size_t(slots.count()) * m * tile);
-        run_k_parts(parts, m, n, full, tile, y, threads, [&](int64_t p, int64_t c0, int64_t c1, float *out) {
-            const int64_t g0 = ngroups * p / parts, g1 = ngroups * (p + 1) / parts, slot = slots.acquire();
-            float *pt = part.data() + slot * m * tile;
+        w4_sweep_parts(k_parts, ngroups, m, n, full, tile, y, threads,
+                       [&](int64_t g0, int64_t g1, int64_t pass, int64_t c0, int64_t c1, float *out, float *part) {
             if (m == 2)
                 w4_sweep<SS, 2, kW4SweepNV>(xs.data(), k, xsum.data(), ngroups, qw, n, c0, c1, scales, zeros,
-                                            float(zdef), gsize, g0, g1, pass, out, pt);
+                                            float(zdef), gsize, g0, g1, pass, out, part);
             else
                 w4_sweep<SS, 1, kW4SweepNV>(xs.data(), k, xsum.data(), ngroups, qw, n, c0, c1, scales, zeros,
-                                            float(zdef), gsize, g0, g1, pass, out, pt);
-            slots.release(slot);
+                                            float(zdef), gsize, g0, g1, pass, out, part);
         });
     } else {
         parallel_for(ntiles, threads, [&](int64_t t) {

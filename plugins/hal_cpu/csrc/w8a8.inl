@@ -138,7 +138,7 @@ int w8a8_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, in
     };
     // Small M: K in parts (parts.inl), segments split evenly; the integer kernels of w8a8_vnni.inl cut them alike.
     const int64_t parts = gemv ? k_part_count(k_parts, nseg) : 1;
-    run_k_parts(parts, m, n, n, tile, y, threads, [&](int64_t p, int64_t c0, int64_t c1, float *out) {
+    run_k_parts(parts, m, n, n, tile, 0, y, threads, [&](int64_t p, int64_t c0, int64_t c1, float *out, float *) {
         columns(c0, c1, nseg * p / parts, nseg * (p + 1) / parts, out);
     });
     parallel_for(m, threads, [&](int64_t r) {

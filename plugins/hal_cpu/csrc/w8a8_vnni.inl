@@ -357,7 +357,8 @@ int w8a8_vnni_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t 
         const int64_t tile = std::min(kVnniAccWords / m / 64 * 64, std::max<int64_t>(64, n_tile / 64 * 64));
         // M <= 2: K in parts (parts.inl), segments split as the float kernel splits them (w8a8_t).
         const int64_t nseg = int64_t(segs.size()), parts = m <= 2 ? k_part_count(k_parts, nseg) : 1;
-        run_k_parts(parts, m, n, n, tile, y, threads, [&](int64_t part, int64_t c0, int64_t c1, float *out) {
+        run_k_parts(parts, m, n, n, tile, 0, y, threads,
+                    [&](int64_t part, int64_t c0, int64_t c1, float *out, float *) {
             const int64_t s0 = nseg * part / parts, s1 = nseg * (part + 1) / parts;
             alignas(64) int32_t acc[kVnniAccWords];
             if (m == 1) w8v_columns<SS, 1>(p, segs, s0, s1, w, k, c0, c1, out, acc);
