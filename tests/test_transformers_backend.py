@@ -120,6 +120,8 @@ def test_unsupported_uses_are_refused_by_name() -> None:
         hal_hf.hal_attention_forward(model, q, q, q, None, cache=object())
     with pytest.raises(ValueError, match="sliding window"):
         hal_hf.hal_attention_forward(model, q, q, q, None, sliding_window=4)
+    with pytest.raises(ValueError, match="softcap"):
+        hal_hf.hal_attention_forward(model, q, q, q, None, softcap=50.0)
     with pytest.raises(NotImplementedError, match="beam search"):
         cache.reorder_cache(torch.tensor([0]))
     with pytest.raises(ValueError, match="2D padding mask"), torch.no_grad():

@@ -29,7 +29,7 @@ cache) the ``"hal"`` attention runs torch's scaled-dot-product attention on the
 keys and values transformers passes (logged once; ``HAL_STRICT=1`` raises
 instead). Sliding-window layers, attention sinks, transformers' continuous
 batching (``generate_batch``, whose cache transformers owns in its own layout),
-beam search and cache cropping raise a clear error.
+a logit softcap (Gemma 2), beam search and cache cropping raise a clear error.
 """
 
 from __future__ import annotations
@@ -235,9 +235,12 @@ def hal_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
         raise ValueError("attn_implementation='hal' does not run transformers' continuous batching "
                          "(generate_batch): its paged cache has transformers' own layout; use generate() with "
                          "past_key_values=HalPagedCache(...)")
-    if kwargs.get("sliding_window") is not None or hasattr(module, "sinks"):
+    if kwargs.get("sliding_window") is not None or hasattr(module, "sinks") or kwargs.get("s_aux") is not None:
         raise ValueError("attn_implementation='hal' implements full causal attention only "
                          "(no sliding window, no attention sinks)")
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"attn_implementation='hal' has no logit softcap (the model sets softcap="
+                         f"{kwargs['softcap']}); use another attention implementation for this model")
     if dropout and module.training:
         raise ValueError("attn_implementation='hal' is for inference: dropout is not supported")
     batch, heads, q_len, head_size = query.shape
