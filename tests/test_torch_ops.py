@@ -93,8 +93,11 @@ def test_paged_attention_errors_name_the_argument() -> None:
         hal_torch.paged_attention(q, kc, vc, bt, sl, 0.125, max_seq_len=3)
     with pytest.raises(hal_core.ArgumentTypeError, match="max_seq_len"):
         hal_torch.paged_attention(q, kc, vc, bt, sl, 0.125, max_seq_len=0)
+    strided = q.transpose(0, 1).contiguous().transpose(0, 1)  # rows apart, last dimension contiguous: accepted
+    assert torch.equal(hal_torch.paged_attention(strided, kc, vc, bt, sl, 0.125),
+                       hal_torch.paged_attention(q, kc, vc, bt, sl, 0.125))
     with pytest.raises(hal_core.ArgumentError, match="query"):
-        hal_torch.paged_attention(q.transpose(0, 1).contiguous().transpose(0, 1), kc, vc, bt, sl, 0.125)
+        hal_torch.paged_attention(q.transpose(1, 2).contiguous().transpose(1, 2), kc, vc, bt, sl, 0.125)
     with pytest.raises(Exception, match="argument 'out'"):  # the fake's check, as a trace sees it
         torch.compile(hal_torch.paged_attention, backend="eager", fullgraph=True)(
             q, kc, vc, bt, sl, 0.125, out=torch.empty(2, 4, 32))

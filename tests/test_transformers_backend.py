@@ -72,21 +72,30 @@ def test_greedy_generation_matches_eager(family: str) -> None:
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_half_precision_prefill_logits_within_tolerance(dtype: str) -> None:
+    """Half-precision logits through hal are as close to the float32 model's as eager attention's are.
+
+    Both half-precision runs round differently (eager rounds its scores and probabilities to the dtype,
+    hal accumulates in fp32), so each is held against the float32 model, not against the other.
+    """
     seed = 8
     print(f"seed={seed}")
     tdtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
-    model = _model("llama", seed).to(tdtype)
+    model = _model("llama", seed)
     ids, mask = _prompts(seed)
+    real = mask.bool()
     with torch.no_grad():
-        expected = model(ids, attention_mask=mask).logits
+        truth = model(ids, attention_mask=mask).logits.double()[real]
+        model = model.to(tdtype)
+        eager = model(ids, attention_mask=mask).logits.double()[real]
         model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
         cache = hal_hf.HalPagedCache(model.config, num_blocks=8, block_size=8, dtype=tdtype)
-        got = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
-    real = mask.bool()
-    atol, rtol = tolerance("attention", dtype)
-    scale = expected[real].abs().max().item()
-    torch.testing.assert_close(got[real].float(), expected[real].float(), atol=atol * scale, rtol=rtol)
-    assert not torch.equal(got[real], torch.zeros_like(got[real]))
+        got = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits.double()[real]
+    atol, _ = tolerance("attention", dtype)
+    scale = truth.abs().max().item()
+    hal_error, eager_error = (got - truth).abs().max().item(), (eager - truth).abs().max().item()
+    print(f"max |logit error| vs float32: hal {hal_error:.4g}, eager {eager_error:.4g} (scale {scale:.3g})")
+    assert hal_error <= max(1.5 * eager_error, atol * scale)
+    assert not torch.equal(got, torch.zeros_like(got))
 
 
 def test_without_a_hal_cache_attention_runs_in_torch(caplog: pytest.LogCaptureFixture,

@@ -13,7 +13,7 @@ import pytest
 from halfakes import subprocess_env
 
 import hal_core
-from hal_core import tuning
+from hal_core import bench, tuning
 from hal_core.bench import make_case
 from hal_core.cli import main
 from hal_core.ops import OPS
@@ -128,7 +128,7 @@ def test_tune_picks_the_cheaper_implementation_and_knob_value(tunable, store: Pa
     plugin, backend = tunable
     assert _marks_of_one_call(plugin, backend) == "H"  # built-in: priority order
     module = sys.modules[plugin.module]
-    report = tuning.tune(backend, [CASE], clock=_fake_clock(module))
+    report = bench.tune(backend, [CASE], clock=_fake_clock(module))
     decided = {(d.kind, d.name): d for d in report.decisions}
     assert decided["knob", "passes"].winner == 1 and decided["knob", "passes"].builtin == 200
     assert decided["impl", "implementation"].winner == "tunable.lean"
@@ -140,7 +140,7 @@ def test_tune_picks_the_cheaper_implementation_and_knob_value(tunable, store: Pa
 def test_tune_with_the_real_clock_finds_a_200x_difference(tunable) -> None:
     """Wall-clock timing tells a 200x difference in work apart (no threshold on the times themselves)."""
     plugin, backend = tunable
-    report = tuning.tune(backend, [CASE])
+    report = bench.tune(backend, [CASE])
     assert {d.name: d.winner for d in report.decisions} == {"passes": 1, "implementation": "tunable.lean"}
     assert _marks_of_one_call(plugin, backend) == "L1"
 
@@ -148,7 +148,7 @@ def test_tune_with_the_real_clock_finds_a_200x_difference(tunable) -> None:
 def test_persisted_winners_load_in_a_new_process(tunable, store: Path) -> None:
     """A fresh interpreter reads the store file and dispatches to the tuned choice with the tuned knob."""
     plugin, backend = tunable
-    tuning.tune(backend, [CASE], clock=_fake_clock(sys.modules[plugin.module]))
+    bench.tune(backend, [CASE], clock=_fake_clock(sys.modules[plugin.module]))
     plugin.marker.unlink()
     code = (
         "import numpy as np, hal_core\n"
@@ -167,7 +167,7 @@ def test_persisted_winners_load_in_a_new_process(tunable, store: Path) -> None:
 def test_the_file_is_ignored_when_the_device_capabilities_differ(tunable, monkeypatch) -> None:
     """Another compute-unit count is another key: the built-in order applies again."""
     plugin, backend = tunable
-    tuning.tune(backend, [CASE], clock=_fake_clock(sys.modules[plugin.module]))
+    bench.tune(backend, [CASE], clock=_fake_clock(sys.modules[plugin.module]))
     import halfakes
 
     monkeypatch.setattr(halfakes, "FAKE_CAPS", halfakes.FAKE_CAPS.model_copy(update={"compute_units": 64}))
@@ -178,7 +178,7 @@ def test_the_file_is_ignored_when_the_device_capabilities_differ(tunable, monkey
 def test_the_file_is_ignored_when_the_hal_version_differs(tunable, monkeypatch) -> None:
     """A table written by another hal version does not apply."""
     plugin, backend = tunable
-    tuning.tune(backend, [CASE], clock=_fake_clock(sys.modules[plugin.module]))
+    bench.tune(backend, [CASE], clock=_fake_clock(sys.modules[plugin.module]))
     monkeypatch.setattr("hal_core._version.__version__", "999.0.0")
     tuning.forget()
     assert _marks_of_one_call(plugin, backend) == "H"
@@ -187,7 +187,7 @@ def test_the_file_is_ignored_when_the_hal_version_differs(tunable, monkeypatch) 
 def test_a_foreign_file_under_the_right_name_is_ignored_with_a_warning(tunable, caplog) -> None:
     """A file whose recorded key is not this device's is logged and ignored (never trusted by its name)."""
     plugin, backend = tunable
-    report = tuning.tune(backend, [CASE], clock=_fake_clock(sys.modules[plugin.module]))
+    report = bench.tune(backend, [CASE], clock=_fake_clock(sys.modules[plugin.module]))
     data = json.loads(report.path.read_text())
     data["key"]["arch"] = "another-arch"
     report.path.write_text(json.dumps(data))
@@ -209,14 +209,14 @@ def test_a_corrupt_file_is_ignored_then_replaced_by_tune(tunable, caplog, text: 
     with caplog.at_level(logging.WARNING, logger="hal"):
         assert _marks_of_one_call(plugin, backend) == "H"
     assert "ignoring tune file" in caplog.text
-    tuning.tune(backend, [CASE], clock=_fake_clock(sys.modules[plugin.module]))
+    bench.tune(backend, [CASE], clock=_fake_clock(sys.modules[plugin.module]))
     assert json.loads(path.read_text())["choices"]["write_kv_cache"]
     assert _marks_of_one_call(plugin, backend) == "L1"
 
 
 def test_hal_tune_0_ignores_the_store(tunable, monkeypatch) -> None:
     plugin, backend = tunable
-    tuning.tune(backend, [CASE], clock=_fake_clock(sys.modules[plugin.module]))
+    bench.tune(backend, [CASE], clock=_fake_clock(sys.modules[plugin.module]))
     monkeypatch.setenv("HAL_TUNE", "0")
     tuning.forget()
     assert _marks_of_one_call(plugin, backend) == "H"
@@ -271,11 +271,11 @@ def test_buckets() -> None:
 
     assert [tuning.pow2(n) for n in (0, 1, 2, 3, 16, 17, 4096)] == [1, 1, 2, 4, 16, 32, 4096]
     qw = quantize(np.ones((64, 8)), bits=4, group_size=32)
-    assert tuning.bucket("quantized_gemm", {"x": np.zeros((12, 64)), "qweight": qw}) == "w4:m16"
+    assert OPS["quantized_gemm"].bucket({"x": np.zeros((12, 64)), "qweight": qw}) == "w4:m16"
     args = {"query": np.zeros((3, 4, 8), np.float16), "key_cache": np.zeros((9, 2, 16, 8), np.float16),
             "block_tables": np.zeros((3, 40), np.int32), "seq_lens": np.array([100, 300, 7], np.int32)}
-    assert tuning.bucket("paged_attention", args) == "fp16:b4:ctx512"
-    assert tuning.bucket("write_kv_cache", {"key": np.zeros((33, 2, 8), np.float32)}) == "fp32:t64"
+    assert OPS["paged_attention"].bucket(args) == "fp16:b4:ctx512"
+    assert OPS["write_kv_cache"].bucket({"key": np.zeros((33, 2, 8), np.float32)}) == "fp32:t64"
 
 
 def test_knob_declarations_are_checked() -> None:
@@ -285,7 +285,7 @@ def test_knob_declarations_are_checked() -> None:
         Knob("size", (1, 1), rule=lambda call: 1)
     with pytest.raises(ValueError, match="identifier"):
         Knob("no spaces", (1, 2), rule=lambda call: 1)
-    registry = hal_core.ops.OpRegistry(frozenset(OPS))
+    registry = hal_core.ops.OpRegistry()
     knob = Knob("size", (1, 2), rule=lambda call: 1)
     with pytest.raises(ValueError, match="knob names must be distinct"):
         registry.register("quantized_gemm", lambda call: None, knobs=(knob, knob))

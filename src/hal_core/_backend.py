@@ -50,6 +50,8 @@ class Backend(ABC):
     #: such arrays. Empty for host backends (host memory is code 1, always
     #: viewed through numpy).
     dlpack_device_types: ClassVar[frozenset[int]] = frozenset()
+    #: The front door, given by :meth:`bind_ops` when hal binds the backend.
+    _hal_ops: Ops | None = None
 
     @classmethod
     @abstractmethod
@@ -142,13 +144,17 @@ class Backend(ABC):
         An instance made by hand has none until
         :meth:`hal_core.ops.Ops.attach` gives it one.
         """
-        ops = self.__dict__.get("_hal_ops")
+        ops = self._hal_ops
         if ops is None:
             raise RuntimeError(
                 f"backend {self.name!r} is not bound: get it with hal_core.get_backend({self.name!r}), "
                 f"or give this instance a front door with hal_core.ops.Ops.attach(backend)"
             )
         return ops
+
+    def bind_ops(self, ops: Ops) -> None:
+        """Make ``ops`` this instance's front door (:meth:`hal_core.ops.Ops.attach` calls it when hal binds it)."""
+        self._hal_ops = ops
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} priority={self.priority}>"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ._launch import KernelLauncher
 from ._memory import Allocator
@@ -43,6 +43,18 @@ class DeviceHandle(ABC):
         per-thread current stream (``with stream:``) returns that one.
         """
         return self.default_stream
+
+    def wrap_stream(self, foreign: Any) -> Stream:
+        """A :class:`Stream` over another library's stream on this device (e.g. torch's current stream); not owned.
+
+        ``with device.wrap_stream(s):`` makes it the current stream, so ops enqueue on it without a
+        copy or a synchronisation (how ``torch.ops.hal`` follows torch's stream). The default refuses:
+        a backend whose devices have no foreign streams (a host backend) never needs it.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot wrap a foreign stream ({type(foreign).__name__}); "
+            f"its backend has no streams of other libraries"
+        )
 
     @abstractmethod
     def create_stream(self) -> Stream:

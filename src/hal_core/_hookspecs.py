@@ -17,7 +17,13 @@ provides::
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pluggy
+
+if TYPE_CHECKING:
+    from ._backend import Backend
+    from .ops import OpImpl
 
 __all__ = ["PROJECT_NAME", "hookimpl", "hookspec"]
 
@@ -42,7 +48,7 @@ def hal_api_version() -> tuple[int, int]:
 
 
 @hookspec
-def hal_backends() -> list[type]:
+def hal_backends() -> list[type[Backend]]:
     """Backend classes the plugin provides.
 
     :returns: a list of :class:`hal_core.Backend` subclasses (not instances).
@@ -52,7 +58,7 @@ def hal_backends() -> list[type]:
 
 
 @hookspec
-def hal_extra_ops(backend) -> list:
+def hal_extra_ops(backend: Backend) -> list[OpImpl]:
     """Op implementations this plugin adds to a backend it may not own.
 
     Called once for each backend when it is bound.

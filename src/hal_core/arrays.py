@@ -6,7 +6,8 @@ Arrays are recognised by protocol (``__dlpack_device__``, ``flags``,
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Mapping
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -15,7 +16,7 @@ __all__ = [
     "BFLOAT16",
     "DLPACK_CPU",
     "DLPACK_HOST_TYPES",
-    "ArrayLike",
+    "DTYPE_NAMES",
     "TaggedArray",
     "device_of",
     "dlpack_device",
@@ -41,6 +42,9 @@ _NAMES = {
     np.dtype(np.uint32): "uint32",
 }
 _BY_NAME = {name: dtype for dtype, name in _NAMES.items()}
+#: hal's dtype names of numpy dtypes (a lookup for hot paths, not to be modified; :func:`dtype_name`
+#: handles every array).
+DTYPE_NAMES: Mapping[np.dtype, str] = _NAMES
 
 #: DLPack's device type code of host memory (``kDLCPU``).
 DLPACK_CPU = 1
@@ -53,17 +57,6 @@ _DLPACK_KINDS = {
     10: "kDLROCM", 11: "kDLROCMHost", 12: "kDLExtDev", 13: "kDLCUDAManaged", 14: "kDLOneAPI", 15: "kDLWebGPU",
     16: "kDLHexagon", 17: "kDLMAIA",
 }
-
-
-@runtime_checkable
-class ArrayLike(Protocol):
-    """What hal needs of an array: a shape and a dtype."""
-
-    @property
-    def shape(self) -> tuple[int, ...]: ...
-
-    @property
-    def dtype(self) -> Any: ...
 
 
 def dtype_name(array_or_dtype: Any) -> str:

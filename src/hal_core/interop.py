@@ -67,27 +67,28 @@ def import_arrays(spec: OpSpec, args: dict[str, Any], backend: Backend) -> tuple
     """Arguments as native arrays (no copy), plus the converter for the result."""
     converted = args
     saw_torch = False
-    for name, value in args.items():
+    for arg in spec.args:
+        value = args.get(arg.name)
         if value is None or type(value) is np.ndarray:
             continue
-        if isinstance(value, QuantizedWeight):
+        if arg.is_weight and isinstance(value, QuantizedWeight):
             arrays = {}
             changed = False
             for field, array in value.arrays().items():
                 if type(array) is np.ndarray:
                     continue
                 saw_torch |= is_torch_tensor(array)
-                arrays[field] = native = to_native(array, backend, f"{name}.{field}")
+                arrays[field] = native = to_native(array, backend, f"{arg.name}.{field}")
                 changed |= native is not array
             if changed:
                 converted = converted if converted is not args else dict(args)
-                converted[name] = replace(value, **arrays)
-        elif name in spec.array_args:
+                converted[arg.name] = replace(value, **arrays)
+        elif arg.is_array:
             saw_torch |= is_torch_tensor(value)
-            native = to_native(value, backend, name)
+            native = to_native(value, backend, arg.name)
             if native is not value:
                 converted = converted if converted is not args else dict(args)
-                converted[name] = native
+                converted[arg.name] = native
     if not saw_torch:
         return converted, _identity
     out_native, out_torch = converted.get("out"), args.get("out")

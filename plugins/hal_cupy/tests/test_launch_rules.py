@@ -238,7 +238,7 @@ def test_ops_register_with_priority() -> None:
 
     from hal_core.ops import OpRegistry
 
-    registry = OpRegistry(frozenset(OPS))
+    registry = OpRegistry()
     register_ops(registry, "cuda")
     assert registry.ops() == sorted(OPS)
     for op in OPS:

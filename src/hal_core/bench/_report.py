@@ -95,18 +95,15 @@ def plot_report(report: dict[str, Any], path: str | os.PathLike[str]) -> Path:
         hal = case.get("hal", {})
         if "ratio_copy" not in hal:
             continue
-        params = case["params"]
-        if case["op"] == "quantized_gemm":
-            large_m = params["m"] >= 64
-            kind = f"{case['label'].split(' ')[0]} M{'>=64 (xBLAS)' if large_m else '<64'}"
-            ratio = hal["ratio_blas"] if large_m else hal["ratio_copy"]
-        else:
-            kind, ratio = f"{case['op']} {params['dtype']}", hal["ratio_copy"]
+        if hal.get("ratio_roofline") is None:
+            continue
+        kind = f"{case['label'].split(' ')[0]} {case['params'].get('dtype', '')}".strip()
+        ratio = hal["ratio_roofline"]
         series.setdefault(kind, []).append((case["bytes"], ratio))
         for peer in case.get("peers", ()):
             if peer.get("hal_speedup"):
                 peers.setdefault(peer["name"], []).append((case["bytes"], peer["hal_speedup"]))
-    for axis, data, title in ((left, series, "effective bandwidth / copy bandwidth (GEMM M>=64: FLOP/s / BLAS)"),
+    for axis, data, title in ((left, series, "roofline fraction: max(GB/s / copy rate, FLOP/s / BLAS rate)"),
                               (right, peers, "hal speed / peer speed (same run; > 1: hal faster)")):
         for name, points in sorted(data.items()):
             axis.scatter([p[0] for p in points], [p[1] for p in points], label=name, s=28)

@@ -64,14 +64,14 @@ def rotation(case: Case, nbytes: int, llc_bytes: int, cached: bool) -> int:
     """How many distinct input sets the timed calls cycle through.
 
     Enough that the sets together are twice the last-level cache (so no call
-    finds its operands in cache), at least 3 for quantized_gemm (so a
-    per-weight cache in an implementation cannot serve a call), at most 16
+    finds its operands in cache), at least 3 for an op taking a quantized
+    weight (so a per-weight cache in an implementation cannot serve a call), at most 16
     and at most 1 GiB in all; 1 with ``cached``.
     """
     if cached:
         return 1
     count = math.ceil(2 * llc_bytes / max(nbytes, 1))
-    if case.op == "quantized_gemm":
+    if any(arg.is_weight for arg in OPS[case.op].args):
         count = max(count, 3)
     count = min(count, 16, max(1, _ROTATION_BUDGET // max(nbytes, 1)))
     return max(count, 1)
@@ -123,6 +123,9 @@ def _add_ratios(results: list[dict[str, Any]], limits: dict[str, Any]) -> None:
             if "gbps" in m:
                 m["ratio_copy"] = m["gbps"] / copy if copy else None
                 m["ratio_blas"] = m["gflops"] / blas if blas and case.get("flops") else None
+                bounds = [r for r in (m["ratio_copy"], m["ratio_blas"]) if r is not None]
+                # the roofline's time is the larger of bytes / copy rate and FLOPs / BLAS rate
+                m["ratio_roofline"] = max(bounds) if bounds else None
 
 
 def _best_limits(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

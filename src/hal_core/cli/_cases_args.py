@@ -13,12 +13,12 @@ WARMUP_SECONDS = 0.25
 
 
 def add_case_options(parser: argparse.ArgumentParser, default_preset: str) -> None:
-    from ..bench import PARAMS, PRESETS
+    from ..bench import bench_params, preset_names
 
     parser.add_argument("--backend", help="backend name (default: HAL_BACKEND, else the best available)")
-    parser.add_argument("--preset", choices=PRESETS, default=None,
+    parser.add_argument("--preset", choices=preset_names(), default=None,
                         help=f"a shape grid (default {default_preset} when no --shape is given)")
-    parser.add_argument("--op", action="append", choices=list(PARAMS), default=None,
+    parser.add_argument("--op", action="append", choices=list(bench_params()), default=None,
                         help="only this op (repeatable); with --shape, the op the shapes are for")
     parser.add_argument("--shape", action="append", default=None, metavar="KEY=VALUE,...",
                         help="one case, e.g. M=1,K=4096,N=11008,bits=4,group=128 with --op quantized_gemm "

@@ -1,89 +1,74 @@
 """``hal info --explain`` and ``--stats``: which implementation would run, and what ran.
 
-``--explain`` builds each op's arguments for a few representative shapes
-(or the shapes given with ``--shape``), validates them on the selected
-backend exactly as a call would, and lists every candidate implementation
-with its verdict: the one that would run, and why each other was passed
-over; plus what the backend declares it runs itself (its
-:class:`~hal_core.ops.OpCoverage`). Nothing is launched.
+``--explain`` builds each op's arguments for the representative cases it
+declares (:attr:`hal_core.ops.BenchCases.explain`, or the shapes given with
+``--shape``), validates them on the selected backend exactly as a call would,
+and lists every candidate implementation with its verdict: the one that would
+run, and why each other was passed over; plus what the backend declares it
+runs itself (its :class:`~hal_core.ops.OpCoverage`). Nothing is launched.
 
-A shape is ``OP:key=value,...``, e.g.
-``paged_attention:dtype=bf16,head_size=64,block_size=32,seq_len=300`` or
-``quantized_gemm:m=1,k=4096,n=4096,bits=4,group_size=128``. Keys not given
-take the first representative case's values.
+A shape is ``OP:key=value,...`` with the op's benchmark parameters (or their
+aliases), e.g. ``paged_attention:dtype=bf16,head_size=64,block_size=32,seq_len=300``
+or ``quantized_gemm:m=1,k=4096,n=4096,bits=4,group_size=128``. Keys not given
+take the op's first representative case's values, then its defaults.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 import hal_core
-from hal_core.ops import call_features
+from hal_core.ops import OPS, BenchCases
 
-__all__ = ["REPRESENTATIVE", "explain", "parse_shape", "stats_report"]
+__all__ = ["explain", "parse_shape", "representative", "stats_report"]
 
-#: The cases ``--explain`` shows when no ``--shape`` is given.
-REPRESENTATIVE: dict[str, list[dict[str, Any]]] = {
-    "paged_attention": [
-        {"dtype": "fp16", "head_size": 128, "block_size": 16, "seq_len": 512, "num_seqs": 4,
-         "num_heads": 32, "num_kv_heads": 8},
-        {"dtype": "bf16", "head_size": 64, "block_size": 32, "seq_len": 4096, "num_seqs": 1,
-         "num_heads": 8, "num_kv_heads": 1},
-        {"dtype": "fp32", "head_size": 256, "block_size": 8, "seq_len": 33, "num_seqs": 2,
-         "num_heads": 4, "num_kv_heads": 4},
-    ],
-    "write_kv_cache": [
-        {"dtype": "fp16", "head_size": 128, "block_size": 16, "num_tokens": 8, "num_kv_heads": 8},
-        {"dtype": "bf16", "head_size": 64, "block_size": 32, "num_tokens": 1, "num_kv_heads": 1},
-    ],
-    "quantized_gemm": [
-        {"dtype": "fp16", "m": 1, "k": 4096, "n": 4096, "bits": 4, "group_size": 128},
-        {"dtype": "bf16", "m": 256, "k": 1024, "n": 1024, "bits": 4, "group_size": 64},
-        {"dtype": "fp16", "m": 16, "k": 1024, "n": 1024, "bits": 8, "group_size": 128},
-    ],
-}
+
+def _declared(op: str) -> BenchCases:
+    spec = OPS.get(op)
+    if spec is None or spec.bench is None or spec.bench.test_inputs is None:
+        raise ValueError(f"unknown op {op!r}; known: {sorted(representative())}")
+    return spec.bench
+
+
+def representative() -> dict[str, list[dict[str, Any]]]:
+    """Per op: the cases ``--explain`` shows when no ``--shape`` is given (defaults filled in)."""
+    return {op: [{**spec.bench.params, **case} for case in spec.bench.explain]
+            for op, spec in OPS.items() if spec.bench is not None and spec.bench.test_inputs is not None}
 
 
 def parse_shape(text: str) -> tuple[str, dict[str, Any]]:
     """``'OP:key=value,...'`` as ``(op, case)``; raises ValueError naming what is wrong."""
     op, _, rest = text.partition(":")
-    if op not in REPRESENTATIVE:
-        raise ValueError(f"--shape {text!r}: unknown op {op!r}; known: {sorted(REPRESENTATIVE)}")
-    case = dict(REPRESENTATIVE[op][0])
+    try:
+        bench = _declared(op)
+    except ValueError:
+        raise ValueError(f"--shape {text!r}: unknown op {op!r}; known: {sorted(representative())}") from None
+    case = {**bench.params, **(bench.explain[0] if bench.explain else {})}
     for item in filter(None, (part.strip() for part in rest.split(","))):
         key, sep, value = item.partition("=")
+        key = bench.aliases.get(key.strip().lower(), key.strip().lower())
         if not sep or key not in case:
             raise ValueError(f"--shape {text!r}: expected key=value with a key of {sorted(case)}, got {item!r}")
         if key == "dtype":
-            case[key] = value
+            case[key] = value.strip()
             continue
         try:
             case[key] = int(value)
         except ValueError:
             raise ValueError(f"--shape {text!r}: {key} must be an integer, got {value!r}") from None
+    problem = bench.check(case)
+    if problem:
+        raise ValueError(f"--shape {text!r}: {problem}")
     return op, case
 
 
-def _host_args(op: str, case: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
-    from hal_core.testing.inputs import paged_attention_inputs, quantized_gemm_inputs, write_kv_cache_inputs
-
-    if op == "paged_attention":
-        args = paged_attention_inputs(rng, seq_lens=[case["seq_len"]] * case["num_seqs"], num_heads=case["num_heads"],
-                                      num_kv_heads=case["num_kv_heads"], head_size=case["head_size"],
-                                      block_size=case["block_size"], dtype=case["dtype"])
-        return {**args, "out": None}
-    if op == "write_kv_cache":
-        blocks = -(-case["num_tokens"] // case["block_size"]) + 1
-        args = write_kv_cache_inputs(rng, num_tokens=case["num_tokens"], num_blocks=blocks,
-                                     num_kv_heads=case["num_kv_heads"], block_size=case["block_size"],
-                                     head_size=case["head_size"], dtype=case["dtype"])
-        return {k: args[k] for k in ("key", "value", "key_cache", "value_cache", "slot_mapping")}
-    args = quantized_gemm_inputs(rng, m=case["m"], k=case["k"], n=case["n"], bits=case["bits"],
-                                 group_size=case["group_size"], symmetric=True, dtype=case["dtype"])
-    return {"x": args["x"], "qweight": args["qweight"], "out": None}
+def _host_args(op: str, case: Mapping[str, Any], rng: np.random.Generator) -> dict[str, Any]:
+    test_inputs = _declared(op).test_inputs
+    assert test_inputs is not None  # _declared checked it
+    return test_inputs(rng, case)
 
 
 def explain(backend: Any, cases: Sequence[tuple[str, dict[str, Any]]] | None = None) -> list[dict[str, Any]]:
@@ -91,7 +76,7 @@ def explain(backend: Any, cases: Sequence[tuple[str, dict[str, Any]]] | None = N
     from hal_core.testing.inputs import to_backend
 
     if cases is None:
-        cases = [(op, case) for op, listed in REPRESENTATIVE.items() for case in listed]
+        cases = [(op, case) for op, listed in representative().items() for case in listed]
     rng = np.random.default_rng(0)
     rows = []
     for op, case in cases:
@@ -105,7 +90,7 @@ def explain(backend: Any, cases: Sequence[tuple[str, dict[str, Any]]] | None = N
             continue
         row["candidates"] = [{"implementation": name, "verdict": verdict}
                              for name, verdict in backend.ops.explain(call)]
-        declared = backend.ops.coverage(op).covers(call_features(op, call.args))
+        declared = backend.ops.coverage(op).covers_call(call.spec, call.args)
         row["declared"] = "runs it itself" if declared is True else declared
         rows.append(row)
     return rows

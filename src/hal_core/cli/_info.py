@@ -21,12 +21,12 @@ CORE_VARIABLES = ("HAL_BACKEND", "HAL_FORCE_CPU", "HAL_STRICT", "HAL_DISABLE_PLU
 
 def collect_tuning(backends: dict[str, Any]) -> dict[str, Any]:
     """Where the tune store lives and, per bound backend and op, whether a tuned choice or the built-in rule applies."""
-    from hal_core import tuning
+    from hal_core import bench, tuning
 
     found: dict[str, dict[str, Any]] = {}
     for name, backend in backends.items():
         per_op = {}
-        for op, info in tuning.tunables(backend).items():
+        for op, info in bench.tunables(backend).items():
             src = tuning.source(backend, op)
             per_op[op] = {"decided_by": "tuned" if src["tuned"] else "built-in", "tunable": info["tunable"],
                           "implementations": info["implementations"], "knobs": info["knobs"],

@@ -98,12 +98,12 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         cases = cases_from(args, "all")
     except bench.BenchArgumentError as exc:
         return _fail(str(exc))
-    wanted = {op for op, info in tuning.tunables(backend).items() if info["tunable"]}
+    wanted = {op for op, info in bench.tunables(backend).items() if info["tunable"]}
     cases = [c for c in cases if c.op in wanted]
     print(f"tuning backend {backend.name!r}: {len(cases)} case(s) over ops {sorted(wanted) or 'none'}; "
           f"store {tuning.tune_dir()}")
     progress = bench.Progress(len(cases), enabled=not args.quiet)
-    report = tuning.tune(backend, cases, policy, progress=progress, persist=not args.dry_run)
+    report = bench.tune(backend, cases, policy, progress=progress, persist=not args.dry_run)
     progress.close()
     _print_report(report)
     return 0

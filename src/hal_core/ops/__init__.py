@@ -1,9 +1,16 @@
-"""Op definitions (signature, validation, cost, float64 reference), coverage declarations and dispatch."""
+"""Op declarations (arguments, validation, cost, float64 reference), coverage declarations and dispatch.
+
+Each op is one :class:`OpSpec` subclass declaring its facts (:class:`Arg`, :class:`Output`,
+:class:`Feature`, :class:`BenchCases`); :func:`register_op` makes it known to every backend's front
+door (:class:`Ops`), to coverage, tuning, ``hal bench``, ``hal info --explain`` and ``torch.ops.hal``.
+"""
 
 from __future__ import annotations
 
+from ._catalog import OPS, register_op, unregister_op
 from ._coverage import OpCoverage, call_features
-from ._dispatch import OPS, DispatchEvent, Ops, OpStats
+from ._declare import Arg, BenchCases, Dim, Feature, Output, Role
+from ._dispatch import DispatchEvent, Ops, OpStats
 from ._registry import OpRegistry
 from ._spec import OpCall, OpImpl, OpSpec
 from .paged_attention import PagedAttention
@@ -12,7 +19,11 @@ from .write_kv_cache import WriteKVCache
 
 __all__ = [
     "OPS",
+    "Arg",
+    "BenchCases",
+    "Dim",
     "DispatchEvent",
+    "Feature",
     "OpCall",
     "OpCoverage",
     "OpImpl",
@@ -20,10 +31,14 @@ __all__ = [
     "OpSpec",
     "OpStats",
     "Ops",
+    "Output",
     "PagedAttention",
     "QuantizedGemm",
+    "Role",
     "WriteKVCache",
     "call_features",
+    "register_op",
+    "unregister_op",
 ]
 
 for _name in __all__:

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from .. import _env
 from .._errors import ArgumentError, ArgumentTypeError
 from ..arrays import dtype_name, is_c_contiguous, untag
 
@@ -19,6 +20,7 @@ __all__ = [
     "check_writable",
     "fail",
     "host_index_checks",
+    "rows_contiguous",
 ]
 
 #: Index arrays up to this many entries are checked as Python lists: a numpy reduction costs about 1 us
@@ -42,9 +44,10 @@ def host_index_checks(*arrays: Any) -> bool:
     :class:`~hal_core.ArgumentError` at its next synchronisation point or
     :func:`hal_core.check_errors` (docs/environment.md).
     """
-    from .. import _env
-
-    return _env.check_indices() and all(type(a) is np.ndarray for a in arrays)
+    for array in arrays:
+        if type(array) is not np.ndarray:
+            return False
+    return _env.check_indices()
 
 
 def check_array(
@@ -55,6 +58,7 @@ def check_array(
     ndim: int,
     dtypes: Collection[str],
     contiguous: bool | Literal["last"] = True,
+    dtype_why: str = "",
 ) -> str:
     """Check rank, dtype and layout of ``value``; return its dtype name.
 
@@ -62,13 +66,14 @@ def check_array(
     ``contiguous``: True requires a C-contiguous array; ``"last"`` only a
     contiguous last dimension and non-negative strides (views such as the
     key slice of a fused QKV projection); False checks no layout.
+    ``dtype_why`` follows the expected dtype in the message (``" (the query's)"``).
     """
     if type(value) is np.ndarray:  # the hot path: a valid numpy array answered in a few attribute reads
         name = dtype_name(value)
         if name in dtypes and value.ndim == ndim:
             if contiguous is True and value.flags.c_contiguous:
                 return name
-            if contiguous == "last" and _rows_contiguous(value):
+            if contiguous == "last" and rows_contiguous(value):
                 return name
             if contiguous is False:
                 return name
@@ -81,12 +86,12 @@ def check_array(
     name = dtype_name(value)
     if name not in allowed:
         raise ArgumentTypeError(
-            f"argument {arg!r}: expected dtype {' or '.join(allowed)}, got {name}"
+            f"argument {arg!r}: expected dtype {' or '.join(allowed)}{dtype_why}, got {name}"
         )
     if len(value.shape) != ndim:
         raise fail(arg, f"{ndim} dimensions {layout}", f"shape {tuple(value.shape)}")
     if contiguous == "last":
-        _check_rows_contiguous(arg, value)
+        _checkrows_contiguous(arg, value)
     elif contiguous and not is_c_contiguous(value):
         raise ArgumentError(
             f"argument {arg!r}: expected a C-contiguous array, got strides "
@@ -101,7 +106,7 @@ def _strides(value: Any) -> tuple[int, ...] | None:
     return None if strides is None else tuple(int(x) for x in strides)
 
 
-def _rows_contiguous(value: Any) -> bool:
+def rows_contiguous(value: Any) -> bool:
     """Whether ``value``'s last dimension is contiguous and no stride of a dimension above 1 is negative."""
     if is_c_contiguous(value):
         return True
@@ -113,8 +118,8 @@ def _rows_contiguous(value: Any) -> bool:
     ))
 
 
-def _check_rows_contiguous(arg: str, value: Any) -> None:
-    if not _rows_contiguous(value):
+def _checkrows_contiguous(arg: str, value: Any) -> None:
+    if not rows_contiguous(value):
         strides = _strides(value)
         shape = tuple(value.shape)
         raise ArgumentError(
@@ -172,16 +177,53 @@ def byte_range(value: Any) -> tuple[int, int] | None:
 
 
 def check_disjoint(first: str, a: Any, second: str, b: Any) -> None:
-    """Refuse two arrays (on one device) whose memory overlaps, e.g. one array given as both caches."""
+    """Refuse two arrays (on one device) that share an element, e.g. one array given as both caches.
+
+    Arrays whose extents interleave without sharing an element (the K and V halves of an engine's
+    ``[..., 2 * block_size, head_size]`` cache view) are accepted: the check is exact for arrays of one
+    shape and strides, and by extent otherwise.
+    """
     if a is b or untag(a) is untag(b):
         raise ArgumentError(f"arguments {first!r} and {second!r} are the same array; pass two separate arrays")
-    if type(a) is np.ndarray and type(b) is np.ndarray:  # numpy's own extent check, in C (the hot path on a host)
-        if a.size and b.size and np.may_share_memory(a, b):
-            raise ArgumentError(f"arguments {first!r} and {second!r} overlap in memory; pass two separate arrays")
-        return
+    if type(a) is np.ndarray and type(b) is np.ndarray and not (a.size and b.size and np.may_share_memory(a, b)):
+        return  # numpy's extent check, in C (the hot path on a host)
     ra, rb = byte_range(a), byte_range(b)
-    if ra is not None and rb is not None and ra[0] < rb[1] and rb[0] < ra[1]:
+    if ra is None or rb is None or not (ra[0] < rb[1] and rb[0] < ra[1]):
+        return
+    sa, sb = _strides(a), _strides(b)
+    shape = tuple(int(x) for x in a.shape)
+    itemsize = getattr(untag(a), "dtype", np.dtype(np.uint8)).itemsize
+    if sa is None or sa != sb or shape != tuple(int(x) for x in b.shape) or \
+            _offsets_meet(rb[0] - ra[0] + _low_offset(shape, sa) - _low_offset(shape, sb), shape, sa, itemsize):
         raise ArgumentError(f"arguments {first!r} and {second!r} overlap in memory; pass two separate arrays")
+
+
+def _low_offset(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
+    return sum(min(0, (n - 1) * s) for n, s in zip(shape, strides, strict=True))
+
+
+def _offsets_meet(delta: int, shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
+    """Whether two arrays of one shape and byte strides whose first elements lie ``delta`` bytes apart share a byte.
+
+    They do when some difference of two index vectors ``d`` (``|d_k| < shape_k``) has ``|sum(strides * d) - delta|
+    < itemsize``. Searched dimension by dimension, largest stride first, keeping only the ``d_k`` the smaller
+    dimensions can still reach: a layout of nested strides (every engine's) leaves one or two per dimension.
+    """
+    dims = sorted(((abs(s), n) for s, n in zip(strides, shape, strict=True) if n > 1 and s), reverse=True)
+    reach = [itemsize - 1]
+    for stride, n in reversed(dims):
+        reach.append(reach[-1] + stride * (n - 1))
+    reach.reverse()  # reach[k]: the largest |offset| dimensions k.. can add, plus the element's own bytes
+
+    def search(k: int, rest: int) -> bool:
+        if k == len(dims):
+            return abs(rest) < itemsize
+        stride, n = dims[k]
+        low = max(-(n - 1), -((reach[k + 1] - rest) // stride))
+        high = min(n - 1, (rest + reach[k + 1]) // stride)
+        return any(search(k + 1, rest - d * stride) for d in range(low, high + 1))
+
+    return search(0, delta)
 
 
 def check_block_tables(block_tables: np.ndarray, seq_lens: np.ndarray, num_blocks: int, block_size: int,

@@ -1,105 +1,118 @@
-"""What a backend declares it runs itself, per op: dtypes, head sizes, block sizes, group sizes, bits.
+"""What a backend declares it runs itself, per op: the values of the op's declared features it handles.
 
 A backend declares, in :meth:`Backend.register_ops`, the argument
 features each op's own implementations handle::
 
-    registry.declare("paged_attention", OpCoverage(dtypes={"fp16", "bf16"}, head_sizes={64, 128}))
+    registry.declare("paged_attention", OpCoverage(dtypes={"fp16", "bf16"}, head_sizes={64, 128},
+                                                   variants={"prefill", "window"}))
 
-A call outside the declaration may fall back (to the host backend) as
-designed; a call inside it must not, and the contract suite fails a test
-in which one did. An op with no declaration is claimed whole: every valid
-call must run on the backend's own implementations. ``OpCoverage.none()``
-declares an op the backend leaves to the fallback.
+The keywords are the op's declared features (:attr:`OpSpec.features`: ``dtypes``,
+``head_sizes``, ``block_sizes`` and ``variants`` for the attention ops, ``group_sizes`` and
+``bits`` for ``quantized_gemm``, ...). A call outside the declaration may fall back (to the host
+backend) as designed; a call inside it must not, and the contract suite fails a test in which one
+did. An op with no declaration is claimed whole: every valid call must run on the backend's own
+implementations. ``OpCoverage.none()`` declares an op the backend leaves to the fallback.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..arrays import dtype_name
+from ._catalog import OPS
+
+if TYPE_CHECKING:
+    from ._spec import OpSpec
 
 __all__ = ["OpCoverage", "call_features"]
 
 
-#: OpCoverage field → the call feature it constrains.
-_FIELD_FEATURE = {"dtypes": "dtype", "head_sizes": "head_size", "block_sizes": "block_size",
-                  "group_sizes": "group_size", "bits": "bits"}
-
-
-def _frozen(values: Iterable[Any] | None) -> frozenset[Any] | None:
-    return None if values is None else frozenset(values)
-
-
 @dataclass(frozen=True, init=False)
 class OpCoverage:
-    """The argument features an op's own implementations handle; None in a field means any.
+    """The feature values an op's own implementations handle; a feature left out means any value.
 
-    ``dtypes`` are hal dtype names (the query's, the key's or ``x``'s);
-    ``head_sizes`` and ``block_sizes`` apply to the attention ops;
-    ``group_sizes`` and ``bits`` to ``quantized_gemm``. ``enabled=False``
-    (:meth:`none`) declares that the op is left to the fallback entirely.
+    Keywords are the op's declared feature fields (see the module docs); ``enabled=False``
+    (:meth:`none`) declares that the op is left to the fallback entirely. A set-valued feature
+    (``variants``) is covered when every value the call uses is declared.
     """
 
-    dtypes: frozenset[str] | None
-    head_sizes: frozenset[int] | None
-    block_sizes: frozenset[int] | None
-    group_sizes: frozenset[int] | None
-    bits: frozenset[int] | None
+    allowed: Mapping[str, frozenset[Hashable]]
     enabled: bool
 
-    def __init__(self, *, dtypes: Iterable[str] | None = None, head_sizes: Iterable[int] | None = None,
-                 block_sizes: Iterable[int] | None = None, group_sizes: Iterable[int] | None = None,
-                 bits: Iterable[int] | None = None, enabled: bool = True) -> None:
-        values = {"dtypes": _frozen(dtypes), "head_sizes": _frozen(head_sizes), "block_sizes": _frozen(block_sizes),
-                  "group_sizes": _frozen(group_sizes), "bits": _frozen(bits)}
-        for name, value in values.items():
-            kind = str if name == "dtypes" else int
-            if value is not None and not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
-                raise TypeError(f"OpCoverage({name}=...): expected {kind.__name__} values, "
-                                f"got {sorted(value, key=repr)}")
-            object.__setattr__(self, name, value)
+    def __init__(self, *, enabled: bool = True, **allowed: Iterable[Hashable] | None) -> None:
         if not isinstance(enabled, bool):
             raise TypeError(f"OpCoverage(enabled=...): expected a bool, got {enabled!r}")
+        values: dict[str, frozenset[Hashable]] = {}
+        for name, given in allowed.items():
+            if given is None:
+                continue
+            if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
+                raise TypeError(f"OpCoverage({name}=...): expected a collection of values, got {given!r}")
+            found = frozenset(given)
+            if any(isinstance(v, bool) for v in found):
+                raise TypeError(f"OpCoverage({name}=...): expected values, not booleans, got {sorted(found, key=repr)}")
+            values[name] = found
+        object.__setattr__(self, "allowed", values)
         object.__setattr__(self, "enabled", enabled)
+
+    def __getattr__(self, name: str) -> frozenset[Hashable] | None:
+        """``coverage.head_sizes``: the declared values of a feature (None: any)."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return self.__dict__["allowed"].get(name)
+
+    def __hash__(self) -> int:
+        return hash((tuple(sorted(self.allowed.items(), key=lambda kv: kv[0])), self.enabled))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, OpCoverage) and (self.allowed, self.enabled) == (other.allowed, other.enabled)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={sorted(v, key=repr)}" for k, v in sorted(self.allowed.items()))
+        return f"OpCoverage({fields}{', ' if fields else ''}enabled={self.enabled})"
 
     @classmethod
     def none(cls) -> OpCoverage:
         """The op is not run by this backend at all: every call goes to the fallback."""
         return cls(enabled=False)
 
-    def covers(self, features: Mapping[str, Any]) -> bool | str:
+    def check_fields(self, spec: OpSpec) -> None:
+        """Raise ``ValueError`` when a keyword is not one of ``spec``'s declared features."""
+        known = {feature.field for feature in spec.features}
+        unknown = sorted(set(self.allowed) - known)
+        if unknown:
+            raise ValueError(f"OpCoverage for {spec.name}: unknown feature(s) {unknown}; "
+                             f"{spec.name} declares {sorted(known)}")
+
+    def covers_call(self, spec: OpSpec, args: Mapping[str, Any]) -> bool | str:
+        """True when a validated call of ``spec`` is declared, else why not."""
+        return self.covers(spec.features_of(args), spec)
+
+    def covers(self, features: Mapping[str, Any], spec: OpSpec | None = None) -> bool | str:
         """True when a call with these features (:func:`call_features`) is declared, else why not."""
         if not self.enabled:
             return "the backend declares this op unsupported"
-        for field_name, feature in _FIELD_FEATURE.items():
-            allowed = getattr(self, field_name)
-            if allowed is None or feature not in features:
+        by_name = {} if spec is None else {f.name: f for f in spec.features}
+        for name, value in features.items():
+            feature = by_name.get(name)
+            field = feature.field if feature is not None else _plural(name)
+            allowed = self.allowed.get(field)
+            if allowed is None:
                 continue
-            value = features[feature]
-            if value not in allowed:
-                return f"{feature.replace('_', ' ')} {value!r} is not declared (declared: {sorted(allowed)})"
+            many = feature.many if feature is not None else isinstance(value, (set, frozenset))
+            missing = sorted(set(value) - allowed, key=repr) if many else ([] if value in allowed else [value])
+            if missing:
+                shown = missing if many else repr(missing[0])
+                return (f"{name.replace('_', ' ')} {shown} is not declared "
+                        f"(declared: {sorted(allowed, key=repr)})")
         return True
 
 
-def _attention_features(args: Mapping[str, Any]) -> dict[str, Any]:
-    cache = args["key_cache"]
-    return {"dtype": dtype_name(cache), "head_size": int(cache.shape[3]), "block_size": int(cache.shape[2])}
-
-
-def _gemm_features(args: Mapping[str, Any]) -> dict[str, Any]:
-    qweight = args["qweight"]
-    return {"dtype": dtype_name(args["x"]), "group_size": int(qweight.group_size), "bits": int(qweight.bits)}
-
-
-_FEATURES: dict[str, Callable[[Mapping[str, Any]], dict[str, Any]]] = {
-    "paged_attention": _attention_features,
-    "write_kv_cache": _attention_features,
-    "quantized_gemm": _gemm_features,
-}
+def _plural(name: str) -> str:
+    return name if name.endswith("s") else f"{name}s"
 
 
 def call_features(op: str, args: Mapping[str, Any]) -> dict[str, Any]:
     """The features of a validated call that :class:`OpCoverage` speaks of (``dtype``, ``head_size``, ...)."""
-    return _FEATURES[op](args)
+    return OPS[op].features_of(args)

@@ -21,9 +21,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import MethodType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,24 +32,18 @@ import numpy as np
 from .. import _env, interop
 from .._errors import ArgumentError, ArgumentTypeError, FallbackError, ImplementationError, KernelCompileError
 from ..arrays import device_of, dtype_name
-from ..quant import QuantizedWeight
 from ..tuning import ordered as tuned_order
+from ._catalog import OPS
 from ._coverage import OpCoverage
 from ._registry import OpRegistry
 from ._spec import OpCall, OpImpl, OpSpec
-from .paged_attention import PagedAttention
-from .quantized_gemm import QuantizedGemm
-from .write_kv_cache import WriteKVCache
 
 if TYPE_CHECKING:
     from .._backend import Backend
 
-__all__ = ["OPS", "DispatchEvent", "OpStats", "Ops"]
+__all__ = ["DispatchEvent", "OpStats", "Ops"]
 
 log = logging.getLogger("hal")
-
-#: Every op hal defines, by name.
-OPS: dict[str, OpSpec] = {spec.name: spec for spec in (PagedAttention(), WriteKVCache(), QuantizedGemm())}
 
 
 @dataclass(frozen=True)
@@ -84,22 +79,24 @@ class OpStats:
 
 
 class Ops:
-    """The ops of one backend: ``paged_attention``, ``write_kv_cache``, ``quantized_gemm``.
+    """The ops of one backend: one method per op of :data:`~hal_core.ops.OPS`, named like it.
 
-    ``fallback`` is the host backend that answers what this backend cannot
-    (None: the float64 reference does); ``extra_impls`` are implementations
-    other plugins add to this backend.
+    ``ops.paged_attention(...)``, ``ops.write_kv_cache(...)``, ``ops.quantized_gemm(...)`` and any op
+    registered later: each method's signature is its op's declaration (required arguments positional,
+    the others keyword-only; ``help(ops.paged_attention)`` shows it). ``fallback`` is the host backend that
+    answers what this backend cannot (None: the float64 reference does); ``extra_impls`` are
+    implementations other plugins add to this backend.
     """
 
     def __init__(self, backend: Backend, *, fallback: Backend | None = None,
                  extra_impls: Iterable[OpImpl] = ()) -> None:
         self._backend = backend
         self._fallback = fallback if fallback is not backend else None
-        self.registry = OpRegistry(frozenset(OPS))
+        self.registry = OpRegistry()
         backend.register_ops(self.registry)
         for impl in extra_impls:
             self.registry.register(impl)
-        self._stats: dict[str, OpStats] = {name: OpStats() for name in OPS}
+        self._stats: dict[str, OpStats] = {}
         self._lock = threading.Lock()
         self._logged: set[tuple[str, str]] = set()
         self._watchers: list[list[DispatchEvent]] = []
@@ -109,8 +106,21 @@ class Ops:
                extra_impls: Iterable[OpImpl] = ()) -> Ops:
         """Build the front door of ``backend`` and make it ``backend.ops`` (what binding does)."""
         ops = cls(backend, fallback=fallback, extra_impls=extra_impls)
-        backend.__dict__["_hal_ops"] = ops
+        backend.bind_ops(ops)
         return ops
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        """The front door method of op ``name``, made from its declaration (once per registered spec)."""
+        spec = OPS.get(name) if not name.startswith("_") else None
+        if spec is None:
+            raise AttributeError(f"{type(self).__name__!r} has no attribute {name!r} (ops: {sorted(OPS)})")
+        made = _METHODS.get(name)
+        if made is None or made[0] is not spec:
+            made = _METHODS[name] = (spec, front_door(spec))
+        return MethodType(made[1], self)
+
+    def __dir__(self) -> list[str]:
+        return sorted({*super().__dir__(), *OPS})
 
     @property
     def backend(self) -> Backend:
@@ -120,43 +130,6 @@ class Ops:
     def fallback(self) -> Backend | None:
         """The host backend that runs what this one cannot (None: the float64 reference)."""
         return self._fallback
-
-    # -- the public ops ---------------------------------------------------
-
-    def paged_attention(
-        self,
-        query: Any,
-        key_cache: Any,
-        value_cache: Any,
-        block_tables: Any,
-        seq_lens: Any,
-        *,
-        scale: float,
-        out: Any = None,
-        max_seq_len: int | None = None,
-    ) -> Any:
-        """Decode attention over a paged KV cache; see :mod:`hal_core.ops.paged_attention`.
-
-        ``max_seq_len``: an upper bound on ``seq_lens`` the caller knows (sizes device work without a read).
-        """
-        return self._call(
-            "paged_attention",
-            {"query": query, "key_cache": key_cache, "value_cache": value_cache,
-             "block_tables": block_tables, "seq_lens": seq_lens, "scale": scale, "out": out,
-             "max_seq_len": max_seq_len},
-        )
-
-    def write_kv_cache(self, key: Any, value: Any, key_cache: Any, value_cache: Any, slot_mapping: Any) -> None:
-        """Scatter ``key``/``value`` into the caches; see :mod:`hal_core.ops.write_kv_cache`."""
-        self._call(
-            "write_kv_cache",
-            {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache,
-             "slot_mapping": slot_mapping},
-        )
-
-    def quantized_gemm(self, x: Any, qweight: QuantizedWeight, *, out: Any = None) -> Any:
-        """``x [M, K]`` times quantized weights ``[K, N]``; see :mod:`hal_core.ops.quantized_gemm`."""
-        return self._call("quantized_gemm", {"x": x, "qweight": qweight, "out": out})
 
     # -- what the backend declares, and what it did -------------------------
 
@@ -194,6 +167,13 @@ class Ops:
         """Per op: calls, the implementations that answered, fallbacks with reasons, fallback time."""
         with self._lock:
             return {op: s.as_dict() for op, s in self._stats.items() if s.calls}
+
+    def _op_stats(self, op: str) -> OpStats:
+        found = self._stats.get(op)
+        if found is None:
+            with self._lock:
+                found = self._stats.setdefault(op, OpStats())
+        return found
 
     @contextmanager
     def watch(self) -> Iterator[list[DispatchEvent]]:
@@ -274,7 +254,7 @@ class Ops:
         return None, reasons
 
     def _execute(self, call: OpCall, out: Any = None) -> Any:
-        stats = self._stats[call.op]
+        stats = self._op_stats(call.op)
         if _env.force_cpu() and self._fallback is not None:  # read on every backend: a misspelt value fails closed
             return self._fall_back(call, out, "HAL_FORCE_CPU is set", stats, log_it=False)
         impl, reasons = self.choose(call)
@@ -385,28 +365,25 @@ class Ops:
         return result
 
     def _run_fallback(self, call: OpCall, out: Any) -> tuple[Any, str]:
-        spec, backend = call.spec, self._backend
-        on_host = backend.is_host or call.host_arrays
-        host_args = dict(call.args) if on_host else spec.map_arrays(call.args, self._to_numpy)
-        if not on_host and _env.check_indices():
-            spec.check_index_values(host_args)  # device indices, now on the host: checked before the host reads them
-        fallback = self._fallback
-        if fallback is not None:
-            host_call = OpCall(spec=spec, args=host_args, backend=fallback)
-            result = fallback.ops._execute(host_call)
-            answered_by = f"fallback:{fallback.name}"
+        spec, backend, fallback = call.spec, self._backend, self._fallback
+        answered_by = f"fallback:{fallback.name}" if fallback is not None else "reference"
+
+        def run(host_args: dict[str, Any]) -> Any:
+            if fallback is not None:
+                return fallback.ops._execute(OpCall(spec=spec, args=host_args, backend=fallback))
+            return _reference_result(OpCall(spec=spec, args=host_args, backend=backend))
+
+        if backend.is_host or call.host_arrays:
+            result = run(dict(call.args))
         else:
-            host_call = OpCall(spec=spec, args=host_args, backend=backend)
-            result = _reference_result(host_call)
-            answered_by = "reference"
-        if spec.inplace_args and not on_host:
-            for name in spec.inplace_args:
-                call.args[name][...] = backend.asarray(host_args[name], call.device_index)
-        if result is None:
-            return None, answered_by
-        if not on_host:
-            result = backend.asarray(result, call.device_index)
-        return self._deliver(out, result), answered_by
+            def checked(host_args: dict[str, Any]) -> Any:
+                if _env.check_indices():  # device indices, now on the host: checked before the host reads them
+                    spec.check_index_values(host_args)
+                return run(host_args)
+
+            result = spec.run_elsewhere(call.args, self._to_numpy, checked,
+                                        lambda array: backend.asarray(array, call.device_index))
+        return (None if result is None else self._deliver(out, result)), answered_by
 
     def _empty_result(self, call: OpCall, out: Any) -> Any:
         shape = call.spec.output_shape(call.args)
@@ -418,6 +395,46 @@ class Ops:
         if call.host_arrays or self._backend.is_host:
             return empty
         return self._backend.asarray(empty, call.device_index)
+
+
+#: op name -> (the spec, its front door function): rebuilt when another spec takes the name.
+_METHODS: dict[str, tuple[OpSpec, Callable[..., Any]]] = {}
+
+
+def front_door(spec: OpSpec) -> Callable[..., Any]:
+    """The :class:`Ops` method of ``spec``: its declared signature, building the argument dict directly.
+
+    Made once per op as source text (like ``collections.namedtuple``), so a call costs one Python
+    function call and one dict, and ``help()``/``inspect.signature`` show the op's real arguments.
+    """
+    params, items = [], []
+    keyword_only = False
+    for arg in spec.args:
+        if arg.keyword_only and not keyword_only:
+            params.append("*")
+            keyword_only = True
+        params.append(arg.name if arg.required else f"{arg.name}=None")
+        items.append(f"{arg.name!r}: {arg.name}")
+    returns = "return " if spec.output is not None else ""
+    source = (f"def {spec.name}(self, {', '.join(params)}):\n"
+              f"    {returns}self._call({spec.name!r}, {{{', '.join(items)}}})\n")
+    namespace: dict[str, Any] = {}
+    exec(compile(source, f"<hal op {spec.name}>", "exec"), namespace)
+    method = namespace[spec.name]
+    method.__qualname__ = f"Ops.{spec.name}"
+    method.__module__ = __name__
+    method.__doc__ = _method_doc(spec)
+    return method
+
+
+def _method_doc(spec: OpSpec) -> str:
+    summary = (type(spec).__doc__ or spec.name).strip().splitlines()[0]
+    lines = [f"{summary} See :mod:`{type(spec).__module__}`.", ""]
+    for arg in spec.args:
+        what = arg.layout or arg.kind.__name__
+        lines.append(f"- ``{arg.name}`` ({arg.role.value}{', optional' if not arg.required else ''}): {what}"
+                     + (f" — {arg.doc}" if arg.doc else ""))
+    return "\n".join(lines)
 
 
 def _writable(array: Any) -> bool:

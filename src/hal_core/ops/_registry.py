@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ._catalog import OPS
 from ._coverage import OpCoverage
 from ._spec import OpCall, OpImpl
 
@@ -15,10 +16,9 @@ __all__ = ["OpRegistry"]
 
 
 class OpRegistry:
-    """The implementations one backend offers, per op, best first."""
+    """The implementations one backend offers, per op, best first (ops: those of :data:`~hal_core.ops.OPS`)."""
 
-    def __init__(self, known_ops: frozenset[str]) -> None:
-        self._known = known_ops
+    def __init__(self) -> None:
         self._impls: dict[str, tuple[OpImpl, ...]] = {}
         self._coverage: dict[str, OpCoverage] = {}
 
@@ -40,8 +40,7 @@ class OpRegistry:
                 raise TypeError("register(op, fn): fn is required")
             extra = {"supports": supports} if supports is not None else {}
             impl = OpImpl(op=op, fn=fn, priority=priority, name=name, knobs=tuple(knobs), **extra)
-        if impl.op not in self._known:
-            raise ValueError(f"unknown op {impl.op!r}; known: {sorted(self._known)}")
+        _known(impl.op)
         names = [k.name for k in impl.knobs]
         if len(set(names)) != len(names):
             raise ValueError(f"implementation {impl.name!r}: knob names must be distinct, got {names}")
@@ -53,16 +52,15 @@ class OpRegistry:
 
     def declare(self, op: str, coverage: OpCoverage) -> None:
         """Declare what this backend's own implementations of ``op`` handle (see :class:`OpCoverage`)."""
-        if op not in self._known:
-            raise ValueError(f"unknown op {op!r}; known: {sorted(self._known)}")
+        spec = _known(op)
         if not isinstance(coverage, OpCoverage):
             raise TypeError(f"declare({op!r}, ...): expected an OpCoverage, got {type(coverage).__name__}")
+        coverage.check_fields(spec)
         self._coverage[op] = coverage
 
     def coverage(self, op: str) -> OpCoverage:
         """The declaration for ``op``; an op declared by nobody is claimed whole."""
-        if op not in self._known:
-            raise ValueError(f"unknown op {op!r}; known: {sorted(self._known)}")
+        _known(op)
         return self._coverage.get(op, _CLAIMED)
 
     def implementations(self, op: str) -> tuple[OpImpl, ...]:
@@ -72,6 +70,13 @@ class OpRegistry:
     def ops(self) -> list[str]:
         """The ops with at least one implementation."""
         return sorted(self._impls)
+
+
+def _known(op: str) -> Any:
+    spec = OPS.get(op)
+    if spec is None:
+        raise ValueError(f"unknown op {op!r}; known: {sorted(OPS)}")
+    return spec
 
 
 #: What an op nobody declared gets: every valid call is claimed.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -9,6 +10,10 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+
+from ..arrays import dtype_name, numpy_dtype
+from ._declare import Arg, BenchCases, Feature, Output, Role
+from ._validate import Step, check_declared, check_output, output_shape, plan
 
 if TYPE_CHECKING:
     from .._backend import Backend
@@ -19,36 +24,214 @@ __all__ = ["OpCall", "OpImpl", "OpSpec"]
 
 
 class OpSpec(ABC):
-    """One op, defined once for every backend.
+    """One op, declared once for every backend.
 
-    ``validate`` runs before any implementation; ``flops`` and ``nbytes``
-    feed offload thresholds and rooflines; ``reference`` is the float64
-    numpy truth tests compare against.
+    A subclass declares the op's facts as class attributes — ``name``, ``args``
+    (:class:`~hal_core.ops.Arg` in signature order), ``output``
+    (:class:`~hal_core.ops.Output` or None for ops that only write in place),
+    ``features`` (what an :class:`~hal_core.ops.OpCoverage` may constrain) and
+    ``bench`` (:class:`~hal_core.ops.BenchCases`) — and implements what only
+    it knows: ``flops``, ``nbytes``, the float64 ``reference``, and optionally
+    ``check`` (relations a layout cannot express), ``check_index_values`` and
+    ``bucket``. Everything else (the front door method, argument checks,
+    output shape and dtype, device handling, the torch schema and fake,
+    coverage, bench and explain cases) is derived from the declaration.
+    Register an instance with :func:`hal_core.ops.register_op`.
     """
 
     name: ClassVar[str]
+    args: ClassVar[tuple[Arg, ...]]
+    output: ClassVar[Output | None] = None
+    features: ClassVar[tuple[Feature, ...]] = ()
+    bench: ClassVar[BenchCases | None] = None
+
+    # Derived from the declaration when the class is created:
     #: Names of the array arguments (converted, device-checked and offloaded together).
     array_args: ClassVar[tuple[str, ...]]
     #: Array arguments the op writes in place (besides ``out``).
-    inplace_args: ClassVar[tuple[str, ...]] = ()
+    inplace_args: ClassVar[tuple[str, ...]]
+    #: Layouts of the array arguments by name.
+    layouts: ClassVar[Mapping[str, str]]
+    #: How the output shape is read: ``(argument, axis, offset)`` per output dimension.
+    output_plan: ClassVar[tuple[tuple[str, int, int], ...]]
+    #: The argument whose shape the output has, when it has exactly one's (else None).
+    output_like: ClassVar[str | None]
+    #: The order arguments are checked in: quantized weights first, then the arguments whose dtype others
+    #: take (the references a mismatching argument is blamed against), then the others in signature order.
+    check_order: ClassVar[tuple[Arg, ...]]
+    #: The same checks, precomputed for the hot path (:func:`~hal_core.ops._validate.plan`).
+    input_plan: ClassVar[tuple[Step, ...]]
+    output_check: ClassVar[tuple[Step, ...]]
+    #: Names of the array arguments, and of the quantized-weight arguments.
+    array_names: ClassVar[tuple[str, ...]]
+    weight_names: ClassVar[tuple[str, ...]]
 
-    @abstractmethod
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "args" not in cls.__dict__:
+            return  # an intermediate base, or a subclass that only overrides behaviour
+        args = tuple(cls._complete_out(arg) for arg in cls.args)
+        names = [a.name for a in args]
+        if len(set(names)) != len(names):
+            raise TypeError(f"op {cls.name!r}: argument names must be distinct, got {names}")
+        referenced = {arg.dtype_of for arg in args if arg.dtype_of}
+        for arg in args:
+            source = next((a for a in args if a.name == arg.dtype_of), None) if arg.dtype_of else None
+            if arg.dtype_of and (source is None or not source.is_array or source.dtype_of or not source.required):
+                raise TypeError(f"op {cls.name!r}: argument {arg.name!r} takes the dtype of {arg.dtype_of!r}, "
+                                f"which must be a required array argument declaring its own dtypes")
+        cls.args = args
+        cls.array_args = tuple(a.name for a in args if a.is_array)
+        cls.inplace_args = tuple(a.name for a in args if a.mutated)
+        cls.layouts = {a.name: a.layout for a in args if a.layout}
+        cls.output_plan = cls._plan_output(args)
+        sources = {name for name, _, _ in cls.output_plan}
+        cls.output_like = next(iter(sources)) if len(sources) == 1 and all(
+            axis == i and delta == 0 for i, (_, axis, delta) in enumerate(cls.output_plan)) and len(
+            cls.arg_dims(next(iter(sources)))) == len(cls.output_plan) else None
+        cls.check_order = tuple(sorted(args, key=lambda a: (not a.is_weight, a.name not in referenced)))
+        cls.input_plan = plan([a for a in cls.check_order if a.role is not Role.OUTPUT])
+        cls.output_check = plan([a for a in cls.check_order if a.role is Role.OUTPUT])
+        cls.array_names = tuple(a.name for a in args if a.is_array)
+        cls.weight_names = tuple(a.name for a in args if a.is_weight)
+
+    @classmethod
+    def _complete_out(cls, arg: Arg) -> Arg:
+        if arg.role is not Role.OUTPUT:
+            return arg
+        if cls.output is None:
+            raise TypeError(f"op {cls.name!r}: an 'out' argument needs an output declaration")
+        return Arg(arg.name, Role.OUTPUT, cls.output.layout, (), cls.output.dtype_of, True, False, True,
+                   doc=arg.doc)
+
+    @classmethod
+    def arg_dims(cls, name: str) -> tuple[Any, ...]:
+        """The layout dimensions of argument ``name``."""
+        return next(a.dims for a in cls.args if a.name == name)
+
+    @classmethod
+    def _plan_output(cls, args: tuple[Arg, ...]) -> tuple[tuple[str, int, int], ...]:
+        if cls.output is None:
+            return ()
+        plan = []
+        for dim in cls.output.dims:
+            for arg in args:
+                if arg.role is Role.OUTPUT or not arg.required:
+                    continue
+                axes = [axis for axis, d in enumerate(arg.dims) if d.name == dim.name]
+                if axes:
+                    plan.append((arg.name, axes[0], dim.offset - arg.dims[axes[0]].offset))
+                    break
+            else:
+                raise TypeError(f"op {cls.name!r}: no required argument's layout names output dimension {dim.name!r}")
+        return tuple(plan)
+
+    # -- derived behaviour ------------------------------------------------------------------------
+
     def validate(self, args: dict[str, Any], to_numpy: Callable[[Any], np.ndarray]) -> None:
-        """Raise ``ArgumentError``/``ArgumentTypeError`` naming the bad argument.
+        """Raise ``ArgumentError``/``ArgumentTypeError`` naming the bad argument (host numbers normalised in place).
 
+        The declared checks run first (:func:`~hal_core.ops._validate.check_declared`), then :meth:`check`,
+        then the ``out`` argument's.
         ``to_numpy`` copies small index arrays to the host for value checks.
         """
-        raise NotImplementedError("The 'validate' method must be implemented.")
+        bound = check_declared(self, args)
+        self.check(args, bound.sizes)
+        check_output(self, args, bound)
 
-    @abstractmethod
+    def check(self, args: dict[str, Any], sizes: Mapping[str, int]) -> None:
+        """What the declaration cannot say (relations between sizes, index values); ``sizes`` as bound.
+
+        The default checks nothing.
+        """
+        return None
+
     def output_shape(self, args: Mapping[str, Any]) -> tuple[int, ...] | None:
         """Shape of the returned array, or None for ops that only write in place."""
-        raise NotImplementedError("The 'output_shape' method must be implemented.")
+        if self.output_like is not None:  # the output has one argument's shape (the common case)
+            return tuple(args[self.output_like].shape)
+        return output_shape(self, args)
 
-    @abstractmethod
     def output_dtype(self, args: Mapping[str, Any]) -> np.dtype:
-        """numpy dtype of the returned array (bf16 as ml_dtypes' bfloat16)."""
-        raise NotImplementedError("The 'output_dtype' method must be implemented.")
+        """numpy dtype of the returned array (bf16 as ml_dtypes' bfloat16); for in-place ops, what they write."""
+        source = args[self.output.dtype_of if self.output is not None else self.inplace_args[0]]
+        if type(source) is np.ndarray:
+            return source.dtype
+        return numpy_dtype(dtype_name(source))
+
+    def is_empty(self, args: Mapping[str, Any]) -> bool:
+        """True when there is no work at all (an implementation need not be called)."""
+        shape = self.output_shape(args)
+        return shape is not None and 0 in shape
+
+    def check_index_values(self, args: Mapping[str, Any]) -> None:
+        """Raise ``ArgumentError`` naming an index argument whose values are out of range (host arrays).
+
+        :meth:`check` calls it for host index arrays under
+        ``HAL_CHECK_INDICES``; the fallback path calls it after copying a
+        device call's arrays to the host. Device kernels check the values
+        they use themselves. The default checks nothing (ops without indices).
+        """
+        return None
+
+    def bucket(self, args: Mapping[str, Any]) -> str:
+        """The tuning bucket of a validated call: a short string from shapes only (never device data)."""
+        return "all"
+
+    def features_of(self, args: Mapping[str, Any]) -> dict[str, Any]:
+        """The call's values of the declared :attr:`features` (``{"dtype": "fp16", "head_size": 128, ...}``)."""
+        return {feature.name: feature.get(args) for feature in self.features}
+
+    def iter_arrays(self, args: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+        """``(name, array)`` for every array argument given (None ones skipped), a weight's as ``name.field``."""
+        for name in self.array_names:
+            value = args.get(name)
+            if value is not None:
+                yield name, value
+        for name in self.weight_names:
+            value = args.get(name)
+            if value is not None and hasattr(value, "arrays"):
+                for field_name, array in value.arrays().items():
+                    yield f"{name}.{field_name}", array
+
+    def map_arrays(self, args: Mapping[str, Any], fn: Callable[[Any], Any]) -> dict[str, Any]:
+        """A copy of ``args`` with ``fn`` applied to every array argument (a weight's arrays included)."""
+        mapped = dict(args)
+        for arg in self.args:
+            value = args.get(arg.name)
+            if value is None:
+                continue
+            if arg.role is Role.WEIGHT:
+                mapped[arg.name] = value.map_arrays(fn)
+            elif arg.is_array:
+                mapped[arg.name] = fn(value)
+        return mapped
+
+    def run_elsewhere(self, args: Mapping[str, Any], there: Callable[[Any], Any],
+                      run: Callable[[dict[str, Any]], Any], back: Callable[[Any], Any]) -> Any:
+        """Run the op on copies of ``args`` in another memory domain, and bring the effects back.
+
+        Every array is moved with ``there``; ``run(moved_args)`` computes; each in-place argument is
+        written back from its moved copy through ``back``, and the result (if any) is returned through
+        ``back``. The one host↔device round trip: a device call falling back to the host, and host
+        arrays offloaded to a device, both use it.
+        """
+        moved = self.map_arrays(args, there)
+        result = run(moved)
+        for name in self.inplace_args:
+            args[name][...] = back(moved[name])
+        return None if result is None else back(result)
+
+    def signature(self) -> inspect.Signature:
+        """The front door's signature: required arguments positional, the others keyword-only."""
+        params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        for arg in self.args:
+            kind = inspect.Parameter.KEYWORD_ONLY if arg.keyword_only else inspect.Parameter.POSITIONAL_OR_KEYWORD
+            default = inspect.Parameter.empty if arg.required else arg.default
+            params.append(inspect.Parameter(arg.name, kind, default=default))
+        return inspect.Signature(params)
+
+    # -- what only the op knows ---------------------------------------------------------------------
 
     @abstractmethod
     def flops(self, args: Mapping[str, Any]) -> int:
@@ -62,37 +245,12 @@ class OpSpec(ABC):
 
     @abstractmethod
     def reference(self, args: Mapping[str, Any]) -> Any:
-        """The float64 numpy result for numpy ``args`` (inputs are not modified)."""
-        raise NotImplementedError("The 'reference' method must be implemented.")
+        """The float64 numpy result for numpy ``args`` (inputs are not modified).
 
-    def check_index_values(self, args: Mapping[str, Any]) -> None:
-        """Raise ``ArgumentError`` naming an index argument whose values are out of range (host arrays).
-
-        :meth:`validate` calls it for host index arrays under
-        ``HAL_CHECK_INDICES``; the fallback path calls it after copying a
-        device call's arrays to the host. Device kernels check the values
-        they use themselves. The default checks nothing (ops without indices).
+        Ops that write in place return the new values of their in-place
+        arguments, in :attr:`inplace_args` order.
         """
-        return None
-
-    def iter_arrays(self, args: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
-        """``(name, array)`` for every array argument given (None ones skipped)."""
-        for name in self.array_args:
-            value = args.get(name)
-            if value is not None:
-                yield name, value
-
-    def map_arrays(self, args: Mapping[str, Any], fn: Callable[[Any], Any]) -> dict[str, Any]:
-        """A copy of ``args`` with ``fn`` applied to every array argument."""
-        mapped = dict(args)
-        for name, value in self.iter_arrays(args):
-            mapped[name] = fn(value)
-        return mapped
-
-    def is_empty(self, args: Mapping[str, Any]) -> bool:
-        """True when there is no work at all (an implementation need not be called)."""
-        shape = self.output_shape(args)
-        return shape is not None and 0 in shape
+        raise NotImplementedError("The 'reference' method must be implemented.")
 
 
 @dataclass(frozen=True)
@@ -117,11 +275,6 @@ class OpCall:
     @property
     def op(self) -> str:
         return self.spec.name
-
-    @property
-    def out(self) -> Any:
-        """Always None: implementations return a new array and hal writes the caller's ``out``."""
-        return self.args.get("out")
 
     @cached_property
     def flops(self) -> int:

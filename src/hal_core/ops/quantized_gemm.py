@@ -14,50 +14,45 @@ The output has ``x``'s dtype; accumulation is at least fp32.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from .._errors import ArgumentTypeError
 from ..arrays import dtype_name, is_c_contiguous, numpy_dtype
-from ..quant import QuantizedWeight, quantize_activations
-from ._checks import check_array, fail, host_index_checks
+from ..quant import QuantizedWeight, quantize, quantize_activations
+from ..tuning._buckets import pow2
+from ._catalog import register_op
+from ._checks import fail, host_index_checks
+from ._declare import Arg, BenchCases, Feature, Output
+from ._inputs import uniform
 from ._spec import OpSpec
 
-__all__ = ["QuantizedGemm", "gemm_dtypes"]
+__all__ = ["QuantizedGemm", "gemm_dtypes", "quantized_gemm_inputs", "random_weight"]
 
 #: dtypes quantized_gemm accepts for activations.
 gemm_dtypes = ("fp16", "bf16", "fp32")
 
 
 class QuantizedGemm(OpSpec):
+    """Activations times a group-wise int4 (W4A16) or int8 (W8A8) quantized weight."""
+
     name = "quantized_gemm"
-    array_args = ("x", "out")
+    args = (
+        Arg.array("x", "[M, K]", dtypes=gemm_dtypes),
+        Arg.weight("qweight", "[K, N]", doc="from hal_core.quant.quantize (or a GPTQ/AWQ import)"),
+        Arg.out(),
+    )
+    output = Output("[M, N]", dtype_of="x")
+    features = (
+        Feature("dtype", "dtypes", lambda args: dtype_name(args["x"])),
+        Feature("group_size", "group_sizes", lambda args: int(args["qweight"].group_size)),
+        Feature("bits", "bits", lambda args: int(args["qweight"].bits)),
+    )
 
-    def iter_arrays(self, args: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
-        yield from super().iter_arrays(args)
-        qweight = args.get("qweight")
-        if isinstance(qweight, QuantizedWeight):
-            for name, value in qweight.arrays().items():
-                yield f"qweight.{name}", value
-
-    def map_arrays(self, args: Mapping[str, Any], fn: Callable[[Any], Any]) -> dict[str, Any]:
-        mapped = super().map_arrays(args, fn)
-        mapped["qweight"] = args["qweight"].map_arrays(fn)
-        return mapped
-
-    def validate(self, args: dict[str, Any], to_numpy: Callable[[Any], np.ndarray]) -> None:
-        x, qw = args["x"], args["qweight"]
-        xdt = check_array("x", x, layout="[M, K]", ndim=2, dtypes=gemm_dtypes)
-        if not isinstance(qw, QuantizedWeight):
-            raise ArgumentTypeError(
-                f"argument 'qweight': expected a hal_core.quant.QuantizedWeight "
-                f"(from hal_core.quant.quantize), got {type(qw).__name__}"
-            )
-        k, n = qw.shape
-        if x.shape[1] != k:
-            raise fail("x", f"K={k} columns (the weight's in_features)", f"shape {tuple(x.shape)}")
+    def check(self, args: dict[str, Any], sizes: Mapping[str, int]) -> None:
+        qw: QuantizedWeight = args["qweight"]
         expected = {"qweight": "uint32" if qw.bits == 4 else "uint8", "zeros": "uint8", "g_idx": "int32"}
         for name, value in qw.arrays().items():
             want = expected.get(name)
@@ -68,12 +63,7 @@ class QuantizedGemm(OpSpec):
         if dtype_name(qw.scales) not in ("fp16", "fp32", "bf16"):
             raise ArgumentTypeError(f"argument 'qweight.scales': expected dtype fp16, bf16 or fp32, "
                                     f"got {dtype_name(qw.scales)}")
-        out = args.get("out")
-        if out is not None:
-            check_array("out", out, layout="[M, N]", ndim=2, dtypes=(xdt,))
-            if tuple(out.shape) != (x.shape[0], n):
-                raise fail("out", f"shape {(x.shape[0], n)}", f"shape {tuple(out.shape)}")
-        if qw.g_idx is not None and k and host_index_checks(qw.g_idx):
+        if qw.g_idx is not None and sizes["K"] and host_index_checks(qw.g_idx):
             self.check_index_values(args)
 
     def check_index_values(self, args: Mapping[str, Any]) -> None:
@@ -93,11 +83,9 @@ class QuantizedGemm(OpSpec):
             raise fail("qweight.g_idx", f"group indices in [0, {k // qw.group_size})",
                        f"g_idx[{i}] = {int(groups[i])}")
 
-    def output_shape(self, args: Mapping[str, Any]) -> tuple[int, ...]:
-        return (args["x"].shape[0], args["qweight"].shape[1])
-
-    def output_dtype(self, args: Mapping[str, Any]) -> np.dtype:
-        return numpy_dtype(dtype_name(args["x"]))
+    def bucket(self, args: Mapping[str, Any]) -> str:
+        """``w<bits>:m<pow2 M>``."""
+        return f"w{args['qweight'].bits}:m{pow2(args['x'].shape[0])}"
 
     def flops(self, args: Mapping[str, Any]) -> int:
         m = args["x"].shape[0]
@@ -119,3 +107,78 @@ class QuantizedGemm(OpSpec):
             return sx.astype(np.float64)[:, None] * (xq.astype(np.float64) @ w)
         with np.errstate(invalid="ignore", over="ignore"):  # IEEE arithmetic: inf * 0 is NaN
             return x.astype(np.float64) @ w
+
+
+def quantized_gemm_inputs(
+    rng: np.random.Generator,
+    *,
+    m: int,
+    k: int,
+    n: int,
+    bits: int,
+    group_size: int,
+    symmetric: bool,
+    dtype: str,
+    act_order: bool = False,
+) -> dict[str, Any]:
+    """Host arguments: ``x`` in [-1, 1], weights ~ N(0, 1/K), quantised (``act_order``: a random ``g_idx``)."""
+    x = rng.uniform(-1.0, 1.0, size=(m, k)).astype(numpy_dtype(dtype))
+    weight = rng.standard_normal((k, n)) / np.sqrt(k)
+    qweight: QuantizedWeight = quantize(weight, bits=bits, group_size=group_size, symmetric=symmetric)
+    if act_order:
+        g_idx = rng.permutation(np.arange(k) // group_size).astype(np.int32)
+        qweight = QuantizedWeight(qweight.qweight, qweight.scales, qweight.zeros, qweight.bits,
+                                  qweight.group_size, qweight.shape, g_idx=g_idx)
+    return {"x": x, "qweight": qweight}
+
+
+def random_weight(rng: np.random.Generator, k: int, n: int, bits: int, group: int) -> QuantizedWeight:
+    """A symmetric group-wise weight with uniform random codes and scales in [0.001, 0.011) (fast, no quantiser)."""
+    if bits == 4:
+        packed = rng.integers(0, 2**32, size=(k // 8, n), dtype=np.uint32)
+    else:
+        packed = rng.integers(0, 256, size=(k, n), dtype=np.uint8)
+    scales = (rng.random((k // group, n), dtype=np.float32) * 0.01 + 0.001).astype(np.float16)
+    return QuantizedWeight(qweight=packed, scales=scales, zeros=None, bits=bits, group_size=group, shape=(k, n))
+
+
+def _check_case(p: Mapping[str, Any]) -> str | None:
+    if p["bits"] not in (4, 8):
+        return f"bits must be 4 or 8, got {p['bits']}"
+    if p["k"] % p["group"] or (p["bits"] == 4 and p["k"] % 8):
+        return f"K={p['k']} must be a multiple of group={p['group']} (and of 8 for bits=4)"
+    return None
+
+
+def _label(p: Mapping[str, Any]) -> str:
+    kind = "W4A16" if p["bits"] == 4 else "W8A8"
+    return f"{kind} G{p['group']} M={p['m']} {p['k']}x{p['n']} {p['dtype']}"
+
+
+def _gemm(m: int, k: int, n: int, bits: int, dtype: str = "fp16") -> dict[str, Any]:
+    return {"m": m, "k": k, "n": n, "bits": bits, "group": 128, "dtype": dtype}
+
+
+def _gemm_cases() -> list[dict[str, Any]]:
+    shapes = ((4096, 11008), (11008, 4096))
+    cases = [_gemm(m, k, n, bits) for bits in (4, 8) for k, n in shapes for m in (1, 16, 256)]
+    # W4A16 small M also with bf16 activations, the dtype torch's int4 peer runs: the like-for-like comparison.
+    return cases + [_gemm(m, k, n, 4, "bf16") for k, n in shapes for m in (1, 16)]
+
+
+QuantizedGemm.bench = BenchCases(
+    params={"m": 1, "k": 4096, "n": 11008, "bits": 4, "group": 128, "dtype": "fp16"},
+    aliases={"group_size": "group"},
+    label=_label,
+    check=_check_case,
+    inputs=lambda rng, p: {"x": uniform(rng, (p["m"], p["k"]), p["dtype"]),
+                           "qweight": random_weight(rng, p["k"], p["n"], p["bits"], p["group"])},
+    presets={"prefill": lambda: [_gemm(512, 4096, 4096, bits) for bits in (4, 8)], "gemm": _gemm_cases},
+    explain=({"dtype": "fp16", "m": 1, "k": 4096, "n": 4096, "bits": 4, "group": 128},
+             {"dtype": "bf16", "m": 256, "k": 1024, "n": 1024, "bits": 4, "group": 64},
+             {"dtype": "fp16", "m": 16, "k": 1024, "n": 1024, "bits": 8, "group": 128}),
+    test_inputs=lambda rng, p: quantized_gemm_inputs(rng, m=p["m"], k=p["k"], n=p["n"], bits=p["bits"],
+                                                     group_size=p["group"], symmetric=True, dtype=p["dtype"]),
+)
+
+register_op(QuantizedGemm())

@@ -7,8 +7,10 @@ a negative slot skips that token. Slots must be distinct.
 
 ``key`` and ``value`` may be strided views whose last dimension is
 contiguous (the key and value slices of a fused QKV projection, as engines
-pass them); the caches must be C-contiguous, writable and two separate
-arrays (no shared memory). Every check runs before anything is written.
+pass them); so may the caches (an engine's own cache layout, e.g. the K and V
+halves of a ``[..., 2 * block_size, head_size]`` view), which must be
+writable and never share an element. Every check runs before anything is
+written.
 
 Slot values of a host (numpy) ``slot_mapping`` are checked on the host
 (range and distinctness, ``HAL_CHECK_INDICES``); a device ``slot_mapping``
@@ -20,52 +22,49 @@ of them there, unspecified which.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from .._errors import ArgumentTypeError
 from ..arrays import dtype_name, numpy_dtype
-from ._checks import check_array, check_disjoint, check_slots, check_writable, fail, host_index_checks
+from ..tuning._buckets import pow2
+from ._catalog import register_op
+from ._checks import check_disjoint, check_slots, check_writable, host_index_checks
+from ._declare import Arg, BenchCases, Feature
+from ._inputs import uniform
 from ._spec import OpSpec
 from .paged_attention import attention_dtypes
 
-__all__ = ["WriteKVCache"]
+__all__ = ["WriteKVCache", "write_kv_cache_inputs"]
+
+_TOKENS = "[num_tokens, num_kv_heads, head_size]"
+_CACHE = "[num_blocks, num_kv_heads, block_size, head_size]"
 
 
 class WriteKVCache(OpSpec):
-    name = "write_kv_cache"
-    array_args = ("key", "value", "key_cache", "value_cache", "slot_mapping")
-    inplace_args = ("key_cache", "value_cache")
+    """Scatter a step's new keys and values into the paged cache through a slot mapping."""
 
-    def validate(self, args: dict[str, Any], to_numpy: Callable[[Any], np.ndarray]) -> None:
-        k, v, kc, vc, slots = (args[n] for n in self.array_args)
-        kdt = check_array("key", k, layout="[num_tokens, num_kv_heads, head_size]", ndim=3, dtypes=attention_dtypes,
-                          contiguous="last")
-        check_array("value", v, layout="[num_tokens, num_kv_heads, head_size]", ndim=3, dtypes=(kdt,),
-                    contiguous="last")
-        cdt = check_array("key_cache", kc, layout="[num_blocks, num_kv_heads, block_size, head_size]",
-                          ndim=4, dtypes=attention_dtypes)
-        check_array("value_cache", vc, layout="[num_blocks, num_kv_heads, block_size, head_size]",
-                    ndim=4, dtypes=(cdt,))
-        if cdt != kdt:
-            raise ArgumentTypeError(f"argument 'key': expected dtype {cdt} (the cache's), got {kdt}")
-        check_writable("key_cache", kc)
-        check_writable("value_cache", vc)
-        check_disjoint("key_cache", kc, "value_cache", vc)
-        check_array("slot_mapping", slots, layout="[num_tokens]", ndim=1, dtypes=("int32", "int64"))
-        if tuple(v.shape) != tuple(k.shape):
-            raise fail("value", f"the shape of key {tuple(k.shape)}", f"shape {tuple(v.shape)}")
-        if tuple(vc.shape) != tuple(kc.shape):
-            raise fail("value_cache", f"the shape of key_cache {tuple(kc.shape)}", f"shape {tuple(vc.shape)}")
-        num_tokens, num_kv_heads, head_size = k.shape
-        if (kc.shape[1], kc.shape[3]) != (num_kv_heads, head_size):
-            raise fail("key_cache", f"num_kv_heads={num_kv_heads} and head_size={head_size} (the key's)",
-                       f"shape {tuple(kc.shape)}")
-        if slots.shape[0] != num_tokens:
-            raise fail("slot_mapping", f"shape ({num_tokens},) (num_tokens)", f"shape {tuple(slots.shape)}")
-        if num_tokens and host_index_checks(slots):
+    name = "write_kv_cache"
+    args = (
+        Arg.array("key", _TOKENS, dtype_of="key_cache", contiguous="last"),
+        Arg.array("value", _TOKENS, dtype_of="key_cache", contiguous="last"),
+        Arg.array("key_cache", _CACHE, dtypes=attention_dtypes, contiguous="last", mutated=True),
+        Arg.array("value_cache", _CACHE, dtype_of="key_cache", contiguous="last", mutated=True),
+        Arg.index("slot_mapping", "[num_tokens]", dtypes=("int32", "int64"),
+                  doc="block * block_size + offset per token; negative skips the token"),
+    )
+    features = (
+        Feature("dtype", "dtypes", lambda args: dtype_name(args["key_cache"])),
+        Feature("head_size", "head_sizes", lambda args: int(args["key_cache"].shape[3])),
+        Feature("block_size", "block_sizes", lambda args: int(args["key_cache"].shape[2])),
+    )
+
+    def check(self, args: dict[str, Any], sizes: Mapping[str, int]) -> None:
+        check_writable("key_cache", args["key_cache"])
+        check_writable("value_cache", args["value_cache"])
+        check_disjoint("key_cache", args["key_cache"], "value_cache", args["value_cache"])
+        if sizes["num_tokens"] and host_index_checks(args["slot_mapping"]):
             self.check_index_values(args)
 
     def check_index_values(self, args: Mapping[str, Any]) -> None:
@@ -73,14 +72,12 @@ class WriteKVCache(OpSpec):
         kc = args["key_cache"]
         check_slots(np.asarray(args["slot_mapping"]), kc.shape[0] * kc.shape[2])
 
-    def output_shape(self, args: Mapping[str, Any]) -> None:
-        return None
-
-    def output_dtype(self, args: Mapping[str, Any]) -> np.dtype:
-        return numpy_dtype(dtype_name(args["key_cache"]))
-
     def is_empty(self, args: Mapping[str, Any]) -> bool:
         return 0 in args["key"].shape
+
+    def bucket(self, args: Mapping[str, Any]) -> str:
+        """``dtype:t<pow2 tokens>``."""
+        return f"{dtype_name(args['key'])}:t{pow2(args['key'].shape[0])}"
 
     def flops(self, args: Mapping[str, Any]) -> int:
         return 0
@@ -99,3 +96,86 @@ class WriteKVCache(OpSpec):
         kc[blocks, :, offsets] = np.asarray(args["key"]).astype(np.float64)[keep]
         vc[blocks, :, offsets] = np.asarray(args["value"]).astype(np.float64)[keep]
         return kc, vc
+
+
+def write_kv_cache_inputs(
+    rng: np.random.Generator,
+    *,
+    num_tokens: int,
+    num_blocks: int,
+    num_kv_heads: int,
+    block_size: int,
+    head_size: int,
+    dtype: str,
+    skip_fraction: float = 0.25,
+) -> dict[str, Any]:
+    """Host arguments: distinct slots, some negative (skipped); cache slots not written hold NaN."""
+    capacity = num_blocks * block_size
+    if num_tokens > capacity:
+        raise ValueError(f"num_tokens={num_tokens} exceeds the cache's {capacity} slots")
+    slots = rng.permutation(capacity)[:num_tokens].astype(np.int64)
+    slots[rng.random(num_tokens) < skip_fraction] = -1
+    token_shape = (num_tokens, num_kv_heads, head_size)
+    cache_shape = (num_blocks, num_kv_heads, block_size, head_size)
+    np_dtype = numpy_dtype(dtype)
+    key_cache = rng.standard_normal(cache_shape).astype(np_dtype)
+    value_cache = rng.standard_normal(cache_shape).astype(np_dtype)
+    unwritten = np.ones(capacity, dtype=bool)
+    unwritten[slots[slots >= 0]] = False
+    for cache in (key_cache, value_cache):
+        cache.transpose(0, 2, 1, 3)[unwritten.reshape(num_blocks, block_size)] = np.nan
+    return {
+        "key": rng.standard_normal(token_shape).astype(np_dtype),
+        "value": rng.standard_normal(token_shape).astype(np_dtype),
+        "key_cache": key_cache,
+        "value_cache": value_cache,
+        "slot_mapping": slots.astype(np.int32 if rng.random() < 0.5 else np.int64),
+    }
+
+
+def _blocks(p: Mapping[str, Any]) -> int:
+    return int(p["blocks"]) or max(2 * -(-p["tokens"] // p["block"]), 64)
+
+
+def _bench_inputs(rng: np.random.Generator, p: Mapping[str, Any]) -> dict[str, Any]:
+    tokens, block, num_blocks = p["tokens"], p["block"], _blocks(p)
+    shape = (num_blocks, p["kv_heads"], block, p["head"])
+    slots = rng.permutation(num_blocks * block)[:tokens].astype(np.int64)
+    return {
+        "key": uniform(rng, (tokens, p["kv_heads"], p["head"]), p["dtype"]),
+        "value": uniform(rng, (tokens, p["kv_heads"], p["head"]), p["dtype"]),
+        "key_cache": np.zeros(shape, dtype=numpy_dtype(p["dtype"])),
+        "value_cache": np.zeros(shape, dtype=numpy_dtype(p["dtype"])),
+        "slot_mapping": slots,
+    }
+
+
+def _test_inputs(rng: np.random.Generator, p: Mapping[str, Any]) -> dict[str, Any]:
+    return write_kv_cache_inputs(rng, num_tokens=p["tokens"], num_blocks=-(-p["tokens"] // p["block"]) + 1,
+                                 num_kv_heads=p["kv_heads"], block_size=p["block"], head_size=p["head"],
+                                 dtype=p["dtype"])
+
+
+def _check_case(p: Mapping[str, Any]) -> str | None:
+    if p["blocks"] and p["blocks"] * p["block"] < p["tokens"]:
+        return f"blocks*block must hold tokens={p['tokens']}"
+    return None
+
+
+WriteKVCache.bench = BenchCases(
+    params={"tokens": 32, "kv_heads": 8, "head": 128, "block": 16, "blocks": 0, "dtype": "fp16"},
+    aliases={"head_size": "head", "block_size": "block", "num_tokens": "tokens", "num_kv_heads": "kv_heads"},
+    may_be_zero=frozenset({"blocks"}),
+    label=lambda p: f"write_kv_cache {p['dtype']} {p['tokens']} tok h{p['kv_heads']} d{p['head']}",
+    check=_check_case,
+    inputs=_bench_inputs,
+    presets={
+        "decode": lambda: [{"tokens": t, "dtype": dt} for t in (8, 64) for dt in ("fp16", "fp32")],
+        "prefill": lambda: [{"tokens": t, "dtype": "fp16"} for t in (512, 4096)],
+    },
+    explain=({"dtype": "fp16", "head": 128, "block": 16, "tokens": 8, "kv_heads": 8},
+             {"dtype": "bf16", "head": 64, "block": 32, "tokens": 1, "kv_heads": 1}),
+    test_inputs=_test_inputs,
+)
+
+register_op(WriteKVCache())

@@ -70,8 +70,6 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 def _judge(backend: Any, events: list[Any], allow_fallback: bool) -> list[str]:
     """What went wrong in a test's calls: faults, and fallbacks of calls the backend declares it runs."""
-    from hal_core.ops import call_features
-
     problems = []
     for event in events:
         if event.kind == "fault":
@@ -79,10 +77,11 @@ def _judge(backend: Any, events: list[Any], allow_fallback: bool) -> list[str]:
             continue
         if allow_fallback or event.reason == "HAL_FORCE_CPU is set":
             continue
-        declared = backend.ops.coverage(event.op).covers(call_features(event.op, event.call.args))
+        spec, args = event.call.spec, event.call.args
+        declared = backend.ops.coverage(event.op).covers_call(spec, args)
         if declared is True:
             problems.append(f"{event.op} fell back although backend {backend.name!r} declares these arguments "
-                            f"supported ({call_features(event.op, event.call.args)}): {event.reason}")
+                            f"supported ({spec.features_of(args)}): {event.reason}")
     return sorted(set(problems))
 
 

@@ -1,15 +1,17 @@
 """hal inside PyTorch: ``torch.ops.hal.*`` custom operators and the weight helper.
 
-Importing this module registers, with :mod:`torch.library`:
+Importing this module registers, with :mod:`torch.library`, the operators of every op of
+:data:`hal_core.ops.OPS`, generated from the op's declaration (:mod:`._schema`):
 
-- ``hal::paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale) -> Tensor``
-  and ``hal::paged_attention_out(..., scale, out) -> ()`` (mutates ``out``);
+- ``hal::paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, ...) -> Tensor``
+  and ``hal::paged_attention_out(..., scale, out, ...) -> ()`` (mutates ``out``);
 - ``hal::write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> ()``
   (mutates both caches);
-- ``hal::quantized_gemm(x, qweight, scales, zeros, g_idx, bits, group_size) -> Tensor``.
+- ``hal::quantized_gemm(x, qweight, scales, zeros, g_idx, bits, group_size) -> Tensor`` and
+  ``hal::quantized_gemm_out(..., out) -> ()``.
 
-The Python functions of the same names are thin wrappers
-(``paged_attention(..., out=None)``, ``quantized_gemm(x, weight_tensors, bits)``).
+The Python functions of the same names are thin wrappers with each op's signature
+(``paged_attention(..., out=None, query_start_loc=None, ...)``, ``quantized_gemm(x, weight_tensors, bits)``).
 ``import hal_core`` never imports this module (nor torch); the transformers
 attention backend lives in :mod:`hal_core.torch.transformers`. See
 docs/engine-guide.md, "hal from PyTorch".

@@ -1,163 +1,169 @@
-"""``torch.ops.hal.*``: hal's ops as torch custom operators.
+"""``torch.ops.hal.*``: every hal op as torch operators, generated from the op's declaration.
 
-Each op is registered with :func:`torch.library.custom_op` (a schema, the
-arguments it mutates) and a fake implementation that computes only output
-shapes and dtypes, so ``torch.compile`` traces through it without a graph
-break and a CUDA graph captures its launches. The real implementation hands
-the tensors to the hal backend that owns their device (:mod:`._routing`),
-unchanged: hal converts them without a copy and applies its own validation,
-fallback and strict-mode rules. Outputs are allocated by torch (so a CUDA
-graph's memory pool owns them) and written by hal through ``out=``.
+For each op of :data:`hal_core.ops.OPS` (:func:`register_torch_ops`; hal's own ops when this module
+is imported) the operators of :func:`~hal_core.torch._schema.torch_ops` are defined with
+:class:`torch.library.Library`, with
 
-=============================  ==========================================  ==================
-op                             returns                                     mutates
-=============================  ==========================================  ==================
-``hal::paged_attention``       a new ``[num_seqs, num_heads, head_size]``  nothing
-``hal::paged_attention_out``   nothing                                     ``out``
-``hal::write_kv_cache``        nothing                                     both caches
-``hal::quantized_gemm``        a new ``[M, N]`` in ``x``'s dtype           nothing
-=============================  ==========================================  ==================
+- a real implementation that hands the tensors to the hal backend addressing their device
+  (:mod:`._routing`, chosen once per device), unchanged: hal converts them without a copy and applies
+  its own validation, fallback and strict-mode rules. Outputs are allocated by torch (so a CUDA
+  graph's memory pool owns them) and written by hal through ``out=``;
+- a fake implementation that checks what a trace can (ranks, the sizes the layouts share, matching
+  dtypes: :func:`hal_core.ops._validate.check_shapes`) and returns the declared output's shape and
+  dtype, so ``torch.compile`` traces through without a graph break and a CUDA graph captures the
+  launches.
+
+The Python functions :func:`paged_attention`, :func:`write_kv_cache`, :func:`quantized_gemm` (and
+:func:`wrapper` for any op) take the op's arguments (a quantized weight as its tensor dict from
+:func:`~hal_core.torch.weight_to_tensors` followed by ``bits``) and pick the functional or ``_out``
+operator.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
+from types import SimpleNamespace
+from typing import Any
 
 import torch
-from torch import Tensor
 
+from ..ops import OPS, OpSpec
+from ..ops._validate import check_shapes
 from ._routing import backend_for, on_torch_stream
+from ._schema import WEIGHT_FIELDS, TorchOp, torch_ops
 from ._weights import _weight
 
-__all__ = ["paged_attention", "quantized_gemm", "write_kv_cache"]
+__all__ = ["paged_attention", "quantized_gemm", "register_torch_ops", "wrapper", "write_kv_cache"]
+
+_LIBRARY = torch.library.Library("hal", "FRAGMENT")
+_registered: dict[str, OpSpec] = {}
+_lock = threading.Lock()
 
 
-# -- paged_attention ------------------------------------------------------------
+def _op_args(spec: OpSpec, values: Mapping[str, Any], *, fake: bool) -> dict[str, Any]:
+    """The op's arguments from an operator's parameters (a weight's tensors joined into one argument)."""
+    args = {name: value for name, value in values.items() if name not in WEIGHT_FIELDS}
+    for arg in spec.args:
+        if arg.is_weight:
+            qweight, bits = values["qweight"], values["bits"]
+            if fake:  # what a trace can know of the weight: its shape
+                if bits not in (4, 8):
+                    raise ValueError(f"argument 'bits': expected 4 or 8, got {bits}")
+                if qweight.ndim != 2:
+                    raise ValueError(f"argument 'qweight': expected 2 dimensions, got shape {tuple(qweight.shape)}")
+                rows, n = qweight.shape
+                args[arg.name] = SimpleNamespace(shape=(rows * 8 if bits == 4 else rows, n))
+            else:
+                args[arg.name] = _weight(qweight, values["scales"], values["zeros"], values["g_idx"], bits,
+                                         values["group_size"])
+    return args
 
 
-def _run_paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
-                         seq_lens: Tensor, scale: float, out: Tensor, max_seq_len: int | None) -> None:
-    backend = backend_for(query)
-    with on_torch_stream(backend, query):
-        backend.ops.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale=scale, out=out,
-                                    max_seq_len=max_seq_len)
+def _lead(spec: OpSpec, args: Mapping[str, Any]) -> torch.Tensor:
+    """The first array argument: its device decides the backend."""
+    return next(args[arg.name] for arg in spec.args if arg.is_array and args.get(arg.name) is not None)
 
 
-@torch.library.custom_op("hal::paged_attention", mutates_args=())
-def _paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
-                     seq_lens: Tensor, scale: float, max_seq_len: int | None = None) -> Tensor:
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    _run_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, out, max_seq_len)
-    return out
+def _real(op: TorchOp) -> Callable[..., Any]:
+    spec, names = op.spec, op.params
+
+    def run(*values: Any) -> Any:
+        args = _op_args(spec, dict(zip(names, values, strict=False)), fake=False)  # defaults are not passed
+        lead = _lead(spec, args)
+        out = None
+        if op.returns_tensor:
+            assert spec.output is not None
+            source = args[spec.output.dtype_of]
+            shape = spec.output_shape(args)
+            assert shape is not None
+            out = args["out"] = torch.empty(shape, dtype=source.dtype, device=source.device)
+        backend = backend_for(lead)
+        with on_torch_stream(backend, lead):
+            backend.ops._call(spec.name, args)
+        return out
+
+    run.__name__ = op.name
+    return run
 
 
-@_paged_attention.register_fake
-def _paged_attention_fake(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
-                          seq_lens: Tensor, scale: float, max_seq_len: int | None = None) -> Tensor:
-    _check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens)
-    return query.new_empty(query.shape)
+def _fake(op: TorchOp) -> Callable[..., Any]:
+    spec, names = op.spec, op.params
+
+    def fake(*values: Any) -> Any:
+        args = _op_args(spec, dict(zip(names, values, strict=False)), fake=True)
+        check_shapes(spec, args)
+        if not op.returns_tensor:
+            return None
+        assert spec.output is not None
+        return args[spec.output.dtype_of].new_empty(spec.output_shape(args))
+
+    fake.__name__ = f"{op.name}_fake"
+    return fake
 
 
-@torch.library.custom_op("hal::paged_attention_out", mutates_args=("out",))
-def _paged_attention_out(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
-                         seq_lens: Tensor, scale: float, out: Tensor, max_seq_len: int | None = None) -> None:
-    _run_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, out, max_seq_len)
+def register_torch_ops(spec: OpSpec) -> None:
+    """Define ``torch.ops.hal.<op>`` (and ``<op>_out``) for ``spec`` (idempotent per op name)."""
+    with _lock:
+        if spec.name in _registered:
+            return
+        for op in torch_ops(spec):
+            _LIBRARY.define(f"{op.name}{op.schema}")
+            _LIBRARY.impl(op.name, _real(op), "CompositeExplicitAutograd")
+            torch.library.register_fake(f"hal::{op.name}", _fake(op), lib=_LIBRARY)
+        _registered[spec.name] = spec
 
 
-@_paged_attention_out.register_fake
-def _paged_attention_out_fake(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
-                              seq_lens: Tensor, scale: float, out: Tensor, max_seq_len: int | None = None) -> None:
-    _check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens)
-    if tuple(out.shape) != tuple(query.shape) or out.dtype != query.dtype:
-        raise ValueError(f"argument 'out': expected shape {tuple(query.shape)} and dtype {query.dtype} "
-                         f"(the query's), got {tuple(out.shape)} {out.dtype}")
+def wrapper(spec: OpSpec) -> Callable[..., Any]:
+    """A Python function with the op's signature calling its torch operators (``out=`` picks ``_out``).
 
-
-def _check_attention_shapes(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
-                            seq_lens: Tensor) -> None:
-    """The shape facts a trace can check (ranks and matching sizes); hal checks the rest when it runs."""
-    for name, tensor, ndim in (("query", query, 3), ("key_cache", key_cache, 4), ("value_cache", value_cache, 4),
-                               ("block_tables", block_tables, 2), ("seq_lens", seq_lens, 1)):
-        if tensor.ndim != ndim:
-            raise ValueError(f"argument {name!r}: expected {ndim} dimensions, got shape {tuple(tensor.shape)}")
-
-
-def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
-                    seq_lens: Tensor, scale: float, out: Tensor | None = None,
-                    max_seq_len: int | None = None) -> Tensor:
-    """Decode attention over a paged KV cache (layout: :mod:`hal_core.ops.paged_attention`).
-
-    With ``out`` the result is written there (``hal::paged_attention_out``)
-    and ``out`` is returned; otherwise a new tensor (``hal::paged_attention``).
-    ``max_seq_len`` bounds ``seq_lens`` (a host int: device work is sized
-    from it without reading the device).
+    Required arguments are positional, the others keyword-only; a quantized weight is its tensor dict
+    followed by ``bits``. Returns the result tensor (``out`` when given), or None for in-place ops.
     """
-    if out is None:
-        return torch.ops.hal.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                             max_seq_len)
-    torch.ops.hal.paged_attention_out(query, key_cache, value_cache, block_tables, seq_lens, scale, out,
-                                      max_seq_len)
-    return out
+    register_torch_ops(spec)
+    ops = {op.writes_out: op for op in torch_ops(spec)}
+    params, required, optional = [], [], []
+    for arg in spec.args:
+        if arg.is_weight:
+            params += [arg.name, "bits"]
+            required.append(f"*_weight_params({arg.name}, bits)")
+        elif arg.required and arg.name != "out":
+            params.append(arg.name)
+            required.append(arg.name)
+    keyword = [arg.name for arg in spec.args if not arg.required]
+    optional = [name for name in keyword if name != "out"]
+    signature = ", ".join([*params, *(["*"] if keyword else []), *(f"{name}=None" for name in keyword)])
+    call = ", ".join([*required, *optional])
+    body = [f"def {spec.name}({signature}):"]
+    if spec.output is None:
+        body.append(f"    _hal.{ops[False].name}({call})")
+    else:
+        call_out = ", ".join([*required, "out", *optional])
+        body += ["    if out is None:", f"        return _hal.{ops[False].name}({call})",
+                 f"    _hal.{ops[True].name}({call_out})", "    return out"]
+    namespace: dict[str, Any] = {"_hal": torch.ops.hal, "_weight_params": _weight_params}
+    exec(compile("\n".join(body) + "\n", f"<hal torch op {spec.name}>", "exec"), namespace)
+    function = namespace[spec.name]
+    function.__module__ = __name__
+    function.__doc__ = (f"{(type(spec).__doc__ or spec.name).strip().splitlines()[0]} "
+                        f"(``torch.ops.hal.{spec.name}``; layout: :mod:`{type(spec).__module__}`).")
+    return function
 
 
-# -- write_kv_cache -------------------------------------------------------------
-
-
-@torch.library.custom_op("hal::write_kv_cache", mutates_args=("key_cache", "value_cache"))
-def _write_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
-                    slot_mapping: Tensor) -> None:
-    backend = backend_for(key)
-    with on_torch_stream(backend, key):
-        backend.ops.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
-
-
-@_write_kv_cache.register_fake
-def _write_kv_cache_fake(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
-                         slot_mapping: Tensor) -> None:
-    for name, tensor, ndim in (("key", key, 3), ("value", value, 3), ("key_cache", key_cache, 4),
-                               ("value_cache", value_cache, 4), ("slot_mapping", slot_mapping, 1)):
-        if tensor.ndim != ndim:
-            raise ValueError(f"argument {name!r}: expected {ndim} dimensions, got shape {tuple(tensor.shape)}")
-
-
-def write_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor) -> None:
-    """Scatter ``key``/``value`` into the caches in place (layout: :mod:`hal_core.ops.write_kv_cache`)."""
-    torch.ops.hal.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
-
-
-# -- quantized_gemm -------------------------------------------------------------
-
-
-@torch.library.custom_op("hal::quantized_gemm", mutates_args=())
-def _quantized_gemm(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, g_idx: Tensor | None,
-                    bits: int, group_size: int) -> Tensor:
-    weight = _weight(qweight, scales, zeros, g_idx, bits, group_size)
-    out = torch.empty((x.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)
-    backend = backend_for(x)
-    with on_torch_stream(backend, x):
-        backend.ops.quantized_gemm(x, weight, out=out)
-    return out
-
-
-@_quantized_gemm.register_fake
-def _quantized_gemm_fake(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, g_idx: Tensor | None,
-                         bits: int, group_size: int) -> Tensor:
-    if x.ndim != 2:
-        raise ValueError(f"argument 'x': expected [M, K], got shape {tuple(x.shape)}")
-    if bits not in (4, 8):
-        raise ValueError(f"argument 'bits': expected 4 or 8, got {bits}")
-    if qweight.ndim != 2:
-        raise ValueError(f"argument 'qweight': expected 2 dimensions, got shape {tuple(qweight.shape)}")
-    k = qweight.shape[0] * (8 if bits == 4 else 1)
-    torch._check(x.shape[1] == k, lambda: f"argument 'x': expected K={k} columns (the weight's), "
-                                          f"got shape {tuple(x.shape)}")
-    return x.new_empty((x.shape[0], qweight.shape[1]))
-
-
-def quantized_gemm(x: Tensor, weight: Mapping[str, Tensor], bits: int) -> Tensor:
-    """``x [M, K]`` times the quantized weight held as ``weight`` (see :func:`weight_to_tensors`)."""
+def _weight_params(weight: Mapping[str, torch.Tensor], bits: int) -> tuple[Any, ...]:
+    """A weight's operator parameters from its tensor dict (:func:`~hal_core.torch.weight_to_tensors`)."""
     qweight, scales = weight["qweight"], weight["scales"]
     k = qweight.shape[0] * (8 if bits == 4 else 1)
     group_size = k // scales.shape[0] if scales.shape[0] else 0
-    return torch.ops.hal.quantized_gemm(x, qweight, scales, weight.get("zeros"), weight.get("g_idx"),
-                                        bits, group_size)
+    return qweight, scales, weight.get("zeros"), weight.get("g_idx"), bits, group_size
+
+
+for _spec in OPS.values():
+    register_torch_ops(_spec)
+
+#: Attention over a paged KV cache (layout: :mod:`hal_core.ops.paged_attention`).
+paged_attention = wrapper(OPS["paged_attention"])
+#: Scatter ``key``/``value`` into the caches in place (layout: :mod:`hal_core.ops.write_kv_cache`).
+write_kv_cache = wrapper(OPS["write_kv_cache"])
+#: ``x [M, K]`` times the quantized weight held as tensors (:func:`~hal_core.torch.weight_to_tensors`).
+quantized_gemm = wrapper(OPS["quantized_gemm"])

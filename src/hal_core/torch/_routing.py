@@ -1,43 +1,74 @@
 """Which hal backend runs a torch op, and on which stream.
 
 The backend is chosen by the device of the op's first tensor: the selected
-backend (``hal_core.get_backend()``) when it owns that memory, else the
-highest-priority available backend that does. Host tensors are owned by the
-host backend (the one that owns numpy arrays); CUDA tensors by a GPU
-backend. A device backend enqueues on its *current* stream, so device work
-runs inside :func:`torch_stream`, which makes torch's current stream the
-backend's current one (a wrapped foreign stream: no new stream, no sync).
+backend (``hal_core.get_backend()``) when it addresses that memory, else the
+highest-priority available backend that does. Host tensors go to a host
+backend (:attr:`~hal_core.Backend.is_host`); device tensors to a backend whose
+:attr:`~hal_core.Backend.dlpack_device_types` lists their DLPack device type.
+The choice is made once per device and kept until :func:`hal_core.reset`
+(or a change of ``HAL_BACKEND``), so an op call costs a dictionary look-up.
+
+A device backend enqueues on its *current* stream, so device work runs inside
+:func:`on_torch_stream`, which makes torch's current stream the backend's
+current one (:meth:`~hal_core.DeviceHandle.wrap_stream`: no new stream, no sync).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
-from typing import Any
 
-import numpy as np
 import torch
 
-from .. import get_backend, list_backends
+from .. import _env, get_backend, list_backends
 from .._backend import Backend
 from .._errors import ArgumentError
+from .._runtime import current
+from ..arrays import dlpack_device
 
 __all__ = ["backend_for", "on_torch_stream"]
 
+#: (runtime, HAL_BACKEND, device type, index) -> backend; a reset makes a new runtime, so old keys never match.
+_chosen: dict[tuple[int, str | None, str, int], Backend] = {}
+_lock = threading.Lock()
+
 
 def backend_for(tensor: torch.Tensor) -> Backend:
-    """The hal backend that owns ``tensor``'s memory; ArgumentError when none does."""
-    probe: Any = np.empty(0) if tensor.device.type == "cpu" else tensor
+    """The hal backend that addresses ``tensor``'s memory; ArgumentError when none does."""
+    device = tensor.device
+    key = (id(current()), _env.backend_override(), device.type, device.index or 0)
+    found = _chosen.get(key)
+    if found is None:
+        found = _choose(tensor)
+        with _lock:
+            if len(_chosen) > 64:  # stale runtimes' entries: never consulted again
+                _chosen.clear()
+            _chosen[key] = found
+    return found
+
+
+def _addresses(backend: Backend, tensor: torch.Tensor) -> bool:
+    if tensor.device.type == "cpu":
+        return backend.is_host
+    try:
+        found = dlpack_device(tensor)
+    except (BufferError, RuntimeError, TypeError, ValueError):
+        return False
+    return found is not None and found[0] in backend.dlpack_device_types
+
+
+def _choose(tensor: torch.Tensor) -> Backend:
     selected = get_backend()
-    if selected.owns(probe):
+    if _addresses(selected, tensor):
         return selected
     for info in list_backends():
         if info.available and info.name != selected.name:
             backend = get_backend(info.name)
-            if backend.owns(probe):
+            if _addresses(backend, tensor):
                 return backend
     raise ArgumentError(
-        f"no available hal backend owns memory on torch device {tensor.device}; "
+        f"no available hal backend addresses memory on torch device {tensor.device}; "
         f"`hal info` lists the installed backends and why each is unavailable"
     )
 
@@ -55,12 +86,9 @@ def on_torch_stream(backend: Backend, tensor: torch.Tensor) -> Iterator[None]:
         return
     module = torch.get_device_module(tensor.device)  # torch's per-device-type module, named by the tensor
     index = tensor.device.index if tensor.device.index is not None else module.current_device()
-    device = backend.device(index)
-    wrap = getattr(device, "wrap_stream", None)
-    if wrap is None:
-        raise ArgumentError(
-            f"backend {backend.name!r} cannot run on a foreign stream (its devices have no wrap_stream), "
-            f"so it cannot follow torch's current stream"
-        )
-    with wrap(module.current_stream(index)):
+    try:
+        wrapped = backend.device(index).wrap_stream(module.current_stream(index))
+    except NotImplementedError as exc:
+        raise ArgumentError(f"backend {backend.name!r} cannot follow torch's current stream: {exc}") from exc
+    with wrapped:
         yield

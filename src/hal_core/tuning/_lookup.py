@@ -16,16 +16,16 @@ import contextvars
 import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._buckets import bucket
-from ._store import TuneTable, device_key, has_tables, load_table
+from ._store import TuneTable, device_key, has_tables, load_table, table_path, tune_dir
 
 if TYPE_CHECKING:
     from ..ops import OpCall, OpImpl
     from ._knobs import Knob
 
-__all__ = ["forget", "knob_value", "ordered", "override", "table_for"]
+__all__ = ["clear", "forget", "knob_value", "ordered", "override", "table_for"]
 
 _MISSING = object()
 #: id(backend) -> (a reference to the backend, {device index: table}); by id, since a backend need not be hashable.
@@ -100,7 +100,7 @@ def ordered(call: OpCall, impls: Sequence[OpImpl]) -> Sequence[OpImpl]:
     per_bucket = table.choices.get(call.op)
     if not per_bucket:
         return impls
-    name = per_bucket.get(bucket(call.op, call.args))
+    name = per_bucket.get(call.spec.bucket(call.args))
     if name is None:
         return impls
     for index, impl in enumerate(impls):
@@ -118,7 +118,7 @@ def knob_value(call: OpCall, knob: Knob) -> Hashable:
     if table is not None:
         per_knob = table.knobs.get(call.op, {}).get(knob.name)
         if per_knob:
-            value = per_knob.get(bucket(call.op, call.args), _MISSING)
+            value = per_knob.get(call.spec.bucket(call.args), _MISSING)
             if value is not _MISSING and value in knob.candidates:
                 return value
     return knob.rule(call)
@@ -140,3 +140,18 @@ def source(backend: Any, op: str, device_index: int = 0) -> dict[str, Any]:
     choices = len(table.choices.get(op, {})) if table else 0
     knobs = {name: len(values) for name, values in (table.knobs.get(op, {}) if table else {}).items()}
     return {"tuned": bool(choices or any(knobs.values())), "choices": choices, "knobs": knobs}
+
+
+def clear(backend: Any | None = None) -> list[Path]:
+    """Remove the store files of ``backend``'s devices (every hal tune file when None); return them."""
+    removed = []
+    if backend is None:
+        targets = list(tune_dir().glob("*.json")) if tune_dir().is_dir() else []
+    else:
+        targets = [table_path(key_for(backend, d.index)) for d in backend.devices()]
+    for path in targets:
+        if path.exists():
+            path.unlink()
+            removed.append(path)
+    forget()
+    return removed

@@ -21,17 +21,8 @@ _pool: ThreadPoolExecutor | None = None
 
 
 def finish(call: OpCall, result: np.ndarray) -> np.ndarray:
-    """Cast the finished ``result`` to the op's dtype and write it into ``call.out`` if given.
-
-    Called only once the whole result exists, so a failure never leaves
-    ``out`` half written.
-    """
-    dtype = call.spec.output_dtype(call.args)
-    out: Any = call.out
-    if out is None:
-        return result.astype(dtype, copy=False)
-    out[...] = result
-    return out
+    """The finished ``result`` in the op's dtype (hal writes the caller's ``out`` from it)."""
+    return result.astype(call.spec.output_dtype(call.args), copy=False)
 
 
 def workspace(name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:

@@ -15,13 +15,27 @@ from __future__ import annotations
 import numpy as np
 
 from hal_core.ops import OpCall
+from hal_core.ops.paged_attention import variants
 
 from .. import _native
 from . import _fallback_attention, _knobs, _rules
 from ._common import finish
 from ._native_args import dtype_code, element_strides, last_contiguous
 
-__all__ = ["attend", "paged_attention"]
+__all__ = ["attend", "paged_attention", "supports"]
+
+
+def supports(call: OpCall) -> bool | str:
+    """Decode over any cache layout; the compiled kernel has no prefill, window, softcap, sinks or ALiBi."""
+    args = call.args
+    if all(args.get(name) is None for name in _LATER):
+        return True
+    missing = sorted(variants(args) - {"strided_cache"})
+    return f"the compiled kernel runs decode only, not {', '.join(missing)}" if missing else True
+
+
+#: Arguments of the op the compiled decode kernel does not take (it runs calls that give none of them).
+_LATER = ("query_start_loc", "window", "softcap", "sinks", "alibi_slopes")
 
 
 def paged_attention(call: OpCall) -> np.ndarray:

@@ -147,22 +147,12 @@ class GpuOp:
         """Copy host inputs to the current device, compute there, copy the results back."""
         backend = call.backend
         device_index = int(cupy().cuda.runtime.getDevice())
-        host_out = call.out
-        device_args = call.spec.map_arrays(call.args, lambda a: to_device(a, device_index))
-        if "out" in device_args:
-            device_args["out"] = None
-        device_call = OpCall(spec=call.spec, args=device_args, backend=backend, device_index=device_index)
         with cupy().cuda.Device(device_index):
-            result = self._run(device_call)
-            for name in call.spec.inplace_args:
-                call.args[name][...] = to_host(device_args[name])
-            if result is None:
-                return None
-            host = to_host(result)
-        if host_out is not None:
-            host_out[...] = host
-            return host_out
-        return host
+            return call.spec.run_elsewhere(
+                call.args, lambda a: to_device(a, device_index),
+                lambda device_args: self._run(OpCall(spec=call.spec, args=device_args, backend=backend,
+                                                     device_index=device_index)),
+                to_host)
 
     def impl(self, backend: str) -> OpImpl:
         """The registry entry, named ``<backend>.<op>``."""

@@ -25,8 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from hal_core.arrays import dtype_name
+from hal_core.arrays import dtype_name, is_c_contiguous
 from hal_core.ops import OpCall
+from hal_core.ops.paged_attention import variants as _variants
 
 from .._arrays import KERNEL_DTYPES, as_storage, empty_like_dtype
 from .._cupy import cupy
@@ -120,6 +121,11 @@ def _run_tensor_cores(call: OpCall, device_index: int, storage: tuple[Any, ...],
 
 def check(call: OpCall) -> str:
     q, kc = call["query"], call["key_cache"]
+    variants = sorted(_variants(call.args))
+    if variants:
+        return f"the GPU kernels run decode over C-contiguous caches only, not {', '.join(variants)}"
+    if not is_c_contiguous(q):
+        return "the kernels read a C-contiguous query"
     num_seqs, _, head_size = q.shape
     block_size = kc.shape[2]
     if head_size not in PA_HEAD_SIZES:
@@ -150,7 +156,7 @@ def run(call: OpCall) -> Any:
     max_seq_len = seq_len_bound(call)
     with cp.cuda.Device(device_index):
         checks = (np.int32(kc.shape[0]), np.int32(max_seq_len), error_flag(device_index))
-        out = call.out if call.out is not None else empty_like_dtype(tuple(q.shape), hal_dtype)
+        out = empty_like_dtype(tuple(q.shape), hal_dtype)
         if uses_tensor_cores(call.backend, device_index, hal_dtype, num_heads, num_kv_heads, head_size):
             _run_tensor_cores(call, device_index, (q, kc, vc, bt, sl), as_storage(out), KERNEL_DTYPES[hal_dtype],
                               checks)

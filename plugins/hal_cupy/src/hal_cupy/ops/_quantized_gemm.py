@@ -262,7 +262,7 @@ def run(call: OpCall) -> Any:
                as_storage(qw.zeros) if qw.zeros is not None else None)
     m, k = x.shape
     with cp.cuda.Device(device_index):
-        out = call.out if call.out is not None else empty_like_dtype((m, qw.shape[1]), hal_dtype)
+        out = empty_like_dtype((m, qw.shape[1]), hal_dtype)
         if k == 0:  # an empty sum: zeros, no launch (the kernels' K-split needs at least one group)
             as_storage(out).fill(0)
         elif uses_tensor_cores(call.backend, device_index, hal_dtype, qw.bits, m):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hal_core.arrays import is_c_contiguous
 from hal_core.ops import OpCall
 
 from .._arrays import as_storage
@@ -23,6 +24,8 @@ _INT32_MAX = 2**31 - 1
 
 def check(call: OpCall) -> str:
     key, cache = call["key"], call["key_cache"]
+    if not (is_c_contiguous(cache) and is_c_contiguous(call["value_cache"])):
+        return "the kernel writes C-contiguous caches (strided cache views run on the CPU path)"
     num_tokens, _, head_size = key.shape
     caps = call.capabilities
     if num_tokens > caps.max_grid_dims[0]:

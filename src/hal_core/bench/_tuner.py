@@ -1,4 +1,5 @@
-"""``hal tune``: time every candidate (implementation, knob value) per shape bucket; persist the winners."""
+"""``hal tune`` as a library: time every candidate (implementation, knob value) per shape bucket, persist the
+winners."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from ._buckets import bucket
-from ._lookup import forget, key_for, override
-from ._store import TuneTable, load_table, save_table, table_path
+from ..ops import OPS, OpCall
+from ..tuning import TuneTable, forget, key_for, load_table, override, save_table
+from ._inputs import build_inputs
+from ._timing import TimingPolicy, measure
 
 __all__ = ["Decision", "TuneReport", "tunables", "tune"]
 
@@ -57,14 +59,9 @@ def tunables(backend: Any) -> dict[str, dict[str, Any]]:
 
 
 def _make_call(backend: Any, case: Any, rng: np.random.Generator) -> Any:
-    from ..bench._inputs import build_inputs
-    from ..ops import OPS, OpCall
-
     spec = OPS[case.op]
     host = build_inputs(case, rng)
     args = dict(spec.map_arrays(host, backend.asarray))
-    if "out" in spec.array_args:
-        args.setdefault("out", None)
     spec.validate(args, lambda a: a if isinstance(a, np.ndarray) else backend.to_numpy(a))
     return OpCall(spec=spec, args=args, backend=backend, device_index=0)
 
@@ -99,8 +96,6 @@ def tune(
     its best knob values. Medians of the cases of one bucket are summed per
     candidate; the smallest sum wins. ``clock`` may be replaced (tests).
     """
-    from ..bench._timing import TimingPolicy, measure
-
     policy = policy or TimingPolicy(repeat=5, warmup=1, max_seconds=0.5)
     sync = backend.device(0).synchronize
     key = key_for(backend)
@@ -119,7 +114,7 @@ def tune(
         if not runnable:
             report.skipped.append(f"{case.label}: no implementation supports it")
             continue
-        where = bucket(case.op, call.args)
+        where = call.spec.bucket(call.args)
 
         def timed(fn: Callable[[Any], Any], call: Any = call) -> float:
             return measure(lambda _: fn(call), policy, sync=sync, clock=clock).median * 1e3
@@ -170,20 +165,3 @@ def _persist(key: dict[str, Any], decisions: Sequence[Decision]) -> Path:
     path = save_table(table)
     forget()
     return path
-
-
-def clear(backend: Any | None = None) -> list[Path]:
-    """Remove the store files of ``backend``'s devices (every hal tune file when None); return them."""
-    from ._store import tune_dir
-
-    removed = []
-    if backend is None:
-        targets = list(tune_dir().glob("*.json")) if tune_dir().is_dir() else []
-    else:
-        targets = [table_path(key_for(backend, d.index)) for d in backend.devices()]
-    for path in targets:
-        if path.exists():
-            path.unlink()
-            removed.append(path)
-    forget()
-    return removed
