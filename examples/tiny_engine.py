@@ -133,7 +133,7 @@ class Engine:
             be.ops.write_kv_cache(be.asarray(k.astype(self.act)), be.asarray(v.astype(self.act)),
                                   key_cache, value_cache, step.slot_mapping)
             attn = be.ops.paged_attention(be.asarray(q.astype(self.act)), key_cache, value_cache,
-                                          step.block_tables, step.seq_lens, scale=cfg.head_size**-0.5)
+                                          scale=cfg.head_size**-0.5, **step.attention_args())
             x = x + self.gemm(be.to_numpy(attn).astype(np.float32).reshape(t, -1), w["wo"])
             h = rms_norm(x, w["mlp_norm"], cfg.eps)
             x = x + self.gemm(silu(self.gemm(h, w["w_gate"])) * self.gemm(h, w["w_up"]), w["w_down"])

@@ -54,8 +54,8 @@ class Driver:
             q = self._rand(step.num_tokens, NUM_HEADS, HEAD_SIZE)
             kc, vc = self.cache.layer(layer)
             self.be.ops.write_kv_cache(self.be.asarray(k), self.be.asarray(v), kc, vc, step.slot_mapping)
-            out = self.be.ops.paged_attention(self.be.asarray(q), kc, vc, step.block_tables, step.seq_lens,
-                                              scale=HEAD_SIZE**-0.5)
+            out = self.be.ops.paged_attention(self.be.asarray(q), kc, vc, scale=HEAD_SIZE**-0.5,
+                                              **step.attention_args())
             out = self.be.to_numpy(out).astype(np.float64)
             for i, seq in enumerate(step.seq_ids):
                 rows = step.row_seq == i
@@ -149,19 +149,23 @@ def test_step_too_wide_for_max_blocks_leaves_the_cache_unchanged(cpu) -> None:
     assert cache.usage().free_blocks == free
     cache.blocks.check()
     step = cache.prepare_step({"a": 29, "b": 1}, max_blocks=2)  # exactly two blocks: fits
-    assert cpu.to_numpy(step.block_tables).shape == (30, 2)
+    assert cpu.to_numpy(step.block_tables).shape == (2, 2)
 
 
 def test_step_arrays_are_device_arrays_of_the_op_dtypes(cpu) -> None:
-    """slot_mapping is int64, block_tables and seq_lens int32, in the backend's memory, padded as asked."""
+    """slot_mapping is int64, the rest int32, in the backend's memory, one table row per sequence, padded as asked."""
     cache = PagedKVCache(cpu, CacheConfig(1, 1, 64, block_size=4, dtype="fp32"), num_blocks=8)
     cache.add("x")
     cache.add("y")
     step = cache.prepare_step({"x": 6, "y": 1}, max_blocks=5)
-    for array, dtype in ((step.slot_mapping, np.int64), (step.block_tables, np.int32), (step.seq_lens, np.int32)):
+    for array, dtype in ((step.slot_mapping, np.int64), (step.block_tables, np.int32), (step.seq_lens, np.int32),
+                         (step.query_start_loc, np.int32)):
         assert cpu.owns(array) and array.dtype == dtype
-    assert cpu.to_numpy(step.block_tables).shape == (7, 5)
-    assert cpu.to_numpy(step.seq_lens).tolist() == [1, 2, 3, 4, 5, 6, 1]
+    assert cpu.to_numpy(step.block_tables).shape == (2, 5)
+    assert cpu.to_numpy(step.seq_lens).tolist() == [6, 1]
+    assert cpu.to_numpy(step.query_start_loc).tolist() == [0, 6, 7]
+    assert (step.max_query_len, step.max_seq_len) == (6, 6)
+    assert step.positions.tolist() == [0, 1, 2, 3, 4, 5, 0]
     assert step.last_rows.tolist() == [5, 6]
     assert cpu.to_numpy(cache.seq_lens(["y", "x"])).tolist() == [1, 6]
     assert cpu.to_numpy(cache.block_tables(["x", "y"])).tolist() == [[0, 1], [2, 0]]

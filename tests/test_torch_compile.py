@@ -28,17 +28,23 @@ def _steps(device: str, dtype: str, seed: int) -> tuple[list[dict], list[torch.T
         step = cache.prepare_step(new_tokens, max_blocks=4)  # a fixed table width: one compiled shape per row count
         x = rng.standard_normal((step.num_tokens, HIDDEN)) / 4
         steps.append({name: tensor(getattr(step, name), device)
-                      for name in ("slot_mapping", "block_tables", "seq_lens")} | {"x": x})
+                      for name in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")}
+                     | {"x": x, "max_query_len": step.max_query_len})
     keys = [tensor(k, device) for k in cache.key_caches]
     values = [tensor(v, device) for v in cache.value_caches]
     return steps, keys, values
+
+
+def _indices(step: dict) -> tuple:
+    return (step["slot_mapping"], step["block_tables"], step["seq_lens"], step["query_start_loc"],
+            step["max_query_len"])
 
 
 def _run(step_fn, steps: list[dict], keys: list, values: list, dtype: torch.dtype, device: str) -> list:
     outs = []
     for s in steps:
         x = torch.as_tensor(s["x"], dtype=dtype, device=device)
-        outs.append(step_fn(x, keys, values, s["slot_mapping"], s["block_tables"], s["seq_lens"]))
+        outs.append(step_fn(x, keys, values, *_indices(s)))
     return outs
 
 
@@ -53,8 +59,7 @@ def test_decode_step_compiles_without_graph_breaks_and_matches_eager(dtype: str)
     first = steps[0]
     x0 = torch.as_tensor(first["x"], dtype=tdtype)
 
-    explained = torch._dynamo.explain(model)(x0, copy.deepcopy(keys), copy.deepcopy(values), first["slot_mapping"],
-                                             first["block_tables"], first["seq_lens"])
+    explained = torch._dynamo.explain(model)(x0, copy.deepcopy(keys), copy.deepcopy(values), *_indices(first))
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
     hal_ops = {str(node.target) for graph in explained.graphs for node in graph.graph.nodes
@@ -106,17 +111,16 @@ def test_decode_step_replays_in_a_cuda_graph(monkeypatch: pytest.MonkeyPatch) ->
     _run(model, [prefill], keys, values, dtype, "cuda")  # fill the caches
     eager_keys, eager_values = copy.deepcopy(keys), copy.deepcopy(values)
     x = torch.as_tensor(decode["x"], dtype=dtype, device="cuda")
-    expected = model(x, eager_keys, eager_values, decode["slot_mapping"], decode["block_tables"], decode["seq_lens"])
+    expected = model(x, eager_keys, eager_values, *_indices(decode))
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm up (compiles kernels) outside the capture, on caches thrown away
-        model(x, copy.deepcopy(keys), copy.deepcopy(values), decode["slot_mapping"], decode["block_tables"],
-              decode["seq_lens"])
+        model(x, copy.deepcopy(keys), copy.deepcopy(values), *_indices(decode))
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = model(x, keys, values, decode["slot_mapping"], decode["block_tables"], decode["seq_lens"])
+        out = model(x, keys, values, *_indices(decode))
     graph.replay()
     torch.cuda.synchronize()
     hal_core.check_errors()  # the kernels' index checks found nothing

@@ -17,15 +17,47 @@ VOCAB, NEW_TOKENS = 128, 8
 PROMPT_LENS = (9, 5, 2)  # one batch, left-padded to the longest
 
 
-def _model(family: str, seed: int) -> torch.nn.Module:
-    """A small random model (GQA, three layers), built from a config: nothing is downloaded."""
+WINDOW = 4  #: shorter than the prompts plus the new tokens, so it cuts keys off
+SOFTCAP = 2.0  #: small enough to bend the random model's scores
+
+
+def _model(family: str, seed: int, **features: object) -> torch.nn.Module:
+    """A small random model (GQA, three layers), built from a config: nothing is downloaded.
+
+    ``mistral`` and ``qwen2-window`` have a sliding window on every layer, ``gemma2`` on alternate layers
+    plus a logit softcap, ``gpt-oss`` attention sinks (and a window on alternate layers). ``features``
+    override config fields (e.g. a window longer than any context, to check a feature matters).
+    """
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=4, max_position_embeddings=256, initializer_range=0.2,
                   attn_implementation="eager")
     torch.manual_seed(seed)
     if family == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(num_key_value_heads=2, **common)).eval()
-    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(num_key_value_heads=1, **common)).eval()
+        config = transformers.LlamaConfig(num_key_value_heads=2, **common)
+    elif family == "qwen2":
+        config = transformers.Qwen2Config(num_key_value_heads=1, **common)
+    elif family == "qwen2-window":
+        config = transformers.Qwen2Config(num_key_value_heads=2, use_sliding_window=True, sliding_window=WINDOW,
+                                          max_window_layers=0, **common)
+    elif family == "mistral":
+        config = transformers.MistralConfig(num_key_value_heads=2, sliding_window=WINDOW, **common)
+    elif family == "gemma2":
+        config = transformers.Gemma2Config(num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                                           sliding_window=WINDOW, attn_logit_softcapping=SOFTCAP,
+                                           final_logit_softcapping=None, **common)
+    elif family == "gpt-oss":
+        config = transformers.GptOssConfig(num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
+                                           num_local_experts=4, num_experts_per_tok=2, **common)
+    else:
+        raise AssertionError(family)
+    for name, value in features.items():
+        setattr(config, name, value)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # sinks start at zero: give them values that change the softmax
+        for name, param in model.named_parameters():
+            if name.endswith(".sinks"):
+                param.copy_(torch.randn(param.shape) * 2)
+    return model
 
 
 def _prompts(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,23 +76,39 @@ def _generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, **k
                               output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kwargs)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+FAMILIES = ["llama", "qwen2", "qwen2-window", "mistral", "gemma2", "gpt-oss"]
+#: The config field each family's feature lives in, and a value that switches it off (a window longer than any
+#: context): the feature must change the result.
+FEATURES = {"qwen2-window": {"sliding_window": 256}, "mistral": {"sliding_window": 256},
+            "gemma2": {"attn_logit_softcapping": None}, "gpt-oss": {"sliding_window": 256}}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_generation_matches_eager(family: str) -> None:
-    seed = 5 if family == "llama" else 6
+    """Greedy tokens through hal equal eager attention's, for prompts of different lengths longer than the
+    window, with one hal attention call per layer and step (prefill included)."""
+    seed = 5 + FAMILIES.index(family)
     print(f"seed={seed}")
     model = _model(family, seed)
     ids, mask = _prompts(seed)
     expected = _generate(model, ids, mask)
+    if family in FEATURES:  # the feature is exercised: without it the eager logits differ
+        plain = _generate(_model(family, seed, **FEATURES[family]), ids, mask)
+        assert not torch.allclose(plain.logits[0], expected.logits[0], atol=1e-3), "the feature changes nothing"
 
     model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
     cache = hal_hf.HalPagedCache(model.config, num_blocks=16, block_size=8, dtype=torch.float32)
     for layer in range(model.config.num_hidden_layers):  # the tensors the ops write are hal's cache memory
         assert cache.key_caches[layer].data_ptr() == cache.paged.key_caches[layer].ctypes.data
         assert cache.value_caches[layer].data_ptr() == cache.paged.value_caches[layer].ctypes.data
+    before = hal_core.stats().get("cpu", {}).get("paged_attention", {}).get("calls", 0)
     got = _generate(model, ids, mask, past_key_values=cache)
+    calls = hal_core.stats()["cpu"]["paged_attention"]["calls"] - before
+    assert calls == model.config.num_hidden_layers * NEW_TOKENS  # one call per layer and forward
 
     assert torch.equal(got.sequences, expected.sequences), (got.sequences, expected.sequences)
-    assert len(set(expected.sequences[:, ids.shape[1]:].flatten().tolist())) > 3  # a varied continuation
+    varied = 3 if family == "gemma2" else 4  # random Gemma 2 models repeat one token per row; the logits still vary
+    assert len(set(expected.sequences[:, ids.shape[1]:].flatten().tolist())) >= varied  # a non-trivial continuation
     atol, rtol = tolerance("attention", "fp32")
     for step, (g, e) in enumerate(zip(got.logits, expected.logits, strict=True)):
         torch.testing.assert_close(g, e, atol=atol * e.abs().max().item(), rtol=rtol, msg=f"logits of step {step}")
@@ -127,10 +175,9 @@ def test_unsupported_uses_are_refused_by_name() -> None:
     q = torch.zeros(1, 4, 1, 16)
     with pytest.raises(ValueError, match="continuous batching"):
         hal_hf.hal_attention_forward(model, q, q, q, None, cache=object())
-    with pytest.raises(ValueError, match="sliding window"):
-        hal_hf.hal_attention_forward(model, q, q, q, None, sliding_window=4)
-    with pytest.raises(ValueError, match="softcap"):
-        hal_hf.hal_attention_forward(model, q, q, q, None, softcap=50.0)
+    for feature in ({"sliding_window": 4}, {"softcap": 50.0}, {"s_aux": torch.zeros(4)}):  # SDPA has none
+        with pytest.raises(ValueError, match="sliding window, logit softcap or attention sinks"):
+            hal_hf.hal_attention_forward(model, q, q, q, None, **feature)
     with pytest.raises(NotImplementedError, match="beam search"):
         cache.reorder_cache(torch.tensor([0]))
     with pytest.raises(ValueError, match="2D padding mask"), torch.no_grad():

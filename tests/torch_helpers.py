@@ -63,7 +63,8 @@ class TinyDecoder(torch.nn.Module):
         return {key[len(prefix):]: buf for key, buf in self.named_buffers() if key.startswith(prefix)}
 
     def forward(self, x: torch.Tensor, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
-                slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+                slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                query_start_loc: torch.Tensor, max_query_len: int) -> torch.Tensor:
         tokens = x.shape[0]
         for layer in range(self.layers):
             q = hal_torch.quantized_gemm(x, self.weight("wq", layer), self.bits)
@@ -74,6 +75,7 @@ class TinyDecoder(torch.nn.Module):
             v = v.view(tokens, self.kv_heads, self.head_size)
             hal_torch.write_kv_cache(k, v, key_caches[layer], value_caches[layer], slot_mapping)
             attn = hal_torch.paged_attention(q, key_caches[layer], value_caches[layer], block_tables, seq_lens,
-                                             self.scale)
+                                             self.scale, query_start_loc=query_start_loc,
+                                             max_query_len=max_query_len)
             x = x + hal_torch.quantized_gemm(attn.reshape(tokens, -1), self.weight("wo", layer), self.bits)
         return x

@@ -68,20 +68,24 @@ class KVCacheUsage:
 
 @dataclass(frozen=True)
 class StepInputs:
-    """The index arrays of one step, on the cache's device, one row per new token.
+    """The index arrays of one step on the cache's device: the packed new tokens of every sequence.
 
-    Row ``i`` is a new token of sequence ``seq_ids[row_seq[i]]`` at position
-    ``positions[i]``: ``slot_mapping[i]`` is where :func:`write_kv_cache` puts
-    its key and value, and ``block_tables[i]`` / ``seq_lens[i] = positions[i] + 1``
-    are what :func:`paged_attention` reads for its query (causal by
-    construction). In a pure decode step (one token per sequence) rows
-    and sequences coincide.
+    The step's new tokens are packed sequence by sequence, in ``seq_ids`` order: token row ``i`` is a new
+    token of sequence ``seq_ids[row_seq[i]]`` at position ``positions[i]``, and ``slot_mapping[i]`` is
+    where :func:`write_kv_cache` puts its key and value. Sequence ``s`` owns rows
+    ``query_start_loc[s]:query_start_loc[s + 1]``; ``block_tables[s]`` and ``seq_lens[s]`` (its length,
+    the new tokens included) are what :func:`paged_attention` reads, with ``max_query_len`` and
+    ``max_seq_len`` as its host hints — :meth:`attention_args` gives them all. A pure decode step has one
+    row per sequence.
     """
 
     seq_ids: tuple[Hashable, ...]
     slot_mapping: Any  #: int64 [num_tokens], device
-    block_tables: Any  #: int32 [num_tokens, max_blocks], device
-    seq_lens: Any  #: int32 [num_tokens], device
+    query_start_loc: Any  #: int32 [num_seqs + 1], device
+    block_tables: Any  #: int32 [num_seqs, max_blocks], device
+    seq_lens: Any  #: int32 [num_seqs], device
+    max_query_len: int  #: the most new tokens of one sequence (at least 1)
+    max_seq_len: int  #: the longest sequence (at least 1)
     positions: np.ndarray  #: int64 [num_tokens], host
     row_seq: np.ndarray  #: int64 [num_tokens], host: the index into ``seq_ids`` of each row
     last_rows: np.ndarray  #: int64 [len(seq_ids)], host: each sequence's last new row (-1 if none)
@@ -89,6 +93,11 @@ class StepInputs:
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+    def attention_args(self) -> dict[str, Any]:
+        """The keyword arguments of ``paged_attention`` this step gives (tables, lengths, packing, hints)."""
+        return {"block_tables": self.block_tables, "seq_lens": self.seq_lens, "query_start_loc": self.query_start_loc,
+                "max_query_len": self.max_query_len, "max_seq_len": self.max_seq_len}
 
 
 class PagedKVCache:
@@ -227,14 +236,17 @@ class PagedKVCache:
             [np.arange(n - c, n, dtype=np.int64) for n, c in zip(lengths, counts, strict=True)]
         ) if seq_ids else np.zeros(0, np.int64)
         tables = self._table_rows(seq_ids, max_blocks)
-        ends = np.cumsum(counts) - 1
-        last_rows = np.where(np.asarray(counts) > 0, ends, -1).astype(np.int64)
+        starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int32)
+        last_rows = np.where(np.asarray(counts) > 0, starts[1:] - 1, -1).astype(np.int64)
         mapping = np.concatenate([slots[s] for s in seq_ids]) if seq_ids else np.zeros(0, np.int64)
         return StepInputs(
             seq_ids=seq_ids,
             slot_mapping=self._device(mapping.astype(np.int64)),
-            block_tables=self._device(tables[row_seq]),
-            seq_lens=self._device((positions + 1).astype(np.int32)),
+            query_start_loc=self._device(starts),
+            block_tables=self._device(tables),
+            seq_lens=self._device(np.asarray(lengths, dtype=np.int32)),
+            max_query_len=max(counts, default=0) or 1,
+            max_seq_len=max(lengths, default=0) or 1,
             positions=positions,
             row_seq=row_seq,
             last_rows=last_rows,

@@ -19,17 +19,21 @@ Each layer's ``past_key_values.update`` (called by the model right before its
 attention) hands the layer's new keys and values to the attention function
 through a per-thread forward context; the attention function writes them into
 the layer's hal cache with ``hal::write_kv_cache`` (pad tokens skipped) and
-attends with ``hal::paged_attention``, one query row per real new token
-(prefill runs causally through the decode kernel). The step's slot mapping,
-block tables and lengths come from :class:`hal_core.kvcache.PagedKVCache`,
-planned once per forward and shared by every layer.
+attends with one ``hal::paged_attention`` call per layer and step, whatever the
+number of new tokens: the real new tokens of every sequence packed, with
+``query_start_loc`` (a prompt is one causal prefill, not one decode per token).
+The step's slot mapping, block tables, lengths and packing come from
+:class:`hal_core.kvcache.PagedKVCache`, planned once per forward and shared by
+every layer. What the model's layers declare passes through: a sliding window
+(``sliding_window``: Mistral, Qwen2, Gemma 2/3), a logit softcap (``softcap``:
+Gemma 2) and attention sinks (``s_aux``: gpt-oss).
 
 What falls back: without a :class:`HalPagedCache` (a ``DynamicCache``, or no
 cache) the ``"hal"`` attention runs torch's scaled-dot-product attention on the
 keys and values transformers passes (logged once; ``HAL_STRICT=1`` raises
-instead). Sliding-window layers, attention sinks, transformers' continuous
-batching (``generate_batch``, whose cache transformers owns in its own layout),
-a logit softcap (Gemma 2), beam search and cache cropping raise a clear error.
+instead; it refuses what SDPA cannot honour: windows, softcaps, sinks).
+Transformers' continuous batching (``generate_batch``, whose cache transformers
+owns in its own layout), beam search and cache cropping raise a clear error.
 """
 
 from __future__ import annotations
@@ -66,13 +70,16 @@ _warned: set[str] = set()
 
 @dataclass(frozen=True)
 class _Plan:
-    """One forward's index tensors, shared by every layer."""
+    """One forward's index tensors and hints, shared by every layer."""
 
     step: int
     rows: torch.Tensor | None  #: flat ``b * q_len + i`` of each real new token (None: every token is real)
     slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
 
 
 class _HalLayer(CacheLayerMixin):
@@ -200,8 +207,9 @@ class HalPagedCache(Cache):
         rows = None
         if not real.all():
             rows = torch.from_numpy(np.flatnonzero(real.reshape(-1))).to(self.device)
-        self._plan = _Plan(self._step, rows, to_tensor(step.slot_mapping), to_tensor(step.block_tables),
-                           to_tensor(step.seq_lens))
+        self._plan = _Plan(self._step, rows, to_tensor(step.slot_mapping), to_tensor(step.query_start_loc),
+                           to_tensor(step.block_tables), to_tensor(step.seq_lens), step.max_query_len,
+                           step.max_seq_len)
         return self._plan
 
     # -- lifetime ----------------------------------------------------------------
@@ -235,19 +243,14 @@ def hal_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
         raise ValueError("attn_implementation='hal' does not run transformers' continuous batching "
                          "(generate_batch): its paged cache has transformers' own layout; use generate() with "
                          "past_key_values=HalPagedCache(...)")
-    if kwargs.get("sliding_window") is not None or hasattr(module, "sinks") or kwargs.get("s_aux") is not None:
-        raise ValueError("attn_implementation='hal' implements full causal attention only "
-                         "(no sliding window, no attention sinks)")
-    if kwargs.get("softcap") is not None:
-        raise ValueError(f"attn_implementation='hal' has no logit softcap (the model sets softcap="
-                         f"{kwargs['softcap']}); use another attention implementation for this model")
     if dropout and module.training:
         raise ValueError("attn_implementation='hal' is for inference: dropout is not supported")
     batch, heads, q_len, head_size = query.shape
     scale = float(scaling) if scaling is not None else head_size ** -0.5
+    window, softcap, sinks = _variants(module, kwargs)
     current = getattr(_context, "current", None)
     if current is None or current[2] is not key:
-        return _torch_attention(query, key, value, attention_mask, scale)
+        return _torch_attention(query, key, value, attention_mask, scale, window, softcap, sinks)
     cache, layer, _ = current
     _context.current = None
     plan = cache._plan_for(attention_mask, batch, q_len)
@@ -260,15 +263,33 @@ def hal_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     key_cache, value_cache = cache.key_caches[layer], cache.value_caches[layer]
     write_kv_cache(k, v, key_cache, value_cache, plan.slot_mapping)
-    out = paged_attention(q, key_cache, value_cache, plan.block_tables, plan.seq_lens, scale)
+    out = paged_attention(q, key_cache, value_cache, plan.block_tables, plan.seq_lens, scale,
+                          query_start_loc=plan.query_start_loc, max_query_len=plan.max_query_len,
+                          max_seq_len=plan.max_seq_len, window=window, softcap=softcap, sinks=sinks)
     if plan.rows is not None:  # pad rows get zeros (transformers never reads them)
         out = query.new_zeros(batch * q_len, heads, head_size).index_copy_(0, plan.rows, out)
     return out.view(batch, q_len, heads, head_size), None
 
 
+def _variants(module: torch.nn.Module, kwargs: dict[str, Any]) -> tuple[int | None, float | None, torch.Tensor | None]:
+    """The layer's sliding window, logit softcap and attention sinks, as transformers passes them."""
+    window = kwargs.get("sliding_window")
+    softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux")
+    if sinks is None and isinstance(getattr(module, "sinks", None), torch.Tensor):
+        sinks = module.sinks
+    if sinks is not None:
+        sinks = sinks.detach().to(torch.float32).reshape(-1).contiguous()
+    return (int(window) if window is not None else None, float(softcap) if softcap is not None else None, sinks)
+
+
 def _torch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, None]:
+                     attention_mask: torch.Tensor | None, scale: float, window: int | None, softcap: float | None,
+                     sinks: torch.Tensor | None) -> tuple[torch.Tensor, None]:
     """The fallback without a HalPagedCache: causal SDPA over what transformers passed (nothing through hal)."""
+    if window is not None or softcap is not None or sinks is not None:
+        raise ValueError("attn_implementation='hal' needs past_key_values=HalPagedCache(...) for a model with a "
+                         "sliding window, logit softcap or attention sinks (torch SDPA, the fallback, has none)")
     reason = "no HalPagedCache in use (pass past_key_values=HalPagedCache(...)); attention runs in torch SDPA"
     if _env.strict():
         raise FallbackError(f"attn_implementation='hal': {reason}; unset HAL_STRICT to allow it")
