@@ -195,17 +195,25 @@ def _quantized_layers(model: torch.nn.Module, tensors: _Tensors) -> dict[str, li
     return layers
 
 
-def _places(model: torch.nn.Module) -> Iterator[tuple[list[str], list[tuple[torch.nn.Module, str, bool]]]]:
-    """Each parameter and persistent buffer once: its names (tied weights have several) and where it sits."""
-    groups: dict[int, tuple[list[str], list[tuple[torch.nn.Module, str, bool]]]] = {}
+Place = tuple[torch.nn.Module, str, bool]  # module, attribute, is a parameter
+
+
+def _places(model: torch.nn.Module, replaced: set[int]) -> Iterator[tuple[list[str], list[Place], torch.Size]]:
+    """Each parameter and persistent buffer once (outside the ``replaced`` modules): its names, places and shape.
+
+    Tied weights have several names and places (the embedding and ``lm_head``).
+    """
+    groups: dict[int, tuple[list[str], list[Place], torch.Size]] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
+        if id(module) in replaced:
+            continue
         prefix = f"{module_name}." if module_name else ""
         entries = [(n, t, True) for n, t in module._parameters.items()]
         entries += [(n, t, False) for n, t in module._buffers.items() if n not in module._non_persistent_buffers_set]
         for attr, tensor, is_param in entries:
             if tensor is None:
                 continue
-            names, where = groups.setdefault(id(tensor), ([], []))
+            names, where, _ = groups.setdefault(id(tensor), ([], [], tensor.shape))
             if prefix + attr not in names:
                 names.append(prefix + attr)
             where.append((module, attr, is_param))
@@ -232,11 +240,15 @@ def load_quantized(path: str | os.PathLike[str], *, dtype: torch.dtype | str = "
     biases); ``"auto"`` takes the config's (float32 when it has none). The
     scales keep the checkpoint's dtype. ``device``: where every tensor goes
     as it is read. ``attn_implementation``: as for ``from_pretrained``
-    (``"hal"`` after ``import hal_core.torch.transformers``).
+    (``"hal"`` registers and uses hal's paged attention).
     ``model_class``: the transformers auto class or model class whose
     ``from_config`` builds the model (default ``AutoModelForCausalLM``).
     ``progress``: None, True (a bar on stderr) or ``progress(done, total,
     name)`` after each quantized layer.
+
+    Which layers are quantized is read from the tensors (a ``.qweight``),
+    not from ``modules_to_not_convert``; every other float tensor is cast to
+    ``dtype``.
 
     Raises :class:`hal_core.CheckpointError` (a ``ValueError``) for an unsupported
     ``quantization_config`` (naming the key), a quantized layer without its
@@ -259,6 +271,8 @@ def load_quantized(path: str | os.PathLike[str], *, dtype: torch.dtype | str = "
     fmt = checkpoint_format(quant if isinstance(quant, Mapping) else quant.to_dict())
     torch_dtype = _load_dtype(dtype, config)
     device = torch.device(device)
+    if attn_implementation == "hal":
+        from . import transformers as _registers_hal_attention  # noqa: F401
     builder = model_class if model_class is not None else transformers.AutoModelForCausalLM
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     with torch.device("meta"):
@@ -268,11 +282,12 @@ def load_quantized(path: str | os.PathLike[str], *, dtype: torch.dtype | str = "
         tensors = _Tensors(directory, stack)
         layers = _quantized_layers(model, tensors)
         _check_present(fmt, layers, tensors)
+        plan = _plan_others(model, tensors, {id(getattr(*places[0])) for places in layers.values()})
         with layer_progress(progress, len(layers), "loading") as step:
             for name in list(layers):
                 _load_layer(fmt, name, layers.pop(name), tensors, torch_dtype, device)
                 step(name)
-        _load_others(model, tensors, torch_dtype, device)
+        _load_others(plan, tensors, torch_dtype, device)
         unused = sorted(set(tensors.where) - tensors.used)
     if unused:
         log.warning("hal: %d checkpoint tensors are not used by the model: %s", len(unused),
@@ -308,20 +323,23 @@ def _load_layer(fmt: CheckpointFormat, name: str, places: list[tuple[torch.nn.Mo
         setattr(parent, attr, layer)
 
 
-def _load_others(model: torch.nn.Module, tensors: _Tensors, dtype: torch.dtype, device: torch.device) -> None:
-    """Every parameter and persistent buffer left on meta, read under one of its names (tied weights share one)."""
+def _plan_others(model: torch.nn.Module, tensors: _Tensors,
+                 replaced: set[int]) -> list[tuple[str, list[Place], torch.Size]]:
+    """The checkpoint name each float parameter and persistent buffer is read from; CheckpointError if one has none."""
     plan = []
-    for names, where in _places(model):
-        if not any(getattr(module, "_parameters" if p else "_buffers")[attr].device.type == "meta"
-                   for module, attr, p in where):
-            continue
+    for names, where, shape in _places(model, replaced):
         key = next((n for n in names if n in tensors), None)
         if key is None:
             raise CheckpointError(f"the checkpoint has no tensor for {' / '.join(names)}")
-        plan.append((key, where))
-    for key, where in plan:
+        plan.append((key, where, shape))
+    return plan
+
+
+def _load_others(plan: list[tuple[str, list[Place], torch.Size]], tensors: _Tensors, dtype: torch.dtype,
+                 device: torch.device) -> None:
+    """Read each planned tensor (floats cast to ``dtype``) and put it at every place it belongs."""
+    for key, where, shape in plan:
         tensor = tensors.read(key)
-        shape = getattr(where[0][0], "_parameters" if where[0][2] else "_buffers")[where[0][1]].shape
         if tuple(tensor.shape) != tuple(shape):
             raise CheckpointError(f"{key}: the checkpoint holds shape {tuple(tensor.shape)}, the model "
                                   f"{tuple(shape)}")

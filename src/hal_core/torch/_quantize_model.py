@@ -71,13 +71,14 @@ def quantize_model(model: torch.nn.Module, *, bits: int = 4, group_size: int = 1
     ``progress``: None, True (a progress bar on stderr) or
     ``progress(done, total, name)``, called after each layer.
 
-    Only exact ``nn.Linear`` layers are quantized: subclasses are left in
-    float (and listed as skipped), since their weight may be read by more
-    than their forward. Every layer is checked first (``in_features`` against ``group_size``
-    and int4's packing, values present): a layer that cannot be quantized
-    raises ``ValueError`` naming it, before any layer is changed. The
-    quantized layers stay on their devices; a layer used at several places
-    is quantized once. Returns a :class:`QuantizeReport`.
+    Only exact ``nn.Linear`` submodules of ``model`` are quantized:
+    subclasses are left in float (and listed as skipped), since their
+    weight may be read by more than their forward. Every layer is checked
+    first (``in_features`` against ``group_size`` and int4's packing,
+    values present): a layer that cannot be quantized raises ``ValueError``
+    naming it, before any layer is changed. The quantized layers stay on
+    their devices; a layer used at several places is quantized once.
+    Returns a :class:`QuantizeReport`.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"argument 'model': expected a torch.nn.Module, got {type(model).__name__}")
@@ -87,6 +88,7 @@ def quantize_model(model: torch.nn.Module, *, bits: int = 4, group_size: int = 1
     places: dict[int, list[tuple[torch.nn.Module, str]]] = {}  # one entry per distinct layer, every place it sits
     names: dict[int, str] = {}
     skipped: list[str] = []
+    left: set[int] = set()  # the skipped layers, once each
     for parent_name, parent in model.named_modules(remove_duplicate=False):
         for attr, child in parent.named_children():
             if not isinstance(child, torch.nn.Linear):
@@ -95,8 +97,11 @@ def quantize_model(model: torch.nn.Module, *, bits: int = 4, group_size: int = 1
             if id(child) in places:
                 places[id(child)].append((parent, attr))
                 continue
+            if id(child) in left:
+                continue
             # a subclass may be read by more than its forward (nn.MultiheadAttention reads out_proj.weight)
             if type(child) is not torch.nn.Linear or predicate(name, child):
+                left.add(id(child))
                 skipped.append(name)
                 continue
             try:
