@@ -43,7 +43,7 @@ log = logging.getLogger("hal")
 
 _KEY = "quantization_config"
 #: Keys that choose transformers' kernels or fusions, which hal replaces; they do not change the stored tensors.
-_RUNTIME_KEYS = ("backend", "use_exllama", "exllama_config", "use_cuda_fp16", "do_fuse", "fuse_max_seq_len",
+_RUNTIME_KEYS = ("backend", "use_exllama", "exllama_config", "do_fuse", "fuse_max_seq_len",
                  "disable_exllama", "kernel_switch_threshold")
 
 
