@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from ..bench._progress import Progress
-
 __all__ = ["ProgressArg", "layer_progress"]
 
 #: None, True, or ``callback(done, total, name)``.
@@ -26,6 +24,8 @@ def layer_progress(progress: ProgressArg, total: int, verb: str) -> Iterator[Cal
         yield lambda name: None
         return
     if progress is True:
+        from ..bench._progress import Progress  # hal bench's bar; imported only when asked for
+
         bar = Progress(total)
         try:
             yield lambda name: bar.step(f"{verb} {name}")
