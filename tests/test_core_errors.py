@@ -18,6 +18,7 @@ HIERARCHY = [
     ("ArgumentTypeError", TypeError),
     ("LaunchConfigError", ValueError),
     ("EnvironmentVariableError", ValueError),
+    ("CheckpointError", ValueError),
     ("KernelCompileError", RuntimeError),
     ("FallbackError", RuntimeError),
     ("DeviceOutOfMemoryError", MemoryError),

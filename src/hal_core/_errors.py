@@ -11,6 +11,7 @@ naturally catch, so ``except ValueError`` keeps working::
     ├── ArgumentTypeError ........... TypeError     bad dtype or type of an op argument
     ├── LaunchConfigError ........... ValueError    a launch config exceeds a device limit
     ├── EnvironmentVariableError .... ValueError    a ``HAL_*`` variable holds a value it does not accept
+    ├── CheckpointError ............. ValueError    a quantized checkpoint hal cannot load (names the config key)
     ├── KernelCompileError .......... RuntimeError  a kernel failed to compile (carries the log)
     ├── FallbackError ............... RuntimeError  a fallback happened under ``HAL_STRICT=1``
     ├── ImplementationError ......... RuntimeError  an op implementation failed or returned a bad result
@@ -28,6 +29,7 @@ __all__ = [
     "BackendConflictError",
     "BackendNotFoundError",
     "BackendUnavailableError",
+    "CheckpointError",
     "DeviceOutOfMemoryError",
     "EnvironmentVariableError",
     "FallbackError",
@@ -107,6 +109,11 @@ class EnvironmentVariableError(HalError, ValueError):
 
     def __reduce__(self):  # pragma: no cover - pickling support
         return (type(self), (self.name, self.value, self.expected))
+
+
+class CheckpointError(HalError, ValueError):
+    """A quantized checkpoint hal cannot load: an unsupported ``quantization_config`` (the key is named),
+    or a tensor that is missing or does not fit the model."""
 
 
 class KernelCompileError(HalError, RuntimeError):

@@ -12,6 +12,11 @@ Importing this module registers, with :mod:`torch.library`, the operators of eve
 
 The Python functions of the same names are thin wrappers with each op's signature
 (``paged_attention(..., out=None, query_start_loc=None, ...)``, ``quantized_gemm(x, weight_tensors, bits)``).
+
+Quantized models: :class:`QuantLinear` (an ``nn.Module`` over hal's packed
+weight), :func:`quantize_model` (every ``nn.Linear`` of a model, in place)
+and :func:`load_quantized` (a GPTQ or AWQ checkpoint directory, as
+transformers users have them).
 ``import hal_core`` never imports this module (nor torch); the transformers
 attention backend lives in :mod:`hal_core.torch.transformers`. See
 docs/engine-guide.md, "hal from PyTorch".
@@ -24,14 +29,24 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without torch
     raise ImportError("hal_core.torch needs PyTorch: pip install 'hal-core[torch]'") from exc
 
+from ._checkpoints import CheckpointFormat, checkpoint_format, load_quantized
 from ._convert import to_tensor
+from ._modules import QuantLinear
 from ._ops import paged_attention, quantized_gemm, write_kv_cache
+from ._quantize_model import DEFAULT_SKIP, QuantizeReport, quantize_model
 from ._routing import backend_for
 from ._weights import weight_from_tensors, weight_to_tensors
 
 __all__ = [
+    "DEFAULT_SKIP",
+    "CheckpointFormat",
+    "QuantLinear",
+    "QuantizeReport",
     "backend_for",
+    "checkpoint_format",
+    "load_quantized",
     "paged_attention",
+    "quantize_model",
     "quantized_gemm",
     "to_tensor",
     "weight_from_tensors",

@@ -1,0 +1,215 @@
+"""``QuantLinear``: a ``torch.nn.Module`` linear layer whose weight is hal's quantized format.
+
+The layer holds a :class:`~hal_core.quant.QuantizedWeight` ``[K, N]``
+(``K = in_features``, ``N = out_features``) as buffers, exactly the tensors
+of :func:`~hal_core.torch.weight_to_tensors` (no float copy of the weight
+ever exists), and computes ``y = x @ W + bias`` with
+``torch.ops.hal.quantized_gemm`` on the hal backend that owns ``x``'s
+device:
+
+==========  =========================================  =====================================
+buffer      int4 (``bits=4``, W4A16)                    int8 (``bits=8``, W8A8)
+==========  =========================================  =====================================
+qweight     int32 ``[K/8, N]`` (hal's uint32 bits)      uint8 ``[K, N]``
+scales      fp16/bf16/fp32 ``[K/G, N]``                 same
+zeros       uint8 ``[K/G, N]``; None when symmetric     same
+g_idx       int32 ``[K]``; None unless act-order        same
+bias        a parameter ``[N]`` or None                 same
+==========  =========================================  =====================================
+
+``state_dict`` holds exactly these (None ones left out), so it saves and
+loads with ``torch.save`` or safetensors; loading checks every dtype (a
+cast would change the format's bits). ``.to(dtype)`` / ``.half()`` change
+the bias only: the scales keep their dtype (hal's format), and the output
+has the input's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..arrays import BFLOAT16
+from ..quant import QuantizedWeight, quantize
+from ..quant._args import as_bool, as_int
+from ._weights import _weight, weight_to_tensors
+
+__all__ = ["QuantLinear"]
+
+#: torch dtype of each scale dtype hal reads, to the numpy dtype ``quantize`` takes.
+_SCALE_DTYPES = {torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(BFLOAT16),
+                 torch.float32: np.dtype(np.float32)}
+_BUFFERS = ("qweight", "scales", "zeros", "g_idx")
+
+
+def resolve_group_size(group_size: Any, in_features: int) -> int:
+    """``group_size`` as a positive divisor of ``in_features``; ``-1`` means one group over all of K."""
+    group_size = as_int("group_size", group_size)
+    if group_size == -1:
+        return in_features
+    if group_size <= 0 or in_features % group_size:
+        raise ValueError(f"argument 'group_size': expected a positive divisor of in_features={in_features} "
+                         f"(or -1 for one group), got {group_size}")
+    return group_size
+
+
+class QuantLinear(torch.nn.Module):
+    """``y = x @ W + bias`` for a group-wise quantized ``W [in_features, out_features]`` (see the module docs).
+
+    The constructor makes an empty layer of a given format (all-zero
+    scales: the weight is zero until a ``state_dict`` is loaded), e.g. on
+    ``device="meta"`` to load with ``load_state_dict(..., assign=True)``.
+    :meth:`from_linear` quantizes an ``nn.Linear``; :meth:`from_weight`
+    wraps a :class:`~hal_core.quant.QuantizedWeight` (from
+    :func:`~hal_core.quant.quantize`, :func:`~hal_core.quant.from_gptq` or
+    :func:`~hal_core.quant.from_awq`).
+
+    ``forward`` takes ``x [..., in_features]`` in fp16, bf16 or fp32 and
+    returns ``[..., out_features]`` in ``x``'s dtype; any leading batch
+    dimensions are flattened into the GEMM's M. W4A16 (``bits=4``) keeps
+    the activations in floating point; W8A8 (``bits=8``) quantizes them per
+    token (docs/quantization.md). It compiles with
+    ``torch.compile(fullgraph=True)``: the GEMM is one opaque custom op.
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    g_idx: torch.Tensor | None
+    bias: torch.nn.Parameter | None
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, bits: int = 4,
+                 group_size: int = 128, symmetric: bool = True, act_order: bool = False,
+                 scale_dtype: torch.dtype = torch.float16, bias_dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        in_features, out_features = as_int("in_features", in_features), as_int("out_features", out_features)
+        bits = as_int("bits", bits)
+        if in_features <= 0 or out_features <= 0:
+            raise ValueError(f"arguments 'in_features', 'out_features': expected positive sizes, "
+                             f"got {in_features} and {out_features}")
+        if bits not in (4, 8):
+            raise ValueError(f"argument 'bits': expected 4 or 8, got {bits}")
+        if bits == 4 and in_features % 8:
+            raise ValueError(f"argument 'in_features': int4 packs 8 rows per word, so it must be a multiple "
+                             f"of 8, got {in_features}")
+        group_size = resolve_group_size(group_size, in_features)
+        symmetric = bool(as_bool("symmetric", symmetric))
+        act_order = bool(as_bool("act_order", act_order))
+        if scale_dtype not in _SCALE_DTYPES:
+            raise TypeError(f"argument 'scale_dtype': expected torch.float16, torch.bfloat16 or torch.float32, "
+                            f"got {scale_dtype}")
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.group_size = bits, group_size
+        k, n, groups = in_features, out_features, in_features // group_size
+        packed = (k // 8, n) if bits == 4 else (k, n)
+        self.register_buffer("qweight", torch.zeros(packed, dtype=torch.int32 if bits == 4 else torch.uint8,
+                                                    device=device))
+        self.register_buffer("scales", torch.zeros((groups, n), dtype=scale_dtype, device=device))
+        zeros = None if symmetric else torch.full((groups, n), 1 << (bits - 1), dtype=torch.uint8, device=device)
+        self.register_buffer("zeros", zeros)
+        g_idx = None
+        if act_order:
+            g_idx = torch.div(torch.arange(k, device=device), group_size, rounding_mode="floor").to(torch.int32)
+        self.register_buffer("g_idx", g_idx)
+        self.bias = torch.nn.Parameter(torch.zeros(n, dtype=bias_dtype, device=device),
+                                       requires_grad=False) if bias else None
+
+    # -- making one -------------------------------------------------------------
+
+    @classmethod
+    def from_weight(cls, weight: QuantizedWeight, bias: torch.Tensor | None = None, *,
+                    device: torch.device | str | None = None) -> QuantLinear:
+        """The layer holding ``weight`` (its arrays viewed, not copied, when they stay on the host).
+
+        ``bias`` (``[out_features]``, any float dtype) is kept as given;
+        ``device`` moves everything there (default: where the arrays are).
+        """
+        if not isinstance(weight, QuantizedWeight):
+            raise TypeError(f"argument 'weight': expected a hal_core.quant.QuantizedWeight, "
+                            f"got {type(weight).__name__}")
+        k, n = weight.shape
+        if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (n,)
+                                 or not bias.is_floating_point()):
+            raise ValueError(f"argument 'bias': expected a float tensor of shape ({n},), got "
+                             f"{getattr(bias, 'dtype', type(bias).__name__)} {tuple(getattr(bias, 'shape', ()))}")
+        tensors = weight_to_tensors(weight, device)
+        scales = tensors["scales"]
+        layer = cls(k, n, bias is not None, bits=weight.bits, group_size=weight.group_size,
+                    symmetric=weight.zeros is None, act_order=weight.g_idx is not None,
+                    scale_dtype=scales.dtype, device="meta")
+        for name, tensor in tensors.items():
+            layer._buffers[name] = tensor
+        if bias is not None:
+            layer.bias = torch.nn.Parameter(bias.detach().to(scales.device), requires_grad=False)
+        return layer
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, *, bits: int = 4, group_size: int = 128, symmetric: bool = True,
+                    scale_dtype: torch.dtype = torch.float16) -> QuantLinear:
+        """Quantize ``linear`` with :func:`hal_core.quant.quantize` (on the host) into a new layer.
+
+        The layer is on ``linear``'s device, its bias a copy of ``linear``'s;
+        ``linear`` is left as it was. ``group_size=-1`` makes one group of
+        all ``in_features`` rows. The float weight is read once (its float64
+        copy on the host is the only transient, one layer's worth).
+        """
+        if not isinstance(linear, torch.nn.Linear):
+            raise TypeError(f"argument 'linear': expected a torch.nn.Linear, got {type(linear).__name__}")
+        if linear.weight.device.type == "meta":
+            raise ValueError("argument 'linear': its weight is on the meta device (no values to quantize); "
+                             "construct QuantLinear(...) and load a state_dict instead")
+        if scale_dtype not in _SCALE_DTYPES:
+            raise TypeError(f"argument 'scale_dtype': expected torch.float16, torch.bfloat16 or torch.float32, "
+                            f"got {scale_dtype}")
+        group_size = resolve_group_size(group_size, linear.in_features)
+        weight = quantize(linear.weight.detach().T, bits=bits, group_size=group_size, symmetric=symmetric,
+                          scale_dtype=_SCALE_DTYPES[scale_dtype])
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls.from_weight(weight, bias, device=linear.weight.device)
+
+    # -- using it ---------------------------------------------------------------
+
+    def quantized_weight(self) -> QuantizedWeight:
+        """hal's :class:`~hal_core.quant.QuantizedWeight` over this layer's buffers (views, no copy)."""
+        return _weight(self.qweight, self.scales, self.zeros, self.g_idx, self.bits, self.group_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = torch.ops.hal.quantized_gemm(x.reshape(-1, self.in_features).contiguous(), self.qweight, self.scales,
+                                         self.zeros, self.g_idx, self.bits, self.group_size)
+        y = y.view(*lead, self.out_features)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+    def extra_repr(self) -> str:
+        kind = "symmetric" if self.zeros is None else "zero points"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"int{self.bits}, group_size={self.group_size}, {kind}"
+                f"{', act-order' if self.g_idx is not None else ''}, scales={self.scales.dtype}")
+
+    # -- keeping the format exact -------------------------------------------------
+
+    def _apply(self, fn: Any, recurse: bool = True) -> QuantLinear:
+        """Moves follow ``fn``; dtype casts reach the bias only (the scales' dtype is part of the format)."""
+        scales = self._buffers["scales"]
+        super()._apply(fn, recurse)
+        moved = self._buffers["scales"]
+        if moved is not None and scales is not None and moved.dtype != scales.dtype:
+            self._buffers["scales"] = scales.to(moved.device)
+        return self
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool,
+                              missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        for name in _BUFFERS:
+            mine, given = self._buffers.get(name), state_dict.get(prefix + name)
+            if mine is not None and isinstance(given, torch.Tensor) and given.dtype != mine.dtype:
+                error_msgs.append(f"QuantLinear {prefix + name!r}: the checkpoint holds {given.dtype}, this layer "
+                                  f"{mine.dtype}; hal's format is not cast (build the layer with the saved "
+                                  f"bits / scale_dtype)")
+                return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
