@@ -59,36 +59,49 @@ def _identity(value: Any) -> Any:
 
 def is_torch_tensor(value: Any) -> bool:
     """Whether ``value`` is a torch tensor, decided without importing torch."""
-    module = type(value).__module__
-    return (module == "torch" or module.startswith("torch.")) and hasattr(value, "data_ptr")
+    kind = type(value)
+    if kind in _TORCH_TYPES:
+        return True
+    module = kind.__module__
+    found = (module == "torch" or module.startswith("torch.")) and hasattr(value, "data_ptr")
+    if found:
+        _TORCH_TYPES.add(kind)
+    return found
+
+
+#: Tensor types seen so far (``torch.Tensor``, ``Parameter``, ...): later checks are one set look-up.
+_TORCH_TYPES: set[type] = set()
 
 
 def import_arrays(spec: OpSpec, args: dict[str, Any], backend: Backend) -> tuple[dict[str, Any], Callable[[Any], Any]]:
     """Arguments as native arrays (no copy), plus the converter for the result."""
     converted = args
     saw_torch = False
-    for arg in spec.args:
-        value = args.get(arg.name)
+    for name in spec.weight_names:
+        value = args.get(name)
+        if not isinstance(value, QuantizedWeight):
+            continue
+        arrays = {}
+        changed = False
+        for field, array in value.arrays().items():
+            if type(array) is np.ndarray:
+                continue
+            saw_torch |= is_torch_tensor(array)
+            arrays[field] = native = to_native(array, backend, f"{name}.{field}")
+            changed |= native is not array
+        if changed:
+            converted = converted if converted is not args else dict(args)
+            converted[name] = replace(value, **arrays)
+    for name in spec.array_names:
+        value = args.get(name)
         if value is None or type(value) is np.ndarray:
             continue
-        if arg.is_weight and isinstance(value, QuantizedWeight):
-            arrays = {}
-            changed = False
-            for field, array in value.arrays().items():
-                if type(array) is np.ndarray:
-                    continue
-                saw_torch |= is_torch_tensor(array)
-                arrays[field] = native = to_native(array, backend, f"{arg.name}.{field}")
-                changed |= native is not array
-            if changed:
-                converted = converted if converted is not args else dict(args)
-                converted[arg.name] = replace(value, **arrays)
-        elif arg.is_array:
-            saw_torch |= is_torch_tensor(value)
-            native = to_native(value, backend, arg.name)
-            if native is not value:
-                converted = converted if converted is not args else dict(args)
-                converted[arg.name] = native
+        torch_tensor = is_torch_tensor(value)
+        saw_torch |= torch_tensor
+        native = _from_torch(value, backend, name) if torch_tensor else to_native(value, backend, name)
+        if native is not value:
+            converted = converted if converted is not args else dict(args)
+            converted[name] = native
     if not saw_torch:
         return converted, _identity
     out_native, out_torch = converted.get("out"), args.get("out")
@@ -150,10 +163,10 @@ def _from_torch(tensor: Any, backend: Backend, name: str) -> Any:
     storage = tensor.view(torch.int16) if bf16 else tensor  # same bits, same strides
     if tensor.device.type == "cpu":
         try:
-            array = _host_from_dlpack(storage)
-        except (BufferError, TypeError, RuntimeError) as exc:
+            array = storage.numpy()  # always a view of the tensor's memory (torch refuses where it cannot be one)
+        except (TypeError, RuntimeError) as exc:
             raise ArgumentTypeError(f"argument {name!r}: torch dtype {tensor.dtype} has no numpy view ({exc})") from exc
-        return _checked(array.view(BFLOAT16) if bf16 else array, tensor, name)
+        return array.view(BFLOAT16) if bf16 else array
     problem = "no __dlpack_device__"
     try:
         found = dlpack_device(storage)

@@ -1,7 +1,8 @@
 """Peers: what a user would run instead, timed on the same inputs in the same run.
 
 On host backends: torch's ``scaled_dot_product_attention(enable_gqa=True)``
-on contiguous K/V (the peer gets the easier layout), torch's int4 CPU kernel
+on contiguous K/V (the peer gets the easier layout; ``is_causal=True`` for a
+prompt), torch's int4 CPU kernel
 with bf16 activations (it is only fast with bf16), torch's int8 weight
 kernel, and numpy's float32 BLAS on the dequantised weight. On device
 backends: the backend array library's fp16 and bf16 matmul on the
@@ -65,6 +66,7 @@ def _contiguous_kv(cache: np.ndarray, tables: np.ndarray, ctx: int) -> np.ndarra
 
 
 def _torch_sdpa(inputs: Sequence[dict[str, Any]], xp: Any) -> Runner:
+    """Decode (one query row per sequence, equal lengths) or one causal prompt, with K/V made contiguous."""
     torch = _torch()
     sdpa = torch.nn.functional.scaled_dot_product_attention
     calls = []
@@ -72,13 +74,20 @@ def _torch_sdpa(inputs: Sequence[dict[str, Any]], xp: Any) -> Runner:
         ctx = int(args["seq_lens"][0])
         if (args["seq_lens"] != ctx).any():
             raise PeerUnavailable("torch sdpa peer needs equal sequence lengths")
-        q = _to_torch(torch, args["query"]).unsqueeze(2)
+        if args.get("window") is not None:
+            raise PeerUnavailable("torch sdpa has no sliding window (it would need a dense mask)")
         k = _to_torch(torch, _contiguous_kv(args["key_cache"], args["block_tables"], ctx))
         v = _to_torch(torch, _contiguous_kv(args["value_cache"], args["block_tables"], ctx))
-        scale = args["scale"]
+        query, scale = _to_torch(torch, args["query"]), args["scale"]
+        if args.get("query_start_loc") is None:  # decode: [seqs, heads, 1, head]
+            q, causal = query.unsqueeze(2), False
+        elif query.shape[0] == ctx and len(args["seq_lens"]) == 1:  # one whole prompt: [1, heads, ctx, head]
+            q, causal = query.transpose(0, 1).unsqueeze(0).contiguous(), True
+        else:
+            raise PeerUnavailable("torch sdpa peer runs decode batches or one whole prompt")
 
-        def call(q: Any = q, k: Any = k, v: Any = v, scale: float = scale) -> object:
-            return sdpa(q, k, v, scale=scale, enable_gqa=True)
+        def call(q: Any = q, k: Any = k, v: Any = v, scale: float = scale, causal: bool = causal) -> object:
+            return sdpa(q, k, v, scale=scale, is_causal=causal, enable_gqa=True)
 
         calls.append(_inference(torch, call))
     calls[0]()  # fails here, not while timing, when this torch cannot run it
@@ -183,7 +192,10 @@ def _is_gemm(bits: int | None = None, host: bool = True) -> Callable[[Case, bool
 
 #: Every peer hal bench knows, in table order.
 PEERS: tuple[Peer, ...] = (
-    Peer("torch sdpa (contiguous K/V)", lambda case, host: host and case.op == "paged_attention", _torch_sdpa),
+    Peer("torch sdpa (contiguous K/V)", lambda case, host: host and case.op == "paged_attention"
+         and not case.params.get("window") and (not case.params.get("prompts") or (
+             case.params["prompts"] == 1 and not case.params["seqs"] and case.params["q"] == case.params["ctx"])),
+         _torch_sdpa),
     Peer("torch int4 (bf16 x)", _is_gemm(4), _torch_int4),
     Peer("torch int8 (bf16 x)", _is_gemm(8), _torch_int8),
     Peer("numpy fp32 BLAS (dequantised w)", _is_gemm(), _numpy_blas),
