@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ._overhead import format_overhead
+
 __all__ = ["format_table", "plot_report", "write_report"]
 
 
@@ -52,6 +54,8 @@ def format_table(report: dict[str, Any]) -> str:
             speed = peer.get("hal_speedup")
             note = f"  hal {speed:.2f}x the peer's speed" if speed is not None else ""
             lines.append(_row(name, peer) + note)
+    if report.get("overhead"):
+        lines += ["", format_overhead(report["overhead"])]
     lines.append("")
     lines.append(f"{len(report['cases'])} case(s) in {report['seconds']:.0f} s")
     lines.append("xcopy: effective bandwidth / copy bandwidth; xBLAS: FLOP/s / BLAS rate; "

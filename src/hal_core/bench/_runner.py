@@ -16,6 +16,7 @@ from ._cases import Case, case_summary
 from ._inputs import build_inputs
 from ._limits import array_module, last_level_cache_bytes, measure_blas, measure_copy
 from ._machine import git_commit, machine_info, utc_now, versions
+from ._overhead import measure_overhead
 from ._peers import PeerUnavailable, peers_for
 from ._progress import Progress
 from ._timing import Samples, TimingPolicy, measure
@@ -54,6 +55,8 @@ class BenchSettings:
     copy_bytes: int | None = None
     blas_n: int | None = None
     rounds: int = 1
+    #: Also measure what a call costs above its kernel (front door, torch.ops.hal; host backends only).
+    overhead: bool = False
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
@@ -248,6 +251,7 @@ def run_bench(
                 done.append({**case_summary(case), "hal": {"error": f"{type(exc).__name__}: {exc}"}, "peers": []})
             gc.collect()
     results = [_merge_rounds(done) for done in rounds]
+    overhead = measure_overhead(backend) if settings.overhead and host else None
     bar.step("machine limits again")
     limits = _best_limits(before, _limits(backend, settings, sync, llc, host))
     _add_ratios(results, limits)
@@ -267,8 +271,10 @@ def run_bench(
                      "min_repeat": settings.policy.min_repeat, "max_seconds": settings.policy.max_seconds,
                      "quick": settings.quick, "cached_weights": settings.cached_weights,
                      "peers": None if settings.peers is None else list(settings.peers),
-                     "budget_s": settings.budget_s, "seed": settings.seed, "rounds": settings.rounds},
+                     "budget_s": settings.budget_s, "seed": settings.seed, "rounds": settings.rounds,
+                     "overhead": settings.overhead},
         "limits": limits,
+        "overhead": overhead,
         "seconds": time.monotonic() - started,
         "cases": results,
     }

@@ -29,6 +29,8 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--rounds", type=int, default=1, metavar="N",
                        help="measure every case N times, round-robin over the cases, and pool the samples "
                             "(robust to bursts of load on a shared machine; default 1)")
+    bench.add_argument("--no-overhead", action="store_true",
+                       help="skip the rows of what a call costs above its kernel (front door, torch.ops.hal)")
     bench.add_argument("--json", metavar="PATH", help="write the full report as JSON (schema in docs/benchmarks.md)")
     bench.add_argument("--plot", metavar="PATH", help="draw ratio against size (needs: pip install 'hal-core[bench]')")
     bench.set_defaults(func=_cmd_bench)
@@ -63,7 +65,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     except HalError as exc:
         return _fail(f"argument --backend: {exc}")
     settings = bench.BenchSettings(policy=policy, quick=args.quick, cached_weights=args.cached_weights,
-                                   peers=peers, budget_s=args.budget, seed=args.seed, rounds=args.rounds)
+                                   peers=peers, budget_s=args.budget, seed=args.seed, rounds=args.rounds,
+                                   overhead=not args.no_overhead and not args.quick)
     host = bench.array_module(backend).__name__ == "numpy"
     progress = bench.Progress(bench.planned_steps(cases, host, peers, args.rounds), enabled=not args.quiet)
     argv = ["hal", *getattr(args, "argv", sys.argv[1:])]

@@ -212,6 +212,8 @@ class BenchCases:
     - ``explain``: parameter sets ``hal info --explain`` shows.
     - ``test_inputs(rng, params)``: host inputs with poison where the op must not read (``--explain``
       validates them exactly as a call would).
+    - ``tiny``: parameters of the smallest realistic call, on which ``hal bench`` measures what a call
+      costs above its kernel (the front door, ``torch.ops.hal``).
     """
 
     params: Mapping[str, int | str]
@@ -223,6 +225,7 @@ class BenchCases:
     presets: Mapping[str, Callable[[], Sequence[Mapping[str, Any]]]] = field(default_factory=dict)
     explain: Sequence[Mapping[str, Any]] = ()
     test_inputs: Callable[[np.random.Generator, Mapping[str, Any]], dict[str, Any]] | None = None
+    tiny: Mapping[str, Any] | None = None
 
 
 #: A bucket function: the shape class of a validated call (``'fp16:b8:ctx4096'``), from shapes only.

@@ -105,9 +105,17 @@ class OpSpec(ABC):
                    doc=arg.doc)
 
     @classmethod
+    def arg_named(cls, name: str) -> Arg:
+        """The declaration of argument ``name`` (KeyError when the op has none)."""
+        for arg in cls.args:
+            if arg.name == name:
+                return arg
+        raise KeyError(f"op {cls.name!r} has no argument {name!r}")
+
+    @classmethod
     def arg_dims(cls, name: str) -> tuple[Any, ...]:
         """The layout dimensions of argument ``name``."""
-        return next(a.dims for a in cls.args if a.name == name)
+        return cls.arg_named(name).dims
 
     @classmethod
     def _plan_output(cls, args: tuple[Arg, ...]) -> tuple[tuple[str, int, int], ...]:

@@ -439,6 +439,7 @@ PAGED_ATTENTION_BENCH = BenchCases(
         _case(dtype="fp16", head=128, block=16, ctx=300, seqs=2, prompts=2, q=100, heads=8, kv_heads=2),
     ),
     test_inputs=_test_inputs,
+    tiny={"seqs": 1, "ctx": 8, "heads": 4, "kv_heads": 1, "head": 64, "block": 16, "dtype": "fp32"},
 )
 PagedAttention.bench = PAGED_ATTENTION_BENCH
 

@@ -179,6 +179,7 @@ QuantizedGemm.bench = BenchCases(
              {"dtype": "fp16", "m": 16, "k": 1024, "n": 1024, "bits": 8, "group": 128}),
     test_inputs=lambda rng, p: quantized_gemm_inputs(rng, m=p["m"], k=p["k"], n=p["n"], bits=p["bits"],
                                                      group_size=p["group"], symmetric=True, dtype=p["dtype"]),
+    tiny={"m": 1, "k": 64, "n": 16, "bits": 4, "group": 32, "dtype": "fp32"},
 )
 
 register_op(QuantizedGemm())

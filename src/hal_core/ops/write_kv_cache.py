@@ -176,6 +176,7 @@ WriteKVCache.bench = BenchCases(
     explain=({"dtype": "fp16", "head": 128, "block": 16, "tokens": 8, "kv_heads": 8},
              {"dtype": "bf16", "head": 64, "block": 32, "tokens": 1, "kv_heads": 1}),
     test_inputs=_test_inputs,
+    tiny={"tokens": 2, "kv_heads": 1, "head": 64, "block": 16, "blocks": 2, "dtype": "fp32"},
 )
 
 register_op(WriteKVCache())
