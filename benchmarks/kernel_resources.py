@@ -29,7 +29,7 @@ DEFAULT_ARCHS = ("sm_80", "sm_90", "sm_120")
 
 def _compile(job):
     spec, arch = job
-    res = N.compile_kernel_file(S.kernel_source_dir(), spec.source, spec.options(), arch)
+    res = N.compile_specialization(spec, arch)
     kernels = {
         k: {
             "registers": r.registers,

@@ -221,9 +221,8 @@ def tensor_core_specs() -> list:
 def measure(spec, arch: str, tool: str) -> list[KernelBudget]:
     """Compile one specialisation for ``arch`` and read its GEMM kernel's budget."""
     from hal_cuda import _nvrtc as N
-    from hal_cupy import _specializations as S
 
-    res = N.compile_kernel_file(S.kernel_source_dir(), spec.source, spec.options(), arch)
+    res = N.compile_specialization(spec, arch)
     funcs = parse_sass(disassemble(res.cubin, tool))
     out = []
     for kernel in spec.kernels:
@@ -283,9 +282,8 @@ def attention_budget(spec, arch: str, kernel: str, resources, insns: list[Insn],
 def measure_attention(spec, arch: str, tool: str) -> list[AttentionBudget]:
     """Compile one ``paged_attention_tc.cu`` specialisation for ``arch`` and read its budget."""
     from hal_cuda import _nvrtc as N
-    from hal_cupy import _specializations as S
 
-    res = N.compile_kernel_file(S.kernel_source_dir(), spec.source, spec.options(), arch)
+    res = N.compile_specialization(spec, arch)
     funcs = parse_sass(disassemble(res.cubin, tool))
     return [attention_budget(spec, arch, k, res.kernels[k], *funcs[k]) for k in spec.kernels]
 

@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hal_cuda import CUDA
-from hal_cupy import GpuPlatform, Specialization, all_specializations
-from hal_cupy.ops._common import kernel_source
+from hal_cupy import GpuPlatform, Specialization, all_specializations, kernel_source
 from hal_rocm import ROCM
 
 PINNED = Path(__file__).resolve().parent / "kernel_catalogue.json"

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import pytest
 from hal_cuda import CUDA
+from hal_cupy import GpuPlatform, all_specializations, kernel_source
 from hal_cupy import _specializations as cat
-from hal_cupy.ops._common import assemble, kernel_source
+from hal_cupy._kernel_sources import assemble
 from hal_cupy.testing import missing_compiler
+from hal_rocm import ROCM
 
 CUPY_OPTIONS = ("-ftz=true", "-std=c++17", "--device-as-default-execution-space")
 
@@ -31,7 +33,7 @@ REPRESENTATIVE = [
 def test_assemble_inlines_common_header_with_line_directives() -> None:
     """The include becomes the header's text between #line markers; '#pragma once' disappears."""
     body = 'line one\n#include "hal_common.cuh"\nline three'
-    code = assemble(body, "x.cu", "#pragma once\nPRELUDE", "#pragma once\nCOMMON")
+    code = assemble(body, "x.cu", "#pragma once\nPRELUDE", {"hal_common.cuh": "#pragma once\nCOMMON"})
     assert "#include" not in code and "#pragma once" not in code
     assert code.split("\n") == ["", "PRELUDE", '#line 1 "x.cu"', "line one", '#line 1 "hal_common.cuh"', "",
                                 "COMMON", '#line 3 "x.cu"', "line three"]
@@ -45,6 +47,17 @@ def test_kernel_source_is_self_contained(spec: cat.Specialization) -> None:
     assert "HAL_PRELUDE" in source.code and "hal_warp_sum" in source.code
     assert source.entry_points == spec.kernels and source.options == spec.options()
     assert kernel_source(spec, CUDA) is source  # cached
+
+
+@pytest.mark.parametrize("platform", [CUDA, ROCM], ids=["cuda", "rocm"])
+def test_every_translation_unit_is_self_contained(platform: GpuPlatform) -> None:
+    """No specialisation of the catalogue, at either SIMD width, leaves an include of a kernel header behind:
+    every header a kernel file includes is inlined (the compilers get no include path)."""
+    for width in (32, 64):
+        for spec in all_specializations(width):
+            code = kernel_source(spec, platform).code
+            assert '#include "' not in code, spec.id
+            assert code.count(f'#line 1 "{spec.source}"') == 1, spec.id
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,8 @@
 HIPRTC is clang with the HIP headers built in; the check runs clang (>= 17,
 e.g. Debian's ``clang-19``) in HIP mode over the HIP headers (Debian's
 ``libamdhip64-dev``) on exactly the translation unit the launcher hands to
-``cupy.RawModule`` (hal-rocm's prelude, then the kernel file with its common
-header inlined) and the platform's options (``-munsafe-fp-atomics``). Each
+``cupy.RawModule`` (:func:`hal_cupy.kernel_source`: hal-rocm's prelude, then
+the kernel file with its hal headers inlined) and the platform's options (``-munsafe-fp-atomics``). Each
 specialisation is compiled device-only to AMDGPU assembly without linking
 the ROCm device libraries (``-S -nogpulib``): parsing, the prelude, the
 target's builtins and ISA generation are all covered. Specialisations for
@@ -34,7 +34,7 @@ from typing import Any
 
 import pytest
 from hal_cupy import _specializations as S
-from hal_cupy.ops._common import kernel_source
+from hal_cupy import kernel_source
 from hal_cupy.testing import missing_compiler
 from hal_rocm import ROCM
 

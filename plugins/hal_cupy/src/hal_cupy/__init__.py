@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from ._backend import CupyBackend
 from ._device import CupyDevice, query_capabilities
+from ._kernel_sources import kernel_source
 from ._launcher import CupyKernel, CupyLauncher
 from ._memory import CupyAllocator
 from ._platform import GpuPlatform
@@ -34,6 +35,7 @@ __all__ = [
     "__version__",
     "all_specializations",
     "ddr_bandwidth_gbps",
+    "kernel_source",
     "precompile",
     "property_text",
     "query_capabilities",

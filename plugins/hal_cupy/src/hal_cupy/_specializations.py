@@ -17,7 +17,6 @@ run it on a device of another width.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 __all__ = [
     "DTYPE_CODES",
@@ -32,7 +31,6 @@ __all__ = [
     "Launch",
     "Specialization",
     "all_specializations",
-    "kernel_source_dir",
     "paged_attention_spec",
     "paged_attention_gqa_tile",
     "paged_attention_shared_bytes",
@@ -123,18 +121,6 @@ PA_TC_MIN_PARTITION = 256
 #: Largest grid z (split-KV partitions) of a launch.
 _MAX_GRID_Z = 65535
 
-_SOURCES = ("paged_attention.cu", "paged_attention_tc.cu", "write_kv_cache.cu", "quant_gemm.cu", "quant_util.cu",
-            "quant_gemm_tc.cu")
-
-
-def kernel_source_dir() -> Path:
-    """Directory holding the kernel sources (``hal_cupy/kernels``, package data next to this module)."""
-    d = Path(__file__).resolve().parent / "kernels"
-    if (d / "hal_common.cuh").is_file():
-        return d
-    raise FileNotFoundError(f"hal-cupy kernel sources not found in {d}")
-
-
 @dataclass(frozen=True)
 class Specialization:
     """One compile unit: a source file built with a fixed set of defines."""
@@ -148,7 +134,7 @@ class Specialization:
     min_sm: int = 0
 
     def options(self) -> tuple[str, ...]:
-        """``-D`` options for the compiler (arch and include path not included)."""
+        """``-D`` options for the compiler (the arch and the platform's own options are not included)."""
         return tuple(f"-D{k}={v}" for k, v in self.defines)
 
     @property
