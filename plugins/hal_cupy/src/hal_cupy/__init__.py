@@ -17,10 +17,11 @@ from ._launcher import CupyKernel, CupyLauncher
 from ._memory import CupyAllocator
 from ._platform import GpuPlatform
 from ._properties import ddr_bandwidth_gbps, property_text
-from ._specializations import Specialization, all_specializations
+from ._specialization import Specialization
 from ._stream import CupyEvent, CupyStream
 from ._version import __version__
 from ._warmup import precompile
+from .ops import all_specializations
 
 __all__ = [
     "CupyAllocator",

@@ -25,7 +25,7 @@ from importlib import resources
 from hal_core import KernelSource
 
 from ._platform import GpuPlatform
-from ._specializations import Specialization
+from ._specialization import Specialization
 
 __all__ = ["KERNEL_PACKAGE", "assemble", "kernel_source", "translation_unit"]
 

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 
 from ._kernel_sources import kernel_source
 from ._platform import GpuPlatform
-from ._specializations import Specialization, all_specializations
+from ._specialization import Specialization
+from .ops import all_specializations
 
 __all__ = ["precompile"]
 

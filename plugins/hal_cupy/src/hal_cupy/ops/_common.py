@@ -21,7 +21,7 @@ from .._arrays import aligned, as_storage, to_device, to_host
 from .._cupy import cupy
 from .._kernel_sources import kernel_source
 from .._platform import GpuPlatform
-from .._specializations import Launch, Specialization
+from .._specialization import Launch, Specialization
 
 __all__ = ["GpuOp", "forget_kernels", "kernels_for", "launch", "storage_device", "tensor_cores_available"]
 
@@ -50,7 +50,7 @@ def kernels_for(call: OpCall, device_index: int, spec: Specialization) -> dict[s
 
 
 def launch(call: OpCall, device_index: int, kernels: dict[str, Any], plan: Launch, args: Sequence[Any]) -> None:
-    """Validate and enqueue one catalogue launch on the current stream."""
+    """Validate and enqueue one launch planned by an op's launch rules on the current stream."""
     launcher = call.backend.device(device_index).launcher
     config = LaunchConfig(grid=plan.grid, block=plan.block, shared_mem=plan.shared_mem)
     launcher.launch(kernels[plan.kernel], config, args)
@@ -73,17 +73,23 @@ def misaligned(call: OpCall, names: Sequence[str], alignment: int = 16) -> str:
 
 
 class GpuOp:
-    """One op implementation: a device function, its ``supports`` rule, and the host-offload wrapper.
+    """One op implementation: a device function, its ``supports`` rule, the host-offload wrapper, and the kernel
+    specialisations it may compile.
 
     ``check(call)`` returns "" when the kernels can run the call, else the
-    reason. ``run(call)`` computes on device arrays. The same object serves
-    every GPU backend; :meth:`impl` names it after the backend registering it.
+    reason. ``run(call)`` computes on device arrays. ``specializations(warp_size)``
+    lists every specialisation ``run`` may request on a device of that SIMD
+    width (the op's rules module builds it; warm-up, compile checks and SASS
+    budgets read it through :func:`hal_cupy.all_specializations`). The same
+    object serves every GPU backend; :meth:`impl` names it after the backend
+    registering it.
     """
 
-    def __init__(self, op: str, check: Callable[[OpCall], str], run: Callable[[OpCall], Any],
-                 priority: int = 100) -> None:
+    def __init__(self, op: str, check: Callable[[OpCall], str], run: Callable[[OpCall], Any], *,
+                 specializations: Callable[[int], Sequence[Specialization]], priority: int = 100) -> None:
         self.op, self.priority = op, priority
         self._check, self._run = check, run
+        self.specializations = specializations
 
     def supports(self, call: OpCall) -> bool | str:
         if call.host_arrays:
