@@ -55,7 +55,7 @@ HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 32, 8, 128, 16
 
 
 def run_case(cp: Any, be: Any, case: dict[str, Any], copy_gbps: float, repeat: int, flush: Any) -> dict[str, Any]:
-    from hal_cupy import _specializations as cat
+    from hal_cupy.ops import _paged_attention_rules as rules
 
     from hal_core.ops import OPS
 
@@ -92,8 +92,8 @@ def run_case(cp: Any, be: Any, case: dict[str, Any], copy_gbps: float, repeat: i
     kv_bytes = paged_attention_kv_bytes([seq_len] * num_seqs, KV_HEADS, HEAD_SIZE, 2)
     gbps = kv_bytes / (ms * 1e-3) / 1e9
     value = ratio(gbps, copy_gbps)
-    variant = cat.choose_paged_attention_variant(num_seqs, KV_HEADS, seq_len,
-                                                 be.device(0).capabilities.compute_units, num_heads=HEADS)
+    variant = rules.choose_paged_attention_variant(num_seqs, KV_HEADS, seq_len,
+                                                   be.device(0).capabilities.compute_units, num_heads=HEADS)
     return {**case, "variant": variant, "kv_bytes": kv_bytes, "ms": ms, "ms_samples": samples,
             "timed": "graph replay" if replay else "python calls", "graph_error": graph_error,
             "call_ms": call_ms, "call_ratio": ratio(kv_bytes / (call_ms * 1e-3) / 1e9, copy_gbps),

@@ -19,7 +19,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from hal_cuda import _nvrtc as N  # importing hal_cuda imports no CuPy
-from hal_cupy import _specializations as S
+from hal_cupy import all_specializations
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ARCHS = ("sm_80", "sm_90", "sm_120")
@@ -29,7 +29,7 @@ DEFAULT_ARCHS = ("sm_80", "sm_90", "sm_120")
 
 def _compile(job):
     spec, arch = job
-    res = N.compile_kernel_file(S.kernel_source_dir(), spec.source, spec.options(), arch)
+    res = N.compile_specialization(spec, arch)
     kernels = {
         k: {
             "registers": r.registers,
@@ -83,7 +83,7 @@ def main() -> None:
     args = ap.parse_args()
     archs = tuple(args.arch or DEFAULT_ARCHS)
 
-    specs = S.all_specializations()
+    specs = all_specializations()
     jobs = [(s, a) for s in specs for a in archs]
     start = time.perf_counter()
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:

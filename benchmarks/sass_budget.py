@@ -213,17 +213,16 @@ def budget(spec, arch: str, kernel: str, resources, insns: list[Insn], labels: d
 
 
 def tensor_core_specs() -> list:
-    from hal_cupy import _specializations as S
+    from hal_cupy import all_specializations
 
-    return [s for s in S.all_specializations() if s.source == "quant_gemm_tc.cu"]
+    return [s for s in all_specializations() if s.source == "quant_gemm_tc.cu"]
 
 
 def measure(spec, arch: str, tool: str) -> list[KernelBudget]:
     """Compile one specialisation for ``arch`` and read its GEMM kernel's budget."""
     from hal_cuda import _nvrtc as N
-    from hal_cupy import _specializations as S
 
-    res = N.compile_kernel_file(S.kernel_source_dir(), spec.source, spec.options(), arch)
+    res = N.compile_specialization(spec, arch)
     funcs = parse_sass(disassemble(res.cubin, tool))
     out = []
     for kernel in spec.kernels:
@@ -247,31 +246,31 @@ def attention_mma_per_chunk(head_size: int) -> int:
     Q K^T: ``tokens / 8`` tiles x ``head_size / 16`` k-steps; P V: ``columns / 8`` tiles per k-step (one k8
     step for 8 tokens, else ``tokens / 16`` k16 steps); plus one exp-sum MMA per P V step.
     """
-    from hal_cupy import _specializations as S
+    from hal_cupy.ops import _paged_attention_rules as rules
 
-    chunk = S.paged_attention_tc_chunk(head_size)
-    groups = S.paged_attention_tc_token_groups(head_size)
+    chunk = rules.paged_attention_tc_chunk(head_size)
+    groups = rules.paged_attention_tc_token_groups(head_size)
     tokens, columns = chunk // groups, head_size * groups // 4
     pv_steps = max(1, tokens // 16)
     return tokens // 8 * head_size // 16 + pv_steps * (columns // 8 + 1)
 
 
 def attention_specs() -> list:
-    from hal_cupy import _specializations as S
+    from hal_cupy import all_specializations
 
-    return [s for s in S.all_specializations() if s.source == "paged_attention_tc.cu"]
+    return [s for s in all_specializations() if s.source == "paged_attention_tc.cu"]
 
 
 def attention_budget(spec, arch: str, kernel: str, resources, insns: list[Insn],
                      labels: dict[str, int]) -> AttentionBudget:
     """Budget of the decode attention kernel: its main loop is one chunk of K/V (checked by its MMA count)."""
-    from hal_cupy import _specializations as S
+    from hal_cupy.ops import _paged_attention_rules as rules
 
     head_size = int(dict(spec.defines)["HAL_HEAD_SIZE"])
     body = main_loop(insns, labels)
     mma_loop = sum(map(_is_mma, body))
     chunks = mma_loop / attention_mma_per_chunk(head_size)
-    kv_bytes = S.paged_attention_tc_chunk(head_size) * head_size * 2 * 2 // 4
+    kv_bytes = rules.paged_attention_tc_chunk(head_size) * head_size * 2 * 2 // 4
     return AttentionBudget(
         spec.id, arch, kernel, resources.registers, resources.spill_stores + resources.spill_loads,
         resources.shared_bytes, occupancy(arch, resources.registers, resources.shared_bytes),
@@ -283,9 +282,8 @@ def attention_budget(spec, arch: str, kernel: str, resources, insns: list[Insn],
 def measure_attention(spec, arch: str, tool: str) -> list[AttentionBudget]:
     """Compile one ``paged_attention_tc.cu`` specialisation for ``arch`` and read its budget."""
     from hal_cuda import _nvrtc as N
-    from hal_cupy import _specializations as S
 
-    res = N.compile_kernel_file(S.kernel_source_dir(), spec.source, spec.options(), arch)
+    res = N.compile_specialization(spec, arch)
     funcs = parse_sass(disassemble(res.cubin, tool))
     return [attention_budget(spec, arch, k, res.kernels[k], *funcs[k]) for k in spec.kernels]
 

@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hal_cupy import _specializations as cat
+from hal_cupy.ops import _paged_attention_rules as pa_rules
+from hal_cupy.ops import _quantized_gemm_rules as qg_rules
 
 from hal_core.arrays import BFLOAT16
 from hal_core.ops import OPS
@@ -66,7 +67,7 @@ def run_attention(be: Any, case: dict[str, Any], dtype: str) -> float:
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 6, 16], ids=lambda g: f"group{g}")
-@pytest.mark.parametrize("head_size", cat.PA_HEAD_SIZES, ids=lambda h: f"hs{h}")
+@pytest.mark.parametrize("head_size", pa_rules.PA_HEAD_SIZES, ids=lambda h: f"hs{h}")
 @pytest.mark.parametrize("dtype", list(NP_DTYPES))
 def test_paged_attention_specialisations(be: Any, rng: np.random.Generator, dtype: str, head_size: int,
                                          group: int) -> None:
@@ -76,15 +77,15 @@ def test_paged_attention_specialisations(be: Any, rng: np.random.Generator, dtyp
     assert run_attention(be, case, dtype) < TOL[dtype]
 
 
-@pytest.mark.parametrize("block", cat.PA_BLOCK_SIZES, ids=lambda b: f"block{b}")
+@pytest.mark.parametrize("block", pa_rules.PA_BLOCK_SIZES, ids=lambda b: f"block{b}")
 @pytest.mark.parametrize("seq_lens", [[1, 513, 5000], [8192], [4097, 0, 2]], ids=["mixed", "one-long", "zeros"])
 @pytest.mark.parametrize("dtype", list(NP_DTYPES))
 def test_paged_attention_split_kv(be: Any, rng: np.random.Generator, dtype: str, seq_lens: list[int],
                                   block: int) -> None:
     """Long contexts with few sequences take the split-KV path (partitions + reduce) and match."""
     num_seqs = len(seq_lens)
-    variant = cat.choose_paged_attention_variant(num_seqs, 2, max(seq_lens), be.device(0).capabilities.compute_units,
-                                                 num_heads=8)
+    variant = pa_rules.choose_paged_attention_variant(num_seqs, 2, max(seq_lens),
+                                                      be.device(0).capabilities.compute_units, num_heads=8)
     assert variant == "split"
     case = attention_case(rng, num_seqs=num_seqs, heads=8, kv_heads=2, head_size=128, block=block,
                           seq_lens=seq_lens, dtype=dtype)
@@ -96,10 +97,10 @@ def test_paged_attention_split_kv(be: Any, rng: np.random.Generator, dtype: str,
 def test_paged_attention_split_kv_gqa_tiles(be: Any, rng: np.random.Generator, dtype: str, heads: int) -> None:
     """Split + reduce over query groups of 4, 6 (one tile of 8, partly masked) and 16 (two tiles) per KV head."""
     group = heads // 2
-    tile = cat.paged_attention_gqa_tile(group)
+    tile = pa_rules.paged_attention_gqa_tile(group)
     assert -(-group // tile) == (2 if group == 16 else 1) and (group % tile != 0) == (group == 6)
     cus = be.device(0).capabilities.compute_units
-    assert cat.choose_paged_attention_variant(1, 2, 8192, cus, num_heads=heads) == "split"
+    assert pa_rules.choose_paged_attention_variant(1, 2, 8192, cus, num_heads=heads) == "split"
     case = attention_case(rng, num_seqs=1, heads=heads, kv_heads=2, head_size=128, block=16, seq_lens=[8192],
                           dtype=dtype)
     assert run_attention(be, case, dtype) < TOL[dtype]
@@ -109,7 +110,7 @@ def test_paged_attention_single_pass_long(be: Any, rng: np.random.Generator) -> 
     """Many sequences of a few partitions take the single-pass kernel over > 512 tokens."""
     cus = be.device(0).capabilities.compute_units
     num_seqs = -(-2 * cus // 8)
-    assert cat.choose_paged_attention_variant(num_seqs, 8, 1500, cus, num_heads=32) == "single"
+    assert pa_rules.choose_paged_attention_variant(num_seqs, 8, 1500, cus, num_heads=32) == "single"
     seq_lens = [1500, *(int(n) for n in rng.integers(1, 1500, num_seqs - 1))]
     case = attention_case(rng, num_seqs=num_seqs, heads=32, kv_heads=8, head_size=128, block=16,
                           seq_lens=seq_lens, dtype="fp16")
@@ -181,7 +182,7 @@ def test_quantized_gemm_m_tiles(be: Any, rng: np.random.Generator, bits: int, dt
 
 @pytest.mark.parametrize("m", [5, 64], ids=["fused", "dense"])
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "zeros"])
-@pytest.mark.parametrize("group_size", cat.QGEMM_GROUP_SIZES, ids=lambda g: f"G{g}")
+@pytest.mark.parametrize("group_size", qg_rules.QGEMM_GROUP_SIZES, ids=lambda g: f"G{g}")
 @pytest.mark.parametrize("bits", [4, 8], ids=["W4A16", "W8A8"])
 def test_quantized_gemm_groups(be: Any, rng: np.random.Generator, bits: int, group_size: int, symmetric: bool,
                                m: int) -> None:

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hal_cupy import _specializations as cat
 from hal_cupy.ops import _paged_attention
+from hal_cupy.ops import _paged_attention_rules as pa_rules
 
 from hal_core.arrays import BFLOAT16
 from hal_core.ops import OPS
@@ -66,7 +66,7 @@ def _expect_path(be: Any, dtype: str, heads: int, kv: int, head_size: int, tenso
     caps = be.device(0).capabilities
     uses = _paged_attention.uses_tensor_cores(be, 0, dtype, heads, kv, head_size)
     if tensor_cores == "1" and not uses:
-        pytest.skip(f"{caps.name} ({caps.arch}) has no tensor-core attention (sm_{cat.PA_TC_MIN_SM}+ needed)")
+        pytest.skip(f"{caps.name} ({caps.arch}) has no tensor-core attention (sm_{pa_rules.PA_TC_MIN_SM}+ needed)")
     assert uses == (tensor_cores == "1")
 
 

@@ -5,8 +5,6 @@ Nothing here touches a device, imports CuPy, or needs a vendor plugin.
 
 from __future__ import annotations
 
-import contextlib
-import importlib.resources
 import sys
 import zlib
 from collections.abc import Iterator
@@ -44,14 +42,12 @@ def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
-def host_builder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostKernelBuilder]:
+def host_builder(tmp_path_factory: pytest.TempPathFactory) -> HostKernelBuilder:
     """Compiler for the kernel sources of ``hal_cupy.kernels``; skips when g++ cannot build the host prelude."""
     problem = toolchain_problem(tmp_path_factory.mktemp("host_compiled_probe"))
     if problem is not None:
         missing_compiler(f"host-compiled kernels unavailable: {problem}")
-    with contextlib.ExitStack() as stack:
-        kernel_dir = stack.enter_context(importlib.resources.as_file(importlib.resources.files("hal_cupy.kernels")))
-        yield HostKernelBuilder(Path(kernel_dir), tmp_path_factory.mktemp("host_compiled_kernels"))
+    return HostKernelBuilder(tmp_path_factory.mktemp("host_compiled_kernels"))
 
 
 @pytest.fixture

@@ -11,40 +11,56 @@ from __future__ import annotations
 
 import pytest
 from hal_cuda import CUDA
-from hal_cupy import _specializations as cat
-from hal_cupy.ops._common import assemble, kernel_source
+from hal_cupy import GpuPlatform, Specialization, all_specializations, kernel_source
+from hal_cupy._kernel_sources import assemble
+from hal_cupy._specialization import DTYPE_CODES
+from hal_cupy.ops import _paged_attention_rules as pa_rules
+from hal_cupy.ops import _quantized_gemm_rules as qg_rules
+from hal_cupy.ops import _write_kv_cache_rules as kv_rules
 from hal_cupy.testing import missing_compiler
+from hal_rocm import ROCM
 
 CUPY_OPTIONS = ("-ftz=true", "-std=c++17", "--device-as-default-execution-space")
 
 REPRESENTATIVE = [
-    *(cat.paged_attention_spec(dt, hs, g) for dt, hs, g in
+    *(pa_rules.paged_attention_spec(dt, hs, g) for dt, hs, g in
       [("float16", 128, 4), ("bfloat16", 64, 1), ("float32", 256, 8), ("float16", 80, 2)]),
-    cat.write_kv_cache_spec(True), cat.write_kv_cache_spec(False),
-    *(cat.quant_gemm_spec(dt, bits, mt) for dt, bits, mt in [("float16", 4, 1), ("bfloat16", 4, 16),
-                                                             ("float32", 8, 4)]),
-    *(cat.quant_util_spec(dt) for dt in cat.DTYPE_CODES),
-    cat.quant_gemm_tc_spec("float16", 4, 1), cat.quant_gemm_tc_spec("bfloat16", 8, 4),
+    kv_rules.write_kv_cache_spec(True), kv_rules.write_kv_cache_spec(False),
+    *(qg_rules.quant_gemm_spec(dt, bits, mt) for dt, bits, mt in [("float16", 4, 1), ("bfloat16", 4, 16),
+                                                                  ("float32", 8, 4)]),
+    *(qg_rules.quant_util_spec(dt) for dt in DTYPE_CODES),
+    qg_rules.quant_gemm_tc_spec("float16", 4, 1), qg_rules.quant_gemm_tc_spec("bfloat16", 8, 4),
 ]
 
 
 def test_assemble_inlines_common_header_with_line_directives() -> None:
     """The include becomes the header's text between #line markers; '#pragma once' disappears."""
     body = 'line one\n#include "hal_common.cuh"\nline three'
-    code = assemble(body, "x.cu", "#pragma once\nPRELUDE", "#pragma once\nCOMMON")
+    code = assemble(body, "x.cu", "#pragma once\nPRELUDE", {"hal_common.cuh": "#pragma once\nCOMMON"})
     assert "#include" not in code and "#pragma once" not in code
     assert code.split("\n") == ["", "PRELUDE", '#line 1 "x.cu"', "line one", '#line 1 "hal_common.cuh"', "",
                                 "COMMON", '#line 3 "x.cu"', "line three"]
 
 
 @pytest.mark.parametrize("spec", REPRESENTATIVE, ids=[s.id for s in REPRESENTATIVE])
-def test_kernel_source_is_self_contained(spec: cat.Specialization) -> None:
+def test_kernel_source_is_self_contained(spec: Specialization) -> None:
     """Every byte compiled is in the source text, so the digest (and CuPy's disk cache key) covers it."""
     source = kernel_source(spec, CUDA)
     assert '#include "' not in source.code
     assert "HAL_PRELUDE" in source.code and "hal_warp_sum" in source.code
     assert source.entry_points == spec.kernels and source.options == spec.options()
     assert kernel_source(spec, CUDA) is source  # cached
+
+
+@pytest.mark.parametrize("platform", [CUDA, ROCM], ids=["cuda", "rocm"])
+def test_every_translation_unit_is_self_contained(platform: GpuPlatform) -> None:
+    """No specialisation of the catalogue, at either SIMD width, leaves an include of a kernel header behind:
+    every header a kernel file includes is inlined (the compilers get no include path)."""
+    for width in (32, 64):
+        for spec in all_specializations(width):
+            code = kernel_source(spec, platform).code
+            assert '#include "' not in code, spec.id
+            assert code.count(f'#line 1 "{spec.source}"') == 1, spec.id
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +75,7 @@ def nvrtc():
 
 
 @pytest.mark.parametrize("spec", REPRESENTATIVE, ids=[s.id for s in REPRESENTATIVE])
-def test_assembled_source_compiles(nvrtc, spec: cat.Specialization) -> None:
+def test_assembled_source_compiles(nvrtc, spec: Specialization) -> None:
     """The exact text the launcher compiles builds for sm_90 with CuPy's options, every entry point present."""
     source = kernel_source(spec, CUDA)
     result = nvrtc.compile_source(source.code, source.name, source.options + CUPY_OPTIONS, "sm_90")
@@ -71,7 +87,7 @@ def test_assembled_source_compiles(nvrtc, spec: cat.Specialization) -> None:
 
 def test_compile_errors_point_at_the_kernel_file(nvrtc) -> None:
     """#line directives make NVRTC name the original file and line."""
-    source = kernel_source(cat.write_kv_cache_spec(True), CUDA)
+    source = kernel_source(kv_rules.write_kv_cache_spec(True), CUDA)
     lines = source.code.split("\n")
     target = next(i for i, line in enumerate(lines) if "const hal_i64 token = blockIdx.x;" in line)
     lines[target] += " undefined_identifier;"

@@ -1,8 +1,9 @@
 """Numerics of the real kernel sources, compiled for the CPU (host-compiled kernels).
 
 The ``.cu`` files of ``hal_cupy.kernels`` are built with g++ through
-``host_compiled/prelude_host.cuh`` and launched with the grid, block and
-runtime arguments that the plugin's pure host rules (``_specializations.py``)
+``host_compiled/prelude_host.cuh`` (the translation unit every compiler gets,
+with the host prelude) and launched with the grid, block and runtime
+arguments that the plugin's pure host rules (``hal_cupy/ops/_<op>_rules.py``)
 compute, on fresh random inputs (seed printed), against the float64 references
 of ``hal_core.ops`` and ``hal_core.quant``, with the tolerances of
 ``hal_core.testing.tolerances``.  Every kernel runs at warp 32 (CUDA, RDNA
@@ -18,7 +19,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hal_cupy import _specializations as rules
+from hal_cupy._specialization import SIMD_WIDTHS, Launch
+from hal_cupy.ops import _paged_attention_rules as pa_rules
+from hal_cupy.ops import _quantized_gemm_rules as qg_rules
+from hal_cupy.ops import _write_kv_cache_rules as kv_rules
 from host_compiled.harness import HostKernelBuilder, HostLaunchError, HostModule
 
 from hal_core.arrays import BFLOAT16
@@ -95,7 +99,7 @@ class AttentionCase:
     num_kv_heads: int
     block_size: int
     seq_lens: tuple[int, ...]
-    partition_size: int = rules.PA_PARTITION_SIZE
+    partition_size: int = pa_rules.PA_PARTITION_SIZE
     warp_size: int = 32
 
     @property
@@ -168,17 +172,17 @@ def test_paged_attention(host_builder: HostKernelBuilder, host_rng: np.random.Ge
     """Single-pass or split+reduce paged attention matches the float64 reference; NaN slots past the end are ignored."""
     group = case.num_heads // case.num_kv_heads
     code = DTYPE_CODES[case.dtype]
-    spec = rules.paged_attention_spec(code, case.head_size, group, case.warp_size)
+    spec = pa_rules.paged_attention_spec(code, case.head_size, group, case.warp_size)
     module = _build(host_builder, spec, host_rng)
     assert module.warp_size() == case.warp_size
-    gqa = rules.paged_attention_gqa_tile(group)
-    assert module.static_shared_bytes() == rules.paged_attention_shared_bytes(
+    gqa = pa_rules.paged_attention_gqa_tile(group)
+    assert module.static_shared_bytes() == pa_rules.paged_attention_shared_bytes(
         code, case.head_size, gqa, case.warp_size)
 
     num_seqs, max_len = len(case.seq_lens), max(case.seq_lens)
-    assert rules.choose_paged_attention_variant(
+    assert pa_rules.choose_paged_attention_variant(
         num_seqs, case.num_kv_heads, max_len, MANY_CUS, case.num_heads, case.partition_size) == case.variant
-    launches = rules.paged_attention_launches(
+    launches = pa_rules.paged_attention_launches(
         case.variant, num_seqs, case.num_heads, case.num_kv_heads, max_len, case.partition_size)
 
     args = _paged_inputs(case, host_rng)
@@ -203,7 +207,7 @@ def _run_attention(module: HostModule, case: AttentionCase, launches: list[Any],
         module.launch(single, out, *common, *checks)
         return out, flag
     split, reduce = launches
-    parts = rules.paged_attention_partitions(max_seq_len, case.partition_size)
+    parts = pa_rules.paged_attention_partitions(max_seq_len, case.partition_size)
     assert split.grid[2] == parts
     # Workspaces need no initialisation: NaN-filled, so a read of an unwritten partition shows.
     tmp_out = np.full((num_seqs, case.num_heads, parts, case.head_size), np.nan, np.float32)
@@ -248,10 +252,10 @@ def test_paged_attention_bad_index_zeroes_its_sequence(host_builder: HostKernelB
     """A bad block id or length on the device is never dereferenced: that sequence's output is zeros, the error
     flag names the argument, and every other sequence still matches the float64 reference."""
     group = case.num_heads // case.num_kv_heads
-    module = _build(host_builder, rules.paged_attention_spec(DTYPE_CODES[case.dtype], case.head_size, group,
-                                                             case.warp_size), host_rng)
+    module = _build(host_builder, pa_rules.paged_attention_spec(DTYPE_CODES[case.dtype], case.head_size, group,
+                                                                case.warp_size), host_rng)
     num_seqs, max_len = len(case.seq_lens), max(case.seq_lens)
-    launches = rules.paged_attention_launches(
+    launches = pa_rules.paged_attention_launches(
         case.variant, num_seqs, case.num_heads, case.num_kv_heads, max_len, case.partition_size)
     args = _paged_inputs(case, host_rng)
     good = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in args.items()}
@@ -278,10 +282,10 @@ def test_paged_attention_non_finite(host_builder: HostKernelBuilder, host_rng: n
                                     case: AttentionCase, poison: str) -> None:
     """NaN/inf in the query or a used key/value give exactly the reference's NaN/inf pattern (single and split)."""
     group = case.num_heads // case.num_kv_heads
-    module = _build(host_builder, rules.paged_attention_spec(DTYPE_CODES[case.dtype], case.head_size, group),
+    module = _build(host_builder, pa_rules.paged_attention_spec(DTYPE_CODES[case.dtype], case.head_size, group),
                     host_rng)
     num_seqs, max_len = len(case.seq_lens), max(case.seq_lens)
-    launches = rules.paged_attention_launches(
+    launches = pa_rules.paged_attention_launches(
         case.variant, num_seqs, case.num_heads, case.num_kv_heads, max_len, case.partition_size)
     args = _paged_inputs(case, host_rng)
     q, kc, vc, bt = (args[k] for k in ("query", "key_cache", "value_cache", "block_tables"))
@@ -347,14 +351,14 @@ def _misaligned_copy(a: np.ndarray) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("warp_size", rules.SIMD_WIDTHS, ids=lambda w: f"warp{w}")
+@pytest.mark.parametrize("warp_size", SIMD_WIDTHS, ids=lambda w: f"warp{w}")
 @pytest.mark.parametrize("case", KV_WRITE_CASES, ids=lambda c: c.id)
 def test_write_kv_cache(host_builder: HostKernelBuilder, host_rng: np.random.Generator, case: KVWriteCase,
                         warp_size: int) -> None:
     """Rows land bit-exactly in their slots; a negative slot is skipped and other slots are untouched."""
     rng = host_rng
     dt = NUMPY_DTYPES[case.dtype]
-    spec = rules.write_kv_cache_spec(slot_int64=case.slot_dtype == "int64", warp_size=warp_size)
+    spec = kv_rules.write_kv_cache_spec(slot_int64=case.slot_dtype == "int64", warp_size=warp_size)
     module = _build(host_builder, spec, rng)
     num_blocks = 4
     rows = (case.num_tokens, case.num_kv_heads, case.head_size)
@@ -372,20 +376,20 @@ def test_write_kv_cache(host_builder: HostKernelBuilder, host_rng: np.random.Gen
 
     row_bytes = case.head_size * key.itemsize
     flag = np.zeros(1, np.int32)
-    module.launch(rules.write_kv_cache_launch(case.num_tokens), key, value, key_cache, value_cache, slots,
+    module.launch(kv_rules.write_kv_cache_launch(case.num_tokens), key, value, key_cache, value_cache, slots,
                   case.num_kv_heads, case.block_size, row_bytes, num_blocks, flag)
     assert flag[0] == 0
     _assert_close(key_cache, expected_k, "copy", case.dtype, f"{case.id}: key_cache")
     _assert_close(value_cache, expected_v, "copy", case.dtype, f"{case.id}: value_cache")
 
 
-@pytest.mark.parametrize("warp_size", rules.SIMD_WIDTHS, ids=lambda w: f"warp{w}")
+@pytest.mark.parametrize("warp_size", SIMD_WIDTHS, ids=lambda w: f"warp{w}")
 @pytest.mark.parametrize("slot_dtype", ["int32", "int64"])
 def test_write_kv_cache_bad_slot_is_skipped(host_builder: HostKernelBuilder, host_rng: np.random.Generator,
                                             slot_dtype: str, warp_size: int) -> None:
     """A slot past the cache is never written: its token is skipped, slot_mapping is flagged, the rest land."""
     rng = host_rng
-    module = _build(host_builder, rules.write_kv_cache_spec(slot_int64=slot_dtype == "int64", warp_size=warp_size),
+    module = _build(host_builder, kv_rules.write_kv_cache_spec(slot_int64=slot_dtype == "int64", warp_size=warp_size),
                     rng)
     num_blocks, nkv, bs, hs, tokens = 3, 2, 16, 64, 6
     key = rng.standard_normal((tokens, nkv, hs)).astype(np.float16)
@@ -400,7 +404,7 @@ def test_write_kv_cache_bad_slot_is_skipped(host_builder: HostKernelBuilder, hos
         {"key": key[keep], "value": value[keep], "key_cache": key_cache, "value_cache": value_cache,
          "slot_mapping": slots[keep]})
     flag = np.zeros(1, np.int32)
-    module.launch(rules.write_kv_cache_launch(tokens), key, value, key_cache, value_cache, slots, nkv, bs,
+    module.launch(kv_rules.write_kv_cache_launch(tokens), key, value, key_cache, value_cache, slots, nkv, bs,
                   hs * key.itemsize, num_blocks, flag)
     assert flag[0] == ERR_SLOT_MAPPING
     _assert_close(key_cache, expected_k, "copy", "fp16", "key_cache")
@@ -436,7 +440,8 @@ class GemmCase:
 
 def _gemm_at_64(case: GemmCase) -> GemmCase:
     """The 64-lane twin: a block covers twice the columns, so fewer CTAs may call for a K split."""
-    _, ksplit, _ = rules.quant_gemm_launch(case.bits, case.m, case.n, case.k, case.group_size, case.compute_units, 64)
+    _, ksplit, _ = qg_rules.quant_gemm_launch(case.bits, case.m, case.n, case.k, case.group_size,
+                                              case.compute_units, 64)
     return replace(case, warp_size=64, split_k=ksplit > 1)
 
 
@@ -478,15 +483,15 @@ def test_split_k_gemm_is_bit_reproducible(host_builder: HostKernelBuilder, host_
                                           bits: int) -> None:
     """A K split gives the same bits whatever order its CTAs run in and however their threads interleave."""
     m, n, k, g = 3, 256, 2048, 32
-    launch, ksplit, per_split = rules.quant_gemm_launch(bits, m, n, k, g, MANY_CUS)
+    launch, ksplit, per_split = qg_rules.quant_gemm_launch(bits, m, n, k, g, MANY_CUS)
     assert ksplit >= 3  # two partials would add up the same in either order
     qw = _random_weight(host_rng, k, n, bits, g, symmetric=False)
     x = host_rng.standard_normal((m, k)).astype(np.float16)
-    spec = rules.quant_gemm_spec(1, bits, rules.quant_gemm_m_tile(m))
-    util = _build(host_builder, rules.quant_util_spec(1), host_rng)
+    spec = qg_rules.quant_gemm_spec(1, bits, qg_rules.quant_gemm_m_tile(m))
+    util = _build(host_builder, qg_rules.quant_util_spec(1), host_rng)
     xq = np.zeros((m, k), np.int8)
     sx = np.zeros(m, np.float32)
-    util.launch(rules.quant_util_launch("hal_w8a8_quantize_rows", m, MANY_CUS), xq, sx, x, k)
+    util.launch(qg_rules.quant_util_launch("hal_w8a8_quantize_rows", m, MANY_CUS), xq, sx, x, k)
     acts = (x,) if bits == 4 else (xq, sx)
     runs = []
     for _ in range(3):
@@ -498,7 +503,7 @@ def test_split_k_gemm_is_bit_reproducible(host_builder: HostKernelBuilder, host_
             gemm.launch(launch, out, ws, *acts, qw.qweight, qw.scales, qw.zeros, m, n, k, g, per_split)
         finally:
             gemm.shuffle_ctas(False)
-        util.launch(rules.quant_util_launch("hal_f32_splits_to_dtype", m * n, MANY_CUS), out, ws, m * n, ksplit)
+        util.launch(qg_rules.quant_util_launch("hal_f32_splits_to_dtype", m * n, MANY_CUS), out, ws, m * n, ksplit)
         runs.append(out.view(np.uint16).copy())
     for other in runs[1:]:
         np.testing.assert_array_equal(runs[0], other)
@@ -510,13 +515,13 @@ def _check_gemm(host_builder: HostKernelBuilder, rng: np.random.Generator, case:
                 non_finite: bool) -> None:
     code, dt = DTYPE_CODES[case.dtype], NUMPY_DTYPES[case.dtype]
     m, n, k, g = case.m, case.n, case.k, case.group_size
-    assert rules.use_small_m_gemm(m, case.bits)
-    launch, ksplit, per_split = rules.quant_gemm_launch(case.bits, m, n, k, g, case.compute_units, case.warp_size)
+    assert qg_rules.use_small_m_gemm(m, case.bits)
+    launch, ksplit, per_split = qg_rules.quant_gemm_launch(case.bits, m, n, k, g, case.compute_units, case.warp_size)
     assert (ksplit > 1) == case.split_k
-    m_tile = rules.quant_gemm_m_tile(m)
-    gemm = _build(host_builder, rules.quant_gemm_spec(code, case.bits, m_tile, case.warp_size), rng)
-    util = _build(host_builder, rules.quant_util_spec(code, case.warp_size), rng)
-    assert gemm.static_shared_bytes() == rules.quant_gemm_shared_bytes(m_tile, case.warp_size)
+    m_tile = qg_rules.quant_gemm_m_tile(m)
+    gemm = _build(host_builder, qg_rules.quant_gemm_spec(code, case.bits, m_tile, case.warp_size), rng)
+    util = _build(host_builder, qg_rules.quant_util_spec(code, case.warp_size), rng)
+    assert gemm.static_shared_bytes() == qg_rules.quant_gemm_shared_bytes(m_tile, case.warp_size)
 
     qw = _random_weight(rng, k, n, case.bits, g, case.symmetric)
     x = rng.standard_normal((m, k))
@@ -534,11 +539,11 @@ def _check_gemm(host_builder: HostKernelBuilder, rng: np.random.Generator, case:
     else:
         xq = np.zeros((m, k), np.int8)
         sx = np.full(m, np.nan, np.float32)
-        util.launch(rules.quant_util_launch("hal_w8a8_quantize_rows", m, case.compute_units), xq, sx, x, k)
+        util.launch(qg_rules.quant_util_launch("hal_w8a8_quantize_rows", m, case.compute_units), xq, sx, x, k)
         gemm.launch(launch, out, ws, xq, sx, qw.qweight, qw.scales, qw.zeros, *tail)
     if ws is not None:
         assert np.isnan(out.astype(np.float32)).all(), "with split-K the GEMM must leave out to the reduction"
-        util.launch(rules.quant_util_launch("hal_f32_splits_to_dtype", m * n, case.compute_units), out, ws, m * n,
+        util.launch(qg_rules.quant_util_launch("hal_f32_splits_to_dtype", m * n, case.compute_units), out, ws, m * n,
                     ksplit)
     if case.bits == 8:  # the GEMM alone, on the activations the kernel quantised
         own = sx.astype(np.float64)[:, None] * (xq.astype(np.float64) @ qw.dequantize(np.float64))
@@ -552,7 +557,7 @@ def _check_gemm(host_builder: HostKernelBuilder, rng: np.random.Generator, case:
         _assert_close(out, expected, "gemm", case.dtype, f"{case.id}: vs the float64 reference")
 
 
-@pytest.mark.parametrize("warp_size", rules.SIMD_WIDTHS, ids=lambda w: f"warp{w}")
+@pytest.mark.parametrize("warp_size", SIMD_WIDTHS, ids=lambda w: f"warp{w}")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_w8a8_quantize_rows_matches_quantize_activations(
     host_builder: HostKernelBuilder, host_rng: np.random.Generator, dtype: str, warp_size: int
@@ -571,10 +576,10 @@ def test_w8a8_quantize_rows_matches_quantize_activations(
     x = np.concatenate([x, x[:3].copy()])  # rows 5..7 non-finite: sx NaN (their codes do not matter)
     x[5, 300], x[6, 7], x[7, [0, 383]] = np.nan, -np.inf, (np.inf, np.nan)
     m = x.shape[0]
-    util = _build(host_builder, rules.quant_util_spec(DTYPE_CODES[dtype], warp_size), rng)
+    util = _build(host_builder, qg_rules.quant_util_spec(DTYPE_CODES[dtype], warp_size), rng)
     xq = np.full((m, k), 99, np.int8)
     sx = np.full(m, 7.0, np.float32)  # not NaN: the NaN scales must be written
-    util.launch(rules.quant_util_launch("hal_w8a8_quantize_rows", m, ONE_CU), xq, sx, x, k)
+    util.launch(qg_rules.quant_util_launch("hal_w8a8_quantize_rows", m, ONE_CU), xq, sx, x, k)
 
     ref_xq, ref_sx = quantize_activations(x)
     np.testing.assert_array_equal(sx, ref_sx)  # the zero row included: sx = 1, xq = 0; NaN where non-finite
@@ -613,18 +618,18 @@ DEQUANT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("warp_size", rules.SIMD_WIDTHS, ids=lambda w: f"warp{w}")
+@pytest.mark.parametrize("warp_size", SIMD_WIDTHS, ids=lambda w: f"warp{w}")
 @pytest.mark.parametrize("case", DEQUANT_CASES, ids=lambda c: c.id)
 def test_dequant(host_builder: HostKernelBuilder, host_rng: np.random.Generator, case: DequantCase,
                  warp_size: int) -> None:
     """The dequantisation kernels equal ``QuantizedWeight.dequantize()`` rounded once to the dtype."""
     rng = host_rng
     qw = _random_weight(rng, case.k, case.n, case.bits, case.group_size, case.symmetric)
-    util = _build(host_builder, rules.quant_util_spec(DTYPE_CODES[case.dtype], warp_size), rng)
+    util = _build(host_builder, qg_rules.quant_util_spec(DTYPE_CODES[case.dtype], warp_size), rng)
     dt = NUMPY_DTYPES[case.dtype]
     kernel = "hal_w4a16_dequant" if case.bits == 4 else "hal_w8_dequant"
     items = (case.k // 8) * (case.n // 4) if case.bits == 4 else case.k * (case.n // 4)
-    launch = rules.quant_util_launch(kernel, items, ONE_CU)  # at most 8 CTAs: the grid-stride loop repeats
+    launch = qg_rules.quant_util_launch(kernel, items, ONE_CU)  # at most 8 CTAs: the grid-stride loop repeats
     w = np.full((case.k, case.n), np.nan, dt)
     util.launch(launch, w, qw.qweight, qw.scales, qw.zeros, case.k, case.n, case.group_size)
     # (q - z) * s is exact in float32 (an integer below 256 times an fp16 scale), so the only
@@ -634,7 +639,7 @@ def test_dequant(host_builder: HostKernelBuilder, host_rng: np.random.Generator,
 
 def test_launch_errors_are_reported(host_builder: HostKernelBuilder, host_rng: np.random.Generator) -> None:
     """An empty grid is refused, as the host never launches for empty work."""
-    util = _build(host_builder, rules.quant_util_spec(0), host_rng)
-    empty = rules.Launch("hal_f32_to_dtype", (0, 1, 1), (256, 1, 1))
+    util = _build(host_builder, qg_rules.quant_util_spec(0), host_rng)
+    empty = Launch("hal_f32_to_dtype", (0, 1, 1), (256, 1, 1))
     with pytest.raises(HostLaunchError, match="empty grid"):
         util.launch(empty, np.zeros(1, np.float32), np.zeros(1, np.float32), 0)

@@ -8,10 +8,14 @@ from typing import Any
 import numpy as np
 import pytest
 from gpu_profiles import GPU_PROFILES, PROFILE_IDS
-from hal_cupy import _specializations as cat
+from hal_cupy import all_specializations
+from hal_cupy._specialization import DTYPE_CODES, Launch
 from hal_cupy.ops import _paged_attention as pa
+from hal_cupy.ops import _paged_attention_rules as pa_rules
 from hal_cupy.ops import _quantized_gemm as qg
+from hal_cupy.ops import _quantized_gemm_rules as qg_rules
 from hal_cupy.ops import _write_kv_cache as kv
+from hal_cupy.ops import _write_kv_cache_rules as kv_rules
 from hal_cupy.ops._common import GpuOp
 
 import hal_core
@@ -25,7 +29,7 @@ def caps(request: pytest.FixtureRequest) -> hal_core.DeviceCapabilities:
     return hal_core.load_profile(request.param)
 
 
-def _config(plan: cat.Launch) -> LaunchConfig:
+def _config(plan: Launch) -> LaunchConfig:
     return LaunchConfig(grid=plan.grid, block=plan.block, shared_mem=plan.shared_mem)
 
 
@@ -35,35 +39,35 @@ def _config(plan: cat.Launch) -> LaunchConfig:
 def test_paged_attention_plans_fit(caps: Any, num_seqs: int, num_heads: int, num_kv_heads: int,
                                    max_seq_len: int) -> None:
     """Every launch of the chosen variant passes the device's limits; static shared memory fits 48 KiB."""
-    variant = cat.choose_paged_attention_variant(num_seqs, num_kv_heads, max_seq_len, caps.compute_units,
-                                                 num_heads=num_heads)
-    for plan in cat.paged_attention_launches(variant, num_seqs, num_heads, num_kv_heads, max_seq_len):
+    variant = pa_rules.choose_paged_attention_variant(num_seqs, num_kv_heads, max_seq_len, caps.compute_units,
+                                                      num_heads=num_heads)
+    for plan in pa_rules.paged_attention_launches(variant, num_seqs, num_heads, num_kv_heads, max_seq_len):
         _config(plan).validate(caps)
     group = num_heads // num_kv_heads
-    for head_size in cat.PA_HEAD_SIZES:
-        for dtype in cat.DTYPE_CODES:
-            shared = cat.paged_attention_shared_bytes(dtype, head_size, cat.paged_attention_gqa_tile(group),
-                                                      caps.simd_width)
+    for head_size in pa_rules.PA_HEAD_SIZES:
+        for dtype in DTYPE_CODES:
+            shared = pa_rules.paged_attention_shared_bytes(dtype, head_size, pa_rules.paged_attention_gqa_tile(group),
+                                                           caps.simd_width)
             assert shared <= caps.shared_mem_per_block
 
 
 def test_split_rule_on_h200() -> None:
     """The benchmark shapes on an H200 (132 SMs): both long-context cases use split-KV, short ones single."""
     cus = hal_core.load_profile("H200").compute_units
-    assert cat.choose_paged_attention_variant(1, 8, 32768, cus, num_heads=32) == "split"
-    assert cat.choose_paged_attention_variant(32, 8, 4096, cus, num_heads=32) == "split"  # 256 CTAs < 2 x 132
-    assert cat.choose_paged_attention_variant(64, 8, 4096, cus, num_heads=32) == "single"
-    assert cat.choose_paged_attention_variant(32, 8, 512, cus, num_heads=32) == "single"
+    assert pa_rules.choose_paged_attention_variant(1, 8, 32768, cus, num_heads=32) == "split"
+    assert pa_rules.choose_paged_attention_variant(32, 8, 4096, cus, num_heads=32) == "split"  # 256 CTAs < 2 x 132
+    assert pa_rules.choose_paged_attention_variant(64, 8, 4096, cus, num_heads=32) == "single"
+    assert pa_rules.choose_paged_attention_variant(32, 8, 512, cus, num_heads=32) == "single"
 
 
 def test_split_rule_on_amd_profiles() -> None:
     """MI300X's 304 CUs want 608 CTAs before one pass pays; the 7900 XTX's 48 WGPs are busy with far fewer."""
     mi300 = hal_core.load_profile("MI300X").compute_units
     assert mi300 == 304
-    assert cat.choose_paged_attention_variant(64, 8, 4096, mi300, num_heads=32) == "split"  # 512 CTAs < 608
-    assert cat.choose_paged_attention_variant(128, 8, 4096, mi300, num_heads=32) == "single"
+    assert pa_rules.choose_paged_attention_variant(64, 8, 4096, mi300, num_heads=32) == "split"  # 512 CTAs < 608
+    assert pa_rules.choose_paged_attention_variant(128, 8, 4096, mi300, num_heads=32) == "single"
     rdna = hal_core.load_profile("RX 7900 XTX").compute_units
-    assert cat.choose_paged_attention_variant(32, 8, 4096, rdna, num_heads=32) == "single"
+    assert pa_rules.choose_paged_attention_variant(32, 8, 4096, rdna, num_heads=32) == "single"
 
 
 @pytest.mark.parametrize(("profile", "lanes"), [("MI300X", 64), ("MI250X", 64), ("RX 7900 XTX", 32), ("H100", 32)])
@@ -71,12 +75,12 @@ def test_specialisations_follow_the_simd_width(profile: str, lanes: int) -> None
     """Kernels are specialised by the device's SIMD width; the GEMM block is four warps/wavefronts of it."""
     caps = hal_core.load_profile(profile)
     assert caps.simd_width == lanes
-    for spec in cat.all_specializations(caps.simd_width):
+    for spec in all_specializations(caps.simd_width):
         assert ("HAL_WARP_SIZE", str(lanes)) in spec.defines
-    plan, _, _ = cat.quant_gemm_launch(4, 1, 4096, 4096, 128, caps.compute_units, caps.simd_width)
+    plan, _, _ = qg_rules.quant_gemm_launch(4, 1, 4096, 4096, 128, caps.compute_units, caps.simd_width)
     assert plan.block == (4 * lanes, 1, 1) and plan.grid[0] == 4096 // (4 * lanes)
     with pytest.raises(ValueError, match="warp_size"):
-        cat.write_kv_cache_spec(True, 16)
+        kv_rules.write_kv_cache_spec(True, 16)
 
 
 @pytest.mark.parametrize(("max_seq_len", "bound"), [(None, 4096), (900, 900), (4096, 4096), (10**6, 4096)])
@@ -101,7 +105,7 @@ def test_seq_len_bound_comes_from_the_host(max_seq_len: int | None, bound: int) 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quant_gemm_plans_fit(caps: Any, m: int, k: int, n: int, bits: int) -> None:
     """Small-M GEMM grids fit the device and cover every K group exactly once."""
-    plan, ksplit, per_split = cat.quant_gemm_launch(bits, m, n, k, 128, caps.compute_units, caps.simd_width)
+    plan, ksplit, per_split = qg_rules.quant_gemm_launch(bits, m, n, k, 128, caps.compute_units, caps.simd_width)
     _config(plan).validate(caps)
     groups = k // 128
     assert (ksplit - 1) * per_split < groups <= ksplit * per_split
@@ -111,7 +115,7 @@ def test_quant_gemm_plans_fit(caps: Any, m: int, k: int, n: int, bits: int) -> N
 def test_quant_gemm_plan_refuses_k0(caps: Any) -> None:
     """K = 0 has no K group to split (the op answers it with zeros before planning)."""
     with pytest.raises(ValueError, match="K > 0"):
-        cat.quant_gemm_launch(4, 1, 128, 0, 128, caps.compute_units, caps.simd_width)
+        qg_rules.quant_gemm_launch(4, 1, 128, 0, 128, caps.compute_units, caps.simd_width)
 
 
 def test_grid_stride_grids(caps: Any) -> None:
@@ -123,8 +127,9 @@ def test_grid_stride_grids(caps: Any) -> None:
 
 def test_small_m_threshold_is_configurable(monkeypatch: pytest.MonkeyPatch) -> None:
     """HAL_CUDA_SMALL_M_MAX moves the fused/dequantise boundary; the default is the catalogue's."""
-    assert qg.small_m_threshold("cuda") == cat.QGEMM_SMALL_M_MAX
-    assert qg.uses_small_m(cat.QGEMM_SMALL_M_MAX, "cuda") and not qg.uses_small_m(cat.QGEMM_SMALL_M_MAX + 1, "cuda")
+    assert qg.small_m_threshold("cuda") == qg_rules.QGEMM_SMALL_M_MAX
+    assert qg.uses_small_m(qg_rules.QGEMM_SMALL_M_MAX, "cuda")
+    assert not qg.uses_small_m(qg_rules.QGEMM_SMALL_M_MAX + 1, "cuda")
     monkeypatch.setenv("HAL_CUDA_SMALL_M_MAX", "64")
     assert qg.uses_small_m(64, "cuda") and not qg.uses_small_m(65, "cuda")
 
@@ -169,8 +174,8 @@ def test_paged_attention_unsupported(change: dict[str, Any], reason: str) -> Non
 
 @pytest.mark.usefixtures("offload_everything")
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, hal_core.arrays.BFLOAT16], ids=["fp32", "fp16", "bf16"])
-@pytest.mark.parametrize("head_size", cat.PA_HEAD_SIZES)
-@pytest.mark.parametrize("block", cat.PA_BLOCK_SIZES)
+@pytest.mark.parametrize("head_size", pa_rules.PA_HEAD_SIZES)
+@pytest.mark.parametrize("block", pa_rules.PA_BLOCK_SIZES)
 def test_paged_attention_supported(dtype: Any, head_size: int, block: int) -> None:
     call = _call("paged_attention", hal_core.load_profile("RTX 5090"),
                  **_attention(head_size=head_size, block=block, dtype=dtype))
@@ -225,7 +230,7 @@ def test_quantized_gemm_act_order_unsupported(rng: np.random.Generator) -> None:
 
 @pytest.mark.usefixtures("offload_everything")
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("group_size", cat.QGEMM_GROUP_SIZES)
+@pytest.mark.parametrize("group_size", qg_rules.QGEMM_GROUP_SIZES)
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "zeros"])
 def test_quantized_gemm_supported(rng: np.random.Generator, bits: int, group_size: int, symmetric: bool) -> None:
     args = _gemm_args(rng, bits=bits, group_size=group_size, symmetric=symmetric)
@@ -255,18 +260,18 @@ def test_ops_register_with_priority() -> None:
 ], ids=["w4-1x28k", "w4-16x4k", "w4-64x8k", "w4-128x1k", "w8-1x4k", "w8-2048x28k", "w4-tiny"])
 def test_tensor_core_gemm_plans_fit(caps: Any, bits: int, m: int, n: int, k: int, g: int) -> None:
     """Grid covers every column tile, M chunk and k-block exactly once; the split stays within its workspace bound."""
-    plan, ksplit, per_split = cat.quant_gemm_tc_launch(bits, m, n, k, g, caps.compute_units)
+    plan, ksplit, per_split = qg_rules.quant_gemm_tc_launch(bits, m, n, k, g, caps.compute_units)
     _config(plan).validate(caps)
-    frags = cat.quant_gemm_tc_m_frags(m)
+    frags = qg_rules.quant_gemm_tc_m_frags(m)
     kblocks = k // 32
     assert plan.grid == (-(-n // 128), ksplit, -(-m // (16 * frags))) and plan.block == (128, 1, 1)
     assert (ksplit - 1) * per_split < kblocks <= ksplit * per_split  # no empty stripe, none missing
-    assert ksplit == 1 or ksplit * m * n * 4 <= cat.QGEMM_TC_MAX_WORKSPACE
+    assert ksplit == 1 or ksplit * m * n * 4 <= qg_rules.QGEMM_TC_MAX_WORKSPACE
     ctas = plan.grid[0] * plan.grid[2]
     if ctas < 2 * caps.compute_units and kblocks >= 16:
         assert ksplit > 1  # a small grid is split over K to fill the device
-    assert cat.quant_gemm_tc_shared_bytes(bits, frags) <= 48 * 1024
-    _config(cat.quant_gemm_tc_reduce_launch(m, n, caps.compute_units)).validate(caps)
+    assert qg_rules.quant_gemm_tc_shared_bytes(bits, frags) <= 48 * 1024
+    _config(qg_rules.quant_gemm_tc_reduce_launch(m, n, caps.compute_units)).validate(caps)
 
 
 class _Platform:
@@ -290,8 +295,8 @@ def test_tensor_core_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     """Level 80 and fp16/bf16 activations; W4A16 up to QGEMM_TC_M_MAX rows; HAL_CUDA_TENSOR_CORES=0 opts out."""
     a100 = hal_core.load_profile("NVIDIA A100-SXM4-80GB")
     tc = _backend(80, a100)
-    assert qg.uses_tensor_cores(tc, 0, "fp16", 4, 1) and qg.uses_tensor_cores(tc, 0, "bf16", 4, cat.QGEMM_TC_M_MAX)
-    assert not qg.uses_tensor_cores(tc, 0, "bf16", 4, cat.QGEMM_TC_M_MAX + 1)
+    assert qg.uses_tensor_cores(tc, 0, "fp16", 4, 1) and qg.uses_tensor_cores(tc, 0, "bf16", 4, qg_rules.QGEMM_TC_M_MAX)
+    assert not qg.uses_tensor_cores(tc, 0, "bf16", 4, qg_rules.QGEMM_TC_M_MAX + 1)
     assert qg.uses_tensor_cores(tc, 0, "bf16", 8, 4096)
     assert not qg.uses_tensor_cores(tc, 0, "fp32", 4, 1) and not qg.uses_tensor_cores(tc, 0, "fp16", 4, 0)
     # Below the level the kernels are written for, or without the instructions: the SIMT kernels.
@@ -303,10 +308,10 @@ def test_tensor_core_selection(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_tensor_core_specs_need_warp_matrix_instructions() -> None:
     """The tensor-core sources carry min_sm (builds without the instructions leave them out), 32-lane warps only."""
-    tc = [s for s in cat.all_specializations() if s.source == "quant_gemm_tc.cu"]
-    assert len(tc) == 2 * 2 * len(cat.QGEMM_TC_M_FRAGS) and all(s.min_sm == 80 for s in tc)
-    assert all(s.min_sm == 0 for s in cat.all_specializations()
+    tc = [s for s in all_specializations() if s.source == "quant_gemm_tc.cu"]
+    assert len(tc) == 2 * 2 * len(qg_rules.QGEMM_TC_M_FRAGS) and all(s.min_sm == 80 for s in tc)
+    assert all(s.min_sm == 0 for s in all_specializations()
                if s.source not in ("quant_gemm_tc.cu", "paged_attention_tc.cu"))
     with pytest.raises(ValueError, match="float16 or bfloat16"):
-        cat.quant_gemm_tc_spec("float32", 4, 1)
-    assert all(s.min_sm == 0 for s in cat.all_specializations(64))
+        qg_rules.quant_gemm_tc_spec("float32", 4, 1)
+    assert all(s.min_sm == 0 for s in all_specializations(64))

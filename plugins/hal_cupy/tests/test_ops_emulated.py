@@ -170,10 +170,10 @@ def test_quantized_gemm(backend: Any, rng: np.random.Generator, bits: int, dtype
     assert bool(emu.GEMM_CALLS) == slabs and ("hal_w4a16_dequant" in names or "hal_w8_dequant" in names) == slabs
     assert (bits == 8) == ("hal_w8a8_quantize_rows" in names)
     if f"{kind}_gemm" in names:  # SIMT: a K split's partials are summed in split order, never atomically
-        from hal_cupy import _specializations as rules
+        from hal_cupy.ops import _quantized_gemm_rules as qg_rules
 
         caps = backend.device(0).capabilities
-        _, ksplit, _ = rules.quant_gemm_launch(bits, m, 256, 1024, 64, caps.compute_units, caps.simd_width)
+        _, ksplit, _ = qg_rules.quant_gemm_launch(bits, m, 256, 1024, 64, caps.compute_units, caps.simd_width)
         assert ("hal_f32_splits_to_dtype" in names) == (ksplit > 1)
     tol = TOL[dtype] if dtype != "fp32" else 1e-4
     assert rel_err(out, OPS["quantized_gemm"].reference(args)) < tol

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hal_cupy import _specializations as rules
+from hal_cupy import all_specializations
+from hal_cupy.ops import _paged_attention_rules as pa_rules
 from host_compiled.harness import HostKernelBuilder, HostModule
 
 from hal_core.arrays import BFLOAT16
@@ -132,19 +133,19 @@ def _run(host_builder: HostKernelBuilder, host_rng: np.random.Generator, case: C
     code = DTYPE_CODES[case.dtype]
     q, kc, vc, bt, sl = (args[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens"))
     num_seqs, max_len = len(case.seq_lens), max(case.seq_lens)
-    tc = _module(host_builder, rules.paged_attention_tc_spec(code, case.head_size), host_rng, case.ftz)
-    assert tc.static_shared_bytes() == rules.paged_attention_tc_shared_bytes(case.head_size)
+    tc = _module(host_builder, pa_rules.paged_attention_tc_spec(code, case.head_size), host_rng, case.ftz)
+    assert tc.static_shared_bytes() == pa_rules.paged_attention_tc_shared_bytes(case.head_size)
     assert tc.static_shared_bytes() <= 48 << 10  # static shared memory needs no opt-in
     if case.partition is None or case.partition == 0:
         cus = MANY_CUS if case.partition is None else ONE_CU
-        size, parts = rules.paged_attention_tc_partitions(
+        size, parts = pa_rules.paged_attention_tc_partitions(
             num_seqs, case.num_heads, case.num_kv_heads, max_len, case.head_size, cus,
-            rules.paged_attention_tc_ctas_per_cu(case.head_size))
+            pa_rules.paged_attention_tc_ctas_per_cu(case.head_size))
         assert (parts > 1) == (case.partition is None), (size, parts)
     else:
         size, parts = case.partition, -(-max_len // case.partition)
-    launches = rules.paged_attention_tc_launches(num_seqs, case.num_heads, case.num_kv_heads, parts, case.head_size,
-                                                 case.reduce_cus)
+    launches = pa_rules.paged_attention_tc_launches(num_seqs, case.num_heads, case.num_kv_heads, parts, case.head_size,
+                                                    case.reduce_cus)
     common = (q, kc, vc, bt, sl, args["scale"], case.num_heads, case.num_kv_heads, case.block_size, bt.shape[1])
     own_flag = flag is None
     flag = np.zeros(1, np.int32) if flag is None else flag
@@ -161,7 +162,7 @@ def _run(host_builder: HostKernelBuilder, host_rng: np.random.Generator, case: C
         exp_sums = np.full_like(max_logits, np.nan)
         tc.launch(split, None, tmp_out, max_logits, exp_sums, *common, size, parts, *checks)
         simt = _module(host_builder,
-                       rules.paged_attention_spec(code, case.head_size, case.num_heads // case.num_kv_heads),
+                       pa_rules.paged_attention_spec(code, case.head_size, case.num_heads // case.num_kv_heads),
                        host_rng, case.ftz)
         simt.launch(reduce, out, tmp_out, max_logits, exp_sums, sl, case.num_heads, size, parts)
     if own_flag:
@@ -242,7 +243,7 @@ def test_tc_attention_bad_index_zeroes_its_sequence(host_builder: HostKernelBuil
 
 def test_selection_by_capability() -> None:
     """Tensor cores: warp matrix instructions of level 80+, fp16/bf16, group >= 4, a PA_TC_HEAD_SIZES head size."""
-    use = rules.paged_attention_uses_tensor_cores
+    use = pa_rules.paged_attention_uses_tensor_cores
     assert use(80, "float16", 4, 128) and use(90, "bfloat16", 16, 256)
     assert use(120, 1, 8, 64)
     assert not use(75, "float16", 8, 128)  # no bf16 MMA / cp.async below level 80
@@ -251,58 +252,58 @@ def test_selection_by_capability() -> None:
     assert not use(90, "float16", 8, 80)  # head size not a multiple of 64
     assert not use(0, "float16", 8, 128)  # a platform without the instructions keeps the SIMT kernels
     with pytest.raises(ValueError, match="float16 or bfloat16"):
-        rules.paged_attention_tc_spec("float32", 128)
+        pa_rules.paged_attention_tc_spec("float32", 128)
     with pytest.raises(ValueError, match="head_size"):
-        rules.paged_attention_tc_spec("float16", 96)
+        pa_rules.paged_attention_tc_spec("float16", 96)
 
 
-@pytest.mark.parametrize("head_size", rules.PA_TC_HEAD_SIZES)
+@pytest.mark.parametrize("head_size", pa_rules.PA_TC_HEAD_SIZES)
 def test_partition_rule(head_size: int) -> None:
     """Partitions fill compute units x occupancy, are whole chunks, never shorter than the minimum, cover max_len."""
-    chunk = rules.paged_attention_tc_chunk(head_size)
-    occ = rules.paged_attention_tc_ctas_per_cu(head_size)
+    chunk = pa_rules.paged_attention_tc_chunk(head_size)
+    occ = pa_rules.paged_attention_tc_ctas_per_cu(head_size)
     assert occ >= 1
     for num_seqs, nh, nkv, max_len, cus in [(1, 32, 8, 32768, 132), (32, 32, 8, 4096, 132), (1, 32, 8, 8192, 132),
                                            (64, 32, 8, 4096, 132), (1, 8, 1, 100, 132), (3, 16, 4, 1000, 1),
                                            (33, 32, 8, 4096, 132)]:
-        size, parts = rules.paged_attention_tc_partitions(num_seqs, nh, nkv, max_len, head_size, cus, occ)
+        size, parts = pa_rules.paged_attention_tc_partitions(num_seqs, nh, nkv, max_len, head_size, cus, occ)
         assert size % chunk == 0 and size * parts >= max_len > size * (parts - 1)
         base = num_seqs * nkv * -(-(nh // nkv) // 16)
         if parts > 1:
-            assert size >= rules.PA_TC_MIN_PARTITION - chunk
+            assert size >= pa_rules.PA_TC_MIN_PARTITION - chunk
             assert base * (parts - 1) < cus * occ  # no more partitions than one wave needs
-        elif max_len >= 2 * rules.PA_TC_MIN_PARTITION:
+        elif max_len >= 2 * pa_rules.PA_TC_MIN_PARTITION:
             assert base >= cus * occ  # not split: the grid already fills the device
     with pytest.raises(ValueError):
-        rules.paged_attention_tc_partitions(1, 8, 2, 100, head_size, 0, 1)
+        pa_rules.paged_attention_tc_partitions(1, 8, 2, 100, head_size, 0, 1)
 
 
 def test_occupancy_from_registers_and_shared_memory() -> None:
     """CTAs per compute unit: the least of shared memory, threads and registers (256-register warp units)."""
-    smem = rules.paged_attention_tc_shared_bytes(128) + 1024
-    assert rules.paged_attention_tc_ctas_per_cu(128, 228 << 10, 2048) == (228 << 10) // smem
-    assert rules.paged_attention_tc_ctas_per_cu(128, 100 << 10, 1536) == (100 << 10) // smem
+    smem = pa_rules.paged_attention_tc_shared_bytes(128) + 1024
+    assert pa_rules.paged_attention_tc_ctas_per_cu(128, 228 << 10, 2048) == (228 << 10) // smem
+    assert pa_rules.paged_attention_tc_ctas_per_cu(128, 100 << 10, 1536) == (100 << 10) // smem
     # 168 registers: 5376 per warp, 21504 per CTA -> 3 in 64 Ki registers; 177 rounds up to 5888 per warp -> 2.
-    assert rules.paged_attention_tc_ctas_per_cu(128, 228 << 10, 2048, registers_per_thread=168) == 3
-    assert rules.paged_attention_tc_ctas_per_cu(128, 228 << 10, 2048, registers_per_thread=177) == 2
-    assert rules.paged_attention_tc_ctas_per_cu(128, 1024, 2048, registers_per_thread=255) == 1  # never 0
+    assert pa_rules.paged_attention_tc_ctas_per_cu(128, 228 << 10, 2048, registers_per_thread=168) == 3
+    assert pa_rules.paged_attention_tc_ctas_per_cu(128, 228 << 10, 2048, registers_per_thread=177) == 2
+    assert pa_rules.paged_attention_tc_ctas_per_cu(128, 1024, 2048, registers_per_thread=255) == 1  # never 0
 
 
 def test_reduce_slices_fill_the_device() -> None:
     """The reduce step's column slices: the fewest giving one CTA per compute unit, at least 32 columns each."""
-    slices = rules.paged_attention_tc_reduce_slices
+    slices = pa_rules.paged_attention_tc_reduce_slices
     assert slices(128, 32, 132) == 4  # 1 x 32k, 32 heads: 128 CTAs
     assert slices(128, 32 * 64, 132) == 1  # enough heads x sequences already
     assert slices(64, 8, 132) == 2  # no slice narrower than 32 columns
     assert slices(256, 16, 132) == 8
     assert slices(128, 4, 0) == 1
-    split = rules.paged_attention_tc_launches(1, 32, 8, 40, 128, 132)
+    split = pa_rules.paged_attention_tc_launches(1, 32, 8, 40, 128, 132)
     assert split[1].grid == (32, 1, 4)
-    assert rules.paged_attention_tc_launches(1, 32, 8, 40)[1].grid == (32, 1, 1)
+    assert pa_rules.paged_attention_tc_launches(1, 32, 8, 40)[1].grid == (32, 1, 1)
 
 
 def test_catalogue_lists_tc_specialisations() -> None:
     """Every TC specialisation is in the catalogue (compiled by test_nvrtc_compile) and marked CUDA-only."""
-    tc = [s for s in rules.all_specializations() if s.source == "paged_attention_tc.cu"]
-    assert len(tc) == 2 * len(rules.PA_TC_HEAD_SIZES)
-    assert all(s.min_sm == rules.PA_TC_MIN_SM for s in tc)
+    tc = [s for s in all_specializations() if s.source == "paged_attention_tc.cu"]
+    assert len(tc) == 2 * len(pa_rules.PA_TC_HEAD_SIZES)
+    assert all(s.min_sm == pa_rules.PA_TC_MIN_SM for s in tc)

@@ -28,7 +28,7 @@ def probe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ctypes.CDLL]:
     problem = toolchain_problem(tmp_path_factory.mktemp("tc_probe"))
     if problem is not None:
         missing_compiler(f"host-compiled kernels unavailable: {problem}")
-    yield HostKernelBuilder(tmp_path_factory.mktemp("tc_src"), tmp_path_factory.mktemp("tc_build")).build_mma_probe()
+    yield HostKernelBuilder(tmp_path_factory.mktemp("tc_build")).build_mma_probe()
 
 
 def _ptr(a: np.ndarray) -> int:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hal_cupy import _specializations as rules
 from hal_cupy._tc_pack import pack_weight
+from hal_cupy.ops import _quantized_gemm_rules as qg_rules
 from host_compiled.harness import HostKernelBuilder
 
 from hal_core.arrays import BFLOAT16
@@ -47,12 +47,12 @@ def test_quantize_rows_of_subnormals_survive_flush_to_zero(host_builder: HostKer
                                                           ftz: bool) -> None:
     m, k = 6, 300
     x = _subnormal_rows(host_rng, dtype, m, k)
-    spec = rules.quant_util_spec(DTYPE_CODES[dtype])
+    spec = qg_rules.quant_util_spec(DTYPE_CODES[dtype])
     util = host_builder.build(spec.source, {**dict(spec.defines), "HAL_HOST_FTZ": int(ftz)})
     util.seed(int(host_rng.integers(1, 2**63)))
     xq = np.full((m, k), 99, np.int8)
     sx = np.full(m, np.nan, np.float32)
-    util.launch(rules.quant_util_launch("hal_w8a8_quantize_rows", m, 1), xq, sx, x, k)
+    util.launch(qg_rules.quant_util_launch("hal_w8a8_quantize_rows", m, 1), xq, sx, x, k)
     ref_xq, ref_sx = quantize_activations(x)
     np.testing.assert_array_equal(sx.view(np.uint32), ref_sx.view(np.uint32))
     assert (sx > 0).all()
@@ -67,16 +67,16 @@ def test_w8a8_nan_row_gives_nan_row(host_builder: HostKernelBuilder, host_rng: n
     x = host_rng.standard_normal((m, k))
     x[3, 100] = np.nan
     x = x.astype(NUMPY_DTYPES[dtype])
-    util_spec = rules.quant_util_spec(DTYPE_CODES[dtype])
+    util_spec = qg_rules.quant_util_spec(DTYPE_CODES[dtype])
     util = host_builder.build(util_spec.source, dict(util_spec.defines))
-    gemm_spec = rules.quant_gemm_tc_spec(DTYPE_CODES[dtype], 8, rules.quant_gemm_tc_m_frags(m))
+    gemm_spec = qg_rules.quant_gemm_tc_spec(DTYPE_CODES[dtype], 8, qg_rules.quant_gemm_tc_m_frags(m))
     gemm = host_builder.build(gemm_spec.source, dict(gemm_spec.defines))
     xq = np.zeros((m, k), np.int8)
     sx = np.zeros(m, np.float32)
-    util.launch(rules.quant_util_launch("hal_w8a8_quantize_rows", m, 1), xq, sx, x, k)
+    util.launch(qg_rules.quant_util_launch("hal_w8a8_quantize_rows", m, 1), xq, sx, x, k)
     assert np.isnan(sx[3]) and np.isfinite(np.delete(sx, 3)).all()
     packed = pack_weight(qw)
-    launch, ksplit, per_split = rules.quant_gemm_tc_launch(8, m, n, k, 64, 1)
+    launch, ksplit, per_split = qg_rules.quant_gemm_tc_launch(8, m, n, k, 64, 1)
     assert ksplit == 1
     out = np.zeros((m, n), NUMPY_DTYPES[dtype])
     gemm.launch(launch, out, None, xq, sx, packed.qtc, packed.scales, packed.zeros, m, n, k, 64, per_split)
@@ -104,22 +104,22 @@ def test_w8a8_gemm_of_subnormal_scale_rows_survives_flush_to_zero(host_builder: 
         x[i] = host_rng.standard_normal(k) * 2.0**exponent
     x = x.astype(NUMPY_DTYPES[dtype])
     code = DTYPE_CODES[dtype]
-    util_spec = rules.quant_util_spec(code)
+    util_spec = qg_rules.quant_util_spec(code)
     util = host_builder.build(util_spec.source, {**dict(util_spec.defines), "HAL_HOST_FTZ": 1})
     util.seed(int(host_rng.integers(1, 2**63)))
     xq = np.zeros((m, k), np.int8)
     sx = np.zeros(m, np.float32)
-    util.launch(rules.quant_util_launch("hal_w8a8_quantize_rows", m, 1), xq, sx, x, k)
+    util.launch(qg_rules.quant_util_launch("hal_w8a8_quantize_rows", m, 1), xq, sx, x, k)
     assert ((sx.view(np.uint32) & 0x7F800000) == 0)[:3].all(), "rows 0-2 must have subnormal scales"
     out = np.full((m, n), np.nan, NUMPY_DTYPES[dtype])
     if kernel == "tensor_core":
-        spec = rules.quant_gemm_tc_spec(code, 8, rules.quant_gemm_tc_m_frags(m))
+        spec = qg_rules.quant_gemm_tc_spec(code, 8, qg_rules.quant_gemm_tc_m_frags(m))
         packed = pack_weight(qw)
-        launch, ksplit, per_split = rules.quant_gemm_tc_launch(8, m, n, k, g, 1)
+        launch, ksplit, per_split = qg_rules.quant_gemm_tc_launch(8, m, n, k, g, 1)
         weights = (packed.qtc, packed.scales, packed.zeros)
     else:
-        spec = rules.quant_gemm_spec(code, 8, rules.quant_gemm_m_tile(m))
-        launch, ksplit, per_split = rules.quant_gemm_launch(8, m, n, k, g, 1)
+        spec = qg_rules.quant_gemm_spec(code, 8, qg_rules.quant_gemm_m_tile(m))
+        launch, ksplit, per_split = qg_rules.quant_gemm_launch(8, m, n, k, g, 1)
         weights = (qw.qweight, qw.scales, qw.zeros)
     assert ksplit == 1
     gemm = host_builder.build(spec.source, {**dict(spec.defines), "HAL_HOST_FTZ": 1})

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hal_cupy import _specializations as rules
 from hal_cupy._tc_pack import PackedWeightCache, pack_weight, padded_columns
+from hal_cupy.ops import _quantized_gemm_rules as qg_rules
 from host_compiled.harness import HostKernelBuilder, HostModule
 
 from hal_core.arrays import BFLOAT16
@@ -46,12 +46,12 @@ def _run(host_builder: HostKernelBuilder, host_rng: np.random.Generator, dtype: 
     """
     m, k = x.shape
     n, g = qw.shape[1], qw.group_size
-    frags = rules.quant_gemm_tc_m_frags(m)
-    gemm = _module(host_builder, rules.quant_gemm_tc_spec(DTYPE_CODES[dtype], qw.bits, frags), host_rng)
-    assert gemm.static_shared_bytes() == rules.quant_gemm_tc_shared_bytes(qw.bits, frags)
+    frags = qg_rules.quant_gemm_tc_m_frags(m)
+    gemm = _module(host_builder, qg_rules.quant_gemm_tc_spec(DTYPE_CODES[dtype], qw.bits, frags), host_rng)
+    assert gemm.static_shared_bytes() == qg_rules.quant_gemm_tc_shared_bytes(qw.bits, frags)
     packed = pack_weight(qw)
-    launch, ksplit, per_split = rules.quant_gemm_tc_launch(qw.bits, m, n, k, g, compute_units)
-    assert launch.grid[0] * rules.QGEMM_TC_COLS == packed.npad
+    launch, ksplit, per_split = qg_rules.quant_gemm_tc_launch(qw.bits, m, n, k, g, compute_units)
+    assert launch.grid[0] * qg_rules.QGEMM_TC_COLS == packed.npad
     out = np.full((m, n), np.nan, NUMPY_DTYPES[dtype])
     ws = np.full((ksplit, m, n), np.nan, np.float32) if ksplit > 1 else None  # every partial must be written
     tail = (m, n, k, g, per_split)
@@ -59,15 +59,15 @@ def _run(host_builder: HostKernelBuilder, host_rng: np.random.Generator, dtype: 
     if qw.bits == 4:
         gemm.launch(launch, out, ws, x, packed.qtc, packed.scales, packed.zeros, *tail)
     else:
-        util = _module(host_builder, rules.quant_util_spec(DTYPE_CODES[dtype]), host_rng)
+        util = _module(host_builder, qg_rules.quant_util_spec(DTYPE_CODES[dtype]), host_rng)
         xq = np.zeros((m, k), np.int8)
         sx = np.full(m, np.nan, np.float32)
-        util.launch(rules.quant_util_launch("hal_w8a8_quantize_rows", m, compute_units), xq, sx, x, k)
+        util.launch(qg_rules.quant_util_launch("hal_w8a8_quantize_rows", m, compute_units), xq, sx, x, k)
         gemm.launch(launch, out, ws, xq, sx, packed.qtc, packed.scales, packed.zeros, *tail)
     gemm.shuffle_ctas(False)
     if ws is not None:
         assert np.isnan(out.astype(np.float32)).all(), "with a K split the GEMM leaves out to the reduction"
-        gemm.launch(rules.quant_gemm_tc_reduce_launch(m, n, compute_units), out, ws, m * n, ksplit)
+        gemm.launch(qg_rules.quant_gemm_tc_reduce_launch(m, n, compute_units), out, ws, m * n, ksplit)
     return out, ksplit, per_split
 
 

@@ -3,8 +3,8 @@
 HIPRTC is clang with the HIP headers built in; the check runs clang (>= 17,
 e.g. Debian's ``clang-19``) in HIP mode over the HIP headers (Debian's
 ``libamdhip64-dev``) on exactly the translation unit the launcher hands to
-``cupy.RawModule`` (hal-rocm's prelude, then the kernel file with its common
-header inlined) and the platform's options (``-munsafe-fp-atomics``). Each
+``cupy.RawModule`` (:func:`hal_cupy.kernel_source`: hal-rocm's prelude, then
+the kernel file with its hal headers inlined) and the platform's options (``-munsafe-fp-atomics``). Each
 specialisation is compiled device-only to AMDGPU assembly without linking
 the ROCm device libraries (``-S -nogpulib``): parsing, the prelude, the
 target's builtins and ISA generation are all covered. Specialisations for
@@ -33,8 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hal_cupy import _specializations as S
-from hal_cupy.ops._common import kernel_source
+from hal_cupy import Specialization, all_specializations, kernel_source
+from hal_cupy.ops._quantized_gemm_rules import quant_gemm_spec
+from hal_cupy.ops._write_kv_cache_rules import write_kv_cache_spec
 from hal_cupy.testing import missing_compiler
 from hal_rocm import ROCM
 
@@ -46,7 +47,7 @@ BASE_FLAGS = ("-x", "hip", "--cuda-device-only", "-S", "-nogpulib", "-O3", "-std
               "-Wno-unused-command-line-argument")
 #: Every specialisation HIP builds: none with ``min_sm`` (ROCm's platform has no warp matrix instructions, so the
 #: tensor-core sources are never selected or built there).
-JOBS = [(spec, target, wave) for target, wave in TARGETS for spec in S.all_specializations(wave) if spec.min_sm == 0]
+JOBS = [(spec, target, wave) for target, wave in TARGETS for spec in all_specializations(wave) if spec.min_sm == 0]
 _PROBE = '#include <hip/hip_runtime.h>\nextern "C" __global__ void probe(float* p) { atomicAdd(p, 1.0f); }\n'
 
 
@@ -92,7 +93,7 @@ def _header(clang: str, cache: Path, target: str) -> tuple[str, ...]:
     return ("-Xclang", "-include-pch", "-Xclang", str(pch))
 
 
-def _compile(clang: str, cache: Path, spec: S.Specialization, target: str,
+def _compile(clang: str, cache: Path, spec: Specialization, target: str,
              header: tuple[str, ...] = ()) -> dict[str, Any]:
     source = kernel_source(spec, ROCM)
     options = (*ROCM.compile_options(fmad=True), *source.options)
@@ -132,7 +133,7 @@ def compiled(hip_clang: str, tmp_path_factory: pytest.TempPathFactory) -> dict[t
 
 
 @pytest.mark.parametrize(("spec", "target", "wave"), JOBS, ids=[f"{t}-{s.id}" for s, t, _ in JOBS])
-def test_hip_compiles(compiled: dict, spec: S.Specialization, target: str, wave: int) -> None:
+def test_hip_compiles(compiled: dict, spec: Specialization, target: str, wave: int) -> None:
     """The specialisation builds for the target with every entry point, at the device's wavefront size."""
     result = compiled[(spec.id, target)]
     assert result["rc"] == 0, result["log"]
@@ -144,7 +145,7 @@ def test_hip_compiles(compiled: dict, spec: S.Specialization, target: str, wave:
 @pytest.mark.parametrize(("target", "wave"), TARGETS, ids=[t for t, _ in TARGETS])
 def test_w8a8_uses_the_dot_product_unit(compiled: dict, target: str, wave: int) -> None:
     """The int8 GEMM's byte dot products become v_dot4 instructions (signed on CDNA, mixed-sign on RDNA3)."""
-    spec = S.quant_gemm_spec("float16", 8, 4, wave)
+    spec = quant_gemm_spec("float16", 8, 4, wave)
     assert compiled[(spec.id, target)]["dot4"] > 0, compiled[(spec.id, target)]["log"]
 
 
@@ -152,7 +153,7 @@ def test_w8a8_uses_the_dot_product_unit(compiled: dict, target: str, wave: int) 
 def test_split_k_gemm_uses_no_atomics(compiled: dict, target: str, wave: int) -> None:
     """The quantised GEMMs store each K split's partials (summed in split order afterwards): no float atomic and
     no compare-and-swap loop in any of them, so a result does not depend on the order the CTAs run in."""
-    specs = [s for s in S.all_specializations(wave) if s.source == "quant_gemm.cu"]
+    specs = [s for s in all_specializations(wave) if s.source == "quant_gemm.cu"]
     assert specs
     for spec in specs:
         result = compiled[(spec.id, target)]
@@ -161,6 +162,6 @@ def test_split_k_gemm_uses_no_atomics(compiled: dict, target: str, wave: int) ->
 
 def test_wrong_wavefront_size_does_not_compile(hip_clang: str, tmp_path: Path) -> None:
     """A 64-lane specialisation for a wave32 target stops at the prelude's check instead of dropping lanes."""
-    result = _compile(hip_clang, tmp_path, S.write_kv_cache_spec(True, 64), "gfx1100")
+    result = _compile(hip_clang, tmp_path, write_kv_cache_spec(True, 64), "gfx1100")
     assert result["rc"] != 0
     assert "HAL_WARP_SIZE does not match the target's wavefront size" in result["log"]

@@ -4,11 +4,11 @@ Uses ``cuda.bindings.nvrtc`` (package ``cuda-bindings``) with the NVRTC
 library from the ``nvidia-cuda-nvrtc`` wheel (CUDA 13; sm_80, sm_90 and
 sm_120 are all supported).  The kernels need no CUDA headers.
 
-Source assembly (the same rule the runtime compiler follows): the vendor
-prelude text is prepended to the kernel source, followed by a ``#line 1``
-directive so diagnostics keep the kernel file's line numbers, and the kernel
-directory is passed as an include path so ``#include "hal_common.cuh"``
-resolves.
+:func:`compile_specialization` compiles the translation unit the runtime
+compiler gets (:func:`hal_cupy.kernel_source` with the CUDA prelude: the
+prelude, then the kernel file with its hal headers inlined between ``#line``
+directives), with the specialisation's defines as its only options besides
+the architecture; no include path is needed.
 """
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+
+from hal_cupy import Specialization, kernel_source
+
+from ._platform import CUDA
 
 __all__ = [
     "NvrtcError",
@@ -24,9 +27,8 @@ __all__ = [
     "KernelResources",
     "CompileResult",
     "nvrtc_version",
-    "assemble_source",
     "compile_source",
-    "compile_kernel_file",
+    "compile_specialization",
     "parse_ptxas_log",
 ]
 
@@ -83,13 +85,6 @@ def nvrtc_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def assemble_source(kernel_dir: Path, source: str, vendor: str = "cuda") -> str:
-    """Prelude + kernel source text, as compiled by NVRTC/hiprtc."""
-    prelude = (Path(__file__).resolve().parent / "kernels" / f"prelude_{vendor}.cuh").read_text()
-    body = (kernel_dir / source).read_text()
-    return f'{prelude}\n#line 1 "{source}"\n{body}'
-
-
 def _check(nvrtc, result, what: str) -> None:
     err = result[0] if isinstance(result, tuple) else result
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
@@ -136,7 +131,6 @@ def compile_source(
     name: str,
     options: tuple[str, ...] | list[str],
     arch: str = "sm_90",
-    include_dirs: tuple[Path, ...] | list[Path] = (),
     resources: bool = True,
 ) -> CompileResult:
     """Compile ``code`` to a cubin for ``arch`` (e.g. ``"sm_90"``).
@@ -145,7 +139,7 @@ def compile_source(
     ptxas statistics are collected per entry function.
     """
     nvrtc = _nvrtc()
-    opts = [f"--gpu-architecture={arch}", *options, *(f"--include-path={d}" for d in include_dirs)]
+    opts = [f"--gpu-architecture={arch}", *options]
     if resources:
         opts.append("--ptxas-options=-v")
     err, prog = nvrtc.nvrtcCreateProgram(code.encode(), name.encode(), 0, [], [])
@@ -168,9 +162,7 @@ def compile_source(
     return CompileResult(cubin, log, seconds, parse_ptxas_log(log) if resources else {})
 
 
-def compile_kernel_file(
-    kernel_dir: Path, source: str, options: tuple[str, ...], arch: str, resources: bool = True
-) -> CompileResult:
-    """Assemble ``source`` with the CUDA prelude and compile it."""
-    code = assemble_source(kernel_dir, source, "cuda")
-    return compile_source(code, source, options, arch, (kernel_dir,), resources)
+def compile_specialization(spec: Specialization, arch: str, resources: bool = True) -> CompileResult:
+    """Compile ``spec``'s translation unit with the CUDA prelude for ``arch``, exactly as the runtime assembles it."""
+    source = kernel_source(spec, CUDA)
+    return compile_source(source.code, source.name, source.options, arch, resources)

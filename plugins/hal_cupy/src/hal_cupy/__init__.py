@@ -12,14 +12,16 @@ from __future__ import annotations
 
 from ._backend import CupyBackend
 from ._device import CupyDevice, query_capabilities
+from ._kernel_sources import kernel_source
 from ._launcher import CupyKernel, CupyLauncher
 from ._memory import CupyAllocator
 from ._platform import GpuPlatform
 from ._properties import ddr_bandwidth_gbps, property_text
-from ._specializations import Specialization, all_specializations
+from ._specialization import Specialization
 from ._stream import CupyEvent, CupyStream
 from ._version import __version__
 from ._warmup import precompile
+from .ops import all_specializations
 
 __all__ = [
     "CupyAllocator",
@@ -34,6 +36,7 @@ __all__ = [
     "__version__",
     "all_specializations",
     "ddr_bandwidth_gbps",
+    "kernel_source",
     "precompile",
     "property_text",
     "query_capabilities",

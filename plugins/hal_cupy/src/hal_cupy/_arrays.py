@@ -17,7 +17,7 @@ from ._cupy import cupy
 
 __all__ = ["KERNEL_DTYPES", "aligned", "as_storage", "empty_like_dtype", "kernel_dtype", "to_device", "to_host"]
 
-#: hal dtype names to the catalogue's names (``_specializations.DTYPE_CODES``).
+#: hal dtype names to the catalogue's names (``_specialization.DTYPE_CODES``).
 KERNEL_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 

@@ -15,15 +15,16 @@ import sys
 import time
 from collections.abc import Sequence
 
+from ._kernel_sources import kernel_source
 from ._platform import GpuPlatform
-from ._specializations import Specialization, all_specializations
+from ._specialization import Specialization
+from .ops import all_specializations
 
 __all__ = ["precompile"]
 
 
 def _compile_one(spec: Specialization, platform: GpuPlatform, device_index: int, fmad: bool) -> str:
     from ._cupy import cupy
-    from .ops._common import kernel_source
 
     cp = cupy()
     source = kernel_source(spec, platform)

@@ -1,10 +1,14 @@
 """Host-compiled kernels: the real ``hal_cupy/kernels`` sources built for the CPU with g++.
 
-Each kernel file is compiled together with ``prelude_host.cuh`` (a third
-vendor prelude that runs CTA threads as fibers, see its header) and a small
-``*_host.cpp`` shim exporting one ``launch_<kernel>(grid, block, args...)``
-C function per kernel.  Builds go to a directory the caller owns and are
-cached by (hash of every source involved, defines).
+Each kernel file's translation unit is put together by the rule every GPU
+compile follows (:func:`hal_cupy._kernel_sources.translation_unit`), with
+``prelude_host.cuh`` as the prelude (a third vendor prelude that runs CTA
+threads as fibers, see its header): the host prelude, then the kernel file
+with its hal headers inlined.  g++ compiles it ahead of a small
+``*_host.cpp`` shim (``-include``) exporting one
+``launch_<kernel>(grid, block, args...)`` C function per kernel.  Builds go to
+a directory the caller owns and are cached by (hash of the unit, the shim and
+the host headers, defines).
 
 This is not :mod:`kernel_emulator` (numpy re-implementations of the kernels
 used to test host wiring): here the kernel code itself runs.
@@ -21,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from hal_cupy._kernel_sources import translation_unit
 
 __all__ = [
     "HOST_DIR",
@@ -165,41 +170,39 @@ class HostModule:
 
 
 class HostKernelBuilder:
-    """Compiles kernel sources from ``kernel_dir`` into ``build_dir``, caching by (source hash, defines)."""
+    """Compiles kernel sources of ``hal_cupy.kernels`` into ``build_dir``, caching by (source hash, defines)."""
 
-    def __init__(self, kernel_dir: Path, build_dir: Path) -> None:
+    def __init__(self, build_dir: Path) -> None:
         cxx = _compiler()
         if cxx is None:
             raise HostBuildError("g++ not found on PATH")
         self.cxx = cxx
-        self.kernel_dir = kernel_dir
         self.build_dir = build_dir
         self._modules: dict[tuple[str, tuple[tuple[str, str], ...]], HostModule] = {}
 
-    def _source_hash(self, source: str) -> str:
-        h = hashlib.sha256()
-        files = [HOST_DIR / "prelude_host.cuh", HOST_DIR / "mma_host.cuh", HOST_DIR / _SHIMS[source],
-                 self.kernel_dir / source]
-        files += sorted(self.kernel_dir.glob("*.cuh"))
-        for f in files:
-            h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
-        return h.hexdigest()
-
     def build(self, source: str, defines: Mapping[str, str | int]) -> HostModule:
         """The module of ``source`` (a kernel file name, e.g. ``paged_attention.cu``) with ``defines``."""
+        unit = translation_unit(source, (HOST_DIR / "prelude_host.cuh").read_text())
+        digest = hashlib.sha256(unit.encode())
+        for f in (HOST_DIR / "mma_host.cuh", HOST_DIR / _SHIMS[source]):  # included by the prelude; the shim
+            digest.update(b"\0" + f.name.encode() + b"\0" + f.read_bytes())
         defs = tuple(sorted((k, str(v)) for k, v in defines.items()))
-        key = (self._source_hash(source), defs)
+        key = (digest.hexdigest(), defs)
         module = self._modules.get(key)
         if module is not None:
             return module
         tag = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
-        out = self.build_dir / f"{source.rsplit('.', 1)[0]}_{tag}.so"
+        stem = source.rsplit(".", 1)[0]
+        unit_path = self.build_dir / f"{stem}_{key[0][:16]}.cu"
+        unit_path.write_text(unit)
+        out = self.build_dir / f"{stem}_{tag}.so"
         cmd = [
             self.cxx,
             *_FLAGS,
             f"-I{HOST_DIR}",
-            f"-I{self.kernel_dir}",
             *(f"-D{k}={v}" for k, v in defs),
+            "-include",
+            str(unit_path),
             str(HOST_DIR / _SHIMS[source]),
             "-o",
             str(out),

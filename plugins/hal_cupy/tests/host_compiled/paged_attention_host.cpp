@@ -1,8 +1,8 @@
 // Host entry points for paged_attention.cu: one extern "C" launcher per kernel
 // (grid and block as 3-element arrays, then the kernel's parameters in order)
 // and the static shared memory the kernels declare, for the host rule check.
-#include "prelude_host.cuh"
-#include "paged_attention.cu"
+// Compiled after the translation unit of paged_attention.cu (harness.py hands it to g++ with -include):
+// the host prelude, then paged_attention.cu with its hal headers inlined, as the GPU compilers get it.
 
 extern "C" int launch_hal_paged_attention(const unsigned* grid, const unsigned* block, void* out,
                                           const void* query, const void* key_cache,

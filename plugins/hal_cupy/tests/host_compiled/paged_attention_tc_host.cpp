@@ -1,7 +1,7 @@
 // Host entry points for paged_attention_tc.cu (tensor-core decode attention): the
 // launcher of hal_paged_attention_tc and the static shared memory it declares.
-#include "prelude_host.cuh"
-#include "paged_attention_tc.cu"
+// Compiled after the translation unit of paged_attention_tc.cu (harness.py hands it to g++ with -include):
+// the host prelude, then paged_attention_tc.cu with its hal headers inlined, as the GPU compilers get it.
 
 extern "C" int launch_hal_paged_attention_tc(
     const unsigned* grid, const unsigned* block, void* out, float* tmp_out, float* max_logits, float* exp_sums,

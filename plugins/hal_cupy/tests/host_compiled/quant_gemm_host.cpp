@@ -1,8 +1,8 @@
 // Host entry points for quant_gemm.cu: the GEMM of the HAL_QBITS build (grid
 // and block as 3-element arrays, then the kernel's parameters in order) and
 // the static shared memory it declares, for the host rule check.
-#include "prelude_host.cuh"
-#include "quant_gemm.cu"
+// Compiled after the translation unit of quant_gemm.cu (harness.py hands it to g++ with -include):
+// the host prelude, then quant_gemm.cu with its hal headers inlined, as the GPU compilers get it.
 
 #if HAL_QBITS == 4
 extern "C" int launch_hal_w4a16_gemm(const unsigned* grid, const unsigned* block, void* out,

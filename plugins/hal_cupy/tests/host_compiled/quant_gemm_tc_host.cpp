@@ -2,8 +2,8 @@
 // HAL_QBITS build and the split reduction (grid and block as 3-element
 // arrays, then the kernel's parameters in order), and the static shared
 // memory the GEMM declares.
-#include "prelude_host.cuh"
-#include "quant_gemm_tc.cu"
+// Compiled after the translation unit of quant_gemm_tc.cu (harness.py hands it to g++ with -include):
+// the host prelude, then quant_gemm_tc.cu with its hal headers inlined, as the GPU compilers get it.
 
 #if HAL_QBITS == 4
 extern "C" int launch_hal_w4a16_gemm_tc(const unsigned* grid, const unsigned* block, void* out, float* ws,

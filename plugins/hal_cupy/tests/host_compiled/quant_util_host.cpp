@@ -1,7 +1,7 @@
 // Host entry points for quant_util.cu (grid and block as 3-element arrays,
 // then the kernel's parameters in order).
-#include "prelude_host.cuh"
-#include "quant_util.cu"
+// Compiled after the translation unit of quant_util.cu (harness.py hands it to g++ with -include):
+// the host prelude, then quant_util.cu with its hal headers inlined, as the GPU compilers get it.
 
 extern "C" int launch_hal_w4a16_dequant(const unsigned* grid, const unsigned* block, void* w,
                                         const void* qweight, const void* scales, const void* zeros,

@@ -1,13 +1,21 @@
-"""The GPU op implementations, shared by every CuPy platform, registered with a backend's op registry."""
+"""The GPU op implementations, shared by every CuPy platform, registered with a backend's op registry.
+
+One op is two modules: ``_<op>.py`` (its ``supports`` rule and the device
+function, as a :class:`GpuOp`) and ``_<op>_rules.py`` (its constants,
+specialisations and pure launch rules), plus its kernel files in
+``hal_cupy/kernels``. :data:`OPS` lists the ops; the catalogue of kernel
+specialisations (:func:`all_specializations`) is gathered from them.
+"""
 
 from __future__ import annotations
 
 from hal_core.ops import OpCoverage, OpRegistry
 
+from .._specialization import Specialization
 from . import _paged_attention, _quantized_gemm, _write_kv_cache
 from ._common import GpuOp
 
-__all__ = ["OPS", "register_ops"]
+__all__ = ["OPS", "all_specializations", "register_ops"]
 
 #: Every GPU op implementation.
 OPS: tuple[GpuOp, ...] = (_paged_attention.OP, _write_kv_cache.OP, _quantized_gemm.OP)
@@ -22,3 +30,12 @@ def register_ops(registry: OpRegistry, backend: str) -> None:
     for op in OPS:
         registry.register(op.impl(backend))
     registry.declare("paged_attention", OpCoverage(variants=()))
+
+
+def all_specializations(warp_size: int = 32) -> list[Specialization]:
+    """Every specialisation the op implementations may request on a device of ``warp_size`` lanes, op by op.
+
+    Entries with ``min_sm`` > 0 (the tensor-core kernels, 32-lane warps only) build only where the platform's
+    :meth:`~hal_cupy.GpuPlatform.warp_mma_level` reaches ``min_sm``.
+    """
+    return [spec for op in OPS for spec in op.specializations(warp_size)]

@@ -1,4 +1,4 @@
-"""What every GPU op implementation shares: kernel sources, the host-offload rule, launching.
+"""What every GPU op implementation shares: compiled kernels, the host-offload rule, launching.
 
 Host (numpy) inputs given to a GPU backend run on the GPU only when the
 call's FLOP count reaches ``HAL_<BACKEND>_OFFLOAD_MIN_FLOPS`` (e.g.
@@ -9,64 +9,21 @@ path.
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Callable, Sequence
-from importlib import resources
 from typing import Any, cast
 
-from hal_core import KernelSource, LaunchConfig
+from hal_core import LaunchConfig
 from hal_core.ops import OpCall, OpImpl
 
 from .. import _env
 from .._arrays import aligned, as_storage, to_device, to_host
 from .._cupy import cupy
+from .._kernel_sources import kernel_source
 from .._platform import GpuPlatform
-from .._specializations import Launch, Specialization
+from .._specialization import Launch, Specialization
 
-__all__ = ["GpuOp", "assemble", "forget_kernels", "kernel_source", "kernels_for", "launch", "storage_device",
-           "tensor_cores_available"]
-
-_KERNEL_PACKAGE = "hal_cupy.kernels"
-_COMMON = "hal_common.cuh"
-#: Further headers kernel files may include (inlined the same way): warp matrix instructions, index checks.
-_EXTRA_HEADERS = ("hal_mma.cuh", "hal_index_checks.cuh")
-
-
-def _strip_pragma_once(text: str) -> str:
-    # Inlined into one translation unit; a blank line keeps the line numbers.
-    return "\n".join("" if line.strip() == "#pragma once" else line for line in text.split("\n"))
-
-
-def assemble(body: str, source_name: str, prelude: str, common: str, headers: dict[str, str] | None = None) -> str:
-    """One self-contained translation unit: prelude, then the kernel file with its hal headers inlined.
-
-    ``common`` is the text of ``hal_common.cuh``; ``headers`` maps further
-    header names (``hal_mma.cuh``) to their text.  ``#line`` directives keep
-    compiler messages pointing at the original files.  Inlining (instead of an
-    include path) makes the source text cover every byte compiled, so CuPy's
-    disk cache and our digest can never go stale.
-    """
-    texts = {_COMMON: common, **(headers or {})}
-    out = [_strip_pragma_once(prelude), f'#line 1 "{source_name}"']
-    for number, line in enumerate(body.split("\n"), start=1):
-        name = next((h for h in texts if line.strip() == f'#include "{h}"'), None)
-        if name is not None:
-            out += [f'#line 1 "{name}"', _strip_pragma_once(texts[name]), f'#line {number + 1} "{source_name}"']
-        else:
-            out.append(line)
-    return "\n".join(out)
-
-
-@functools.cache
-def kernel_source(spec: Specialization, platform: GpuPlatform) -> KernelSource:
-    """The :class:`~hal_core.KernelSource` of one specialisation: hal-cupy's sources after the platform's prelude."""
-    body = KernelSource.from_package(spec.source, spec.kernels, options=spec.options(), package=_KERNEL_PACKAGE)
-    root = resources.files(_KERNEL_PACKAGE)
-    headers = {h: root.joinpath(h).read_text() for h in _EXTRA_HEADERS}
-    code = assemble(body.code, spec.source, platform.prelude(), root.joinpath(_COMMON).read_text(), headers)
-    return KernelSource(spec.source, code, spec.kernels, spec.options())
-
+__all__ = ["GpuOp", "forget_kernels", "kernels_for", "launch", "storage_device", "tensor_cores_available"]
 
 _loaded: dict[tuple[Any, Specialization, bool], dict[str, Any]] = {}
 _loaded_lock = threading.Lock()
@@ -93,7 +50,7 @@ def kernels_for(call: OpCall, device_index: int, spec: Specialization) -> dict[s
 
 
 def launch(call: OpCall, device_index: int, kernels: dict[str, Any], plan: Launch, args: Sequence[Any]) -> None:
-    """Validate and enqueue one catalogue launch on the current stream."""
+    """Validate and enqueue one launch planned by an op's launch rules on the current stream."""
     launcher = call.backend.device(device_index).launcher
     config = LaunchConfig(grid=plan.grid, block=plan.block, shared_mem=plan.shared_mem)
     launcher.launch(kernels[plan.kernel], config, args)
@@ -116,17 +73,23 @@ def misaligned(call: OpCall, names: Sequence[str], alignment: int = 16) -> str:
 
 
 class GpuOp:
-    """One op implementation: a device function, its ``supports`` rule, and the host-offload wrapper.
+    """One op implementation: a device function, its ``supports`` rule, the host-offload wrapper, and the kernel
+    specialisations it may compile.
 
     ``check(call)`` returns "" when the kernels can run the call, else the
-    reason. ``run(call)`` computes on device arrays. The same object serves
-    every GPU backend; :meth:`impl` names it after the backend registering it.
+    reason. ``run(call)`` computes on device arrays. ``specializations(warp_size)``
+    lists every specialisation ``run`` may request on a device of that SIMD
+    width (the op's rules module builds it; warm-up, compile checks and SASS
+    budgets read it through :func:`hal_cupy.all_specializations`). The same
+    object serves every GPU backend; :meth:`impl` names it after the backend
+    registering it.
     """
 
-    def __init__(self, op: str, check: Callable[[OpCall], str], run: Callable[[OpCall], Any],
-                 priority: int = 100) -> None:
+    def __init__(self, op: str, check: Callable[[OpCall], str], run: Callable[[OpCall], Any], *,
+                 specializations: Callable[[int], Sequence[Specialization]], priority: int = 100) -> None:
         self.op, self.priority = op, priority
         self._check, self._run = check, run
+        self.specializations = specializations
 
     def supports(self, call: OpCall) -> bool | str:
         if call.host_arrays:

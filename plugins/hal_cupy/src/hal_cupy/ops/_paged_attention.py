@@ -1,4 +1,5 @@
-"""``paged_attention`` on a GPU: tensor-core or SIMT kernels, single-pass or split-KV, chosen by the catalogue's rules.
+"""``paged_attention`` on a GPU: tensor-core or SIMT kernels, single-pass or split-KV, chosen by
+:mod:`~hal_cupy.ops._paged_attention_rules`.
 
 Selection, per call:
 
@@ -32,7 +33,8 @@ from hal_core.ops.paged_attention import variants as _variants
 from .._arrays import KERNEL_DTYPES, as_storage, empty_like_dtype
 from .._cupy import cupy
 from .._index_errors import error_flag
-from .._specializations import (
+from ._common import GpuOp, kernels_for, launch, misaligned, storage_device, tensor_cores_available
+from ._paged_attention_rules import (
     PA_BLOCK_SIZES,
     PA_HEAD_SIZES,
     PA_PARTITION_SIZE,
@@ -46,8 +48,8 @@ from .._specializations import (
     paged_attention_tc_partitions,
     paged_attention_tc_spec,
     paged_attention_uses_tensor_cores,
+    specializations,
 )
-from ._common import GpuOp, kernels_for, launch, misaligned, storage_device, tensor_cores_available
 
 __all__ = ["OP", "check", "run", "seq_len_bound", "split_workspace_bytes", "uses_tensor_cores"]
 
@@ -183,4 +185,4 @@ def run(call: OpCall) -> Any:
     return out
 
 
-OP = GpuOp("paged_attention", check, run)
+OP = GpuOp("paged_attention", check, run, specializations=specializations)

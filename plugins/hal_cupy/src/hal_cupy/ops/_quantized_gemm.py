@@ -36,7 +36,9 @@ from hal_core.ops import OpCall
 from .. import _env
 from .._arrays import KERNEL_DTYPES, aligned, as_storage, empty_like_dtype
 from .._cupy import cupy
-from .._specializations import (
+from .._tc_pack import PackedWeight, PackedWeightCache, pack_weight
+from ._common import GpuOp, kernels_for, launch, misaligned, storage_device, tensor_cores_available
+from ._quantized_gemm_rules import (
     QGEMM_GROUP_SIZES,
     QGEMM_SMALL_M_MAX,
     QGEMM_TC_M_MAX,
@@ -50,9 +52,8 @@ from .._specializations import (
     quant_gemm_tc_spec,
     quant_util_launch,
     quant_util_spec,
+    specializations,
 )
-from .._tc_pack import PackedWeight, PackedWeightCache, pack_weight
-from ._common import GpuOp, kernels_for, launch, misaligned, storage_device, tensor_cores_available
 
 __all__ = ["OP", "PACKED", "check", "run", "small_m_threshold", "uses_small_m", "uses_tensor_cores"]
 
@@ -72,7 +73,7 @@ _WEIGHT_ALIGNMENT = {"qweight": 16, "scales": 8, "zeros": 4}
 
 
 def small_m_threshold(backend: str) -> int:
-    """Largest M for the fused kernel: ``HAL_<BACKEND>_SMALL_M_MAX``, else the catalogue's value."""
+    """Largest M for the fused kernel: ``HAL_<BACKEND>_SMALL_M_MAX``, else ``QGEMM_SMALL_M_MAX``."""
     return _env.small_m_max(backend, QGEMM_SMALL_M_MAX)
 
 
@@ -274,4 +275,4 @@ def run(call: OpCall) -> Any:
     return out
 
 
-OP = GpuOp("quantized_gemm", check, run)
+OP = GpuOp("quantized_gemm", check, run, specializations=specializations)

@@ -14,8 +14,8 @@ from hal_core.ops import OpCall
 from .._arrays import as_storage
 from .._cupy import cupy
 from .._index_errors import error_flag
-from .._specializations import write_kv_cache_launch, write_kv_cache_spec
 from ._common import GpuOp, kernels_for, launch, misaligned, storage_device
+from ._write_kv_cache_rules import specializations, write_kv_cache_launch, write_kv_cache_spec
 
 __all__ = ["OP", "check", "run"]
 
@@ -56,4 +56,4 @@ def run(call: OpCall) -> None:
     return None
 
 
-OP = GpuOp("write_kv_cache", check, run)
+OP = GpuOp("write_kv_cache", check, run, specializations=specializations)
