@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from ._backend import Backend
     from .ops import OpSpec
 
-__all__ = ["import_arrays", "is_torch_tensor", "to_native"]
+__all__ = ["host_view", "import_arrays", "is_torch_tensor", "to_native"]
 
 #: numpy.from_dlpack takes ``copy=`` (and passes it to the producer) from numpy 2.1.
 _DLPACK_COPY_KEYWORD = np.lib.NumpyVersion(np.__version__) >= "2.1.0"
@@ -154,19 +154,29 @@ def _host_from_dlpack(value: Any) -> np.ndarray:
 # -- torch --------------------------------------------------------------------
 
 
-def _from_torch(tensor: Any, backend: Backend, name: str) -> Any:
+def host_view(tensor: Any, name: str = "array") -> np.ndarray:
+    """A numpy view of a CPU torch tensor (bf16 as ml_dtypes' bfloat16); ArgumentTypeError naming ``name``."""
     import torch
 
     if tensor.requires_grad:
         tensor = tensor.detach()  # a view: autograd is not hal's business
     bf16 = tensor.dtype == torch.bfloat16
-    storage = tensor.view(torch.int16) if bf16 else tensor  # same bits, same strides
+    try:  # Tensor.numpy() is always a view of the tensor's memory (torch refuses where it cannot be one)
+        array = (tensor.view(torch.int16) if bf16 else tensor).numpy()
+    except (TypeError, RuntimeError) as exc:
+        raise ArgumentTypeError(f"argument {name!r}: torch dtype {tensor.dtype} has no numpy view ({exc})") from exc
+    return array.view(BFLOAT16) if bf16 else array
+
+
+def _from_torch(tensor: Any, backend: Backend, name: str) -> Any:
+    import torch
+
     if tensor.device.type == "cpu":
-        try:
-            array = storage.numpy()  # always a view of the tensor's memory (torch refuses where it cannot be one)
-        except (TypeError, RuntimeError) as exc:
-            raise ArgumentTypeError(f"argument {name!r}: torch dtype {tensor.dtype} has no numpy view ({exc})") from exc
-        return array.view(BFLOAT16) if bf16 else array
+        return host_view(tensor, name)
+    if tensor.requires_grad:
+        tensor = tensor.detach()  # a view: autograd is not hal's business
+    bf16 = tensor.dtype == torch.bfloat16
+    storage = tensor.view(torch.int16) if bf16 else tensor  # same bits, same strides
     problem = "no __dlpack_device__"
     try:
         found = dlpack_device(storage)

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..interop import host_view
 from ..ops import OPS, OpSpec
 from ..ops._validate import check_shapes
 from ._routing import backend_for, on_torch_stream
@@ -61,26 +62,38 @@ def _op_args(spec: OpSpec, values: Mapping[str, Any], *, fake: bool) -> dict[str
 
 
 def _lead(spec: OpSpec, args: Mapping[str, Any]) -> torch.Tensor:
-    """The first array argument: its device decides the backend."""
-    return next(args[arg.name] for arg in spec.args if arg.is_array and args.get(arg.name) is not None)
+    """The first tensor argument given: its device decides the backend."""
+    for name in spec.array_names:
+        value = args.get(name)
+        if value is not None:
+            return value
+    return args["qweight"]  # type: ignore[no-any-return]
 
 
 def _real(op: TorchOp) -> Callable[..., Any]:
     spec, names = op.spec, op.params
 
     def run(*values: Any) -> Any:
-        args = _op_args(spec, dict(zip(names, values, strict=False)), fake=False)  # defaults are not passed
-        lead = _lead(spec, args)
+        given = dict(zip(names, values, strict=False))  # defaults are not passed
+        lead = _lead(spec, given)
+        backend = backend_for(lead)
+        host = lead.device.type == "cpu"
+        if host:  # numpy views of every tensor, once: the front door then converts nothing
+            given = {name: host_view(v, name) if isinstance(v, torch.Tensor) else v for name, v in given.items()}
+        args = _op_args(spec, given, fake=False)
         out = None
         if op.returns_tensor:
             assert spec.output is not None
-            source = args[spec.output.dtype_of]
+            source = _lead(spec, {spec.output.dtype_of: values[names.index(spec.output.dtype_of)]})
             shape = spec.output_shape(args)
             assert shape is not None
-            out = args["out"] = torch.empty(shape, dtype=source.dtype, device=source.device)
-        backend = backend_for(lead)
-        with on_torch_stream(backend, lead):
+            out = torch.empty(shape, dtype=source.dtype, device=source.device)
+            args["out"] = host_view(out, "out") if host else out
+        if host:
             backend.ops._call(spec.name, args)
+        else:
+            with on_torch_stream(backend, lead):
+                backend.ops._call(spec.name, args)
         return out
 
     run.__name__ = op.name

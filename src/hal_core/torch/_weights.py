@@ -72,9 +72,9 @@ def weight_from_tensors(tensors: Mapping[str, torch.Tensor], bits: int) -> Quant
     return _weight(tensors["qweight"], tensors["scales"], tensors.get("zeros"), tensors.get("g_idx"), bits)
 
 
-def _weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-            g_idx: torch.Tensor | None, bits: int, group_size: int | None = None) -> QuantizedWeight:
-    """Build the weight, viewing an int32 int4 ``qweight`` back as hal's uint32."""
+def _weight(qweight: Any, scales: Any, zeros: Any | None, g_idx: Any | None, bits: int,
+            group_size: int | None = None) -> QuantizedWeight:
+    """Build the weight (torch tensors, or their numpy views), viewing an int32 int4 ``qweight`` as hal's uint32."""
     if qweight.ndim != 2 or scales.ndim != 2:
         raise ValueError(f"quantized weight: qweight and scales must be 2-D, got shapes "
                          f"{tuple(qweight.shape)} and {tuple(scales.shape)}")
@@ -82,6 +82,8 @@ def _weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | N
     k = 8 * rows if bits == 4 else rows
     if group_size is None:
         group_size = k // scales.shape[0] if scales.shape[0] else 0
-    packed: Any = qweight.view(torch.uint32) if bits == 4 and qweight.dtype == torch.int32 else qweight
+    packed: Any = qweight
+    if bits == 4 and qweight.dtype in (torch.int32, np.int32):
+        packed = qweight.view(torch.uint32 if isinstance(qweight, torch.Tensor) else np.uint32)
     return QuantizedWeight(qweight=packed, scales=scales, zeros=zeros, bits=bits, group_size=group_size,
                            shape=(k, n), g_idx=g_idx)
