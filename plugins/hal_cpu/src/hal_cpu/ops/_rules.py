@@ -19,7 +19,10 @@ __all__ = [
     "SERIAL_BYTES",
     "SMALL_M_MAX",
     "SWEEP_M_MAX",
+    "ATTENTION_TILE_ROWS",
+    "ATTENTION_TILE_ROWS_AMX",
     "attention_partition_tokens",
+    "attention_query_tile",
     "dequant_tile_columns",
     "gemm_kernel",
     "gemv_column_tile",
@@ -55,6 +58,12 @@ DEQUANT_TILE_BYTES = 16 * 1024 * 1024
 TASKS_PER_THREAD = 4
 #: paged_attention: the shortest partition worth a task (its merge costs one row per head).
 MIN_PARTITION_TOKENS = 256
+#: paged_attention prefill: query rows (tokens x GQA heads) per task on vector FMAs: enough to share each widened
+#: K/V tile among many rows, few enough that the float32 output rows stay in L1/L2 beside the tiles.
+ATTENTION_TILE_ROWS = 64
+#: The same on AMX tiles: the products are several times faster, so the per-tile packing of K and V is shared
+#: by twice the rows.
+ATTENTION_TILE_ROWS_AMX = 128
 
 
 def threads_for(nbytes: int, host_threads: int) -> int:
@@ -64,10 +73,12 @@ def threads_for(nbytes: int, host_threads: int) -> int:
 
 def attention_partition_tokens(num_seqs: int, num_kv_heads: int, max_len: int, block_size: int,
                                threads: int) -> int:
-    """Tokens per split-KV partition, 0 for no split.
+    """Tokens per split-KV partition of decode rows, 0 for no split.
 
-    A sequence is one task (it covers every KV head, so each block's heads are
-    read as one contiguous run; ``num_kv_heads`` does not change the count);
+    ``num_seqs`` counts the sequences with one new token (decode rows); prompt
+    tiles are tasks of their own and are not split. A sequence is one task
+    (it covers every KV head, so each block's heads are read as one
+    contiguous run; ``num_kv_heads`` does not change the count);
     when there are fewer than :data:`TASKS_PER_THREAD` sequences per thread
     (small batches, long contexts), each sequence is cut into partitions of at
     least :data:`MIN_PARTITION_TOKENS` tokens (a multiple of ``block_size``) so
@@ -82,6 +93,17 @@ def attention_partition_tokens(num_seqs: int, num_kv_heads: int, max_len: int, b
     tokens = max(MIN_PARTITION_TOKENS, -(-max_len // parts))
     tokens = -(-tokens // block_size) * block_size
     return 0 if tokens >= max_len else tokens
+
+
+def attention_query_tile(num_heads: int, num_kv_heads: int, amx: bool = False) -> int:
+    """Query tokens per prefill task, at least 1.
+
+    A task's rows are its tokens times the ``num_heads // num_kv_heads`` query
+    heads of its KV head: about :data:`ATTENTION_TILE_ROWS`, or
+    :data:`ATTENTION_TILE_ROWS_AMX` when bf16/fp16 run on AMX tiles.
+    """
+    group = max(1, num_heads // max(1, num_kv_heads))
+    return max(1, (ATTENTION_TILE_ROWS_AMX if amx else ATTENTION_TILE_ROWS) // group)
 
 
 def gemm_kernel(m: int, bits: int, group_size: int, act_order: bool, isa: str = "avx512",
