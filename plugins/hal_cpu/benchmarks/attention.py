@@ -31,7 +31,7 @@ from hal_cpu import _native
 from hal_cpu.ops import paged_attention
 
 sys.path.insert(0, str(Path(__file__).parent))
-from measure import DTYPES, blas_rate, copy_bandwidth, timed  # noqa: E402 - the sibling script's helpers
+from measure import DTYPES, blas_rate, copy_bandwidth, timed  # the sibling script's helpers
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 32, 8, 128, 16
 
@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
 
     long, window = (4096, 512) if args.quick else (8192, 1024)
     batch = _batch(rng, [(long, long)], "bf16")
-    full = timed(lambda: _run(batch), max(1, args.repeat - 1))
-    slid = timed(lambda: _run(batch, window=window), args.repeat)
+    full = timed(lambda batch=batch: _run(batch), max(1, args.repeat - 1))
+    slid = timed(lambda batch=batch: _run(batch, window=window), args.repeat)
     report({"case": "window", "dtype": "bf16", "tokens": long, "window": window, "full_ms": full * 1e3,
             "window_ms": slid * 1e3, "speedup": full / slid,
             "pair_ratio": _pairs([(long, long)]) / _pairs([(long, long)], window)})

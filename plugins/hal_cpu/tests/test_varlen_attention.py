@@ -272,8 +272,7 @@ def test_stale_library_is_refused(native: _native.Native) -> None:
     assert "query_tile" in (_abi.mismatch("attention", Stale, native.lib.hal_cpu_abi(b"attention").decode()) or "")
 
 
-@pytest.mark.parametrize(("heads", "amx", "expected"), [((32, 8), False, 16), ((32, 8), True, 32), ((4, 4), False, 64),
-                                                        ((64, 1), False, 1), ((9, 3), True, 42)])
-def test_query_tile_rule(heads: tuple[int, int], amx: bool, expected: int) -> None:
-    """A prefill task holds about ATTENTION_TILE_ROWS rows (x2 on AMX) of tokens times the GQA group."""
-    assert _rules.attention_query_tile(*heads, amx) == expected
+@pytest.mark.parametrize(("heads", "expected"), [((32, 8), 32), ((4, 4), 128), ((256, 1), 1), ((9, 3), 42)])
+def test_query_tile_rule(heads: tuple[int, int], expected: int) -> None:
+    """A prefill task holds about ATTENTION_TILE_ROWS rows: tokens times the GQA group."""
+    assert _rules.attention_query_tile(*heads) == expected

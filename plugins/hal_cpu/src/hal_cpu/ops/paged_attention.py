@@ -130,8 +130,7 @@ def attend(
             max_len = int(seq_lens.max(initial=0))
             partition_tokens = _rules.attention_partition_tokens(decode, num_kv_heads, max_len, block_size, threads)
         if query_tile is None:
-            amx = query.dtype != np.float32 and bool(native.lib.hal_cpu_attention_amx())
-            query_tile = _rules.attention_query_tile(num_heads, num_kv_heads, amx)
+            query_tile = _rules.attention_query_tile(num_heads, num_kv_heads)
     qs, qh, _ = element_strides(query)
     kb, kh, kt, _ = element_strides(key_cache)
     vb, vh, vt, _ = element_strides(value_cache)
