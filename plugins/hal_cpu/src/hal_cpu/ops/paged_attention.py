@@ -20,27 +20,14 @@ from typing import Any
 import numpy as np
 
 from hal_core.ops import OpCall
-from hal_core.ops.paged_attention import variants
 
 from .. import _abi, _native
 from . import _fallback_attention, _knobs, _rules
 from ._common import finish
 from ._native_args import dtype_code, element_strides, last_contiguous
 
-__all__ = ["attend", "paged_attention", "supports"]
+__all__ = ["attend", "paged_attention"]
 
-
-def supports(call: OpCall) -> bool | str:
-    """Decode over any cache layout; the compiled kernel has no prefill, window, softcap, sinks or ALiBi."""
-    args = call.args
-    if all(args.get(name) is None for name in _LATER):
-        return True
-    missing = sorted(variants(args) - {"strided_cache"})
-    return f"the compiled kernel runs decode only, not {', '.join(missing)}" if missing else True
-
-
-#: Arguments of the op the compiled decode kernel does not take (it runs calls that give none of them).
-_LATER = ("query_start_loc", "window", "softcap", "sinks", "alibi_slopes")
 
 #: Arguments of the variable-length contract, passed through when the call carries them.
 _VARLEN = ("query_start_loc", "max_query_len", "window", "softcap", "sinks", "alibi_slopes")
