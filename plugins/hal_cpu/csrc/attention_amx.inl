@@ -329,7 +329,6 @@ HAL_AMX void prefill_task_amx(const AttnCtx &c, int s, int kvh, int i0, int i1) 
     const hal_cpu_attention_args &a = *c.a;
     const int gq = c.gq, d = a.head_size;
     if (d % 32 != 0) return prefill_task<S>(c, s, kvh, i0, i1);
-    const int64_t len = a.seq_lens[s], first = len - c.q_len(s), row0 = c.row0(s);
     PrefillTile t;
     AmxTile x;
     x.parts = std::is_same<S, F16>::value ? 2 : 1;
@@ -364,23 +363,16 @@ HAL_AMX void prefill_task_amx(const AttnCtx &c, int s, int kvh, int i0, int i1) 
     // instead when a split part would meet an infinity (0 * inf in lo * hi), or a hidden key's non-finite value
     // would reach a row as 0 * v.
     if (amx_pack_queries<S>(c, t, x, s, kvh, i0) && x.parts == 2) return prefill_task<S>(c, s, kvh, i0, i1);
-    for (int r = 0; r < t.mp; ++r) {
-        const int i = i0 + std::min(r, t.rows - 1) / gq;
-        t.pos[r] = float(first + i);
-        t.slope[r] = r < t.rows ? c.slope(kvh * gq + r % gq) : 0.0f;
-        t.m[r] = -kInf;
-        t.l[r] = 0.0f;
-    }
     std::fill(t.o, t.o + size_t(t.mp) * d, 0.0f);
-    const int64_t p_lo = first + i0, p_hi = first + i1 - 1;
-    const int64_t k_begin = a.window > 0 ? std::max<int64_t>(0, p_lo - a.window + 1) : 0, k_end = p_hi + 1;
+    const PrefillRange range = prefill_rows(c, t, s, kvh, i0, i1);
+    const int64_t k_end = range.k_end;
     const int32_t *table = a.block_tables + s * a.bt_stride;
     const T *kc = static_cast<const T *>(a.key_cache) + kvh * a.k_head_stride;
     const T *vc = static_cast<const T *>(a.value_cache) + kvh * a.v_head_stride;
     amx_configure();
-    for (int64_t k0 = k_begin; k0 < k_end; k0 += kKeyTileAmx) {
+    for (int64_t k0 = range.k_begin; k0 < k_end; k0 += kKeyTileAmx) {
         const int nk = int(std::min<int64_t>(kKeyTileAmx, k_end - k0));
-        const bool masked = k0 + nk - 1 > p_lo || (a.window > 0 && k0 <= p_hi - a.window);
+        const bool masked = range.masked(k0, nk, a.window);
         bool k_bad, v_bad;
         amx_pack_keys<S>(a, x, table, kc, vc, k0, nk, k_end, d, k_bad, v_bad);
         if ((x.parts == 2 && (k_bad || v_bad)) || (masked && v_bad)) {
@@ -393,9 +385,5 @@ HAL_AMX void prefill_task_amx(const AttnCtx &c, int s, int kvh, int i0, int i1) 
         amx_values(t, x);
     }
     _tile_release();
-    for (int r = 0; r < t.rows; ++r) {
-        const int hh = kvh * gq + r % gq;
-        finish_row(t.m[r], t.l[r], t.o + int64_t(r) * d, c.sink(hh), d, out_row(a, row0 + i0 + r / gq, hh), a.out_dtype,
-                   tmp);
-    }
+    prefill_finish(c, t, s, kvh, i0, tmp);
 }

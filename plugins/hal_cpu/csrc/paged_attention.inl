@@ -696,13 +696,47 @@ inline void prefill_values_visible(const PrefillTile &t, const hal_cpu_attention
     }
 }
 
+// The positions [p_lo, p_hi] of a prefill task's tokens and the keys [k_begin, k_end) some row of it sees.
+struct PrefillRange {
+    int64_t p_lo, p_hi, k_begin, k_end;
+    // Whether some row does not see some key of [k0, k0 + nk): the causal edge, or the window's far edge.
+    bool masked(int64_t k0, int nk, int32_t window) const {
+        return k0 + nk - 1 > p_lo || (window > 0 && k0 <= p_hi - window);
+    }
+};
+
+// The rows of the task of tokens [i0, i1) (among sequence s's new tokens) and KV head kvh: positions, ALiBi slopes
+// and an empty softmax state (padding rows take the last row's position); returns the task's key range.
+inline PrefillRange prefill_rows(const AttnCtx &c, const PrefillTile &t, int s, int kvh, int i0, int i1) {
+    const hal_cpu_attention_args &a = *c.a;
+    const int64_t first = a.seq_lens[s] - c.q_len(s);
+    for (int r = 0; r < t.mp; ++r) {
+        t.pos[r] = float(first + i0 + std::min(r, t.rows - 1) / c.gq);
+        t.slope[r] = r < t.rows ? c.slope(kvh * c.gq + r % c.gq) : 0.0f;
+        t.m[r] = -kInf;
+        t.l[r] = 0.0f;
+    }
+    const int64_t p_lo = first + i0, p_hi = first + i1 - 1;
+    return {p_lo, p_hi, a.window > 0 ? std::max<int64_t>(0, p_lo - a.window + 1) : 0, p_hi + 1};
+}
+
+// The task's output rows from its softmax state, the sinks joining the normalisation; tmp holds d floats.
+inline void prefill_finish(const AttnCtx &c, const PrefillTile &t, int s, int kvh, int i0, float *tmp) {
+    const hal_cpu_attention_args &a = *c.a;
+    for (int r = 0; r < t.rows; ++r) {
+        const int h = kvh * c.gq + r % c.gq;
+        finish_row(t.m[r], t.l[r], t.o + int64_t(r) * t.d, c.sink(h), t.d, out_row(a, c.row0(s) + i0 + r / c.gq, h),
+                   a.out_dtype, tmp);
+    }
+}
+
 // Tokens [i0, i1) (among sequence s's new tokens) of KV head kvh's query heads.
 template <class S>
 void prefill_task(const AttnCtx &c, int s, int kvh, int i0, int i1) {
     using T = typename S::T;
     const hal_cpu_attention_args &a = *c.a;
     const int gq = c.gq, d = a.head_size;
-    const int64_t len = a.seq_lens[s], first = len - c.q_len(s), row0 = c.row0(s);
+    const int64_t row0 = c.row0(s);
     PrefillTile t;
     t.rows = (i1 - i0) * gq;
     t.mp = (t.rows + W - 1) / W * W;
@@ -725,21 +759,16 @@ void prefill_task(const AttnCtx &c, int s, int kvh, int i0, int i1) {
         const int i = i0 + std::min(r, t.rows - 1) / gq, h = kvh * gq + r % gq;
         const T *q = query + (row0 + i) * a.q_token_stride + int64_t(h) * a.q_head_stride;
         for (int e = 0; e < d; ++e) t.qt[int64_t(e) * t.mp + r] = r < t.rows ? S::scalar(q + e) * a.scale : 0.0f;
-        t.pos[r] = float(first + i);
-        t.slope[r] = r < t.rows ? c.slope(h) : 0.0f;
-        t.m[r] = -kInf;
-        t.l[r] = 0.0f;
     }
     std::fill(t.o, t.o + size_t(t.rows) * d, 0.0f);
-    const int64_t p_lo = first + i0, p_hi = first + i1 - 1;
-    const int64_t k_begin = a.window > 0 ? std::max<int64_t>(0, p_lo - a.window + 1) : 0, k_end = p_hi + 1;
+    const PrefillRange range = prefill_rows(c, t, s, kvh, i0, i1);
+    const int64_t k_end = range.k_end;
     const int32_t *table = a.block_tables + s * a.bt_stride;
     const T *kc = static_cast<const T *>(a.key_cache) + kvh * a.k_head_stride;
     const T *vc = static_cast<const T *>(a.value_cache) + kvh * a.v_head_stride;
-    for (int64_t k0 = k_begin; k0 < k_end; k0 += kKeyTile) {
+    for (int64_t k0 = range.k_begin; k0 < k_end; k0 += kKeyTile) {
         const int nk = int(std::min<int64_t>(kKeyTile, k_end - k0));
-        // Some row does not see some key of the tile: the causal edge, or the window's far edge.
-        const bool masked = k0 + nk - 1 > p_lo || (a.window > 0 && k0 <= p_hi - a.window);
+        const bool masked = range.masked(k0, nk, a.window);
         const int ahead = int(std::min<int64_t>(nk, k_end - (k0 + nk)));
         widen_rows<S>(kc, a.k_block_stride, a.k_token_stride, table, a.block_size, k0, nk, ahead, d, t.kp);
         const bool v_bad =
@@ -749,11 +778,7 @@ void prefill_task(const AttnCtx &c, int s, int kvh, int i0, int i1) {
         if (masked && v_bad) prefill_values_visible(t, a, nk, k0);
         else prefill_values(t, nk);
     }
-    for (int r = 0; r < t.rows; ++r) {
-        const int h = kvh * gq + r % gq;
-        finish_row(t.m[r], t.l[r], t.o + int64_t(r) * d, c.sink(h), d, out_row(a, row0 + i0 + r / gq, h), a.out_dtype,
-                   tmp);
-    }
+    prefill_finish(c, t, s, kvh, i0, tmp);
 }
 
 #if defined(HAL_ISA_AVX512)
