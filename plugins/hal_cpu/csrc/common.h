@@ -4,7 +4,11 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "hal_cpu_kernels.h"
+
 extern "C" void hal_cpu_parallel_for(int64_t n, int32_t threads, void (*fn)(void *, int64_t), void *ctx);
+// Whether attention may use AMX tiles where the CPU and the OS allow it (hal_cpu_set_attention_amx; default 1).
+extern "C" int hal_cpu_attention_amx_allowed(void);
 
 namespace hal {
 
@@ -17,9 +21,8 @@ inline void parallel_for(int64_t n, int32_t threads, F &&f) {
 
 // The kernels of one instruction-set variant; dispatch.cpp holds one table per compiled variant.
 struct KernelTable {
-    int (*paged_attention)(const void *, int64_t, int64_t, const void *, const void *, int64_t, int64_t, int64_t,
-                           const int32_t *, int64_t, const int32_t *, float *, int32_t, int32_t, int32_t, int32_t,
-                           int32_t, int32_t, float, int32_t, int32_t);
+    int (*paged_attention)(const hal_cpu_attention_args *);
+    int (*attention_amx)();
     int (*to_float32)(const void *, int32_t, int64_t, int64_t, int64_t, float *, int32_t);
     int (*w4a16_gemv)(const void *, int32_t, int64_t, int64_t, int64_t, int64_t, const uint32_t *, const void *,
                       int32_t, const uint8_t *, int32_t, int64_t, float *, int64_t, int32_t, int32_t);

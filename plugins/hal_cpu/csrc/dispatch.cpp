@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstddef>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -62,6 +63,7 @@ bool poll_for(int64_t us, Pred pred) {
 }
 
 std::atomic<int64_t> spin_us{100};
+std::atomic<int> amx_allowed{1};  // hal_cpu_set_attention_amx
 //: The caller polls this long for joined workers to finish before it blocks (it has nothing else to do).
 constexpr int64_t kCallerPollUs = 2000;
 
@@ -254,13 +256,34 @@ int hal_cpu_default_threads(void) { return cpu_count(); }
 
 int64_t hal_cpu_set_spin_us(int64_t us) { return spin_us.exchange(std::max<int64_t>(0, us)); }
 
-int hal_cpu_paged_attention(const void *query, int64_t qs, int64_t qh, const void *kc, const void *vc, int64_t cb,
-                            int64_t ch, int64_t ct, const int32_t *bt, int64_t bts, const int32_t *sl, float *out,
-                            int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads, int32_t block_size,
-                            int32_t head_size, int32_t dtype, float scale, int32_t partition_tokens,
-                            int32_t threads) {
-    return kernels()->paged_attention(query, qs, qh, kc, vc, cb, ch, ct, bt, bts, sl, out, num_seqs, num_heads,
-                                      num_kv_heads, block_size, head_size, dtype, scale, partition_tokens, threads);
+int hal_cpu_paged_attention(const hal_cpu_attention_args *args) { return kernels()->paged_attention(args); }
+
+int hal_cpu_attention_amx(void) { return kernels()->attention_amx(); }
+
+int hal_cpu_set_attention_amx(int enabled) { return amx_allowed.exchange(enabled != 0 ? 1 : 0); }
+
+int hal_cpu_attention_amx_allowed(void) { return amx_allowed.load(std::memory_order_relaxed); }
+
+const char *hal_cpu_abi(const char *name) {
+    if (!name || std::strcmp(name, "attention") != 0) return nullptr;
+    static const std::string layout = [] {
+        using A = hal_cpu_attention_args;
+        std::string out = "size=" + std::to_string(sizeof(A));
+#define HAL_ABI_FIELD(f) out += std::string(";" #f "=") + std::to_string(offsetof(A, f)) + ":" + std::to_string(sizeof(A::f))
+        HAL_ABI_FIELD(query); HAL_ABI_FIELD(q_token_stride); HAL_ABI_FIELD(q_head_stride);
+        HAL_ABI_FIELD(key_cache); HAL_ABI_FIELD(value_cache);
+        HAL_ABI_FIELD(k_block_stride); HAL_ABI_FIELD(k_head_stride); HAL_ABI_FIELD(k_token_stride);
+        HAL_ABI_FIELD(v_block_stride); HAL_ABI_FIELD(v_head_stride); HAL_ABI_FIELD(v_token_stride);
+        HAL_ABI_FIELD(block_tables); HAL_ABI_FIELD(bt_stride); HAL_ABI_FIELD(seq_lens); HAL_ABI_FIELD(query_start_loc);
+        HAL_ABI_FIELD(sinks); HAL_ABI_FIELD(alibi_slopes); HAL_ABI_FIELD(out); HAL_ABI_FIELD(out_token_stride);
+        HAL_ABI_FIELD(out_dtype); HAL_ABI_FIELD(num_seqs); HAL_ABI_FIELD(num_tokens); HAL_ABI_FIELD(num_heads);
+        HAL_ABI_FIELD(num_kv_heads); HAL_ABI_FIELD(block_size); HAL_ABI_FIELD(head_size); HAL_ABI_FIELD(dtype);
+        HAL_ABI_FIELD(max_query_len); HAL_ABI_FIELD(window); HAL_ABI_FIELD(scale); HAL_ABI_FIELD(softcap);
+        HAL_ABI_FIELD(partition_tokens); HAL_ABI_FIELD(query_tile); HAL_ABI_FIELD(threads);
+#undef HAL_ABI_FIELD
+        return out;
+    }();
+    return layout.c_str();
 }
 
 int hal_cpu_to_float32(const void *x, int32_t dtype, int64_t stride, int64_t m, int64_t k, float *out,

@@ -28,13 +28,46 @@ int hal_cpu_default_threads(void);
    returns the previous setting. */
 int64_t hal_cpu_set_spin_us(int64_t us);
 
-int hal_cpu_paged_attention(
-    const void *query, int64_t q_seq_stride, int64_t q_head_stride,
-    const void *key_cache, const void *value_cache,
-    int64_t c_block_stride, int64_t c_head_stride, int64_t c_token_stride,
-    const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
-    float *out, int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads, int32_t block_size,
-    int32_t head_size, int32_t dtype, float scale, int32_t partition_tokens, int32_t threads);
+/* Variable-length paged attention (hal-core's paged_attention contract): the new tokens of a batch that mixes
+ * prompts, prompt chunks and decoding sequences, against a paged K/V cache. Strides are in elements; the last
+ * dimension of query, caches and out is contiguous. */
+typedef struct hal_cpu_attention_args {
+    const void *query;                       /* [num_tokens, num_heads, head_size] */
+    int64_t q_token_stride, q_head_stride;
+    const void *key_cache, *value_cache;     /* [num_blocks, num_kv_heads, block_size, head_size]; K and V may differ */
+    int64_t k_block_stride, k_head_stride, k_token_stride;
+    int64_t v_block_stride, v_head_stride, v_token_stride;
+    const int32_t *block_tables;             /* [num_seqs, bt_stride] */
+    int64_t bt_stride;
+    const int32_t *seq_lens;                 /* [num_seqs], new tokens included */
+    const int32_t *query_start_loc;          /* [num_seqs + 1]; NULL: one new token per sequence (decode) */
+    const float *sinks;                      /* [num_heads] or NULL */
+    const float *alibi_slopes;               /* [num_heads] or NULL */
+    void *out;                               /* [num_tokens, num_heads, head_size], head stride = head_size */
+    int64_t out_token_stride;
+    int32_t out_dtype;                       /* HAL_F32 / HAL_F16 / HAL_BF16: the kernel writes the final dtype */
+    int32_t num_seqs, num_tokens, num_heads, num_kv_heads, block_size, head_size;
+    int32_t dtype;                           /* of query and caches */
+    int32_t max_query_len;                   /* >= every q_len (bounds the query tiles) */
+    int32_t window;                          /* 0: none; else a token sees keys t with p - window < t <= p */
+    float scale, softcap;                    /* softcap 0: none */
+    int32_t partition_tokens;                /* split-KV partition of decode rows; 0: no split */
+    int32_t query_tile;                      /* tokens per prefill task (times the GQA group: its rows); 0: the kernel's */
+    int32_t threads;
+} hal_cpu_attention_args;
+
+/* "size=N;field=offset:size;..." for a struct of this ABI ("attention"), NULL for an unknown name: hal_cpu._abi
+ * compares it with its ctypes mirror when the library loads. */
+const char *hal_cpu_abi(const char *name);
+
+/* Returns HAL_OK, or HAL_ENOMEM (nothing written to out). */
+int hal_cpu_paged_attention(const hal_cpu_attention_args *args);
+
+/* Whether bf16/fp16 prefill attention runs on AMX tiles here (1: the CPU has AMX-BF16, the OS granted the tile
+ * state, and it is not turned off) or on vector FMAs (0). */
+int hal_cpu_attention_amx(void);
+/* Allows (1, the default) or forbids (0) AMX for attention in this process; returns the previous setting. */
+int hal_cpu_set_attention_amx(int enabled);
 
 int hal_cpu_write_kv_cache(
     const void *key, int64_t k_token_stride, int64_t k_head_stride,

@@ -72,6 +72,14 @@ struct V {
     static f mul(f a, f b) { return _mm512_mul_ps(a, b); }
     static f fma(f a, f b, f c) { return _mm512_fmadd_ps(a, b, c); }
     static f fnma(f a, f b, f c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
+    static f div(f a, f b) { return _mm512_div_ps(a, b); }
+    static f abs(f a) { return _mm512_abs_ps(a); }
+    static f copysign(f mag, f sgn) {  // |mag| with the sign of sgn
+        const __m512i m = _mm512_set1_epi32(0x7fffffff);
+        return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(m, _mm512_castps_si512(mag), _mm512_castps_si512(sgn), 0xCA));  // m ? mag : sgn
+    }
+    // a <= b ? x : y, lane by lane (a NaN lane compares false).
+    static f select_le(f a, f b, f x, f y) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LE_OQ), y, x); }
     static float hsum(f v) { return _mm512_reduce_add_ps(v); }
     // out[i] = hsum(a_i) for four vectors at once (13 shuffles and adds instead of four reductions).
     static void hsum4(f a0, f a1, f a2, f a3, float *out) {
@@ -135,6 +143,13 @@ struct V {
     static f mul(f a, f b) { return _mm256_mul_ps(a, b); }
     static f fma(f a, f b, f c) { return _mm256_fmadd_ps(a, b, c); }
     static f fnma(f a, f b, f c) { return _mm256_fnmadd_ps(a, b, c); }
+    static f div(f a, f b) { return _mm256_div_ps(a, b); }
+    static f abs(f a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
+    static f copysign(f mag, f sgn) {
+        const f sign = _mm256_set1_ps(-0.0f);
+        return _mm256_or_ps(_mm256_andnot_ps(sign, mag), _mm256_and_ps(sign, sgn));
+    }
+    static f select_le(f a, f b, f x, f y) { return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_LE_OQ)); }
     static float hsum(f v) {
         __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -188,6 +203,10 @@ struct V {
     static f mul(f a, f b) { for (int l = 0; l < 4; ++l) a.v[l] *= b.v[l]; return a; }
     static f fma(f a, f b, f c) { for (int l = 0; l < 4; ++l) c.v[l] += a.v[l] * b.v[l]; return c; }  // no FMA unit assumed
     static f fnma(f a, f b, f c) { for (int l = 0; l < 4; ++l) c.v[l] -= a.v[l] * b.v[l]; return c; }
+    static f div(f a, f b) { for (int l = 0; l < 4; ++l) a.v[l] /= b.v[l]; return a; }
+    static f abs(f a) { for (int l = 0; l < 4; ++l) a.v[l] = std::fabs(a.v[l]); return a; }
+    static f copysign(f mag, f sgn) { for (int l = 0; l < 4; ++l) mag.v[l] = std::copysign(mag.v[l], sgn.v[l]); return mag; }
+    static f select_le(f a, f b, f x, f y) { for (int l = 0; l < 4; ++l) x.v[l] = a.v[l] <= b.v[l] ? x.v[l] : y.v[l]; return x; }
     static float hsum(f a) { return (a.v[0] + a.v[2]) + (a.v[1] + a.v[3]); }
     static void hsum4(f a0, f a1, f a2, f a3, float *out) {
         out[0] = hsum(a0); out[1] = hsum(a1); out[2] = hsum(a2); out[3] = hsum(a3);

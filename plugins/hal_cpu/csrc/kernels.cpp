@@ -38,7 +38,7 @@ inline V::f vload(const typename S::T *p) {
 #include "w4_blocked.inl"
 #include "w8a8.inl"
 
-const KernelTable table = {paged_attention, to_float32, w4a16_gemv, dequant_tile, w8a8_gemm,
+const KernelTable table = {paged_attention, attention_amx_enabled, to_float32, w4a16_gemv, dequant_tile, w8a8_gemm,
                            w4a16_blocked,
                            w4a16_half_dot};
 

@@ -22,7 +22,9 @@ import numpy as np
 
 from hal_core import env
 
-__all__ = ["Native", "NativeUnavailable", "load", "pointer", "try_load"]
+from . import _abi
+
+__all__ = ["Native", "NativeUnavailable", "check_abi", "load", "pointer", "try_load"]
 
 _log = logging.getLogger("hal")
 _LIBRARY = Path(__file__).with_name("_kernels.so")
@@ -33,6 +35,9 @@ SPIN_ENV = "HAL_CPU_SPIN_US"
 #: Its default: long enough to bridge the Python between back-to-back op calls (waking a blocked
 #: worker costs 20-50 us on a virtual machine), short enough to leave idle cores to other runtimes.
 DEFAULT_SPIN_US = 100
+#: Environment variable: whether bf16/fp16 attention may use AMX tiles where the CPU and the OS allow it
+#: (default on; off runs the vector-FMA path, for testing and diagnosis).
+AMX_ENV = "HAL_CPU_AMX"
 
 _i32, _i64, _f32, _p = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
@@ -41,8 +46,10 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "hal_cpu_available_isas": (ctypes.c_char_p, []),
     "hal_cpu_default_threads": (ctypes.c_int, []),
     "hal_cpu_set_spin_us": (_i64, [_i64]),
-    "hal_cpu_paged_attention": (ctypes.c_int, [_p, _i64, _i64, _p, _p, _i64, _i64, _i64, _p, _i64, _p, _p,
-                                               _i32, _i32, _i32, _i32, _i32, _i32, _f32, _i32, _i32]),
+    "hal_cpu_abi": (ctypes.c_char_p, [ctypes.c_char_p]),
+    "hal_cpu_paged_attention": (ctypes.c_int, [ctypes.POINTER(_abi.AttentionArgs)]),
+    "hal_cpu_attention_amx": (ctypes.c_int, []),
+    "hal_cpu_set_attention_amx": (ctypes.c_int, [ctypes.c_int]),
     "hal_cpu_write_kv_cache": (ctypes.c_int, [_p, _i64, _i64, _p, _i64, _i64, _p, _p, _i64, _i64, _i64, _p, _i32,
                                               _i64, _i32, _i32, _i32, _i32, _i32]),
     "hal_cpu_to_float32": (ctypes.c_int, [_p, _i32, _i64, _i64, _i64, _p, _i32]),
@@ -89,8 +96,13 @@ def _open() -> Native:
     except OSError as exc:
         raise NativeUnavailable(f"cannot load {_LIBRARY}: {exc}") from exc
     for name, (restype, argtypes) in _SIGNATURES.items():
-        fn = getattr(lib, name)
+        try:
+            fn = getattr(lib, name)
+        except AttributeError as exc:
+            raise NativeUnavailable(f"{_LIBRARY} lacks {name} (a stale build); rebuild with "
+                                    "`pip install -e plugins/hal_cpu`") from exc
         fn.restype, fn.argtypes = restype, argtypes
+    check_abi(lib)
     available = tuple(lib.hal_cpu_available_isas().decode().split(","))
     forced = (env.text(ISA_ENV) or "").strip().lower()
     chosen = lib.hal_cpu_select_isa(forced.encode()) if forced else None
@@ -100,7 +112,18 @@ def _open() -> Native:
     if chosen is None:
         chosen = lib.hal_cpu_select_isa(b"")
     lib.hal_cpu_set_spin_us(env.integer(SPIN_ENV, DEFAULT_SPIN_US, minimum=0, maximum=1_000_000))
+    lib.hal_cpu_set_attention_amx(int(env.flag(AMX_ENV, True)))
     return Native(lib=lib, isa=chosen.decode(), available=available, threads=int(lib.hal_cpu_default_threads()))
+
+
+def check_abi(lib: Any, structs: dict[str, type[ctypes.Structure]] | None = None) -> None:
+    """Raise :class:`NativeUnavailable` unless every mirrored struct matches the library's layout."""
+    for name, struct in (_abi.STRUCTS if structs is None else structs).items():
+        raw = lib.hal_cpu_abi(name.encode())
+        why = _abi.mismatch(name, struct, None if raw is None else raw.decode())
+        if why is not None:
+            raise NativeUnavailable(f"{_LIBRARY} does not match hal_cpu's argument structs ({why}); rebuild with "
+                                    "`pip install -e plugins/hal_cpu`")
 
 
 def load() -> Native:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hal_core.ops import OpCoverage
-
 from . import _knobs, paged_attention, quantized_gemm, write_kv_cache
 
 if TYPE_CHECKING:
@@ -22,14 +20,10 @@ __all__ = ["paged_attention", "quantized_gemm", "register_ops", "write_kv_cache"
 
 
 def register_ops(registry: OpRegistry) -> None:
-    """Register the implementation of every op (priority 0).
-
-    Attention runs decode (one new token per sequence) over any cache layout; the other variants of
-    ``paged_attention`` (prefill, window, softcap, sinks, ALiBi) answer from the float64 reference.
-    """
+    """Register the implementation of every op (priority 0; they support every valid call: attention runs
+    prompts, chunks and decode rows with every variable-length option over any cache layout)."""
     registry.register("paged_attention", paged_attention.paged_attention, name="cpu.paged_attention",
-                      knobs=(_knobs.PARTITION_TOKENS,), supports=paged_attention.supports)
-    registry.declare("paged_attention", OpCoverage(variants={"strided_cache"}))
+                      knobs=(_knobs.PARTITION_TOKENS,))
     registry.register("write_kv_cache", write_kv_cache.write_kv_cache, name="cpu.write_kv_cache")
     registry.register("quantized_gemm", quantized_gemm.quantized_gemm, name="cpu.quantized_gemm",
                       knobs=(_knobs.GEMM_KERNEL,))

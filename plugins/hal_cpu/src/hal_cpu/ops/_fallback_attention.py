@@ -5,6 +5,11 @@ slower than the compiled kernel (it copies every used block into padded
 float32 workspaces), and a non-finite used key or value is not turned into
 NaN the way the float64 reference does.
 
+Decode batches without a window, softcap, sinks or ALiBi take the batched
+path below; any other call (prompts, prompt chunks, those options) runs
+:func:`_attend_varlen`, one sequence at a time in chunks of
+:data:`VARLEN_CHUNK_ROWS` query tokens.
+
 Sequences are sorted by length and grouped in chunks whose padded K/V
 (storage copy plus float32 copy) fit :data:`CHUNK_BUDGET_BYTES`; each
 chunk's tokens are split in partitions of at most :data:`PARTITION_TOKENS`.
@@ -22,12 +27,14 @@ import numpy as np
 
 from ._common import parallel_for, widen, workspace
 
-__all__ = ["CHUNK_BUDGET_BYTES", "PARTITION_TOKENS", "attend", "to_float32"]
+__all__ = ["CHUNK_BUDGET_BYTES", "PARTITION_TOKENS", "VARLEN_CHUNK_ROWS", "attend", "to_float32"]
 
 #: Bytes of gathered K/V (and scores) one chunk may hold; small enough to stay cache-warm.
 CHUNK_BUDGET_BYTES = 8 * 1024 * 1024
 #: Tokens per partition: one task each, merged by the reduce step.
 PARTITION_TOKENS = 1024
+#: Variable-length path: query tokens of one sequence scored at once (bounds the [heads, rows, keys] scores).
+VARLEN_CHUNK_ROWS = 256
 
 
 def to_float32(array: np.ndarray) -> np.ndarray:
@@ -45,10 +52,18 @@ def attend(
     seq_lens: np.ndarray,
     scale: float,
     *,
+    query_start_loc: np.ndarray | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: np.ndarray | None = None,
+    alibi_slopes: np.ndarray | None = None,
     budget: int | None = None,
     partition_tokens: int | None = None,
 ) -> np.ndarray:
-    """Paged decode attention of validated numpy inputs, as float32 ``[num_seqs, num_heads, head_size]``."""
+    """Paged attention of validated numpy inputs (hal-core's contract), as float32 ``[tokens, heads, head_size]``."""
+    if any(arg is not None for arg in (query_start_loc, window, softcap, sinks, alibi_slopes)):
+        return _attend_varlen(query, key_cache, value_cache, block_tables, seq_lens, scale, query_start_loc,
+                              window, softcap, sinks, alibi_slopes)
     budget = CHUNK_BUDGET_BYTES if budget is None else budget
     partition_tokens = PARTITION_TOKENS if partition_tokens is None else partition_tokens
     num_seqs, num_heads, head_size = query.shape
@@ -167,3 +182,57 @@ def _partition(
     denom = scores.sum(axis=2, keepdims=True)
     acc = scores.swapaxes(-1, -2) @ _gather(value_cache, blocks, invalid)  # 0 * zeroed value rows: 0
     return top, denom, acc
+
+
+def _attend_varlen(
+    query: np.ndarray,
+    key_cache: np.ndarray,
+    value_cache: np.ndarray,
+    block_tables: np.ndarray,
+    seq_lens: np.ndarray,
+    scale: float,
+    query_start_loc: np.ndarray | None,
+    window: int | None,
+    softcap: float | None,
+    sinks: np.ndarray | None,
+    alibi_slopes: np.ndarray | None,
+) -> np.ndarray:
+    """The whole contract, one sequence at a time: its used K/V rows gathered in float32, scores per chunk of rows."""
+    num_tokens, num_heads, head_size = query.shape
+    _, num_kv_heads, block_size, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    out = np.zeros((num_tokens, num_heads, head_size), dtype=np.float32)
+    starts = np.arange(seq_lens.shape[0] + 1) if query_start_loc is None else np.asarray(query_start_loc)
+    starts = starts.astype(np.int64)
+    slopes = None if alibi_slopes is None else np.asarray(alibi_slopes, np.float32).reshape(num_kv_heads, group, 1, 1)
+    sink = None if sinks is None else np.asarray(sinks, np.float32).reshape(num_kv_heads, group, 1, 1)
+    for s, length in enumerate(seq_lens.astype(np.int64)):
+        r0, r1 = int(starts[s]), int(starts[s + 1])
+        if r1 == r0 or length == 0:
+            continue  # no new token, or a decode row of an empty sequence: zeros
+        tokens = np.arange(length)
+        blocks = block_tables[s, tokens // block_size].astype(np.intp)
+        keys = to_float32(key_cache[blocks, :, tokens % block_size]).transpose(1, 0, 2)  # [kv_heads, L, d]
+        values = to_float32(value_cache[blocks, :, tokens % block_size]).transpose(1, 0, 2)
+        for c0 in range(r0, r1, VARLEN_CHUNK_ROWS):
+            c1 = min(r1, c0 + VARLEN_CHUNK_ROWS)
+            pos = length - (r1 - r0) + np.arange(c0 - r0, c1 - r0)  # [n]
+            lo = max(0, int(pos[0]) - window + 1) if window else 0
+            rel = (np.arange(lo, int(pos[-1]) + 1)[None, :] - pos[:, None]).astype(np.float32)  # t - p: [n, keys]
+            q = to_float32(query[c0:c1]).reshape(c1 - c0, num_kv_heads, group, head_size).transpose(1, 2, 0, 3)
+            scores = (q * np.float32(scale)) @ keys[:, None, lo:int(pos[-1]) + 1].swapaxes(-1, -2)  # [kv, g, n, keys]
+            if softcap:
+                scores = np.float32(softcap) * np.tanh(scores / np.float32(softcap))
+            if slopes is not None:
+                scores = scores + slopes * rel
+            hidden = (rel > 0) | ((rel <= -window) if window else False)
+            scores = np.where(hidden, np.float32(-np.inf), scores)
+            top = scores.max(axis=-1, keepdims=True)
+            if sink is not None:
+                top = np.maximum(top, sink)
+            with np.errstate(invalid="ignore"):
+                probs = np.exp(scores - top)
+                denom = probs.sum(axis=-1, keepdims=True) + (0 if sink is None else np.exp(sink - top))
+                result = (probs @ values[:, None, lo:int(pos[-1]) + 1]) / denom  # [kv, g, n, d]
+            out[c0:c1] = result.transpose(2, 0, 1, 3).reshape(c1 - c0, num_heads, head_size)
+    return out

@@ -26,13 +26,15 @@ def host_threads() -> int:
 
 
 def _partition_rule(call: OpCall) -> int:
-    query, key_cache, seq_lens = call["query"], call["key_cache"], np.asarray(call["seq_lens"])
-    num_seqs = query.shape[0]
+    key_cache, seq_lens = call["key_cache"], np.asarray(call["seq_lens"])
+    starts = call.args.get("query_start_loc")
+    # decode rows: sequences with one new token (every sequence without query_start_loc)
+    decode = seq_lens.shape[0] if starts is None else int((np.diff(np.asarray(starts)) == 1).sum())
     _, num_kv_heads, block_size, head_size = key_cache.shape
     total = int(seq_lens.sum(dtype=np.int64))
     threads = _rules.threads_for(2 * total * num_kv_heads * head_size * key_cache.itemsize, host_threads())
-    max_len = int(seq_lens.max()) if num_seqs else 0
-    return _rules.attention_partition_tokens(num_seqs, num_kv_heads, max_len, block_size, threads)
+    max_len = int(seq_lens.max(initial=0))
+    return _rules.attention_partition_tokens(decode, num_kv_heads, max_len, block_size, threads)
 
 
 def host_isa() -> str:

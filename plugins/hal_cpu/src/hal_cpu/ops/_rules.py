@@ -19,7 +19,9 @@ __all__ = [
     "SERIAL_BYTES",
     "SMALL_M_MAX",
     "SWEEP_M_MAX",
+    "ATTENTION_TILE_ROWS",
     "attention_partition_tokens",
+    "attention_query_tile",
     "dequant_tile_columns",
     "gemm_kernel",
     "gemv_column_tile",
@@ -55,6 +57,11 @@ DEQUANT_TILE_BYTES = 16 * 1024 * 1024
 TASKS_PER_THREAD = 4
 #: paged_attention: the shortest partition worth a task (its merge costs one row per head).
 MIN_PARTITION_TOKENS = 256
+#: paged_attention prefill: query rows (tokens x GQA heads) per task. Each key tile's K/V rows are fetched and
+#: widened once for all of them, so more rows amortise that better, while the float32 output rows (64 KiB at head
+#: size 128) stay in L2 beside the tiles. 128 measured 0.84 of the one-core BLAS rate against 0.60-0.63 at 64
+#: (fp32, 4096-token prompt, GQA 32/8, interleaved runs); bf16 on AMX gained too.
+ATTENTION_TILE_ROWS = 128
 
 
 def threads_for(nbytes: int, host_threads: int) -> int:
@@ -64,10 +71,12 @@ def threads_for(nbytes: int, host_threads: int) -> int:
 
 def attention_partition_tokens(num_seqs: int, num_kv_heads: int, max_len: int, block_size: int,
                                threads: int) -> int:
-    """Tokens per split-KV partition, 0 for no split.
+    """Tokens per split-KV partition of decode rows, 0 for no split.
 
-    A sequence is one task (it covers every KV head, so each block's heads are
-    read as one contiguous run; ``num_kv_heads`` does not change the count);
+    ``num_seqs`` counts the sequences with one new token (decode rows); prompt
+    tiles are tasks of their own and are not split. A sequence is one task
+    (it covers every KV head, so each block's heads are read as one
+    contiguous run; ``num_kv_heads`` does not change the count);
     when there are fewer than :data:`TASKS_PER_THREAD` sequences per thread
     (small batches, long contexts), each sequence is cut into partitions of at
     least :data:`MIN_PARTITION_TOKENS` tokens (a multiple of ``block_size``) so
@@ -82,6 +91,13 @@ def attention_partition_tokens(num_seqs: int, num_kv_heads: int, max_len: int, b
     tokens = max(MIN_PARTITION_TOKENS, -(-max_len // parts))
     tokens = -(-tokens // block_size) * block_size
     return 0 if tokens >= max_len else tokens
+
+
+def attention_query_tile(num_heads: int, num_kv_heads: int) -> int:
+    """Query tokens per prefill task, at least 1: a task's rows are its tokens times the
+    ``num_heads // num_kv_heads`` query heads of its KV head, about :data:`ATTENTION_TILE_ROWS`."""
+    group = max(1, num_heads // max(1, num_kv_heads))
+    return max(1, ATTENTION_TILE_ROWS // group)
 
 
 def gemm_kernel(m: int, bits: int, group_size: int, act_order: bool, isa: str = "avx512",

@@ -1,48 +1,48 @@
-"""``paged_attention`` on the host: the compiled kernel (csrc/kernels.cpp), one task per (sequence, KV head, partition).
+"""``paged_attention`` on the host: the compiled variable-length kernel (csrc/paged_attention.inl).
 
-Each task walks its sequence's block table and reads every used K/V row once,
-in its storage dtype (fp16/bf16/fp32, widened in registers), for all query
-heads of its GQA group; the softmax is online, in float32. Sequences are
-split into partitions (split-KV) when there are too few (sequence, KV head)
-pairs for the cores; partitions merge by log-sum-exp. Unused cache slots are
-never read. A NaN score (a NaN query or used key), or a maximum score of
-+/-inf, gives NaN for that head, and a non-finite used value reaches the
-result, as in the float64 reference.
+One call serves a batch mixing prompts, prompt chunks and decoding sequences
+(``query_start_loc``), with an optional sliding ``window``, logit
+``softcap``, ``sinks`` and ``alibi_slopes``. Rows of a sequence with one new
+token run the bandwidth-bound decode task (one per sequence, or per split-KV
+partition merged by log-sum-exp); sequences with several new tokens run
+compute-bound tiles of query tokens per KV head (AMX for bf16/fp16 where the
+CPU has it). Every used K/V row is read in its storage dtype; unused cache
+slots are never read. A NaN score (a NaN query or used key), or a maximum
+score of +/-inf, gives NaN for that row and head, and a non-finite visible
+value reaches the result, as in the float64 reference.
 """
 
 from __future__ import annotations
 
+import ctypes
+from typing import Any
+
 import numpy as np
 
 from hal_core.ops import OpCall
-from hal_core.ops.paged_attention import variants
 
-from .. import _native
+from .. import _abi, _native
 from . import _fallback_attention, _knobs, _rules
 from ._common import finish
 from ._native_args import dtype_code, element_strides, last_contiguous
 
-__all__ = ["attend", "paged_attention", "supports"]
+__all__ = ["attend", "paged_attention"]
 
 
-def supports(call: OpCall) -> bool | str:
-    """Decode over any cache layout; the compiled kernel has no prefill, window, softcap, sinks or ALiBi."""
-    args = call.args
-    if all(args.get(name) is None for name in _LATER):
-        return True
-    missing = sorted(variants(args) - {"strided_cache"})
-    return f"the compiled kernel runs decode only, not {', '.join(missing)}" if missing else True
-
-
-#: Arguments of the op the compiled decode kernel does not take (it runs calls that give none of them).
-_LATER = ("query_start_loc", "window", "softcap", "sinks", "alibi_slopes")
+#: Arguments of the variable-length contract, passed through when the call carries them.
+_VARLEN = ("query_start_loc", "max_query_len", "window", "softcap", "sinks", "alibi_slopes")
 
 
 def paged_attention(call: OpCall) -> np.ndarray:
-    """The registered implementation: float32 result; the partition size is the ``partition_tokens`` knob."""
+    """The registered implementation: the result in the query's dtype; knobs from :mod:`._knobs`."""
+    extra = {name: call.args.get(name) for name in _VARLEN}
+    arrays = {name: None if extra[name] is None else np.asarray(extra[name])
+              for name in ("query_start_loc", "sinks", "alibi_slopes")}
     result = attend(
         np.asarray(call["query"]), np.asarray(call["key_cache"]), np.asarray(call["value_cache"]),
         np.asarray(call["block_tables"]), np.asarray(call["seq_lens"]), call["scale"],
+        query_start_loc=arrays["query_start_loc"], max_query_len=extra["max_query_len"], window=extra["window"],
+        softcap=extra["softcap"], sinks=arrays["sinks"], alibi_slopes=arrays["alibi_slopes"],
         partition_tokens=_knobs.partition_tokens(call),
     )
     return finish(call, result)
@@ -56,45 +56,84 @@ def attend(
     seq_lens: np.ndarray,
     scale: float,
     *,
+    query_start_loc: np.ndarray | None = None,
+    max_query_len: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: np.ndarray | None = None,
+    alibi_slopes: np.ndarray | None = None,
+    out_dtype: Any = None,
     partition_tokens: int | None = None,
+    query_tile: int | None = None,
     threads: int | None = None,
 ) -> np.ndarray:
-    """Paged decode attention of validated numpy inputs, as float32 ``[num_seqs, num_heads, head_size]``.
+    """Paged attention of validated numpy inputs, as ``[num_tokens, num_heads, head_size]`` in ``out_dtype``.
 
-    ``partition_tokens`` (0: no split) and ``threads`` default to
-    :func:`~hal_cpu.ops._rules.attention_partition_tokens` and
+    The arguments are hal-core's ``paged_attention`` contract (``query_start_loc``
+    None: one new token per sequence); ``out_dtype`` is float32, float16 or
+    bfloat16 (default: the query's dtype; the kernel rounds once, from float32).
+    The knobs ``partition_tokens`` (0: no split), ``query_tile`` (tokens per
+    prefill task) and ``threads`` default to
+    :func:`~hal_cpu.ops._rules.attention_partition_tokens`,
+    :func:`~hal_cpu.ops._rules.attention_query_tile` and
     :func:`~hal_cpu.ops._rules.threads_for`.
     """
+    out_dtype = query.dtype if out_dtype is None else np.dtype(out_dtype)
     native = _native.try_load()
     if native is None:
-        return _fallback_attention.attend(query, key_cache, value_cache, block_tables, seq_lens, scale)
-    num_seqs, num_heads, head_size = query.shape
+        result = _fallback_attention.attend(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                            query_start_loc=query_start_loc, window=window, softcap=softcap,
+                                            sinks=sinks, alibi_slopes=alibi_slopes)
+        return result.astype(out_dtype, copy=False)
+    num_tokens, num_heads, head_size = query.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
-    out = np.empty((num_seqs, num_heads, head_size), dtype=np.float32)
-    if num_seqs == 0 or head_size == 0:
+    num_seqs = seq_lens.shape[0]
+    out = np.empty((num_tokens, num_heads, head_size), dtype=out_dtype)
+    if num_tokens == 0 or head_size == 0:
         return out
     query = last_contiguous(query)
-    if key_cache.strides != value_cache.strides:
-        key_cache, value_cache = np.ascontiguousarray(key_cache), np.ascontiguousarray(value_cache)
     key_cache, value_cache = last_contiguous(key_cache), last_contiguous(value_cache)
-    if key_cache.strides != value_cache.strides:
-        key_cache, value_cache = np.ascontiguousarray(key_cache), np.ascontiguousarray(value_cache)
     block_tables = np.ascontiguousarray(block_tables, dtype=np.int32)
     seq_lens = np.ascontiguousarray(seq_lens, dtype=np.int32)
-    if threads is None or partition_tokens is None:
+    keep: list[np.ndarray] = []  # arrays whose addresses the struct holds
+
+    def address(array: np.ndarray | None, dtype: Any) -> int | None:
+        if array is None:
+            return None
+        array = np.ascontiguousarray(array, dtype=dtype)
+        keep.append(array)
+        return _native.pointer(array)
+
+    q_lens = None if query_start_loc is None else np.diff(np.asarray(query_start_loc, dtype=np.int64))
+    if max_query_len is None:
+        max_query_len = 1 if q_lens is None else int(q_lens.max(initial=0))
+    if threads is None or partition_tokens is None or query_tile is None:
         total = int(seq_lens.sum(dtype=np.int64))
         kv_bytes = 2 * total * num_kv_heads * head_size * key_cache.itemsize
-        threads = _rules.threads_for(kv_bytes, native.threads) if threads is None else threads
+        flops = 0 if q_lens is None else 4 * head_size * num_heads * int((q_lens * seq_lens).sum(dtype=np.int64))
+        threads = _rules.threads_for(max(kv_bytes, flops // 8), native.threads) if threads is None else threads
         if partition_tokens is None:
-            max_len = int(seq_lens.max()) if num_seqs else 0
-            partition_tokens = _rules.attention_partition_tokens(num_seqs, num_kv_heads, max_len, block_size, threads)
+            decode = num_seqs if q_lens is None else int((q_lens == 1).sum())
+            max_len = int(seq_lens.max(initial=0))
+            partition_tokens = _rules.attention_partition_tokens(decode, num_kv_heads, max_len, block_size, threads)
+        if query_tile is None:
+            query_tile = _rules.attention_query_tile(num_heads, num_kv_heads)
     qs, qh, _ = element_strides(query)
-    cb, ch, ct, _ = element_strides(key_cache)
-    rc = native.lib.hal_cpu_paged_attention(
-        _native.pointer(query), qs, qh, _native.pointer(key_cache), _native.pointer(value_cache), cb, ch, ct,
-        _native.pointer(block_tables), block_tables.shape[1], _native.pointer(seq_lens), _native.pointer(out),
-        num_seqs, num_heads, num_kv_heads, block_size, head_size, dtype_code(query), scale,
-        int(partition_tokens), int(threads))
-    if rc:
-        raise MemoryError("paged_attention: the CPU kernel could not allocate its partition workspace")
+    kb, kh, kt, _ = element_strides(key_cache)
+    vb, vh, vt, _ = element_strides(value_cache)
+    args = _abi.AttentionArgs(
+        query=_native.pointer(query), q_token_stride=qs, q_head_stride=qh,
+        key_cache=_native.pointer(key_cache), value_cache=_native.pointer(value_cache),
+        k_block_stride=kb, k_head_stride=kh, k_token_stride=kt, v_block_stride=vb, v_head_stride=vh, v_token_stride=vt,
+        block_tables=_native.pointer(block_tables), bt_stride=block_tables.shape[1], seq_lens=_native.pointer(seq_lens),
+        query_start_loc=address(query_start_loc, np.int32), sinks=address(sinks, np.float32),
+        alibi_slopes=address(alibi_slopes, np.float32), out=_native.pointer(out),
+        out_token_stride=num_heads * head_size, out_dtype=dtype_code(out), num_seqs=num_seqs, num_tokens=num_tokens,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size, head_size=head_size,
+        dtype=dtype_code(query), max_query_len=int(max_query_len), window=int(window or 0), scale=scale,
+        softcap=float(softcap or 0.0), partition_tokens=int(partition_tokens), query_tile=int(query_tile),
+        threads=int(threads),
+    )
+    if native.lib.hal_cpu_paged_attention(ctypes.byref(args)):
+        raise MemoryError("paged_attention: the CPU kernel could not allocate its workspace")
     return out

@@ -1,0 +1,56 @@
+"""The argument structs of the compiled kernels' C ABI (``csrc/hal_cpu_kernels.h``), mirrored once with ctypes.
+
+A kernel entry point takes one pointer to its struct; the op wrappers fill
+the mirror by field name. When the library loads, :func:`check` compares
+each mirror's size and field offsets with the layout the library reports
+(``hal_cpu_abi(name)``), so a stale build fails with a message saying to
+rebuild instead of reading garbage.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+__all__ = ["STRUCTS", "AttentionArgs", "layout", "mismatch"]
+
+_i32, _i64, _f32, _p = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+class AttentionArgs(ctypes.Structure):
+    """``hal_cpu_attention_args``: one variable-length paged-attention call (see the header for each field)."""
+
+    _fields_ = [
+        ("query", _p), ("q_token_stride", _i64), ("q_head_stride", _i64),
+        ("key_cache", _p), ("value_cache", _p),
+        ("k_block_stride", _i64), ("k_head_stride", _i64), ("k_token_stride", _i64),
+        ("v_block_stride", _i64), ("v_head_stride", _i64), ("v_token_stride", _i64),
+        ("block_tables", _p), ("bt_stride", _i64), ("seq_lens", _p), ("query_start_loc", _p),
+        ("sinks", _p), ("alibi_slopes", _p), ("out", _p), ("out_token_stride", _i64), ("out_dtype", _i32),
+        ("num_seqs", _i32), ("num_tokens", _i32), ("num_heads", _i32), ("num_kv_heads", _i32),
+        ("block_size", _i32), ("head_size", _i32), ("dtype", _i32), ("max_query_len", _i32), ("window", _i32),
+        ("scale", _f32), ("softcap", _f32), ("partition_tokens", _i32), ("query_tile", _i32), ("threads", _i32),
+    ]
+
+
+#: ABI name (as ``hal_cpu_abi`` knows it) -> mirror.
+STRUCTS: dict[str, type[ctypes.Structure]] = {"attention": AttentionArgs}
+
+
+def layout(struct: type[ctypes.Structure]) -> str:
+    """The mirror's layout in the library's format: ``size=N;field=offset:size;...``."""
+    parts = [f"size={ctypes.sizeof(struct)}"]
+    parts += [f"{field[0]}={getattr(struct, field[0]).offset}:{ctypes.sizeof(field[1])}" for field in struct._fields_]
+    return ";".join(parts)
+
+
+def mismatch(name: str, struct: type[ctypes.Structure], compiled: str | None) -> str | None:
+    """Why ``struct`` does not match the library's ``compiled`` layout of ``name``, or None when it does."""
+    if compiled is None:
+        return f"the library does not describe struct {name!r}"
+    mirror = layout(struct)
+    if mirror == compiled:
+        return None
+    ours, theirs = dict(p.split("=", 1) for p in mirror.split(";")), dict(p.split("=", 1) for p in compiled.split(";"))
+    diff = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+    shown = ", ".join(f"{k}: library {theirs.get(k, 'missing')}, Python {ours.get(k, 'missing')}" for k in diff[:4])
+    return f"struct {name!r} differs ({shown})"
