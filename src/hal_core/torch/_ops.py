@@ -67,7 +67,7 @@ def _lead(spec: OpSpec, args: Mapping[str, Any]) -> torch.Tensor:
         value = args.get(name)
         if value is not None:
             return value
-    return args["qweight"]  # type: ignore[no-any-return]
+    return args["qweight"]
 
 
 def _real(op: TorchOp) -> Callable[..., Any]:
