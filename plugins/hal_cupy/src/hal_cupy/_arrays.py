@@ -76,7 +76,7 @@ def to_device(array: Any, device_index: int) -> Any:
 
 def to_host(array: Any) -> np.ndarray:
     """A numpy copy of a device array (bf16 comes back as ml_dtypes' bfloat16)."""
-    if isinstance(array, np.ndarray):
+    if type(array) is np.ndarray:
         return array
     if isinstance(array, TaggedArray):
         host = to_host(array.storage)
