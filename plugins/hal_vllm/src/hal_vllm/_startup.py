@@ -1,0 +1,182 @@
+"""Start-up: which hal backend serves vLLM, and whether it can run each attention layer exactly.
+
+Everything here runs while vLLM builds the model and its KV cache, so a
+model hal cannot run is refused before the first request, with a
+``ValueError`` naming the feature and what to do, never run wrong. A layer
+is accepted only when hal's ``paged_attention`` has every feature it needs
+(variable-length queries, sliding window, softcap, sinks, ALiBi) and the
+serving backend declares it runs the layer's dtype, head size and block
+size itself (:meth:`hal_core.ops.Ops.coverage`): nothing of vLLM's attention
+is left to hal's CPU fallback by design. ``HAL_STRICT=1`` makes any
+fallback that still happens at run time an error (hal's own rule).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import hal_core
+from hal_core import Backend
+
+__all__ = ["HAL_DTYPES", "LayerPlan", "check_cache_spec", "plan_layer", "serving_backend"]
+
+#: The logger of the plugin: a child of vLLM's, so its messages appear with vLLM's own.
+log = logging.getLogger("vllm.hal_vllm")
+
+#: torch dtypes hal's attention ops run, by hal dtype name.
+HAL_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+#: The arguments of ``paged_attention`` vLLM's metadata and layers need beyond the decode form.
+_VARLEN_ARGUMENTS = ("query_start_loc", "max_query_len", "window", "softcap", "sinks", "alibi_slopes")
+
+_announced: set[int] = set()
+
+
+def _refuse(what: str, remedy: str = "unset HAL_VLLM to run this model on vLLM's own attention") -> ValueError:
+    return ValueError(f"hal-vllm cannot run this model: {what}; {remedy}")
+
+
+def serving_backend(device_type: str) -> Backend:
+    """The hal backend that owns ``device_type`` tensors; logged once per process."""
+    from hal_core.torch import backend_for
+
+    backend = backend_for(torch.empty(0, device=device_type))
+    if os.getpid() not in _announced:
+        _announced.add(os.getpid())
+        info = {b.name: b for b in hal_core.list_backends()}.get(backend.name)
+        where = f"{info.distribution} {info.version}" if info is not None else "?"
+        log.info("hal-vllm: vLLM attention runs on hal backend %r (%s, hal-core %s)%s", backend.name, where,
+                 hal_core.__version__, "; HAL_STRICT is on: any fallback is an error" if _strict() else "")
+    return backend
+
+
+def _strict() -> bool:
+    from hal_core import env
+
+    return env.flag("HAL_STRICT", False)
+
+
+def _check_covered(backend: Backend, features: dict[str, Any]) -> None:
+    """Refuse when ``backend`` does not declare it runs attention with these features itself."""
+    for op in ("write_kv_cache", "paged_attention"):
+        verdict = backend.ops.coverage(op).covers(features)
+        if verdict is not True:
+            raise _refuse(f"hal backend {backend.name!r} does not run {op} here ({verdict}), so every call would "
+                          f"fall back to hal's CPU path",
+                          "choose a model or block size the backend declares (`hal info --explain`), "
+                          "or unset HAL_VLLM")
+
+
+def _check_varlen(backend: Backend) -> None:
+    parameters = inspect.signature(type(backend.ops).paged_attention).parameters
+    missing = [name for name in _VARLEN_ARGUMENTS if name not in parameters]
+    if missing:
+        raise _refuse(f"hal-core {hal_core.__version__} has no variable-length paged_attention "
+                      f"(no {', '.join(missing)})", "upgrade hal-core, or unset HAL_VLLM")
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """How one attention layer runs on hal, decided once: the backend and the features passed through."""
+
+    backend: Backend
+    scale: float
+    window: int | None
+    softcap: float | None
+    alibi_slopes: torch.Tensor | None
+
+    @property
+    def ops(self) -> Any:
+        """The backend's ops front door."""
+        return self.backend.ops
+
+    @contextlib.contextmanager
+    def on_stream(self, tensor: torch.Tensor) -> Iterator[None]:
+        """Run the block on torch's current stream of ``tensor``'s device (nothing to do for host tensors)."""
+        if tensor.device.type == "cpu":
+            yield
+            return
+        from hal_core.torch._routing import on_torch_stream
+
+        with on_torch_stream(self.backend, tensor):
+            yield
+
+    def features(self, sinks: torch.Tensor | None) -> dict[str, Any]:
+        """The optional ``paged_attention`` arguments of this layer (sinks as float32, as hal takes them)."""
+        if sinks is not None and sinks.dtype != torch.float32:
+            sinks = sinks.float()
+        return {"window": self.window, "softcap": self.softcap, "sinks": sinks, "alibi_slopes": self.alibi_slopes}
+
+
+def plan_layer(
+    *,
+    num_heads: int,
+    head_size: int,
+    scale: float,
+    num_kv_heads: int,
+    alibi_slopes: Sequence[float] | None,
+    sliding_window: int | None,
+    kv_cache_dtype: str,
+    logits_soft_cap: float | None,
+    attn_type: str,
+    has_sinks: bool,
+    unsupported: Sequence[str],
+    dtype: torch.dtype,
+) -> LayerPlan:
+    """Check one layer's configuration against hal and the serving backend; raise ValueError if it cannot run."""
+    from vllm.platforms import current_platform  # type: ignore[import-not-found, unused-ignore]
+
+    if unsupported:
+        raise _refuse(f"the attention layer asks for {', '.join(unsupported)}, which hal's paged_attention "
+                      f"does not have")
+    if attn_type != "decoder":  # vLLM's AttentionType is a str enum
+        raise _refuse(f"attention of type {str.__str__(attn_type)!r} (hal runs causal decoder attention over "
+                      f"the paged cache)")
+    if dtype not in HAL_DTYPES:
+        raise _refuse(f"dtype {dtype} (hal's attention runs float32, float16 and bfloat16)",
+                      "run with --dtype float32, float16 or bfloat16, or unset HAL_VLLM")
+    if kv_cache_dtype not in ("auto", str(dtype).removeprefix("torch.")):
+        raise _refuse(f"kv-cache dtype {kv_cache_dtype!r} (hal keeps the cache in the model's dtype, {dtype})",
+                      "drop --kv-cache-dtype, or unset HAL_VLLM")
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise _refuse(f"{num_heads} query heads over {num_kv_heads} KV heads (the KV heads must divide them)")
+    if sliding_window is not None and sliding_window < 1:
+        raise _refuse(f"sliding window {sliding_window} (hal takes a window of at least 1 token)")
+    backend = serving_backend(current_platform.device_type)
+    _check_varlen(backend)
+    _check_covered(backend, {"dtype": HAL_DTYPES[dtype], "head_size": head_size})
+    slopes = None
+    if alibi_slopes is not None:
+        if len(alibi_slopes) != num_heads:
+            raise _refuse(f"{len(alibi_slopes)} ALiBi slopes for {num_heads} heads")
+        slopes = torch.tensor(list(alibi_slopes), dtype=torch.float32, device=current_platform.device_type)
+    return LayerPlan(backend=backend, scale=float(scale), window=sliding_window,
+                     softcap=float(logits_soft_cap) if logits_soft_cap else None, alibi_slopes=slopes)
+
+
+def check_cache_spec(kv_cache_spec: Any, vllm_config: Any) -> None:
+    """Refuse a KV-cache group hal cannot hold: keys and values of different sizes, a block size not covered."""
+    from vllm.platforms import current_platform
+
+    head_size, head_size_v = kv_cache_spec.head_size, getattr(kv_cache_spec, "head_size_v", kv_cache_spec.head_size)
+    if head_size_v != head_size:
+        raise _refuse(f"keys of {head_size} and values of {head_size_v} elements per head "
+                      f"(hal's cache holds both at one head size)")
+    if getattr(vllm_config.attention_config, "use_non_causal", False):
+        raise _refuse("non-causal attention (hal's paged_attention is causal)")
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        raise _refuse("a KV connector (hal-vllm has not been tested with KV transfer between instances)")
+    dtype = kv_cache_spec.dtype
+    if dtype not in HAL_DTYPES:
+        raise _refuse(f"a KV cache of dtype {dtype}")
+    backend = serving_backend(current_platform.device_type)
+    _check_covered(backend, {"dtype": HAL_DTYPES[dtype], "head_size": head_size,
+                             "block_size": kv_cache_spec.block_size})
