@@ -64,10 +64,15 @@ def _strict() -> bool:
     return env.flag("HAL_STRICT", False)
 
 
-def _check_covered(backend: Backend, features: dict[str, Any]) -> None:
-    """Refuse when ``backend`` does not declare it runs attention with these features itself."""
-    for op in ("write_kv_cache", "paged_attention"):
-        verdict = backend.ops.coverage(op).covers(features)
+def _check_covered(backend: Backend, features: dict[str, Any], variants: frozenset[str] | None = None) -> None:
+    """Refuse when ``backend`` does not declare it runs both attention ops with these features itself.
+
+    ``variants`` are the optional behaviours of ``paged_attention`` the layer uses (``prefill``,
+    ``strided_cache``, ``window``, ...); ``write_kv_cache`` is asked about ``features`` alone.
+    """
+    for op, asked in (("write_kv_cache", features),
+                      ("paged_attention", features if variants is None else {**features, "variant": variants})):
+        verdict = backend.ops.coverage(op).covers(asked)
         if verdict is not True:
             raise _refuse(f"hal backend {backend.name!r} does not run {op} here ({verdict}), so every call would "
                           f"fall back to hal's CPU path",
@@ -76,7 +81,7 @@ def _check_covered(backend: Backend, features: dict[str, Any]) -> None:
 
 
 def _check_varlen(backend: Backend) -> None:
-    parameters = inspect.signature(type(backend.ops).paged_attention).parameters
+    parameters = inspect.signature(backend.ops.paged_attention).parameters
     missing = [name for name in _VARLEN_ARGUMENTS if name not in parameters]
     if missing:
         raise _refuse(f"hal-core {hal_core.__version__} has no variable-length paged_attention "
@@ -152,7 +157,10 @@ def plan_layer(
         raise _refuse(f"sliding window {sliding_window} (hal takes a window of at least 1 token)")
     backend = serving_backend(current_platform.device_type)
     _check_varlen(backend)
-    _check_covered(backend, {"dtype": HAL_DTYPES[dtype], "head_size": head_size})
+    used = {"window": sliding_window is not None, "softcap": bool(logits_soft_cap), "sinks": has_sinks,
+            "alibi": alibi_slopes is not None}
+    variants = frozenset({"prefill", "strided_cache"} | {name for name, on in used.items() if on})
+    _check_covered(backend, {"dtype": HAL_DTYPES[dtype], "head_size": head_size}, variants)
     slopes = None
     if alibi_slopes is not None:
         if len(alibi_slopes) != num_heads:
