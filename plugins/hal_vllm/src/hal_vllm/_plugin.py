@@ -26,12 +26,14 @@ def enabled() -> bool:
 
 
 def register() -> None:
-    """Point vLLM's attention backend at hal's, for this process's platform; nothing unless ``HAL_VLLM`` is on.
+    """Point vLLM's attention (and, on CPU, int4 linear layers) at hal; nothing unless ``HAL_VLLM`` is on.
 
     On CPU, vLLM always picks its ``CPU_ATTN`` backend, so that name is
-    overridden. On CUDA and ROCm hal's backend is vLLM's ``CUSTOM`` one,
-    chosen with ``--attention-backend CUSTOM``. Raises RuntimeError on a
-    vLLM minor the plugin was not tested with, or on another platform.
+    overridden, and :class:`hal_vllm.linear.HalWNA16LinearKernel` goes first
+    among the CPU's mixed-precision linear kernels. On CUDA and ROCm hal's
+    backend is vLLM's ``CUSTOM`` one, chosen with ``--attention-backend
+    CUSTOM``. Raises RuntimeError on a vLLM minor the plugin was not tested
+    with, or on another platform.
     """
     if not enabled():
         return
@@ -46,6 +48,7 @@ def register() -> None:
 
     if current_platform.is_cpu():
         register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND)
+        _put_linear_kernel_first()
     elif current_platform.is_cuda_alike():
         register_backend(AttentionBackendEnum.CUSTOM, GPU_BACKEND)
     else:
@@ -53,3 +56,21 @@ def register() -> None:
             f"HAL_VLLM is on, but hal-vllm serves vLLM's CPU, CUDA and ROCm platforms, not "
             f"{current_platform.device_name!r}; unset HAL_VLLM on this machine"
         )
+
+
+def _put_linear_kernel_first() -> None:
+    """Make hal's WNA16 kernel the CPU's first choice (vLLM's registration appends; the first that fits wins)."""
+    from vllm.model_executor.kernels.linear import (  # type: ignore[import-not-found, unused-ignore]
+        _POSSIBLE_KERNELS,
+        register_linear_kernel,
+    )
+    from vllm.platforms import PlatformEnum  # type: ignore[import-not-found, unused-ignore]
+
+    from .linear import HalWNA16LinearKernel
+
+    kernels = _POSSIBLE_KERNELS.get(PlatformEnum.CPU, [])
+    if HalWNA16LinearKernel in kernels:
+        return
+    register_linear_kernel(HalWNA16LinearKernel, PlatformEnum.CPU, "mp")
+    kernels = _POSSIBLE_KERNELS[PlatformEnum.CPU]
+    kernels.insert(0, kernels.pop(kernels.index(HalWNA16LinearKernel)))
