@@ -1,12 +1,15 @@
 """vLLM's attention through hal: the metadata, its builder and the implementation both platforms share.
 
-Each step vLLM builds one :class:`HalAttentionMetadata` per KV-cache group
-from its common metadata (query start locations, sequence lengths including
-this step's tokens, block table, slot mapping, and the host ints
-``max_query_len`` / ``max_seq_len``), unchanged: no copy, no host read of a
-device tensor. Each layer then calls :meth:`HalAttentionImpl.do_kv_cache_update`
-(hal's ``write_kv_cache``) and :meth:`HalAttentionImpl.forward` (hal's
-variable-length ``paged_attention``) on vLLM's own per-layer cache tensor.
+Each step vLLM builds one :class:`HalAttentionMetadata` per KV-cache
+group from its common metadata (query start locations, sequence lengths
+including this step's tokens, block table, slot mapping, and the host ints
+``max_query_len`` / ``max_seq_len``), unchanged: each tensor is viewed once
+as an array of the serving hal backend (numpy on CPU; no copy, no host read
+of a device tensor), so the layers' calls skip that conversion. Each layer
+then calls :meth:`HalAttentionImpl.do_kv_cache_update` (hal's
+``write_kv_cache``) and :meth:`HalAttentionImpl.forward` (hal's
+variable-length ``paged_attention``) on vLLM's own per-layer cache tensor,
+whose K and V views it keeps for as long as vLLM keeps that tensor.
 
 That tensor is ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
 (vLLM's ``LBHNC`` layout); :func:`split_kv_cache` views it as
@@ -27,7 +30,9 @@ from vllm.v1.attention.backend import (  # type: ignore[import-not-found, unused
     AttentionType,
 )
 
-from ._startup import LayerPlan, check_cache_spec, plan_layer
+from hal_core.interop import to_native
+
+from ._startup import LayerPlan, check_cache_spec, plan_layer, serving_backend
 
 __all__ = ["HalAttentionImpl", "HalAttentionMetadata", "HalAttentionMetadataBuilder", "split_kv_cache"]
 
@@ -46,15 +51,15 @@ def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass
 class HalAttentionMetadata:
-    """One step's attention inputs, as vLLM made them (device tensors; host ints as planning hints)."""
+    """One step's attention inputs as vLLM made them, as the serving backend's arrays (host ints as hints)."""
 
     num_actual_tokens: int  #: tokens of real requests (the query may have padding rows after them)
     max_query_len: int  #: >= every request's new tokens this step
     max_seq_len: int  #: >= every request's context length, new tokens included
-    query_start_loc: torch.Tensor  #: int32 [num_reqs + 1]
-    seq_lens: torch.Tensor  #: int32 [num_reqs]
-    block_table: torch.Tensor  #: int32 [num_reqs, max_blocks_per_req]
-    slot_mapping: torch.Tensor  #: int64 [num_tokens], -1 for padding
+    query_start_loc: Any  #: int32 [num_reqs + 1]
+    seq_lens: Any  #: int32 [num_reqs]
+    block_table: Any  #: int32 [num_reqs, max_blocks_per_req]
+    slot_mapping: Any  #: int64 [num_tokens], -1 for padding
 
 
 class HalAttentionMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):  # type: ignore[misc, unused-ignore]
@@ -63,6 +68,7 @@ class HalAttentionMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         check_cache_spec(kv_cache_spec, vllm_config)
+        self.backend = serving_backend(device.type)
 
     def build(self, common_prefix_len: int, common_attn_metadata: Any,
               fast_build: bool = False) -> HalAttentionMetadata:
@@ -73,14 +79,15 @@ class HalAttentionMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]
                 "(unset HAL_VLLM for this model)"
             )
         num_reqs = common.num_reqs
+        backend = self.backend
         return HalAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
             max_query_len=common.max_query_len,
             max_seq_len=common.max_seq_len,
-            query_start_loc=common.query_start_loc[: num_reqs + 1],
-            seq_lens=common.seq_lens[:num_reqs],
-            block_table=common.block_table_tensor[:num_reqs],
-            slot_mapping=common.slot_mapping,
+            query_start_loc=to_native(common.query_start_loc[: num_reqs + 1], backend, "query_start_loc"),
+            seq_lens=to_native(common.seq_lens[:num_reqs], backend, "seq_lens"),
+            block_table=to_native(common.block_table_tensor[:num_reqs], backend, "block_tables"),
+            slot_mapping=to_native(common.slot_mapping, backend, "slot_mapping"),
         )
 
 
@@ -120,14 +127,35 @@ class HalAttentionImpl(AttentionImpl):  # type: ignore[misc, unused-ignore]
         )
         self.scale = self.plan.scale
         self.sliding_window = self.plan.window
+        self._caches: tuple[torch.Tensor, Any, Any] | None = None  # vLLM's cache tensor, its K and V as hal arrays
+        self._sinks: Any = None  # the sinks as the backend's float32 array, made at the first step after loading
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        self._sinks = None  # the sinks (a weight of the layer) may have changed
+
+    def _kv(self, kv_cache: torch.Tensor) -> tuple[Any, Any]:
+        """The K and V halves of ``kv_cache`` as the backend's arrays, made once per cache tensor."""
+        cached = self._caches
+        if cached is None or cached[0] is not kv_cache:
+            key_cache, value_cache = split_kv_cache(kv_cache)
+            cached = (kv_cache, self.plan.native(key_cache, "key_cache"), self.plan.native(value_cache, "value_cache"))
+            self._caches = cached
+        return cached[1], cached[2]
+
+    def _native_sinks(self) -> Any:
+        if self.sinks is not None and self._sinks is None:
+            self._sinks = self.plan.native(self.sinks.detach().float(), "sinks")
+        return self._sinks
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """hal's ``write_kv_cache`` of this step's keys and values (slot -1: padding, skipped)."""
-        key_cache, value_cache = split_kv_cache(kv_cache)
+        key_cache, value_cache = self._kv(kv_cache)
         num_tokens = slot_mapping.shape[0]
         with self.plan.on_stream(key):
-            self.plan.ops.write_kv_cache(key[:num_tokens], value[:num_tokens], key_cache, value_cache, slot_mapping)
+            self.plan.ops.write_kv_cache(self.plan.native(key[:num_tokens], "key"),
+                                         self.plan.native(value[:num_tokens], "value"), key_cache, value_cache,
+                                         self.plan.native(slot_mapping, "slot_mapping"))
 
     def forward(
         self,
@@ -148,11 +176,12 @@ class HalAttentionImpl(AttentionImpl):  # type: ignore[misc, unused-ignore]
             return output
         meta = attn_metadata
         num_tokens = meta.num_actual_tokens
-        key_cache, value_cache = split_kv_cache(kv_cache)
+        key_cache, value_cache = self._kv(kv_cache)
         with self.plan.on_stream(query):
             self.plan.ops.paged_attention(
-                query[:num_tokens], key_cache, value_cache, meta.block_table, meta.seq_lens,
+                self.plan.native(query[:num_tokens], "query"), key_cache, value_cache, meta.block_table, meta.seq_lens,
                 scale=self.plan.scale, query_start_loc=meta.query_start_loc, max_query_len=meta.max_query_len,
-                max_seq_len=meta.max_seq_len, out=output[:num_tokens], **self.plan.features(self.sinks),
+                max_seq_len=meta.max_seq_len, out=self.plan.native(output[:num_tokens], "out"),
+                **self.plan.features(self._native_sinks()),
             )
         return output

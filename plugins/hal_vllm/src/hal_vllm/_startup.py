@@ -25,6 +25,7 @@ import torch
 
 import hal_core
 from hal_core import Backend
+from hal_core.interop import to_native
 
 __all__ = ["HAL_DTYPES", "LayerPlan", "check_cache_spec", "plan_layer", "serving_backend"]
 
@@ -96,7 +97,7 @@ class LayerPlan:
     scale: float
     window: int | None
     softcap: float | None
-    alibi_slopes: torch.Tensor | None
+    alibi_slopes: Any  #: the backend's float32 array [num_heads], or None
 
     @property
     def ops(self) -> Any:
@@ -114,11 +115,13 @@ class LayerPlan:
         with on_torch_stream(self.backend, tensor):
             yield
 
-    def features(self, sinks: torch.Tensor | None) -> dict[str, Any]:
-        """The optional ``paged_attention`` arguments of this layer (sinks as float32, as hal takes them)."""
-        if sinks is not None and sinks.dtype != torch.float32:
-            sinks = sinks.float()
+    def features(self, sinks: Any) -> dict[str, Any]:
+        """The optional ``paged_attention`` arguments of this layer (``sinks``: the backend's float32 array)."""
         return {"window": self.window, "softcap": self.softcap, "sinks": sinks, "alibi_slopes": self.alibi_slopes}
+
+    def native(self, tensor: torch.Tensor, name: str) -> Any:
+        """``tensor`` as an array of the backend (a view: numpy on CPU, the device's array type on a GPU)."""
+        return to_native(tensor, self.backend, name)
 
 
 def plan_layer(
@@ -165,7 +168,8 @@ def plan_layer(
     if alibi_slopes is not None:
         if len(alibi_slopes) != num_heads:
             raise _refuse(f"{len(alibi_slopes)} ALiBi slopes for {num_heads} heads")
-        slopes = torch.tensor(list(alibi_slopes), dtype=torch.float32, device=current_platform.device_type)
+        slopes = to_native(torch.tensor(list(alibi_slopes), dtype=torch.float32, device=current_platform.device_type),
+                           backend, "alibi_slopes")
     return LayerPlan(backend=backend, scale=float(scale), window=sliding_window,
                      softcap=float(logits_soft_cap) if logits_soft_cap else None, alibi_slopes=slopes)
 
