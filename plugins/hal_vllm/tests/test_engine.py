@@ -14,6 +14,7 @@ worker through :class:`hal_vllm.worker.HalWorkerExtension`.
 from __future__ import annotations
 
 import gc
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,38 @@ def _qwen2_window(path: Path) -> tuple[int, int | None]:
 
 MODELS = {"llama-gqa": _llama, "qwen2-window": _qwen2_window}
 
+GPTQ_GROUP = 32
+
+
+def _llama_gptq(path: Path) -> int:
+    """A bf16 Llama whose projections are a GPTQ checkpoint (4-bit, symmetric, v1 zero points, groups of 32)."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hal_core.quant import quantize
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                         dtype="bfloat16")
+    tensors = {}
+    for name, tensor in LlamaForCausalLM(config).state_dict().items():
+        if not name.endswith("_proj.weight"):
+            tensors[name] = tensor.to(torch.bfloat16).contiguous()
+            continue
+        weight = quantize(tensor.T.double().numpy(), bits=4, group_size=GPTQ_GROUP, symmetric=True)
+        k, n = weight.shape
+        base = name.removesuffix(".weight")
+        tensors[f"{base}.qweight"] = torch.from_numpy(weight.qweight.view(np.int32).copy())  # GPTQ's packing is hal's
+        tensors[f"{base}.qzeros"] = torch.full((k // GPTQ_GROUP, n // 8), 0x77777777, dtype=torch.int32)  # z - 1
+        tensors[f"{base}.scales"] = torch.from_numpy(weight.scales.astype(np.float16))
+        tensors[f"{base}.g_idx"] = torch.arange(k, dtype=torch.int32) // GPTQ_GROUP
+    save_file(tensors, str(path / "model.safetensors"))
+    saved = config.to_dict()
+    saved["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": GPTQ_GROUP, "desc_act": False,
+                                    "sym": True}
+    (path / "config.json").write_text(json.dumps(saved))
+    return config.num_hidden_layers
+
 
 def _saved(name: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, int | None]:
     torch.manual_seed(SEED)
@@ -83,28 +116,37 @@ def _engine(path: Path, **overrides: Any) -> LLM:
 def run(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """Generate greedily on a fresh engine, with or without hal; returns the tokens and the worker's report."""
 
-    def generate(path: Path, *, hal: bool) -> tuple[list[list[int]], dict[str, Any]]:
+    def generate(path: Path, *, hal: bool, **options: Any) -> tuple[list[Any], dict[str, Any]]:
         monkeypatch.setenv("HAL_VLLM", "1" if hal else "0")  # the engine's processes inherit it
         monkeypatch.setenv("HAL_STRICT", "1")
-        llm = _engine(path)
+        llm = _engine(path, **options)
         try:
             outputs = llm.generate(_prompts(), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
-                                                              detokenize=False))
+                                                              detokenize=False, prompt_logprobs=0))
             (report,) = llm.collective_rpc("hal_stats")
         finally:
             llm.llm_engine.engine_core.shutdown()  # its processes end now, not when the object is collected
             del llm
             gc.collect()
-        return [list(o.outputs[0].token_ids) for o in outputs], report
+        return outputs, report
 
     yield generate
+
+
+def _tokens(outputs: list[Any], report: dict[str, Any]) -> tuple[list[list[int]], dict[str, Any]]:
+    return [list(o.outputs[0].token_ids) for o in outputs], report
+
+
+def _prompt_logprobs(outputs: list[Any]) -> np.ndarray:
+    """The log-probability each run gave every prompt token after the first."""
+    return np.array([next(iter(step.values())).logprob for o in outputs for step in o.prompt_logprobs[1:]])
 
 
 def test_tokens_equal_vllms_own_attention_and_hal_served_every_call(model: tuple[Path, int, int | None],
                                                                    run: Any) -> None:
     path, num_layers, window = model
-    expected, vllm_report = run(path, hal=False)
-    tokens, hal_report = run(path, hal=True)
+    expected, vllm_report = _tokens(*run(path, hal=False))
+    tokens, hal_report = _tokens(*run(path, hal=True))
     print("vLLM's CPU attention:", expected)
     print("hal:                 ", tokens)
     assert all(len(t) == NEW_TOKENS for t in expected)
@@ -135,3 +177,19 @@ def test_fp8_kv_cache_is_refused_at_start_up(tmp_path_factory: pytest.TempPathFa
         _engine(path, kv_cache_dtype="fp8")
     captured = capfd.readouterr()
     assert "hal-vllm cannot run this model: kv-cache dtype 'fp8'" in captured.out + captured.err
+
+
+def test_gptq_model_runs_its_linear_layers_on_hal(tmp_path: Path, run: Any) -> None:
+    """A GPTQ checkpoint in bf16: hal's W4A16 GEMM serves every projection, and the model scores the prompts as
+    vLLM's own int4 kernel does (bf16 rounding apart: the prompts' log-probabilities within 0.05)."""
+    num_layers = _llama_gptq(tmp_path)
+    expected, _ = run(tmp_path, hal=False, dtype="bfloat16")
+    outputs, report = run(tmp_path, hal=True, dtype="bfloat16")
+    difference = np.abs(_prompt_logprobs(outputs) - _prompt_logprobs(expected))
+    print("prompt log-probability differences: max", difference.max(), "mean", difference.mean())
+    assert difference.max() < 0.05
+    gemm = report["stats"]["cpu"]["quantized_gemm"]
+    print("hal counters in the worker:", report["stats"]["cpu"])
+    projections = 4  # per layer: fused QKV, output, fused gate/up, down
+    assert gemm["calls"] > 0 and gemm["calls"] % (num_layers * projections) == 0
+    assert gemm["implementations"] == {"cpu.quantized_gemm": gemm["calls"]} and not gemm["fallbacks"]

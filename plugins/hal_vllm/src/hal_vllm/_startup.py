@@ -27,7 +27,7 @@ import hal_core
 from hal_core import Backend
 from hal_core.interop import to_native
 
-__all__ = ["HAL_DTYPES", "LayerPlan", "check_cache_spec", "plan_layer", "serving_backend"]
+__all__ = ["HAL_DTYPES", "LayerPlan", "check_cache_spec", "device_type", "plan_layer", "serving_backend"]
 
 #: The logger of the plugin: a child of vLLM's, so its messages appear with vLLM's own.
 log = logging.getLogger("vllm.hal_vllm")
@@ -43,6 +43,13 @@ _announced: set[int] = set()
 
 def _refuse(what: str, remedy: str = "unset HAL_VLLM to run this model on vLLM's own attention") -> ValueError:
     return ValueError(f"hal-vllm cannot run this model: {what}; {remedy}")
+
+
+def device_type() -> str:
+    """The torch device type of vLLM's platform in this process (``cpu``, ``cuda``)."""
+    from vllm.platforms import current_platform  # type: ignore[import-not-found, unused-ignore]
+
+    return str(current_platform.device_type)
 
 
 def serving_backend(device_type: str) -> Backend:
@@ -140,8 +147,6 @@ def plan_layer(
     dtype: torch.dtype,
 ) -> LayerPlan:
     """Check one layer's configuration against hal and the serving backend; raise ValueError if it cannot run."""
-    from vllm.platforms import current_platform  # type: ignore[import-not-found, unused-ignore]
-
     if unsupported:
         raise _refuse(f"the attention layer asks for {', '.join(unsupported)}, which hal's paged_attention "
                       f"does not have")
@@ -158,7 +163,7 @@ def plan_layer(
         raise _refuse(f"{num_heads} query heads over {num_kv_heads} KV heads (the KV heads must divide them)")
     if sliding_window is not None and sliding_window < 1:
         raise _refuse(f"sliding window {sliding_window} (hal takes a window of at least 1 token)")
-    backend = serving_backend(current_platform.device_type)
+    backend = serving_backend(device_type())
     _check_varlen(backend)
     used = {"window": sliding_window is not None, "softcap": bool(logits_soft_cap), "sinks": has_sinks,
             "alibi": alibi_slopes is not None}
@@ -168,7 +173,7 @@ def plan_layer(
     if alibi_slopes is not None:
         if len(alibi_slopes) != num_heads:
             raise _refuse(f"{len(alibi_slopes)} ALiBi slopes for {num_heads} heads")
-        slopes = to_native(torch.tensor(list(alibi_slopes), dtype=torch.float32, device=current_platform.device_type),
+        slopes = to_native(torch.tensor(list(alibi_slopes), dtype=torch.float32, device=device_type()),
                            backend, "alibi_slopes")
     return LayerPlan(backend=backend, scale=float(scale), window=sliding_window,
                      softcap=float(logits_soft_cap) if logits_soft_cap else None, alibi_slopes=slopes)
@@ -176,8 +181,6 @@ def plan_layer(
 
 def check_cache_spec(kv_cache_spec: Any, vllm_config: Any) -> None:
     """Refuse a KV-cache group hal cannot hold: keys and values of different sizes, a block size not covered."""
-    from vllm.platforms import current_platform
-
     head_size, head_size_v = kv_cache_spec.head_size, getattr(kv_cache_spec, "head_size_v", kv_cache_spec.head_size)
     if head_size_v != head_size:
         raise _refuse(f"keys of {head_size} and values of {head_size_v} elements per head "
@@ -189,6 +192,6 @@ def check_cache_spec(kv_cache_spec: Any, vllm_config: Any) -> None:
     dtype = kv_cache_spec.dtype
     if dtype not in HAL_DTYPES:
         raise _refuse(f"a KV cache of dtype {dtype}")
-    backend = serving_backend(current_platform.device_type)
+    backend = serving_backend(device_type())
     _check_covered(backend, {"dtype": HAL_DTYPES[dtype], "head_size": head_size,
                              "block_size": kv_cache_spec.block_size})

@@ -33,7 +33,7 @@ from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import ( 
 )
 from vllm.scalar_type import scalar_types  # type: ignore[import-not-found, unused-ignore]
 
-from ._startup import HAL_DTYPES, serving_backend
+from ._startup import HAL_DTYPES, device_type, serving_backend
 
 __all__ = ["HalWNA16LinearKernel", "unpack_zero_points"]
 
@@ -69,9 +69,7 @@ class HalWNA16LinearKernel(MPLinearKernel):  # type: ignore[misc, unused-ignore]
             return False, f"K={k} is not a multiple of 8 and of the group size {group}"
         if c.out_type is not None and c.out_type != c.act_type:
             return False, f"an output dtype {c.out_type} other than the activations' {c.act_type}"
-        from vllm.platforms import current_platform  # type: ignore[import-not-found, unused-ignore]
-
-        backend = serving_backend(current_platform.device_type)
+        backend = serving_backend(device_type())
         verdict = backend.ops.coverage("quantized_gemm").covers(
             {"dtype": HAL_DTYPES[c.act_type], "group_size": group, "bits": 4})
         if verdict is not True:
@@ -80,8 +78,6 @@ class HalWNA16LinearKernel(MPLinearKernel):  # type: ignore[misc, unused-ignore]
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Build hal's weight over the layer's loaded tensors (once, at load time)."""
-        from vllm.platforms import current_platform
-
         from hal_core.torch import weight_from_tensors
 
         qweight, scales, zeros = self._get_weight_params(layer)
@@ -95,7 +91,7 @@ class HalWNA16LinearKernel(MPLinearKernel):  # type: ignore[misc, unused-ignore]
         elif self.w_zp_name is not None:
             setattr(layer, self.w_zp_name, None)  # a symmetric layer's zero points are not used
         self._weight = weight_from_tensors(tensors, bits=4)  # views of the layer's tensors; new zero points
-        self._ops = serving_backend(current_platform.device_type).ops
+        self._ops = serving_backend(device_type()).ops
 
     def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W (+ bias)`` over the last dimension of ``x``, through hal's ``quantized_gemm``."""
