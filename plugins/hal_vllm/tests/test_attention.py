@@ -76,10 +76,10 @@ def make_step(rng: np.random.Generator, dtype: torch.dtype) -> tuple[Step, Step]
         meta = HalAttentionMetadata(
             num_actual_tokens=rows, max_query_len=max(stop - start for start, stop in spans),
             max_seq_len=max(stop for _, stop in spans), query_start_loc=torch.tensor(starts, dtype=torch.int32),
-            seq_lens=torch.tensor([stop for _, stop in spans], dtype=torch.int32), block_table=block_table,
-            slot_mapping=torch.tensor(slots + [-1] * PADDING_ROWS, dtype=torch.int64))
+            seq_lens=torch.tensor([stop for _, stop in spans], dtype=torch.int32), block_table=block_table)
+        slot_mapping = torch.tensor(slots + [-1] * PADDING_ROWS, dtype=torch.int64)
         as64 = [(k[:stop], v[:stop]) for (k, v), (_, stop) in zip(full, spans, strict=True)]
-        return Step(meta, query, key, value, meta.slot_mapping, [k for k, _ in as64], [v for _, v in as64])
+        return Step(meta, query, key, value, slot_mapping, [k for k, _ in as64], [v for _, v in as64])
 
     context = step([(0, before) for before, _ in REQUESTS])
     mixed = step([(before, before + new) for before, new in REQUESTS])

@@ -2,7 +2,7 @@
 
 Each step vLLM builds one :class:`HalAttentionMetadata` per KV-cache
 group from its common metadata (query start locations, sequence lengths
-including this step's tokens, block table, slot mapping, and the host ints
+including this step's tokens, block table, and the host ints
 ``max_query_len`` / ``max_seq_len``), unchanged: each tensor is viewed once
 as an array of the serving hal backend (numpy on CPU; no copy, no host read
 of a device tensor), so the layers' calls skip that conversion. Each layer
@@ -21,7 +21,7 @@ strided views, which hal reads and writes in place.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from vllm.v1.attention.backend import (  # type: ignore[import-not-found, unused-ignore]
@@ -59,7 +59,6 @@ class HalAttentionMetadata:
     query_start_loc: Any  #: int32 [num_reqs + 1]
     seq_lens: Any  #: int32 [num_reqs]
     block_table: Any  #: int32 [num_reqs, max_blocks_per_req]
-    slot_mapping: Any  #: int64 [num_tokens], -1 for padding
 
 
 class HalAttentionMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):  # type: ignore[misc, unused-ignore]
@@ -87,15 +86,11 @@ class HalAttentionMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]
             query_start_loc=to_native(common.query_start_loc[: num_reqs + 1], backend, "query_start_loc"),
             seq_lens=to_native(common.seq_lens[:num_reqs], backend, "seq_lens"),
             block_table=to_native(common.block_table_tensor[:num_reqs], backend, "block_tables"),
-            slot_mapping=to_native(common.slot_mapping, backend, "slot_mapping"),
         )
 
 
 class HalAttentionImpl(AttentionImpl):  # type: ignore[misc, unused-ignore]
     """One vLLM attention layer on hal's ops; refuses at construction what hal cannot run exactly."""
-
-    #: What vLLM's layer may pass beyond the standard arguments, and hal honours.
-    extra_arguments: ClassVar[tuple[str, ...]] = ("sinks",)
 
     def __init__(
         self,
