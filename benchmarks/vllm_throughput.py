@@ -88,6 +88,7 @@ def _measure(side: str, path: Path, args: argparse.Namespace) -> dict[str, Any]:
                              "tokens": [list(o.outputs[0].token_ids) for o in outputs]}
         (report,) = llm.collective_rpc("hal_stats")
         results["hal_stats"] = report["stats"]
+        results["worker_cpus"] = report["cpus"]  # both sides' workers must be bound alike
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -130,7 +131,7 @@ def main() -> None:
     parser.add_argument("--batched-tokens", type=int, default=512, help="vLLM's max_num_batched_tokens")
     parser.add_argument("--kv-cache-mib", type=int, default=512)
     parser.add_argument("--decode-seqs", type=int, default=16)
-    parser.add_argument("--decode-prompt", type=int, default=64)
+    parser.add_argument("--decode-prompt", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--prefill-seqs", type=int, default=8)
     parser.add_argument("--prefill-prompt", type=int, default=1024)

@@ -23,7 +23,7 @@ class HalWorkerExtension:
     vllm_config: Any  # the worker's, set by vLLM
 
     def hal_stats(self) -> dict[str, Any]:
-        """This worker's ``pid``, :func:`hal_core.stats`, and each attention layer's implementation class and window.
+        """This worker's ``pid``, the CPUs it may run on, :func:`hal_core.stats`, and its attention layers.
 
         ``attention`` maps each layer's name to ``{"impl": class name, "window": sliding window or None}``.
         """
@@ -33,4 +33,5 @@ class HalWorkerExtension:
             impl = getattr(layer, "impl", layer)
             window = getattr(impl, "sliding_window", None)
             attention[name] = {"impl": type(impl).__qualname__, "window": window if window and window > 0 else None}
-        return {"pid": os.getpid(), "stats": hal_core.stats(), "attention": attention}
+        return {"pid": os.getpid(), "cpus": sorted(os.sched_getaffinity(0)), "stats": hal_core.stats(),
+                "attention": attention}
