@@ -21,7 +21,7 @@ strided views, which hal reads and writes in place.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from vllm.v1.attention.backend import (  # type: ignore[import-not-found, unused-ignore]
@@ -34,7 +34,8 @@ from hal_core.interop import to_native
 
 from ._startup import LayerPlan, check_cache_spec, plan_layer, serving_backend
 
-__all__ = ["HalAttentionImpl", "HalAttentionMetadata", "HalAttentionMetadataBuilder", "split_kv_cache"]
+__all__ = ["HalAttentionImpl", "HalAttentionMetadata", "HalAttentionMetadataBuilder", "HalBackendTraits",
+           "split_kv_cache"]
 
 
 def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,3 +181,44 @@ class HalAttentionImpl(AttentionImpl):  # type: ignore[misc, unused-ignore]
                 **self.plan.features(self._native_sinks()),
             )
         return output
+
+
+class HalBackendTraits:
+    """What vLLM asks of an attention backend, answered for hal's ops; mixed in before vLLM's backend class.
+
+    Decoder attention (causal), sinks and sliding windows, caches in the
+    model's dtype, the KV update outside ``forward``; any head size (the
+    serving backend's declaration is checked when a layer is built).
+    """
+
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.float16, torch.bfloat16]
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto", "float16", "bfloat16"]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == "decoder"
+
+    @staticmethod
+    def get_impl_cls() -> type[HalAttentionImpl]:
+        return HalAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[HalAttentionMetadataBuilder]:
+        return HalAttentionMetadataBuilder

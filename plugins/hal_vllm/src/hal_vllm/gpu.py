@@ -3,7 +3,8 @@
 The same implementation and metadata builder as on CPU
 (:mod:`hal_vllm._attention`), on vLLM's per-layer ``LBHNC`` cache tensor of
 the GPU; vLLM's selector asks :meth:`HalAttentionBackend.validate_configuration`
-(the ``supports_*`` answers below) before it picks it, and reports the
+(the ``supports_*`` answers of :class:`~hal_vllm._attention.HalBackendTraits`)
+before it picks it, and reports the
 reasons when it cannot. Attention runs outside vLLM's CUDA graphs
 (``AttentionCGSupport.NEVER``, vLLM's default), on torch's current stream;
 hal's ops on device tensors never synchronise or read device memory back.
@@ -11,23 +12,18 @@ hal's ops on device tensors never synchronise or read device memory back.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
-import torch
 from vllm.v1.attention.backend import AttentionBackend, MultipleOf  # type: ignore[import-not-found, unused-ignore]
 from vllm.v1.kv_cache_interface import KVCacheLayout  # type: ignore[import-not-found, unused-ignore]
 
-from ._attention import HalAttentionImpl, HalAttentionMetadataBuilder
+from ._attention import HalBackendTraits
 
 __all__ = ["HalAttentionBackend"]
 
 
-class HalAttentionBackend(AttentionBackend):  # type: ignore[misc, unused-ignore]
-    """hal's ops as vLLM's ``CUSTOM`` attention backend: decoder attention, caches in the model's dtype."""
-
-    forward_includes_kv_cache_update: bool = False
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto", "float16", "bfloat16"]
+class HalAttentionBackend(HalBackendTraits, AttentionBackend):  # type: ignore[misc, unused-ignore]
+    """hal's ops as vLLM's ``CUSTOM`` attention backend."""
 
     @staticmethod
     def get_name() -> str:
@@ -40,19 +36,3 @@ class HalAttentionBackend(AttentionBackend):  # type: ignore[misc, unused-ignore
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[Any, ...]:
         return (KVCacheLayout.LBHNC,)
-
-    @classmethod
-    def supports_sink(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return True
-
-    @staticmethod
-    def get_impl_cls() -> type[HalAttentionImpl]:
-        return HalAttentionImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[HalAttentionMetadataBuilder]:
-        return HalAttentionMetadataBuilder
