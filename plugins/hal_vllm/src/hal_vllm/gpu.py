@@ -4,8 +4,7 @@ The same implementation and metadata builder as on CPU
 (:mod:`hal_vllm._attention`), on vLLM's per-layer ``LBHNC`` cache tensor of
 the GPU; vLLM's selector asks :meth:`HalAttentionBackend.validate_configuration`
 (the ``supports_*`` answers of :class:`~hal_vllm._attention.HalBackendTraits`)
-before it picks it, and reports the
-reasons when it cannot. Attention runs outside vLLM's CUDA graphs
+before it picks it, and reports the reasons when it cannot. Attention runs outside vLLM's CUDA graphs
 (``AttentionCGSupport.NEVER``, vLLM's default), on torch's current stream;
 hal's ops on device tensors never synchronise or read device memory back.
 """
