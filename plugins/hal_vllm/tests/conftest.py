@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
+
+import hal_core
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs these tests in .venv-vllm")
 
@@ -18,3 +20,21 @@ def cpu_attn_restored() -> Iterator[None]:
     yield
     _ATTN_OVERRIDES.clear()
     _ATTN_OVERRIDES.update(saved)
+
+
+@pytest.fixture
+def declared() -> Callable[[str, int, int, set[str]], bool]:
+    """Whether the host hal backend declares it runs ``paged_attention`` of given features itself.
+
+    Called as ``declared(dtype, head_size, block_size, variants)``. What a
+    backend declares must not fall back (hal's contract suite holds every
+    backend to that); what it does not runs on hal's fallback path. The
+    tests expect exactly that: no fallback where declared.
+    """
+
+    def covers(dtype: str, head_size: int, block_size: int, variants: set[str]) -> bool:
+        coverage = hal_core.get_backend().ops.coverage("paged_attention")
+        return coverage.covers({"dtype": dtype, "head_size": head_size, "block_size": block_size,
+                                "variant": frozenset(variants)}) is True
+
+    return covers

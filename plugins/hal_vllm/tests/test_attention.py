@@ -10,6 +10,7 @@ chunk and decodes. Unused cache slots hold NaN: any read of one would show.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -173,16 +174,21 @@ def test_layer_matches_float64_reference(feature: str, dtype: torch.dtype, rng: 
     assert torch.all(output[n:] == 7.0), "padding rows of the output must stay untouched"
 
 
-def test_layer_runs_on_hal(rng: np.random.Generator) -> None:
-    """Both ops of a step are answered by the serving backend's own implementations, nothing falls back."""
+def test_layer_runs_on_hal_as_its_backend_declares(rng: np.random.Generator, declared: Any) -> None:
+    """Both ops of a step go through hal's front door: the writes on the backend's own kernel, the attention
+    there too where the backend declares a mixed batch (``prefill``), else on hal's fallback path."""
     impl = make_impl()
-    before = hal_core.stats().get(impl.plan.backend.name, {})
+    backend = impl.plan.backend.name
+    before = hal_core.stats().get(backend, {})
     run_layer(impl, make_step(rng, torch.float32), torch.float32)
-    after = hal_core.stats()[impl.plan.backend.name]
-    for op, calls in (("write_kv_cache", 2), ("paged_attention", 1)):
-        done = after[op]["calls"] - before.get(op, {}).get("calls", 0)
-        assert done == calls, (op, after[op])
-        assert not after[op]["fallbacks"], after[op]
+    after = hal_core.stats()[backend]
+    done = {op: after[op]["calls"] - before.get(op, {}).get("calls", 0) for op in ("write_kv_cache", "paged_attention")}
+    assert done == {"write_kv_cache": 2, "paged_attention": 1}
+    assert not after["write_kv_cache"]["fallbacks"]
+    fallbacks = sum(after["paged_attention"]["fallbacks"].values())
+    fallbacks -= sum(before.get("paged_attention", {}).get("fallbacks", {}).values())
+    mixed = declared("fp32", HEAD_SIZE, BLOCK_SIZE, {"prefill", "strided_cache"})
+    assert fallbacks == (0 if mixed else 1), after["paged_attention"]
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -198,13 +204,20 @@ def test_refused_at_start_up(overrides: dict[str, object], message: str) -> None
         make_impl(**overrides)
 
 
-def test_head_size_the_backend_does_not_declare_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A head size outside the serving backend's declared coverage would fall back on every call: refused."""
+def test_head_size_the_backend_does_not_declare(monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    """A head size outside the serving backend's declaration: said once at start-up (its calls fall back),
+    refused under HAL_STRICT."""
     ops_class = type(hal_core.get_backend().ops)
     monkeypatch.setattr(ops_class, "coverage", lambda self, op: OpCoverage(head_sizes={64, 128}))
-    with pytest.raises(ValueError, match=r"does not run write_kv_cache here \(head size 32 is not declared"):
+    monkeypatch.setenv("HAL_STRICT", "1")
+    with pytest.raises(ValueError, match=r"HAL_STRICT is on.*write_kv_cache calls of this model to hal's fallback "
+                                         r"path \(head size 32 is not declared"):
         make_impl()
     make_impl(head_size=64)
+    monkeypatch.delenv("HAL_STRICT")
+    make_impl()
+    assert "does not run every paged_attention call of this model itself (head size 32" in caplog.text
 
 
 def test_hal_core_without_varlen_attention_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,13 +2,18 @@
 
 Everything here runs while vLLM builds the model and its KV cache, so a
 model hal cannot run is refused before the first request, with a
-``ValueError`` naming the feature and what to do, never run wrong. A layer
+``ValueError`` naming the feature and what to do, never run wrong: a layer
 is accepted only when hal's ``paged_attention`` has every feature it needs
-(variable-length queries, sliding window, softcap, sinks, ALiBi) and the
-serving backend declares it runs the layer's dtype, head size and block
-size itself (:meth:`hal_core.ops.Ops.coverage`): nothing of vLLM's attention
-is left to hal's CPU fallback by design. ``HAL_STRICT=1`` makes any
-fallback that still happens at run time an error (hal's own rule).
+(variable-length queries, sliding window, softcap, sinks, ALiBi) in the
+model's dtype and cache dtype.
+
+Whether the serving backend runs the layer's calls itself (its declared
+:meth:`~hal_core.ops.Ops.coverage` of dtype, head size, block size and
+variants: ``prefill`` for steps with prompt tokens, ``strided_cache`` for
+vLLM's cache halves, ...) is checked here too: what it does not declare
+runs on hal's fallback path, correct and slower, said once per process at
+start-up; with ``HAL_STRICT=1`` (hal's rule: any fallback is an error) it
+refuses the model instead.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ HAL_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf1
 _VARLEN_ARGUMENTS = ("query_start_loc", "max_query_len", "window", "softcap", "sinks", "alibi_slopes")
 
 _announced: set[int] = set()
+_warned: set[tuple[int, str, str]] = set()
 
 
 def _refuse(what: str, remedy: str = "unset HAL_VLLM to run this model on vLLM's own attention") -> ValueError:
@@ -73,7 +79,7 @@ def _strict() -> bool:
 
 
 def _check_covered(backend: Backend, features: dict[str, Any], variants: frozenset[str] | None = None) -> None:
-    """Refuse when ``backend`` does not declare it runs both attention ops with these features itself.
+    """Say (once) which attention calls ``backend`` leaves to hal's fallback; under ``HAL_STRICT``, refuse.
 
     ``variants`` are the optional behaviours of ``paged_attention`` the layer uses (``prefill``,
     ``strided_cache``, ``window``, ...); ``write_kv_cache`` is asked about ``features`` alone.
@@ -81,11 +87,18 @@ def _check_covered(backend: Backend, features: dict[str, Any], variants: frozens
     for op, asked in (("write_kv_cache", features),
                       ("paged_attention", features if variants is None else {**features, "variant": variants})):
         verdict = backend.ops.coverage(op).covers(asked)
-        if verdict is not True:
-            raise _refuse(f"hal backend {backend.name!r} does not run {op} here ({verdict}), so every call would "
-                          f"fall back to hal's CPU path",
-                          "choose a model or block size the backend declares (`hal info --explain`), "
-                          "or unset HAL_VLLM")
+        if verdict is True:
+            continue
+        if _strict():
+            raise _refuse(f"HAL_STRICT is on, and hal backend {backend.name!r} would leave {op} calls of this "
+                          f"model to hal's fallback path ({verdict})",
+                          "choose what the backend declares (`hal info --explain`), unset HAL_STRICT to accept "
+                          "the fallback, or unset HAL_VLLM")
+        key = (os.getpid(), op, str(verdict))
+        if key not in _warned:
+            _warned.add(key)
+            log.warning("hal-vllm: hal backend %r does not run every %s call of this model itself (%s); "
+                        "those calls run on hal's fallback path: correct, slower", backend.name, op, verdict)
 
 
 def _check_varlen(backend: Backend) -> None:
