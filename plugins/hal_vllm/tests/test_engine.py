@@ -62,7 +62,7 @@ GPTQ_GROUP = 32
 
 
 def _llama_gptq(path: Path) -> int:
-    """A bf16 Llama whose projections are a GPTQ checkpoint (4-bit, symmetric, v1 zero points, groups of 32)."""
+    """An fp16 Llama whose projections are a GPTQ checkpoint (4-bit, symmetric, v1 zero points, groups of 32)."""
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -70,11 +70,11 @@ def _llama_gptq(path: Path) -> int:
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_SIZE, max_position_embeddings=512,
-                         dtype="bfloat16")
+                         dtype="float16")
     tensors = {}
     for name, tensor in LlamaForCausalLM(config).state_dict().items():
         if not name.endswith("_proj.weight"):
-            tensors[name] = tensor.to(torch.bfloat16).contiguous()
+            tensors[name] = tensor.to(torch.float16).contiguous()
             continue
         weight = quantize(tensor.T.double().numpy(), bits=4, group_size=GPTQ_GROUP, symmetric=True)
         k, n = weight.shape
@@ -192,15 +192,18 @@ def test_fp8_kv_cache_is_refused_at_start_up(tmp_path_factory: pytest.TempPathFa
 
 
 def test_gptq_model_runs_its_linear_layers_on_hal(tmp_path: Path, run: Any, declared: Any) -> None:
-    """A GPTQ checkpoint in bf16: hal's W4A16 GEMM serves every projection, and the model scores the prompts as
-    vLLM's own int4 kernel does (bf16 rounding apart: the prompts' log-probabilities within 0.05)."""
+    """A GPTQ checkpoint in fp16: hal's W4A16 GEMM serves every projection, and the model scores the prompts as
+    vLLM's own int4 kernel does (fp16 rounding apart: the prompts' log-probabilities within 0.01).
+
+    fp16, not bf16: with bf16 and chunked prefill, the reference side (vLLM's own CPU kernels, which take
+    their AMX paths on a CPU that reports AMX) killed vLLM's worker with SIGILL on the machines CI uses."""
     num_layers = _llama_gptq(tmp_path)
-    strict = declared("bf16", HEAD_SIZE, BLOCK_SIZE, {"prefill", "strided_cache"})
-    expected, _ = run(tmp_path, hal=False, dtype="bfloat16")
-    outputs, report = run(tmp_path, hal=True, strict=strict, dtype="bfloat16")
+    strict = declared("fp16", HEAD_SIZE, BLOCK_SIZE, {"prefill", "strided_cache"})
+    expected, _ = run(tmp_path, hal=False, dtype="float16")
+    outputs, report = run(tmp_path, hal=True, strict=strict, dtype="float16")
     difference = np.abs(_prompt_logprobs(outputs) - _prompt_logprobs(expected))
     print("prompt log-probability differences: max", difference.max(), "mean", difference.mean())
-    assert difference.max() < 0.05
+    assert difference.max() < 0.01
     gemm = report["stats"]["cpu"]["quantized_gemm"]
     print("hal counters in the worker:", report["stats"]["cpu"])
     projections = 4  # per layer: fused QKV, output, fused gate/up, down
