@@ -22,7 +22,7 @@ import contextlib
 import inspect
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ import torch
 import hal_core
 from hal_core import Backend
 from hal_core.interop import to_native
+from hal_core.torch._routing import on_torch_stream
 
 __all__ = ["HAL_DTYPES", "LayerPlan", "check_cache_spec", "device_type", "plan_layer", "serving_backend"]
 
@@ -124,16 +125,9 @@ class LayerPlan:
         """The backend's ops front door."""
         return self.backend.ops
 
-    @contextlib.contextmanager
-    def on_stream(self, tensor: torch.Tensor) -> Iterator[None]:
-        """Run the block on torch's current stream of ``tensor``'s device (nothing to do for host tensors)."""
-        if tensor.device.type == "cpu":
-            yield
-            return
-        from hal_core.torch._routing import on_torch_stream
-
-        with on_torch_stream(self.backend, tensor):
-            yield
+    def on_stream(self, tensor: torch.Tensor) -> contextlib.AbstractContextManager[None]:
+        """A context running the block on torch's current stream of ``tensor``'s device (none for host tensors)."""
+        return on_torch_stream(self.backend, tensor)
 
     def features(self, sinks: Any) -> dict[str, Any]:
         """The optional ``paged_attention`` arguments of this layer (``sinks``: the backend's float32 array)."""
