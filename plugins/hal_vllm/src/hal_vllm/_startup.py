@@ -29,8 +29,9 @@ from typing import Any
 import torch
 
 import hal_core
-from hal_core import Backend
+from hal_core import Backend, env
 from hal_core.interop import to_native
+from hal_core.torch import backend_for
 from hal_core.torch._routing import on_torch_stream
 
 __all__ = ["HAL_DTYPES", "LayerPlan", "check_cache_spec", "device_type", "plan_layer", "serving_backend"]
@@ -59,11 +60,9 @@ def device_type() -> str:
     return str(current_platform.device_type)
 
 
-def serving_backend(device_type: str) -> Backend:
-    """The hal backend that owns ``device_type`` tensors; logged once per process."""
-    from hal_core.torch import backend_for
-
-    backend = backend_for(torch.empty(0, device=device_type))
+def serving_backend(device: str) -> Backend:
+    """The hal backend that owns tensors of torch device type ``device``; logged once per process."""
+    backend = backend_for(torch.empty(0, device=device))
     if os.getpid() not in _announced:
         _announced.add(os.getpid())
         info = {b.name: b for b in hal_core.list_backends()}.get(backend.name)
@@ -74,8 +73,6 @@ def serving_backend(device_type: str) -> Backend:
 
 
 def _strict() -> bool:
-    from hal_core import env
-
     return env.flag("HAL_STRICT", False)
 
 

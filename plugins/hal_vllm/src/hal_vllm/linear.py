@@ -33,6 +33,9 @@ from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import ( 
 )
 from vllm.scalar_type import scalar_types  # type: ignore[import-not-found, unused-ignore]
 
+from hal_core.interop import to_native
+from hal_core.torch._routing import on_torch_stream
+
 from ._startup import HAL_DTYPES, device_type, serving_backend
 
 __all__ = ["HalWNA16LinearKernel", "unpack_zero_points"]
@@ -90,8 +93,10 @@ class HalWNA16LinearKernel(MPLinearKernel):  # type: ignore[misc, unused-ignore]
             tensors["zeros"] = unpack_zero_points(zeros.data.contiguous())
         elif self.w_zp_name is not None:
             setattr(layer, self.w_zp_name, None)  # a symmetric layer's zero points are not used
-        self._weight = weight_from_tensors(tensors, bits=4)  # views of the layer's tensors; new zero points
-        self._ops = serving_backend(device_type()).ops
+        backend = serving_backend(device_type())
+        # the backend's arrays over the layer's tensors (views; the zero points new), converted once
+        self._weight = weight_from_tensors(tensors, bits=4).map_arrays(lambda a: to_native(a, backend, "qweight"))
+        self._backend = backend
 
     def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W (+ bias)`` over the last dimension of ``x``, through hal's ``quantized_gemm``."""
@@ -101,7 +106,10 @@ class HalWNA16LinearKernel(MPLinearKernel):  # type: ignore[misc, unused-ignore]
             rows = rows.contiguous()
         out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
         if rows.shape[0]:
-            self._ops.quantized_gemm(rows, self._weight, out=out)
+            backend = self._backend
+            with on_torch_stream(backend, x):
+                backend.ops.quantized_gemm(to_native(rows, backend, "x"), self._weight,
+                                           out=to_native(out, backend, "out"))
         if bias is not None:
             out += bias
         return out.reshape(*x.shape[:-1], n)
