@@ -138,6 +138,7 @@ def main() -> None:
     parser.add_argument("--prefill-tokens", type=int, default=4)
     parser.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile) on both sides")
     parser.add_argument("--json", type=Path, help="write the report here")
+    parser.add_argument("--note", default="", help="what the report should say about this run (kept in the JSON)")
     args = parser.parse_args()
 
     import vllm
@@ -169,8 +170,8 @@ def main() -> None:
         "date": datetime.date.today().isoformat(), "commit": _git("rev-parse", "HEAD"),
         "commit_subject": _git("log", "-1", "--format=%s"), "machine": _machine(),
         "versions": {"vllm": vllm.__version__, "hal_core": hal_core.__version__},
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "summary": summary, "rounds": rounds,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "note"},
+        "note": args.note, "summary": summary, "rounds": rounds,
     }
     print(f"{'load':15} {'side':5} {'prompt tok/s':>13} {'generated tok/s':>16}")
     for load, row in summary.items():
