@@ -178,7 +178,7 @@ def test_layer_runs_on_hal_as_its_backend_declares(rng: np.random.Generator, dec
     """Both ops of a step go through hal's front door: the writes on the backend's own kernel, the attention
     there too where the backend declares a mixed batch (``prefill``), else on hal's fallback path."""
     impl = make_impl()
-    backend = impl.plan.backend.name
+    backend = impl.plan.route.backend.name
     before = hal_core.stats().get(backend, {})
     run_layer(impl, make_step(rng, torch.float32), torch.float32)
     after = hal_core.stats()[backend]

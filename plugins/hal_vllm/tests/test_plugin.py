@@ -115,3 +115,22 @@ def test_gpu_backend_is_vllms_custom_backend() -> None:
 def test_gpu_backend_refuses_what_hal_lacks(override: dict[str, object], reason: str) -> None:
     """vLLM's selector reports why hal's backend cannot serve a configuration (`--attention-backend CUSTOM` fails)."""
     assert reason in _gpu_reasons(**override)
+
+
+def test_host_calls_take_numpy_views_device_calls_go_through_hal_torch() -> None:
+    """On the host backend the layers call its front door with numpy views of vLLM's tensors (no copy); on a
+    device backend, hal's torch functions (which follow torch's current stream) with the tensors as they are."""
+    import types
+
+    import numpy as np
+    from hal_vllm._startup import Route
+
+    import hal_core.torch
+
+    tensor = torch.arange(6, dtype=torch.float32)
+    host = Route(hal_core.get_backend())
+    view = host.native(tensor, "x")
+    assert host.ops is hal_core.get_backend().ops
+    assert isinstance(view, np.ndarray) and view.ctypes.data == tensor.data_ptr()
+    device = Route(types.SimpleNamespace(name="cuda", is_host=False))  # type: ignore[arg-type]
+    assert device.ops is hal_core.torch and device.native(tensor, "x") is tensor

@@ -30,9 +30,7 @@ from vllm.v1.attention.backend import (  # type: ignore[import-not-found, unused
     AttentionType,
 )
 
-from hal_core.interop import to_native
-
-from ._startup import LayerPlan, check_cache_spec, plan_layer, serving_backend
+from ._startup import LayerPlan, Route, check_cache_spec, plan_layer, serving_backend
 
 __all__ = ["HalAttentionImpl", "HalAttentionMetadata", "HalAttentionMetadataBuilder", "HalBackendTraits",
            "split_kv_cache"]
@@ -68,7 +66,7 @@ class HalAttentionMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         check_cache_spec(kv_cache_spec, vllm_config)
-        self.backend = serving_backend(device.type)
+        self.route = Route(serving_backend(device.type))
 
     def build(self, common_prefix_len: int, common_attn_metadata: Any,
               fast_build: bool = False) -> HalAttentionMetadata:
@@ -79,14 +77,14 @@ class HalAttentionMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]
                 "(unset HAL_VLLM for this model)"
             )
         num_reqs = common.num_reqs
-        backend = self.backend
+        native = self.route.native
         return HalAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
             max_query_len=common.max_query_len,
             max_seq_len=common.max_seq_len,
-            query_start_loc=to_native(common.query_start_loc[: num_reqs + 1], backend, "query_start_loc"),
-            seq_lens=to_native(common.seq_lens[:num_reqs], backend, "seq_lens"),
-            block_table=to_native(common.block_table_tensor[:num_reqs], backend, "block_tables"),
+            query_start_loc=native(common.query_start_loc[: num_reqs + 1], "query_start_loc"),
+            seq_lens=native(common.seq_lens[:num_reqs], "seq_lens"),
+            block_table=native(common.block_table_tensor[:num_reqs], "block_tables"),
         )
 
 
@@ -134,13 +132,14 @@ class HalAttentionImpl(AttentionImpl):  # type: ignore[misc, unused-ignore]
         cached = self._caches
         if cached is None or cached[0] is not kv_cache:
             key_cache, value_cache = split_kv_cache(kv_cache)
-            cached = (kv_cache, self.plan.native(key_cache, "key_cache"), self.plan.native(value_cache, "value_cache"))
+            native = self.plan.route.native
+            cached = (kv_cache, native(key_cache, "key_cache"), native(value_cache, "value_cache"))
             self._caches = cached
         return cached[1], cached[2]
 
     def _native_sinks(self) -> Any:
         if self.sinks is not None and self._sinks is None:
-            self._sinks = self.plan.native(self.sinks.detach().float(), "sinks")
+            self._sinks = self.plan.route.native(self.sinks.detach().float(), "sinks")
         return self._sinks
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
@@ -148,10 +147,9 @@ class HalAttentionImpl(AttentionImpl):  # type: ignore[misc, unused-ignore]
         """hal's ``write_kv_cache`` of this step's keys and values (slot -1: padding, skipped)."""
         key_cache, value_cache = self._kv(kv_cache)
         num_tokens = slot_mapping.shape[0]
-        with self.plan.on_stream(key):
-            self.plan.ops.write_kv_cache(self.plan.native(key[:num_tokens], "key"),
-                                         self.plan.native(value[:num_tokens], "value"), key_cache, value_cache,
-                                         self.plan.native(slot_mapping, "slot_mapping"))
+        route = self.plan.route
+        route.ops.write_kv_cache(route.native(key[:num_tokens], "key"), route.native(value[:num_tokens], "value"),
+                                 key_cache, value_cache, route.native(slot_mapping, "slot_mapping"))
 
     def forward(
         self,
@@ -173,13 +171,13 @@ class HalAttentionImpl(AttentionImpl):  # type: ignore[misc, unused-ignore]
         meta = attn_metadata
         num_tokens = meta.num_actual_tokens
         key_cache, value_cache = self._kv(kv_cache)
-        with self.plan.on_stream(query):
-            self.plan.ops.paged_attention(
-                self.plan.native(query[:num_tokens], "query"), key_cache, value_cache, meta.block_table, meta.seq_lens,
-                scale=self.plan.scale, query_start_loc=meta.query_start_loc, max_query_len=meta.max_query_len,
-                max_seq_len=meta.max_seq_len, out=self.plan.native(output[:num_tokens], "out"),
-                **self.plan.features(self._native_sinks()),
-            )
+        route = self.plan.route
+        route.ops.paged_attention(
+            route.native(query[:num_tokens], "query"), key_cache, value_cache, meta.block_table, meta.seq_lens,
+            scale=self.plan.scale, query_start_loc=meta.query_start_loc, max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len, out=route.native(output[:num_tokens], "out"),
+            **self.plan.features(self._native_sinks()),
+        )
         return output
 
 

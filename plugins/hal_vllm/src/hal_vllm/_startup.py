@@ -18,7 +18,6 @@ refuses the model instead.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import os
@@ -29,12 +28,12 @@ from typing import Any
 import torch
 
 import hal_core
+import hal_core.torch as hal_torch
 from hal_core import Backend, env
 from hal_core.interop import to_native
 from hal_core.torch import backend_for
-from hal_core.torch._routing import on_torch_stream
 
-__all__ = ["HAL_DTYPES", "LayerPlan", "check_cache_spec", "device_type", "plan_layer", "serving_backend"]
+__all__ = ["HAL_DTYPES", "LayerPlan", "Route", "check_cache_spec", "device_type", "plan_layer", "serving_backend"]
 
 #: The logger of the plugin: a child of vLLM's, so its messages appear with vLLM's own.
 log = logging.getLogger("vllm.hal_vllm")
@@ -108,31 +107,42 @@ def _check_varlen(backend: Backend) -> None:
 
 
 @dataclass(frozen=True)
-class LayerPlan:
-    """How one attention layer runs on hal, decided once: the backend and the features passed through."""
+class Route:
+    """How vLLM's tensors reach the serving backend's ops.
+
+    On the host backend: its front door (``backend.ops``), with each tensor
+    viewed as a numpy array first (:meth:`native`, no copy), so a step's
+    metadata and a layer's cache halves are converted once, not per call.
+    On a device backend: hal's torch functions (:mod:`hal_core.torch`), which
+    enqueue on torch's current stream of the tensors' device, with the
+    tensors as they are.
+    """
 
     backend: Backend
-    scale: float
-    window: int | None
-    softcap: float | None
-    alibi_slopes: Any  #: the backend's float32 array [num_heads], or None
 
     @property
     def ops(self) -> Any:
-        """The backend's ops front door."""
-        return self.backend.ops
-
-    def on_stream(self, tensor: torch.Tensor) -> contextlib.AbstractContextManager[None]:
-        """A context running the block on torch's current stream of ``tensor``'s device (none for host tensors)."""
-        return on_torch_stream(self.backend, tensor)
-
-    def features(self, sinks: Any) -> dict[str, Any]:
-        """The optional ``paged_attention`` arguments of this layer (``sinks``: the backend's float32 array)."""
-        return {"window": self.window, "softcap": self.softcap, "sinks": sinks, "alibi_slopes": self.alibi_slopes}
+        """What the calls go through: ``paged_attention``, ``write_kv_cache``, with the ops' own signatures."""
+        return self.backend.ops if self.backend.is_host else hal_torch
 
     def native(self, tensor: torch.Tensor, name: str) -> Any:
-        """``tensor`` as an array of the backend (a view: numpy on CPU, the device's array type on a GPU)."""
-        return to_native(tensor, self.backend, name)
+        """``tensor`` as the calls take it (a numpy view on the host; the tensor itself on a device)."""
+        return to_native(tensor, self.backend, name) if self.backend.is_host else tensor
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """How one attention layer runs on hal, decided once: the route and the features passed through."""
+
+    route: Route
+    scale: float
+    window: int | None
+    softcap: float | None
+    alibi_slopes: Any  #: float32 [num_heads] as the route takes it, or None
+
+    def features(self, sinks: Any) -> dict[str, Any]:
+        """The optional ``paged_attention`` arguments of this layer (``sinks``: float32, as the route takes it)."""
+        return {"window": self.window, "softcap": self.softcap, "sinks": sinks, "alibi_slopes": self.alibi_slopes}
 
 
 def plan_layer(
@@ -173,13 +183,14 @@ def plan_layer(
             "alibi": alibi_slopes is not None}
     variants = frozenset({"prefill", "strided_cache"} | {name for name, on in used.items() if on})
     _check_covered(backend, {"dtype": HAL_DTYPES[dtype], "head_size": head_size}, variants)
+    route = Route(backend)
     slopes = None
     if alibi_slopes is not None:
         if len(alibi_slopes) != num_heads:
             raise _refuse(f"{len(alibi_slopes)} ALiBi slopes for {num_heads} heads")
-        slopes = to_native(torch.tensor(list(alibi_slopes), dtype=torch.float32, device=device_type()),
-                           backend, "alibi_slopes")
-    return LayerPlan(backend=backend, scale=float(scale), window=sliding_window,
+        slopes = route.native(torch.tensor(list(alibi_slopes), dtype=torch.float32, device=device_type()),
+                              "alibi_slopes")
+    return LayerPlan(route=route, scale=float(scale), window=sliding_window,
                      softcap=float(logits_soft_cap) if logits_soft_cap else None, alibi_slopes=slopes)
 
 

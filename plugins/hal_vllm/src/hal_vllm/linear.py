@@ -33,10 +33,7 @@ from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import ( 
 )
 from vllm.scalar_type import scalar_types  # type: ignore[import-not-found, unused-ignore]
 
-from hal_core.interop import to_native
-from hal_core.torch._routing import on_torch_stream
-
-from ._startup import HAL_DTYPES, device_type, serving_backend
+from ._startup import HAL_DTYPES, Route, device_type, serving_backend
 
 __all__ = ["HalWNA16LinearKernel", "unpack_zero_points"]
 
@@ -93,10 +90,12 @@ class HalWNA16LinearKernel(MPLinearKernel):  # type: ignore[misc, unused-ignore]
             tensors["zeros"] = unpack_zero_points(zeros.data.contiguous())
         elif self.w_zp_name is not None:
             setattr(layer, self.w_zp_name, None)  # a symmetric layer's zero points are not used
-        backend = serving_backend(device_type())
-        # the backend's arrays over the layer's tensors (views; the zero points new), converted once
-        self._weight = weight_from_tensors(tensors, bits=4).map_arrays(lambda a: to_native(a, backend, "qweight"))
-        self._backend = backend
+        route = Route(serving_backend(device_type()))
+        if not route.backend.is_host:
+            raise ValueError(f"hal-vllm runs int4 linear layers on the host backend, not {route.backend.name!r}")
+        # numpy views of the layer's tensors (the zero points new), made once
+        self._weight = weight_from_tensors(tensors, bits=4).map_arrays(lambda a: route.native(a, "qweight"))
+        self._route = route
 
     def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W (+ bias)`` over the last dimension of ``x``, through hal's ``quantized_gemm``."""
@@ -106,10 +105,8 @@ class HalWNA16LinearKernel(MPLinearKernel):  # type: ignore[misc, unused-ignore]
             rows = rows.contiguous()
         out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
         if rows.shape[0]:
-            backend = self._backend
-            with on_torch_stream(backend, x):
-                backend.ops.quantized_gemm(to_native(rows, backend, "x"), self._weight,
-                                           out=to_native(out, backend, "out"))
+            route = self._route
+            route.ops.quantized_gemm(route.native(rows, "x"), self._weight, out=route.native(out, "out"))
         if bias is not None:
             out += bias
         return out.reshape(*x.shape[:-1], n)
