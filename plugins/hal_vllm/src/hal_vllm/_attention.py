@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from vllm.v1.attention.backend import (  # type: ignore[import-not-found, unused-ignore]
+from vllm.v1.attention.backend import (
     AttentionImpl,
     AttentionMetadataBuilder,
     AttentionType,

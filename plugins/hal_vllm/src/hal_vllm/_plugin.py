@@ -37,11 +37,11 @@ def register() -> None:
     """
     if not enabled():
         return
-    import vllm  # type: ignore[import-not-found, unused-ignore]
+    import vllm
 
     check_vllm_version(vllm.__version__)
-    from vllm.platforms import current_platform  # type: ignore[import-not-found, unused-ignore]
-    from vllm.v1.attention.backends.registry import (  # type: ignore[import-not-found, unused-ignore]
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import (
         AttentionBackendEnum,
         register_backend,
     )
@@ -60,11 +60,11 @@ def register() -> None:
 
 def _put_linear_kernel_first() -> None:
     """Make hal's WNA16 kernel the CPU's first choice (vLLM's registration appends; the first that fits wins)."""
-    from vllm.model_executor.kernels.linear import (  # type: ignore[import-not-found, unused-ignore]
+    from vllm.model_executor.kernels.linear import (
         _POSSIBLE_KERNELS,
         register_linear_kernel,
     )
-    from vllm.platforms import PlatformEnum  # type: ignore[import-not-found, unused-ignore]
+    from vllm.platforms import PlatformEnum
 
     from .linear import HalWNA16LinearKernel
 

@@ -54,7 +54,7 @@ def _refuse(what: str, remedy: str = "unset HAL_VLLM to run this model on vLLM's
 
 def device_type() -> str:
     """The torch device type of vLLM's platform in this process (``cpu``, ``cuda``)."""
-    from vllm.platforms import current_platform  # type: ignore[import-not-found, unused-ignore]
+    from vllm.platforms import current_platform
 
     return str(current_platform.device_type)
 

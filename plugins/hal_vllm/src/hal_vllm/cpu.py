@@ -11,7 +11,7 @@ builder passes vLLM's common metadata through, and each layer runs hal's
 
 from __future__ import annotations
 
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend  # type: ignore[import-not-found, unused-ignore]
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
 from ._attention import HalBackendTraits
 

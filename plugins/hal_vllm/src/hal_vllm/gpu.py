@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.v1.attention.backend import AttentionBackend, MultipleOf  # type: ignore[import-not-found, unused-ignore]
-from vllm.v1.kv_cache_interface import KVCacheLayout  # type: ignore[import-not-found, unused-ignore]
+from vllm.v1.attention.backend import AttentionBackend, MultipleOf
+from vllm.v1.kv_cache_interface import KVCacheLayout
 
 from ._attention import HalBackendTraits
 

@@ -28,10 +28,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import (  # type: ignore[import-not-found, unused-ignore]
+from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import (
     MPLinearKernel,
 )
-from vllm.scalar_type import scalar_types  # type: ignore[import-not-found, unused-ignore]
+from vllm.scalar_type import scalar_types
 
 from ._startup import HAL_DTYPES, Route, device_type, serving_backend
 
