@@ -216,3 +216,22 @@ def test_runs_on_cuda_like_on_the_host() -> None:
     on_gpu = layer.to("cuda")
     assert on_gpu.qweight.is_cuda and on_gpu.scales.dtype == torch.float16
     assert_close_to(on_gpu(x.cuda()).cpu(), expected, "fp16")
+
+
+def test_eager_host_calls_equal_the_torch_operator_and_follow_replaced_buffers() -> None:
+    """Eager CPU calls go straight to hal's front door with the weight's views kept: the same bits as
+    ``torch.ops.hal.quantized_gemm``, and a replaced buffer is seen at the next call."""
+    seed = 77
+    print(f"seed={seed}")
+    torch.manual_seed(seed)
+    layer = QuantLinear.from_linear(torch.nn.Linear(128, 48), bits=4, group_size=32)
+    x = torch.randn(3, 5, 128)
+    operator = torch.ops.hal.quantized_gemm(x.reshape(-1, 128), layer.qweight, layer.scales, layer.zeros,
+                                            layer.g_idx, layer.bits, layer.group_size).view(3, 5, 48) + layer.bias
+    assert torch.equal(layer(x), operator)
+    other = QuantLinear.from_linear(torch.nn.Linear(128, 48), bits=4, group_size=32)
+    layer.load_state_dict(other.state_dict(), assign=True)  # new buffer objects, not copies into the old ones
+    assert torch.equal(layer(x), other(x))
+    before = layer(x) - layer.bias
+    layer.scales.mul_(2)  # in place: the kept views see it
+    assert torch.allclose(layer(x) - layer.bias, 2 * before, rtol=1e-5, atol=1e-5)

@@ -32,8 +32,10 @@ import numpy as np
 import torch
 
 from ..arrays import BFLOAT16
+from ..interop import host_view
 from ..quant import QuantizedWeight, quantize
 from ..quant._args import as_bool, as_int
+from ._routing import backend_for
 from ._weights import _weight, weight_to_tensors
 
 __all__ = ["QuantLinear"]
@@ -85,6 +87,8 @@ class QuantLinear(torch.nn.Module):
                  scale_dtype: torch.dtype = torch.float16, bias_dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
+        #: (the buffers, hal's weight over their numpy views): eager CPU calls reuse it (:meth:`_host_gemm`).
+        self._host_weight: tuple[tuple[Any, ...], QuantizedWeight] | None = None
         in_features, out_features = as_int("in_features", in_features), as_int("out_features", out_features)
         bits = as_int("bits", bits)
         if in_features <= 0 or out_features <= 0:
@@ -178,12 +182,35 @@ class QuantLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = torch.ops.hal.quantized_gemm(x.reshape(-1, self.in_features).contiguous(), self.qweight, self.scales,
-                                         self.zeros, self.g_idx, self.bits, self.group_size)
+        rows = x.reshape(-1, self.in_features).contiguous()
+        if rows.device.type == "cpu" and not torch.compiler.is_compiling():
+            y = self._host_gemm(rows)
+        else:
+            y = torch.ops.hal.quantized_gemm(rows, self.qweight, self.scales, self.zeros, self.g_idx, self.bits,
+                                             self.group_size)
         y = y.view(*lead, self.out_features)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
+
+    def _host_gemm(self, rows: torch.Tensor) -> torch.Tensor:
+        """Eager CPU calls go straight to hal's front door with the weight's numpy views built once.
+
+        The result is what ``torch.ops.hal.quantized_gemm`` computes (the same front door, validation and
+        kernels) without its per-call dispatch and weight assembly, which cost more than a decode-sized
+        kernel. The views are rebuilt whenever a buffer is replaced (``.to()``, ``load_state_dict`` with
+        ``assign``); in-place changes to a buffer reach them, being views.
+        """
+        buffers = (self.qweight, self.scales, self.zeros, self.g_idx)
+        cached = self._host_weight
+        if cached is None or any(a is not b for a, b in zip(cached[0], buffers, strict=True)):
+            qweight, scales, zeros, g_idx = (None if t is None else host_view(t, name)
+                                             for name, t in zip(_BUFFERS, buffers, strict=True))
+            cached = self._host_weight = (buffers, _weight(qweight, scales, zeros, g_idx, self.bits, self.group_size))
+        out = torch.empty((rows.shape[0], self.out_features), dtype=rows.dtype)
+        backend_for(rows).ops._call("quantized_gemm", {"x": host_view(rows, "x"), "qweight": cached[1],
+                                                       "out": host_view(out, "out")})
+        return out
 
     def extra_repr(self) -> str:
         kind = "symmetric" if self.zeros is None else "zero points"
