@@ -51,6 +51,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .. import _env
 from .._errors import FallbackError
+from ..interop import host_view
 from ..kvcache import CacheConfig, PagedKVCache
 from ._convert import to_tensor
 from ._ops import paged_attention, write_kv_cache
@@ -80,6 +81,8 @@ class _Plan:
     seq_lens: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    #: The step's index arrays as the cache's own arrays (numpy on a host backend), for eager calls.
+    native: dict[str, Any]
 
 
 class _HalLayer(CacheLayerMixin):
@@ -209,7 +212,7 @@ class HalPagedCache(Cache):
             rows = torch.from_numpy(np.flatnonzero(real.reshape(-1))).to(self.device)
         self._plan = _Plan(self._step, rows, to_tensor(step.slot_mapping), to_tensor(step.query_start_loc),
                            to_tensor(step.block_tables), to_tensor(step.seq_lens), step.max_query_len,
-                           step.max_seq_len)
+                           step.max_seq_len, {"slot_mapping": step.slot_mapping, **step.attention_args()})
         return self._plan
 
     # -- lifetime ----------------------------------------------------------------
@@ -261,14 +264,36 @@ def hal_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     if plan.rows is not None:
         q, k, v = (t.index_select(0, plan.rows) for t in (q, k, v))
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    key_cache, value_cache = cache.key_caches[layer], cache.value_caches[layer]
-    write_kv_cache(k, v, key_cache, value_cache, plan.slot_mapping)
-    out = paged_attention(q, key_cache, value_cache, plan.block_tables, plan.seq_lens, scale,
-                          query_start_loc=plan.query_start_loc, max_query_len=plan.max_query_len,
-                          max_seq_len=plan.max_seq_len, window=window, softcap=softcap, sinks=sinks)
+    if cache.paged.backend.is_host and not torch.compiler.is_compiling():
+        out = _host_attention(cache, layer, plan, q, k, v, scale, window, softcap, sinks)
+    else:
+        key_cache, value_cache = cache.key_caches[layer], cache.value_caches[layer]
+        write_kv_cache(k, v, key_cache, value_cache, plan.slot_mapping)
+        out = paged_attention(q, key_cache, value_cache, plan.block_tables, plan.seq_lens, scale,
+                              query_start_loc=plan.query_start_loc, max_query_len=plan.max_query_len,
+                              max_seq_len=plan.max_seq_len, window=window, softcap=softcap, sinks=sinks)
     if plan.rows is not None:  # pad rows get zeros (transformers never reads them)
         out = query.new_zeros(batch * q_len, heads, head_size).index_copy_(0, plan.rows, out)
     return out.view(batch, q_len, heads, head_size), None
+
+
+def _host_attention(cache: HalPagedCache, layer: int, plan: _Plan, q: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor, scale: float, window: int | None, softcap: float | None,
+                    sinks: torch.Tensor | None) -> torch.Tensor:
+    """Eager calls on a host cache: hal's front door on numpy views, the cache and the step's plan as hal holds
+    them (no per-call conversion; the same ops, checks and kernels as ``hal::write_kv_cache`` /
+    ``hal::paged_attention``)."""
+    ops = cache.paged.backend.ops
+    key_cache, value_cache = cache.paged.key_caches[layer], cache.paged.value_caches[layer]
+    ops.write_kv_cache(host_view(k, "key"), host_view(v, "value"), key_cache, value_cache,
+                       plan.native["slot_mapping"])
+    out = torch.empty(q.shape, dtype=q.dtype)
+    ops.paged_attention(host_view(q, "query"), key_cache, value_cache, plan.native["block_tables"],
+                        plan.native["seq_lens"], scale=scale, out=host_view(out, "out"),
+                        query_start_loc=plan.native["query_start_loc"], max_query_len=plan.max_query_len,
+                        max_seq_len=plan.max_seq_len, window=window, softcap=softcap,
+                        sinks=None if sinks is None else host_view(sinks, "sinks"))
+    return out
 
 
 def _variants(module: torch.nn.Module, kwargs: dict[str, Any]) -> tuple[int | None, float | None, torch.Tensor | None]:
