@@ -6,6 +6,7 @@
 // picks the best one this CPU and OS support, unless a name is forced (HAL_CPU_ISA, for testing and diagnosis).
 #include <pthread.h>
 #include <sched.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -35,7 +36,13 @@ namespace {
 //  - a worker joins a job only while the caller is still taking tasks: once the caller has run out
 //    of tasks it closes the job and waits only for the workers that joined, never for one still
 //    waking up (which then goes back to waiting);
-//  - the caller polls for the joined workers to finish before it blocks.
+//  - the caller polls for the joined workers to finish before it blocks;
+//  - a shared machine: a worker that got less than kStarvedShare of a core while it ran its tasks
+//    (its thread CPU time against the wall clock, judged on tasks of kStarvedMinUs or more) was
+//    descheduled by another process, and the caller waited for it. The next jobs then run on the
+//    caller alone: 4 of them after the first such job, twice as many after each further one (up to
+//    kMaxBackoff), and a job whose workers kept their cores ends the back-off. So a loaded machine
+//    costs at most about the one-thread time, never a scheduler time slice per op call.
 // ---------------------------------------------------------------------------------------------
 using Clock = std::chrono::steady_clock;
 
@@ -66,6 +73,18 @@ std::atomic<int64_t> spin_us{100};
 std::atomic<int> amx_allowed{1};  // hal_cpu_set_attention_amx
 //: The caller polls this long for joined workers to finish before it blocks (it has nothing else to do).
 constexpr int64_t kCallerPollUs = 2000;
+//: A worker whose tasks took at least this long (wall clock) is judged for starvation...
+constexpr int64_t kStarvedMinUs = 100;
+//: ...and was starved when its thread ran for less than this share of that time.
+constexpr double kStarvedShare = 0.75;
+//: Jobs run on the caller alone after a starved one: 4, then doubling up to this.
+constexpr int64_t kMaxBackoff = 256;
+
+int64_t thread_cpu_ns() {
+    timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
 
 class Pool {
   public:
@@ -74,10 +93,17 @@ class Pool {
     }
     int size() const { return int(threads_.size()); }
 
-    // Returns false when another job is running (the caller then runs its job inline).
+    // Returns false when another job is running or the pool backs off after a starved worker (the caller
+    // then runs its job inline).
     bool run(int64_t n, int helpers, void (*fn)(void *, int64_t), void *ctx) {
         std::unique_lock<std::mutex> busy(submit_, std::try_to_lock);
         if (!busy.owns_lock()) return false;
+        if (skip_ > 0) {
+            --skip_;
+            serial_jobs_.fetch_add(1, std::memory_order_relaxed);
+            return false;
+        }
+        starved_.store(false, std::memory_order_relaxed);
         {
             std::lock_guard<std::mutex> lock(mu_);
             fn_ = fn;
@@ -98,8 +124,18 @@ class Pool {
             std::unique_lock<std::mutex> lock(mu_);
             done_.wait(lock, [this] { return active_.load(std::memory_order_acquire) == 0; });
         }
+        if (starved_.load(std::memory_order_relaxed)) {
+            starved_jobs_.fetch_add(1, std::memory_order_relaxed);
+            backoff_ = std::min(kMaxBackoff, backoff_ == 0 ? int64_t(4) : 2 * backoff_);
+            skip_ = backoff_;
+        } else {
+            backoff_ = 0;
+        }
         return true;
     }
+
+    int64_t starved_jobs() const { return starved_jobs_.load(std::memory_order_relaxed); }
+    int64_t serial_jobs() const { return serial_jobs_.load(std::memory_order_relaxed); }
 
   private:
     void work() {
@@ -120,7 +156,13 @@ class Pool {
                 --seats_;
                 active_.fetch_add(1, std::memory_order_relaxed);
             }
+            const Clock::time_point wall0 = Clock::now();
+            const int64_t cpu0 = thread_cpu_ns();
             work();
+            const int64_t wall_ns =
+                std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - wall0).count();
+            if (wall_ns >= kStarvedMinUs * 1000 && double(thread_cpu_ns() - cpu0) < kStarvedShare * double(wall_ns))
+                starved_.store(true, std::memory_order_relaxed);
             if (active_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
                 std::lock_guard<std::mutex> lock(mu_);
                 done_.notify_all();
@@ -139,6 +181,9 @@ class Pool {
     std::atomic<int> active_{0};
     int seats_ = 0;      // workers that may still join the current job (under mu_)
     bool open_ = false;  // whether the caller is still taking tasks (under mu_)
+    std::atomic<bool> starved_{false};  // a worker of the current job lost its core
+    int64_t backoff_ = 0, skip_ = 0;    // under submit_: the current back-off, and the jobs left in it
+    std::atomic<int64_t> starved_jobs_{0}, serial_jobs_{0};
 };
 
 int cpu_count() {
@@ -253,6 +298,12 @@ const char *hal_cpu_available_isas(void) {
 }
 
 int hal_cpu_default_threads(void) { return cpu_count(); }
+
+void hal_cpu_pool_stats(int64_t *starved_jobs, int64_t *serial_jobs) {
+    std::lock_guard<std::mutex> lock(pool_mu);
+    *starved_jobs = pool ? pool->starved_jobs() : 0;
+    *serial_jobs = pool ? pool->serial_jobs() : 0;
+}
 
 int64_t hal_cpu_set_spin_us(int64_t us) { return spin_us.exchange(std::max<int64_t>(0, us)); }
 

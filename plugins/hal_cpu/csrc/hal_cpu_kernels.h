@@ -27,6 +27,9 @@ int hal_cpu_default_threads(void);
 /* Sets the microseconds a pool worker polls for the next job before it blocks (0: block at once);
    returns the previous setting. */
 int64_t hal_cpu_set_spin_us(int64_t us);
+/* The pool's counters since it was made: jobs in which a worker lost its core to another process (starved), and
+   jobs run on the calling thread alone in the back-off that follows (serial). */
+void hal_cpu_pool_stats(int64_t *starved_jobs, int64_t *serial_jobs);
 
 /* Variable-length paged attention (hal-core's paged_attention contract): the new tokens of a batch that mixes
  * prompts, prompt chunks and decoding sequences, against a paged K/V cache. Strides are in elements; the last

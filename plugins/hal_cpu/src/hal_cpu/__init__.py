@@ -1,7 +1,8 @@
 """hal-cpu: the CPU backend of hal, and the fallback every other backend relies on.
 
 Engine code does not import this package; ``hal_core.get_backend()`` finds it
-through the ``hal`` entry-point group. The classes are public for tests and
+through the ``hal`` entry-point group. :func:`set_threads` (or
+``HAL_CPU_THREADS``) bounds the threads its compiled kernels use. The classes are public for tests and
 for backend authors who want a working example of every contract.
 """
 
@@ -12,6 +13,7 @@ from ._device import CpuDevice, host_capabilities
 from ._launcher import BlockContext, CpuKernel, CpuLauncher
 from ._memory import CpuAllocator, CpuBuffer
 from ._stream import CpuEvent, CpuStream
+from ._threads import pool_stats, set_threads
 from ._version import __version__
 
 __all__ = [
@@ -26,4 +28,6 @@ __all__ = [
     "CpuStream",
     "__version__",
     "host_capabilities",
+    "pool_stats",
+    "set_threads",
 ]

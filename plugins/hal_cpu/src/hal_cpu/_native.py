@@ -22,7 +22,7 @@ import numpy as np
 
 from hal_core import env
 
-from . import _abi
+from . import _abi, _threads
 
 __all__ = ["Native", "NativeUnavailable", "check_abi", "load", "pointer", "try_load"]
 
@@ -46,6 +46,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "hal_cpu_available_isas": (ctypes.c_char_p, []),
     "hal_cpu_default_threads": (ctypes.c_int, []),
     "hal_cpu_set_spin_us": (_i64, [_i64]),
+    "hal_cpu_pool_stats": (None, [ctypes.POINTER(_i64), ctypes.POINTER(_i64)]),
     "hal_cpu_abi": (ctypes.c_char_p, [ctypes.c_char_p]),
     "hal_cpu_paged_attention": (ctypes.c_int, [ctypes.POINTER(_abi.AttentionArgs)]),
     "hal_cpu_attention_amx": (ctypes.c_int, []),
@@ -71,12 +72,16 @@ class NativeUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class Native:
-    """The loaded library: its ctypes functions, the chosen variant and the host's thread count."""
+    """The loaded library: its ctypes functions, the chosen variant and the thread count the kernels use."""
 
     lib: ctypes.CDLL
     isa: str
     available: tuple[str, ...]
-    threads: int
+
+    @property
+    def threads(self) -> int:
+        """The kernels' thread count now (``HAL_CPU_THREADS``, :func:`hal_cpu.set_threads`, else every core)."""
+        return _threads.current()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.lib, f"hal_cpu_{name}")
@@ -113,7 +118,8 @@ def _open() -> Native:
         chosen = lib.hal_cpu_select_isa(b"")
     lib.hal_cpu_set_spin_us(env.integer(SPIN_ENV, DEFAULT_SPIN_US, minimum=0, maximum=1_000_000))
     lib.hal_cpu_set_attention_amx(int(env.flag(AMX_ENV, True)))
-    return Native(lib=lib, isa=chosen.decode(), available=available, threads=int(lib.hal_cpu_default_threads()))
+    _threads.current()  # a bad HAL_CPU_THREADS is reported when the library loads
+    return Native(lib=lib, isa=chosen.decode(), available=available)
 
 
 def check_abi(lib: Any, structs: dict[str, type[ctypes.Structure]] | None = None) -> None:
