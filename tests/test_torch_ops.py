@@ -204,3 +204,67 @@ def test_host_tensors_run_on_the_host_backend() -> None:
 def test_memory_no_backend_owns_is_an_error() -> None:
     with pytest.raises(hal_core.ArgumentError, match="meta"):
         hal_torch.backend_for(torch.empty(1, device="meta"))
+
+
+def test_host_weight_is_built_once_per_set_of_tensors_and_follows_replaced_tensors() -> None:
+    """torch.ops.hal on CPU tensors checks and views a weight once; new tensors (or a freed one) are seen."""
+    import gc
+
+    from hal_core.quant import quantize
+    from hal_core.torch import _weights, weight_to_tensors
+    from hal_core.torch._weights import host_weight
+
+    seed = int(np.random.SeedSequence().entropy % (2**32))  # type: ignore[operator]
+    print(f"seed {seed}")
+    rng = np.random.default_rng(seed)
+    w = quantize(rng.standard_normal((64, 24)).astype(np.float32), bits=4, group_size=32)
+    t = weight_to_tensors(w)
+    first = host_weight(t["qweight"], t["scales"], t.get("zeros"), None, 4, 32)
+    assert host_weight(t["qweight"], t["scales"], t.get("zeros"), None, 4, 32) is first
+    x = torch.from_numpy(rng.standard_normal((3, 64)).astype(np.float32))
+    expected = x.double().numpy() @ w.dequantize()
+    got = torch.ops.hal.quantized_gemm(x, t["qweight"], t["scales"], t.get("zeros"), None, 4, 32)
+    np.testing.assert_allclose(got.numpy(), expected, rtol=1e-4, atol=1e-4)
+    # a new scales tensor (another weight's) is a new entry, with its own values
+    w2 = quantize(rng.standard_normal((64, 24)).astype(np.float32), bits=4, group_size=32)
+    t2 = weight_to_tensors(w2)
+    again = host_weight(t["qweight"], t2["scales"], t.get("zeros"), None, 4, 32)
+    assert again is not first and np.array_equal(again.scales, t2["scales"].numpy())
+    # freeing the packed tensor drops its entry
+    key = id(t["qweight"])
+    assert key in _weights._HOST_WEIGHTS
+    del t, first, again
+    gc.collect()
+    assert key not in _weights._HOST_WEIGHTS
+
+
+def test_host_weight_keeps_the_weights_checks() -> None:
+    from hal_core.torch._weights import host_weight
+
+    qweight = torch.zeros((8, 16), dtype=torch.int32)
+    with pytest.raises(ValueError, match="scales"):
+        host_weight(qweight, torch.ones((3, 16)), None, None, 4, 32)
+
+
+def test_routing_never_takes_a_freed_runtimes_entry() -> None:
+    """A cached choice whose runtime was freed is not used, even when a new runtime reuses its id."""
+    import weakref
+
+    from hal_core._runtime import current
+    from hal_core.torch import _routing
+
+    x = torch.zeros(2)
+    right = _routing.backend_for(x)
+
+    class Gone:
+        pass
+
+    dead = weakref.ref(Gone())  # a reference whose object is already freed
+    stale = object()
+    runtime = current()
+    key = (id(runtime), hal_core._env.backend_override(), "cpu", 0)
+    _routing._chosen[key] = (dead, stale)  # type: ignore[assignment]
+    try:
+        assert _routing.backend_for(x) is right
+    finally:
+        _routing._chosen.pop(key, None)

@@ -5,15 +5,14 @@ on the same inputs, interleaved so drift hits all alike: the registered implemen
 directly on a prepared request (the kernel and its own thin wrapper), ``be.ops.<op>(...)`` (interop,
 validation with the default index checks, the choice, the result check, ``out``), and, when torch is
 installed, the ``torch.ops.hal`` operator on torch tensors over the same memory (its dispatch, the
-backend routing, the output allocation, then the front door). Each figure is the median over
-batches of the thread's CPU time (wall time on a loaded machine counts other processes), the best
-of three interleaved rounds.
+backend routing, the numpy views, then the front door). Each figure is the fastest batch of the
+thread's CPU time over three interleaved rounds (wall time on a loaded machine counts other
+processes, and even CPU time grows with their cache traffic: the fastest batch is the cost itself).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +31,7 @@ def _per_call_us(fn: Callable[[], Any], batches: int, inner: int) -> float:
         for _ in range(inner):
             fn()
         samples.append((time.thread_time() - start) / inner * 1e6)
-    return statistics.median(samples)
+    return min(samples)
 
 
 def _torch_call(op: str, args: dict[str, Any]) -> Callable[[], Any] | None:

@@ -26,6 +26,8 @@ def _is_bool(value: Any) -> bool:
 
 def as_int(name: str, value: Any) -> int:
     """``value`` as a Python int: an int, a numpy integer, or a 0-d integer array (not a bool)."""
+    if type(value) is int:  # the common case, answered before the general checks
+        return value
     if not _is_bool(value):
         try:
             return operator.index(value)

@@ -16,6 +16,7 @@ Dequantisation: ``w[k, n] = (q[k, n] - z[g, n]) * s[g, n]`` with ``g = g_idx[k]`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -111,8 +112,10 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         total = 0
         for value in (self.qweight, self.scales, self.zeros, self.g_idx):
-            if value is not None:
-                total += int(np.prod(value.shape)) * value.dtype.itemsize
+            if type(value) is np.ndarray:
+                total += value.nbytes
+            elif value is not None:
+                total += int(math.prod(value.shape)) * value.dtype.itemsize
         return total
 
     def arrays(self) -> dict[str, Any]:

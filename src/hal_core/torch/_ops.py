@@ -6,8 +6,9 @@ is imported) the operators of :func:`~hal_core.torch._schema.torch_ops` are defi
 
 - a real implementation that hands the tensors to the hal backend addressing their device
   (:mod:`._routing`, chosen once per device), unchanged: hal converts them without a copy and applies
-  its own validation, fallback and strict-mode rules. Outputs are allocated by torch (so a CUDA
-  graph's memory pool owns them) and written by hal through ``out=``;
+  its own validation, fallback and strict-mode rules. On a device, outputs are allocated by torch (so a
+  CUDA graph's memory pool owns them) and written by hal through ``out=``; on the host, hal's own result
+  array is returned as a tensor view (no output copy);
 - a fake implementation that checks what a trace can (ranks, the sizes the layouts share, matching
   dtypes: :func:`hal_core.ops._validate.check_shapes`) and returns the declared output's shape and
   dtype, so ``torch.compile`` traces through without a graph break and a CUDA graph captures the
@@ -31,9 +32,10 @@ import torch
 from ..interop import host_view
 from ..ops import OPS, OpSpec
 from ..ops._validate import check_shapes
+from ._convert import to_tensor
 from ._routing import backend_for, on_torch_stream
 from ._schema import WEIGHT_FIELDS, TorchOp, torch_ops
-from ._weights import _weight
+from ._weights import _weight, host_weight
 
 __all__ = ["paged_attention", "quantized_gemm", "register_torch_ops", "wrapper", "write_kv_cache"]
 
@@ -61,6 +63,16 @@ def _op_args(spec: OpSpec, values: Mapping[str, Any], *, fake: bool) -> dict[str
     return args
 
 
+def _host_args(spec: OpSpec, values: Mapping[str, Any]) -> dict[str, Any]:
+    """The op's arguments from an operator's CPU parameters, as numpy views (a weight's cached)."""
+    args = {name: host_view(value, name) if isinstance(value, torch.Tensor) else value
+            for name, value in values.items() if value is not None and name not in WEIGHT_FIELDS}
+    for name in spec.weight_names:
+        args[name] = host_weight(values["qweight"], values["scales"], values["zeros"], values["g_idx"],
+                                 values["bits"], values["group_size"])
+    return args
+
+
 def _lead(spec: OpSpec, args: Mapping[str, Any]) -> torch.Tensor:
     """The first tensor argument given: its device decides the backend."""
     for name in spec.array_names:
@@ -77,9 +89,11 @@ def _real(op: TorchOp) -> Callable[..., Any]:
         given = dict(zip(names, values, strict=False))  # defaults are not passed
         lead = _lead(spec, given)
         backend = backend_for(lead)
-        host = lead.device.type == "cpu"
-        if host:  # numpy views of every tensor, once: the front door then converts nothing
-            given = {name: host_view(v, name) if isinstance(v, torch.Tensor) else v for name, v in given.items()}
+        if lead.device.type == "cpu":
+            # numpy views of every tensor (a weight's built once per set of tensors): the front door then
+            # converts nothing; hal's own result array is handed to torch as a view (no output copy)
+            result = backend.ops._call(spec.name, _host_args(spec, given))
+            return to_tensor(result) if op.returns_tensor else None
         args = _op_args(spec, given, fake=False)
         out = None
         if op.returns_tensor:
@@ -88,12 +102,9 @@ def _real(op: TorchOp) -> Callable[..., Any]:
             shape = spec.output_shape(args)
             assert shape is not None
             out = torch.empty(shape, dtype=source.dtype, device=source.device)
-            args["out"] = host_view(out, "out") if host else out
-        if host:
+            args["out"] = out
+        with on_torch_stream(backend, lead):
             backend.ops._call(spec.name, args)
-        else:
-            with on_torch_stream(backend, lead):
-                backend.ops._call(spec.name, args)
         return out
 
     run.__name__ = op.name

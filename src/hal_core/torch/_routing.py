@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -29,23 +31,27 @@ from ..arrays import dlpack_device
 
 __all__ = ["backend_for", "on_torch_stream"]
 
-#: (runtime, HAL_BACKEND, device type, index) -> backend; a reset makes a new runtime, so old keys never match.
-_chosen: dict[tuple[int, str | None, str, int], Backend] = {}
+#: (id(runtime), HAL_BACKEND, device type, index) -> (weak reference to the runtime, backend). The reference
+#: is checked on every look-up: ids are reused once an object is freed, and a reset's new runtime must never
+#: take a stale entry (whose backend would count its calls in a runtime nobody reads).
+_chosen: dict[tuple[int, str | None, str, int], tuple[weakref.ref[Any], Backend]] = {}
 _lock = threading.Lock()
 
 
 def backend_for(tensor: torch.Tensor) -> Backend:
     """The hal backend that addresses ``tensor``'s memory; ArgumentError when none does."""
     device = tensor.device
-    key = (id(current()), _env.backend_override(), device.type, device.index or 0)
+    runtime = current()
+    key = (id(runtime), _env.backend_override(), device.type, device.index or 0)
     found = _chosen.get(key)
-    if found is None:
-        found = _choose(tensor)
-        with _lock:
-            if len(_chosen) > 64:  # stale runtimes' entries: never consulted again
-                _chosen.clear()
-            _chosen[key] = found
-    return found
+    if found is not None and found[0]() is runtime:
+        return found[1]
+    backend = _choose(tensor)
+    with _lock:
+        if len(_chosen) > 64:  # stale runtimes' entries: never consulted again
+            _chosen.clear()
+        _chosen[key] = (weakref.ref(runtime), backend)
+    return backend
 
 
 def _addresses(backend: Backend, tensor: torch.Tensor) -> bool:

@@ -20,6 +20,7 @@ g_idx       int32 ``[K]``, absent unless act-order  same
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -87,3 +88,56 @@ def _weight(qweight: Any, scales: Any, zeros: Any | None, g_idx: Any | None, bit
         packed = qweight.view(torch.uint32 if isinstance(qweight, torch.Tensor) else np.uint32)
     return QuantizedWeight(qweight=packed, scales=scales, zeros=zeros, bits=bits, group_size=group_size,
                            shape=(k, n), g_idx=g_idx)
+
+
+# -- host weights for torch.ops.hal, built once per set of tensors -------------------------------
+
+#: id(qweight tensor) -> (weak reference to it, the tensors' signature, the weight over raw views).
+_HOST_WEIGHTS: dict[int, tuple[weakref.ref[torch.Tensor], tuple[Any, ...], QuantizedWeight]] = {}
+#: More entries than any model has quantized layers; beyond it the cache starts over.
+_HOST_WEIGHTS_MAX = 4096
+
+
+class _Raw:
+    """An ``__array_interface__`` over a tensor's memory that holds no reference to the tensor."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.__array_interface__ = array.__array_interface__
+
+
+def _signature(tensors: tuple[torch.Tensor | None, ...], bits: int, group_size: int) -> tuple[Any, ...]:
+    described = (None if t is None else (id(t), t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors)
+    return (bits, group_size, *described)
+
+
+def _forget(key: int) -> Any:
+    return lambda _: _HOST_WEIGHTS.pop(key, None)
+
+
+def host_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                g_idx: torch.Tensor | None, bits: int, group_size: int) -> QuantizedWeight:
+    """The weight over CPU tensors as numpy views, built and checked once per set of tensors.
+
+    A ``torch.ops.hal`` call on host tensors would otherwise take four numpy views and re-check the
+    weight's shapes on every call. The entry is found again only while ``qweight`` is alive and every
+    tensor has the same identity, address, shape, strides and dtype (so the views still describe the
+    memory the caller passes); it is dropped when ``qweight`` is freed, and the views hold no reference
+    that would keep a freed model's weights alive.
+    """
+    tensors = (qweight, scales, zeros, g_idx)
+    signature = _signature(tensors, bits, group_size)
+    key = id(qweight)
+    found = _HOST_WEIGHTS.get(key)
+    if found is not None and found[0]() is qweight and found[1] == signature:
+        return found[2]
+    from ..interop import host_view
+
+    views = []
+    for tensor, name in zip(tensors, _FIELDS, strict=True):
+        view = None if tensor is None else host_view(tensor, name)
+        views.append(None if view is None else np.asarray(_Raw(view)).view(view.dtype))
+    weight = _weight(views[0], views[1], views[2], views[3], bits, group_size)
+    if len(_HOST_WEIGHTS) >= _HOST_WEIGHTS_MAX:
+        _HOST_WEIGHTS.clear()
+    _HOST_WEIGHTS[key] = (weakref.ref(qweight, _forget(key)), signature, weight)
+    return weight
