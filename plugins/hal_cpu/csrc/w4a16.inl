@@ -196,10 +196,14 @@ inline void w4_rows(int64_t rows, const float *xs, int64_t k, const float *xsum,
 #include "w4_bf16.inl"
 
 template <class SS>
-int w4a16_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, int64_t n, const uint32_t *qw,
-            const void *scales_v, const uint8_t *zeros, int32_t zdef, int64_t gsize, float *y, int64_t n_tile,
-            int32_t k_parts, int32_t threads) {
-    const auto *scales = static_cast<const typename SS::T *>(scales_v);
+int w4a16_t(const hal_cpu_w4a16_gemv_args &a) {
+    const void *x = a.x;
+    const int32_t xdt = a.x_dtype, zdef = a.default_zero, k_parts = a.k_parts, threads = a.threads;
+    const int64_t xstride = a.x_stride, m = a.m, k = a.k, n = a.n, gsize = a.group_size, n_tile = a.n_tile;
+    const uint32_t *qw = a.qweight;
+    const uint8_t *zeros = a.zeros;
+    float *y = a.y;
+    const auto *scales = static_cast<const typename SS::T *>(a.scales);
     const int64_t ngroups = k / gsize;
     // Bounded by the activations: x in float32, its group sums and (float32 path) its pre-scaled copy.
     std::vector<float> x32(size_t(m) * k), xsum(size_t(m) * ngroups);
@@ -213,8 +217,7 @@ int w4a16_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, i
         }
     });
 #if defined(HAL_W4_BF16) && !defined(HAL_W4_NO_BF16)
-    if (w4a16_bf16<SS>(x, xdt, xstride, m, k, n, qw, scales, zeros, zdef, gsize, y, n_tile, k_parts, threads, x32,
-                       xsum)) {
+    if (w4a16_bf16<SS>(a, x32, xsum)) {
         w4_scalar_cols<SS>(x32.data(), m, k, qw, n, n / W * W, n, scales, zeros, float(zdef), gsize, y);
         return HAL_OK;
     }
@@ -252,16 +255,11 @@ int w4a16_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, i
     return HAL_OK;
 }
 
-int w4a16_gemv(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, int64_t n, const uint32_t *qw,
-               const void *scales, int32_t sdt, const uint8_t *zeros, int32_t zdef, int64_t gsize, float *y,
-               int64_t n_tile, int32_t k_parts, int32_t threads) {
+int w4a16_gemv(const hal_cpu_w4a16_gemv_args *args) {
     try {
-#define HAL_W4_CALL(SS) \
-    w4a16_t<SS>(x, xdt, xstride, m, k, n, qw, scales, zeros, zdef, gsize, y, n_tile, k_parts, threads)
-        if (sdt == HAL_F16) return HAL_W4_CALL(F16);
-        if (sdt == HAL_BF16) return HAL_W4_CALL(BF16);
-        return HAL_W4_CALL(F32);
-#undef HAL_W4_CALL
+        if (args->s_dtype == HAL_F16) return w4a16_t<F16>(*args);
+        if (args->s_dtype == HAL_BF16) return w4a16_t<BF16>(*args);
+        return w4a16_t<F32>(*args);
     } catch (const std::bad_alloc &) {
         return HAL_ENOMEM;
     }

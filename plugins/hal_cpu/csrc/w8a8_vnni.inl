@@ -345,12 +345,14 @@ inline void w8_tile_rows(const W8Panel &p, const std::vector<Segment> &segs, con
 }
 
 template <class SS>
-int w8a8_vnni_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, int64_t n, const uint8_t *qw,
-                const void *scales_v, const uint8_t *zeros, int32_t zdef, const int32_t *perm,
-                const std::vector<Segment> &segs, float *y, int64_t n_tile, int32_t k_parts, int32_t threads) {
+int w8a8_vnni_t(const hal_cpu_w8a8_gemm_args &a, const std::vector<Segment> &segs) {
+    const int32_t k_parts = a.k_parts, threads = a.threads;
+    const int64_t m = a.m, k = a.k, n = a.n, n_tile = a.n_tile;
+    float *y = a.y;
     W8Panel p;
-    w8_quantise(x, xdt, xstride, m, k, perm, segs, p, threads);
-    const W8Weight<SS> w{qw, n, perm, static_cast<const typename SS::T *>(scales_v), zeros, float(zdef)};
+    w8_quantise(a.x, a.x_dtype, a.x_stride, m, k, a.perm, segs, p, threads);
+    const W8Weight<SS> w{a.qweight, n, a.perm, static_cast<const typename SS::T *>(a.scales), a.zeros,
+                         float(a.default_zero)};
     if (segs.empty()) {
         std::fill(y, y + m * n, 0.0f);
     } else if (m <= kVnniGemvRows) {
