@@ -375,3 +375,21 @@ def test_w8a8_column_tile_rule() -> None:
             tasks = -(-n // tile)
             assert tasks >= min(threads, -(-n // 64)), (n, threads, tile)
     assert quantized_gemm.w8a8_column_tile(11008, 2, 1) == 5504  # M = 1: one long range per thread
+
+
+@pytest.mark.parametrize("m", [5, 8, 16, 64])
+@pytest.mark.parametrize("case", ["g128", "act-order"])
+def test_w8a8_large_m_blocks_and_chunks(select_isa: Callable[[str], AbstractContextManager[None]],
+                                        rng: np.random.Generator, m: int, case: str) -> None:
+    """The larger-M byte-dot-product kernel across its blocks: K in several chunks of whole segments (the last one
+    short), N over several 512-column blocks with a ragged last panel, act-order groups of uneven length; the
+    float kernel's bits and the reference's values."""
+    args = (_uneven_act_order(rng, m, 1216, 1100, 32) if case == "act-order" else
+            quantized_gemm_inputs(rng, m=m, k=1280, n=1100, bits=8, group_size=128, symmetric=False, dtype="bf16"))
+    got = {}
+    for name in ("avx512vnni", "avx512"):
+        with select_isa(name):
+            got[name] = quantized_gemm.gemm(args["x"], args["qweight"])
+    np.testing.assert_array_equal(got["avx512vnni"], got["avx512"])
+    assert_close(got["avx512vnni"], REFERENCE(args), kind="gemm", dtype="bf16" if case == "g128" else "fp32",
+                 what=f"avx512vnni W8A8 M={m} {case}")
