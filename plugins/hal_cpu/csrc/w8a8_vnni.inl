@@ -17,10 +17,11 @@
 //   M <= kVnniGemvRows: the codes are read straight from [K, N]; each step reads 8 rows across a wide
 //     column tile (contiguous bytes), interleaves them in registers and accumulates into an int32
 //     [M, tile] workspace in L1 (columns in a lane-blocked order, put back per segment).
-//   larger M: a task owns 512 columns (8 panels of 64) and walks K in chunks of whole segments
-//     (about 512 rows): it packs the chunk's codes into dot-product layout ([rows / 4, 64, 4] bytes
-//     per panel, natural column order) in a per-task workspace, reading 4 code rows at a time as
-//     512-byte runs, then 6 x 64 register tiles run over each panel (24 int32 accumulators, 4 code
+//   larger M: a task owns a block of up to 32 panels of 64 columns (the blocks spread evenly over a
+//     multiple of the thread count) and walks K in chunks of whole segments (one group of 128 rows):
+//     it packs the chunk's codes into dot-product layout ([rows / 4, 64, 4] bytes per panel, natural
+//     column order) in a per-task workspace of at most 320 KiB, reading 4 code rows at a time as runs
+//     of up to 2 KiB, then 6 x 64 register tiles run over each panel (24 int32 accumulators, 4 code
 //     vectors and one broadcast per step of 4 rows). Segments are still summed and folded into y
 //     one after the other, so the bits do not change with the chunks or the blocks.
 
@@ -29,10 +30,11 @@ constexpr int kVnniTileRows = 6;
 constexpr int64_t kVnniAccWords = 8192;     // int32 accumulators of a small-M task (32 KiB of stack): M x tile
                                             // at most, so up to 8192 columns for M = 1 and 2048 for M = 4
 constexpr int64_t kVnniPrefetchRows = 32;  // code rows read this far ahead are prefetched into L2
-//: Larger M: 64-column panels per task (512 columns: each packing step reads 4 code rows as 512-byte runs),
-//: and code rows packed per chunk of K (whole segments; the chunk's panels, 512 x 512 bytes, stay in L2).
-constexpr int64_t kVnniBlockPanels = 8;
-constexpr int64_t kVnniChunkRows = 512;
+//: Larger M: code rows packed per chunk of K (whole segments, one group of 128 rows), and 64-column panels per
+//: task: up to 32 (each packing step reads 4 code rows as runs of up to 2 KiB), within kVnniPackBytes (L2).
+constexpr int64_t kVnniBlockPanels = 32;
+constexpr int64_t kVnniChunkRows = 128;
+constexpr int64_t kVnniPackBytes = 320 * 1024;
 
 struct W8Panel {
     int64_t kp = 0;              // padded row length of q (a multiple of 4)
@@ -296,7 +298,7 @@ inline void w8v_columns(const W8Panel &p, const std::vector<Segment> &segs, int6
     else w8v_tile<SS, MB, false>(p, segs, s0, s1, w, k, c0, c1, y, acc);
 }
 
-// Pack columns [c0, c0 + valid) of the codes (valid <= 64 * kVnniBlockPanels), rows of segments [s0, s1), into
+// Pack columns [c0, c0 + valid) of the codes, rows of segments [s0, s1), into
 // dot-product panels [rows / 4][64][4], 64-column panel j at dst + j * pitch. Four code rows at a time are read as
 // four contiguous runs across the whole block (what the hardware prefetchers follow, whatever N is); the same
 // columns of the rows kVnniPrefetchRows ahead are prefetched into L2.
@@ -405,20 +407,26 @@ int w8a8_vnni_t(const hal_cpu_w8a8_gemm_args &a, const std::vector<Segment> &seg
             else w8v_columns<SS, 4>(p, segs, s0, s1, w, k, c0, c1, out, acc);
         });
     } else {
-        // A task owns a block of kVnniBlockPanels 64-column panels and walks K in chunks of whole segments
-        // (about kVnniChunkRows rows): it packs the chunk's codes for its block (contiguous runs of each code
-        // row, in L2), then runs every row tile over each panel. One workspace per running task, all
-        // allocated before any output is written.
-        const int64_t block = 64 * kVnniBlockPanels, blocks = (n + block - 1) / block;
+        // A task owns a block of 64-column panels and walks K in chunks of whole segments (about
+        // kVnniChunkRows rows): it packs the chunk's codes for its block (contiguous runs of each code row,
+        // in L2), then runs every row tile over each panel. One workspace per running task, all allocated
+        // before any output is written.
         const int64_t nseg = int64_t(segs.size());
         std::vector<int64_t> chunk{0};  // chunk c: segments [chunk[c], chunk[c + 1])
         for (int64_t sg = 1; sg <= nseg; ++sg)
             if (sg == nseg || p.pstart[sg + 1] - p.pstart[chunk.back()] > kVnniChunkRows) chunk.push_back(sg);
-        int64_t pitch = 0;  // padded rows of the largest chunk, times 64 bytes
-        for (size_t c = 0; c + 1 < chunk.size(); ++c)
-            pitch = std::max(pitch, (p.pstart[chunk[c + 1]] - p.pstart[chunk[c]]) * 64);
-        TaskSlots slots(std::min<int64_t>(blocks, std::max<int32_t>(threads, 1)));
-        const size_t bytes = size_t(pitch) * kVnniBlockPanels;
+        int64_t rows = 0;  // padded rows of the largest chunk
+        for (size_t c = 0; c + 1 < chunk.size(); ++c) rows = std::max(rows, p.pstart[chunk[c + 1]] - p.pstart[chunk[c]]);
+        // Panels per block: as many as fit kVnniPackBytes (at most kVnniBlockPanels), spread evenly over a multiple
+        // of the thread count. A panel's pitch is padded off multiples of 4 KiB, so that the packing stores to
+        // the block's panels do not all fall in the same L1 sets.
+        const int64_t pitch = rows * 64 + 5 * 64;
+        const int64_t panels = (n + 63) / 64, nthreads = std::max<int32_t>(threads, 1);
+        const int64_t widest = std::max<int64_t>(1, std::min<int64_t>(kVnniBlockPanels, kVnniPackBytes / pitch));
+        const int64_t blocks = nthreads * ((panels + widest * nthreads - 1) / (widest * nthreads));
+        const int64_t block_panels = (panels + blocks - 1) / blocks, block = 64 * block_panels;
+        TaskSlots slots(std::min<int64_t>(blocks, nthreads));
+        const size_t bytes = size_t(pitch) * block_panels;
         std::vector<uint8_t *> workspaces;  // indexed by slot
         workspaces.reserve(size_t(slots.count()));
         for (int64_t s = 0; s < slots.count(); ++s) {
@@ -433,6 +441,10 @@ int w8a8_vnni_t(const hal_cpu_w8a8_gemm_args &a, const std::vector<Segment> &seg
             const int64_t slot = slots.acquire();
             uint8_t *buffer = workspaces[size_t(slot)];
             const int64_t c0 = t * block, width = std::min(block, n - c0);
+            if (width <= 0) {
+                slots.release(slot);
+                return;
+            }
             for (size_t c = 0; c + 1 < chunk.size(); ++c) {
                 w8_pack_block<SS>(p, segs, chunk[c], chunk[c + 1], w, k, c0, width, buffer, pitch);
                 for (int64_t j = 0; j * 64 < width; ++j)
