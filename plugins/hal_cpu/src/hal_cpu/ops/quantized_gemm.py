@@ -17,10 +17,35 @@
   :func:`~hal_core.quant.quantize_activations`; integer dot products are exact
   per group, then scaled by the group scales and the token scale. On CPUs with
   AVX512_VNNI the products are int8 x uint8 byte dot products summed in int32
-  (codes read in place over wide column tiles for M <= 4, packed 64-column
-  panels and register tiles above; csrc/w8a8_vnni.inl), elsewhere exact float
-  sums; both give the same bits. A row of ``x`` holding NaN or Inf gives a row
-  of NaN.
+  (codes read in place over wide column tiles for M <= 4; above, each task
+  packs its block of up to 32 64-column panels one group of K at a time from
+  contiguous code-row runs and runs 6 x 64 register tiles over them;
+  csrc/w8a8_vnni.inl), elsewhere exact float sums; both give the same bits. A
+  row of ``x`` holding NaN or Inf gives a row of NaN.
+
+What each kernel allocates per call (all freed when it returns; never a float
+copy of the weight):
+
+- every kernel: the float32 result ``[M, N]`` (cast to ``x``'s dtype by the
+  front door);
+- ``'registers'`` W4A16: ``x`` in float32 and its group sums (``M * K + M * K/G``
+  floats), then ``M * K`` pre-scaled floats (float32 loop) or ``M * K/2``
+  (bf16 activations) / ``M * K`` (fp16: high and low parts) pair words
+  (AVX512_BF16 loop); for M <= 2 the sweep's partial sums (``M x tile``
+  floats per running thread) and, with K in parts, ``(parts - 1) * M * N``
+  floats;
+- ``'blocked'`` W4A16: the packed activations (``ceil(M/8) * 8 * K`` floats plus
+  ``ceil(M/8) * K`` to convert through) and one 256 KiB panel per running task;
+- ``'tiles'`` W4A16: one dequantised tile ``[K, columns]`` of at most
+  :data:`~hal_cpu.ops._rules.DEQUANT_TILE_BYTES`, ``[M, columns]`` floats, and
+  ``x`` in float32 unless it already is;
+- W8A8 (``avx512vnni``): the int8 activation panel ``M * Kp`` bytes (``Kp`` at
+  most ``K + 3`` per segment), ``M * segments + M`` floats; M <= 4: 32 KiB of
+  int32 accumulators per task on the stack (and ``(parts - 1) * M * N`` floats
+  with K in parts); M > 4: one packing workspace per running thread, at most
+  320 KiB (weight-derived codes of one group of K for the task's columns);
+- W8A8 (other variants): ``M * K`` floats (quantised activations) and
+  ``M * segments`` floats.
 
 No weight-derived array outlives a call.
 """
