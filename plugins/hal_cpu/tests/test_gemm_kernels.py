@@ -393,3 +393,13 @@ def test_w8a8_large_m_blocks_and_chunks(select_isa: Callable[[str], AbstractCont
     np.testing.assert_array_equal(got["avx512vnni"], got["avx512"])
     assert_close(got["avx512vnni"], REFERENCE(args), kind="gemm", dtype="bf16" if case == "g128" else "fp32",
                  what=f"avx512vnni W8A8 M={m} {case}")
+
+
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_w8a8_large_m_more_threads_than_panels(variant: str, rng: np.random.Generator, threads: int) -> None:
+    """More threads than 64-column panels (some column blocks empty): every column once, the reference's values,
+    the bits of one thread."""
+    args = quantized_gemm_inputs(rng, m=7, k=384, n=40, bits=8, group_size=128, symmetric=False, dtype="fp32")
+    serial = quantized_gemm.gemm(args["x"], args["qweight"], threads=1)
+    np.testing.assert_array_equal(quantized_gemm.gemm(args["x"], args["qweight"], threads=threads), serial)
+    assert_close(serial, REFERENCE(args), kind="gemm", dtype="fp32", what=f"{variant} W8A8 M=7 N=40")
