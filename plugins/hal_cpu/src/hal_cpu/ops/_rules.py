@@ -31,8 +31,12 @@ __all__ = [
 
 #: Work (bytes moved) below which an op runs on the calling thread: waking the pool costs more.
 SERIAL_BYTES = 256 * 1024
-#: W4A16: the largest M served by the in-register kernel; above it, the blocked kernel.
-SMALL_M_MAX = 32
+#: W4A16 with float32 activations (or on a CPU without AVX512_BF16): the largest M served by the in-register
+#: kernel; above it, the blocked kernel. Above the sweep's M (:data:`SWEEP_M_MAX`) the in-register float32 loop
+#: walks K once per 32-column strip, and measured slower than the blocked kernel at every M from 3 to 128
+#: (4096x11008 and 11008x4096, one thread's CPU time: M = 3 28-65 ms against 35-39, M = 16 72-102 against
+#: 45-50, M = 32 116-124 against 62-67), while M = 2 (the sweep) took 5-9 ms against 34-42.
+SMALL_M_MAX = 2
 #: W4A16: the largest M the in-register kernel serves by a sweep of one wide column range per thread
 #: (csrc/w4a16.inl, ``kW4SweepMaxM``).
 SWEEP_M_MAX = 2
