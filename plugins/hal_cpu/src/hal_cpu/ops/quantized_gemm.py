@@ -31,9 +31,10 @@ copy of the weight):
 - ``'registers'`` W4A16: ``x`` in float32 and its group sums (``M * K + M * K/G``
   floats), then ``M * K`` pre-scaled floats (float32 loop) or ``M * K/2``
   (bf16 activations) / ``M * K`` (fp16: high and low parts) pair words
-  (AVX512_BF16 loop); for M <= 2 the sweep's partial sums (``M x tile``
-  floats per running thread) and, with K in parts, ``(parts - 1) * M * N``
-  floats;
+  (AVX512_BF16 loop); the sweep's partial sums, ``M x tile`` floats per
+  running task (M <= 2, and the float32 loop at any M, where the tile keeps
+  them within :data:`~hal_cpu.ops._rules.SWEEP_PARTIAL_BYTES`) and, with K in
+  parts, ``(parts - 1) * M * N`` floats;
 - ``'blocked'`` W4A16: the packed activations (``ceil(M/8) * 8 * K`` floats plus
   ``ceil(M/8) * K`` to convert through) and one 256 KiB panel per running task;
 - ``'tiles'`` W4A16: one dequantised tile ``[K, columns]`` of at most
@@ -121,8 +122,12 @@ def gemm(
     if k_parts is None:
         k_parts = _rules.gemv_k_parts(n, qweight.bits, m)
     if n_tile is None:
-        n_tile = (w8a8_column_tile(n, threads, m, k_parts) if qweight.bits == 8
-                  else _rules.gemv_column_tile(n, threads, m, k_parts))
+        if qweight.bits == 8:
+            n_tile = w8a8_column_tile(n, threads, m, k_parts)
+        elif half_dot(native, x.dtype):
+            n_tile = _rules.gemv_column_tile(n, threads, m, k_parts)
+        else:  # the float32 loop sweeps at every M
+            n_tile = _rules.sweep_column_tile(n, threads, m, k_parts)
     y = np.empty((m, n), dtype=np.float32)
     xs = x.strides[0] // x.itemsize
     ptr = _native.pointer
