@@ -179,8 +179,8 @@ def test_plot_draws_a_file(cpu, tmp_path: Path) -> None:
 
 
 def test_presets_hold_the_documented_shapes() -> None:
-    """decode: GQA 32/8 d128 in fp16/bf16/fp32 at 8x512, 32x4096, 1x32k; gemm: W4A16 G128 and W8A8 grids (W4A16
-    small M in bf16 too)."""
+    """decode: GQA 32/8 d128 in fp16/bf16/fp32 at 8x512, 32x4096, 1x32k; gemm: W4A16 G128 and W8A8 at M = 1..64 in
+    powers of two and 256 (W4A16 M = 1 and 16 in bf16 too)."""
     decode = bench.preset_cases("decode")
     for dtype in ("fp16", "bf16", "fp32"):
         for seqs, ctx in ((8, 512), (32, 4096), (1, 32768)):
@@ -190,7 +190,7 @@ def test_presets_hold_the_documented_shapes() -> None:
     gemm = bench.preset_cases("gemm")
     for bits in (4, 8):
         for k, n in ((4096, 11008), (11008, 4096)):
-            for m in (1, 16, 256):
+            for m in (1, 2, 4, 8, 16, 32, 64, 256):
                 assert bench.make_case("quantized_gemm", m=m, k=k, n=n, bits=bits, group=128) in gemm
             for m in (1, 16):
                 assert (bench.make_case("quantized_gemm", m=m, k=k, n=n, bits=bits, group=128, dtype="bf16")

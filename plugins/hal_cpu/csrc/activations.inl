@@ -20,7 +20,9 @@ inline const void *row_ptr(const void *x, int32_t dtype, int64_t row, int64_t st
     return static_cast<const char *>(x) + row * stride * (dtype == HAL_F32 ? 4 : 2);
 }
 
-int to_float32(const void *x, int32_t dtype, int64_t stride, int64_t m, int64_t k, float *out, int32_t threads) {
-    parallel_for(m, threads, [&](int64_t r) { any_row_to_f32(row_ptr(x, dtype, r, stride), dtype, k, out + r * k); });
+int to_float32(const hal_cpu_to_float32_args *args) {
+    const hal_cpu_to_float32_args &a = *args;
+    parallel_for(a.m, a.threads,
+                 [&](int64_t r) { any_row_to_f32(row_ptr(a.x, a.dtype, r, a.x_stride), a.dtype, a.k, a.out + r * a.k); });
     return HAL_OK;
 }

@@ -23,16 +23,11 @@ inline void parallel_for(int64_t n, int32_t threads, F &&f) {
 struct KernelTable {
     int (*paged_attention)(const hal_cpu_attention_args *);
     int (*attention_amx)();
-    int (*to_float32)(const void *, int32_t, int64_t, int64_t, int64_t, float *, int32_t);
-    int (*w4a16_gemv)(const void *, int32_t, int64_t, int64_t, int64_t, int64_t, const uint32_t *, const void *,
-                      int32_t, const uint8_t *, int32_t, int64_t, float *, int64_t, int32_t, int32_t);
-    int (*dequant_tile)(const void *, int32_t, const void *, int32_t, const uint8_t *, int32_t, const int32_t *,
-                        int64_t, int64_t, int64_t, int64_t, int64_t, float *, int64_t, int32_t);
-    int (*w8a8_gemm)(const void *, int32_t, int64_t, int64_t, int64_t, int64_t, const uint8_t *, const void *,
-                     int32_t, const uint8_t *, int32_t, const int32_t *, const int64_t *, const int32_t *, int64_t,
-                     float *, int64_t, int32_t, int32_t);
-    int (*w4a16_blocked)(const void *, int32_t, int64_t, int64_t, int64_t, int64_t, const uint32_t *, const void *,
-                         int32_t, const uint8_t *, int32_t, const int32_t *, int64_t, float *, int32_t);
+    int (*to_float32)(const hal_cpu_to_float32_args *);
+    int (*w4a16_gemv)(const hal_cpu_w4a16_gemv_args *);
+    int (*dequant_tile)(const hal_cpu_dequant_tile_args *);
+    int (*w8a8_gemm)(const hal_cpu_w8a8_gemm_args *);
+    int (*w4a16_blocked)(const hal_cpu_w4a16_blocked_args *);
     int (*w4a16_half_dot)();
 };
 

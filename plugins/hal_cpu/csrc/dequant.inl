@@ -4,9 +4,14 @@
 // ---------------------------------------------------------------------------------------------
 
 template <class SS>
-void dequant_t(const void *qweight, int32_t bits, const typename SS::T *scales, const uint8_t *zeros, int32_t zdef,
-               const int32_t *g_idx, int64_t gsize, int64_t k, int64_t n, int64_t n0, int64_t n1, float *out,
-               int64_t ld, int32_t threads) {
+void dequant_t(const hal_cpu_dequant_tile_args &a) {
+    const void *qweight = a.qweight;
+    const auto *scales = static_cast<const typename SS::T *>(a.scales);
+    const uint8_t *zeros = a.zeros;
+    const int32_t *g_idx = a.g_idx;
+    const int32_t bits = a.bits, zdef = a.default_zero, threads = a.threads;
+    const int64_t gsize = a.group_size, k = a.k, n = a.n, n0 = a.n0, n1 = a.n1, ld = a.ld;
+    float *out = a.out;
     const int64_t width = n1 - n0;
     const int64_t rows_per_task = 64;
     parallel_for((k + rows_per_task - 1) / rows_per_task, threads, [&](int64_t t) {
@@ -55,14 +60,9 @@ void dequant_t(const void *qweight, int32_t bits, const typename SS::T *scales, 
     });
 }
 
-int dequant_tile(const void *qweight, int32_t bits, const void *scales, int32_t sdt, const uint8_t *zeros,
-                 int32_t zdef, const int32_t *g_idx, int64_t gsize, int64_t k, int64_t n, int64_t n0, int64_t n1,
-                 float *out, int64_t ld, int32_t threads) {
-    if (sdt == HAL_F16)
-        dequant_t<F16>(qweight, bits, static_cast<const uint16_t *>(scales), zeros, zdef, g_idx, gsize, k, n, n0, n1, out, ld, threads);
-    else if (sdt == HAL_BF16)
-        dequant_t<BF16>(qweight, bits, static_cast<const uint16_t *>(scales), zeros, zdef, g_idx, gsize, k, n, n0, n1, out, ld, threads);
-    else
-        dequant_t<F32>(qweight, bits, static_cast<const float *>(scales), zeros, zdef, g_idx, gsize, k, n, n0, n1, out, ld, threads);
+int dequant_tile(const hal_cpu_dequant_tile_args *args) {
+    if (args->s_dtype == HAL_F16) dequant_t<F16>(*args);
+    else if (args->s_dtype == HAL_BF16) dequant_t<BF16>(*args);
+    else dequant_t<F32>(*args);
     return HAL_OK;
 }

@@ -316,71 +316,48 @@ int hal_cpu_set_attention_amx(int enabled) { return amx_allowed.exchange(enabled
 int hal_cpu_attention_amx_allowed(void) { return amx_allowed.load(std::memory_order_relaxed); }
 
 const char *hal_cpu_abi(const char *name) {
-    if (!name || std::strcmp(name, "attention") != 0) return nullptr;
-    static const std::string layout = [] {
-        using A = hal_cpu_attention_args;
-        std::string out = "size=" + std::to_string(sizeof(A));
-#define HAL_ABI_FIELD(f) out += std::string(";" #f "=") + std::to_string(offsetof(A, f)) + ":" + std::to_string(sizeof(A::f))
-        HAL_ABI_FIELD(query); HAL_ABI_FIELD(q_token_stride); HAL_ABI_FIELD(q_head_stride);
-        HAL_ABI_FIELD(key_cache); HAL_ABI_FIELD(value_cache);
-        HAL_ABI_FIELD(k_block_stride); HAL_ABI_FIELD(k_head_stride); HAL_ABI_FIELD(k_token_stride);
-        HAL_ABI_FIELD(v_block_stride); HAL_ABI_FIELD(v_head_stride); HAL_ABI_FIELD(v_token_stride);
-        HAL_ABI_FIELD(block_tables); HAL_ABI_FIELD(bt_stride); HAL_ABI_FIELD(seq_lens); HAL_ABI_FIELD(query_start_loc);
-        HAL_ABI_FIELD(sinks); HAL_ABI_FIELD(alibi_slopes); HAL_ABI_FIELD(out); HAL_ABI_FIELD(out_token_stride);
-        HAL_ABI_FIELD(out_dtype); HAL_ABI_FIELD(num_seqs); HAL_ABI_FIELD(num_tokens); HAL_ABI_FIELD(num_heads);
-        HAL_ABI_FIELD(num_kv_heads); HAL_ABI_FIELD(block_size); HAL_ABI_FIELD(head_size); HAL_ABI_FIELD(dtype);
-        HAL_ABI_FIELD(max_query_len); HAL_ABI_FIELD(window); HAL_ABI_FIELD(scale); HAL_ABI_FIELD(softcap);
-        HAL_ABI_FIELD(partition_tokens); HAL_ABI_FIELD(query_tile); HAL_ABI_FIELD(threads);
+    if (!name) return nullptr;
+#define HAL_ABI_FIELD(type, f) out += std::string(";" #f "=") + std::to_string(offsetof(A, f)) + ":" + std::to_string(sizeof(A::f));
+#define HAL_ABI_STRUCT(label, type, FIELDS)                                        \
+    if (std::strcmp(name, #label) == 0) {                                          \
+        static const std::string layout = [] {                                     \
+            using A = type;                                                        \
+            std::string out = "size=" + std::to_string(sizeof(A));                 \
+            FIELDS(HAL_ABI_FIELD)                                                  \
+            return out;                                                            \
+        }();                                                                       \
+        return layout.c_str();                                                     \
+    }
+    HAL_CPU_ABI_STRUCTS(HAL_ABI_STRUCT)
+#undef HAL_ABI_STRUCT
 #undef HAL_ABI_FIELD
-        return out;
-    }();
-    return layout.c_str();
+    return nullptr;
 }
 
-int hal_cpu_to_float32(const void *x, int32_t dtype, int64_t stride, int64_t m, int64_t k, float *out,
-                       int32_t threads) {
-    return kernels()->to_float32(x, dtype, stride, m, k, out, threads);
-}
+int hal_cpu_to_float32(const hal_cpu_to_float32_args *args) { return kernels()->to_float32(args); }
 
-int hal_cpu_w4a16_gemv(const void *x, int32_t xdt, int64_t xs, int64_t m, int64_t k, int64_t n, const uint32_t *qw,
-                       const void *scales, int32_t sdt, const uint8_t *zeros, int32_t zdef, int64_t gsize, float *y,
-                       int64_t n_tile, int32_t k_parts, int32_t threads) {
-    return kernels()->w4a16_gemv(x, xdt, xs, m, k, n, qw, scales, sdt, zeros, zdef, gsize, y, n_tile, k_parts,
-                                 threads);
-}
+int hal_cpu_w4a16_gemv(const hal_cpu_w4a16_gemv_args *args) { return kernels()->w4a16_gemv(args); }
 
-int hal_cpu_dequant_tile(const void *qweight, int32_t bits, const void *scales, int32_t sdt, const uint8_t *zeros,
-                         int32_t zdef, const int32_t *g_idx, int64_t gsize, int64_t k, int64_t n, int64_t n0,
-                         int64_t n1, float *out, int64_t ld, int32_t threads) {
-    return kernels()->dequant_tile(qweight, bits, scales, sdt, zeros, zdef, g_idx, gsize, k, n, n0, n1, out, ld,
-                                   threads);
-}
+int hal_cpu_dequant_tile(const hal_cpu_dequant_tile_args *args) { return kernels()->dequant_tile(args); }
 
-int hal_cpu_w8a8_gemm(const void *x, int32_t xdt, int64_t xs, int64_t m, int64_t k, int64_t n, const uint8_t *qw,
-                      const void *scales, int32_t sdt, const uint8_t *zeros, int32_t zdef, const int32_t *perm,
-                      const int64_t *starts, const int32_t *group_of_run, int64_t runs, float *y, int64_t n_tile,
-                      int32_t k_parts, int32_t threads) {
-    return kernels()->w8a8_gemm(x, xdt, xs, m, k, n, qw, scales, sdt, zeros, zdef, perm, starts, group_of_run, runs,
-                                y, n_tile, k_parts, threads);
-}
+int hal_cpu_w8a8_gemm(const hal_cpu_w8a8_gemm_args *args) { return kernels()->w8a8_gemm(args); }
 
-int hal_cpu_w4a16_blocked(const void *x, int32_t xdt, int64_t xs, int64_t m, int64_t k, int64_t n, const uint32_t *qw,
-                          const void *scales, int32_t sdt, const uint8_t *zeros, int32_t zdef, const int32_t *g_idx,
-                          int64_t gsize, float *y, int32_t threads) {
-    return kernels()->w4a16_blocked(x, xdt, xs, m, k, n, qw, scales, sdt, zeros, zdef, g_idx, gsize, y, threads);
-}
+int hal_cpu_w4a16_blocked(const hal_cpu_w4a16_blocked_args *args) { return kernels()->w4a16_blocked(args); }
 
 int hal_cpu_w4a16_half_dot(void) { return kernels()->w4a16_half_dot(); }
 
-int hal_cpu_write_kv_cache(const void *key, int64_t kts, int64_t khs, const void *value, int64_t vts, int64_t vhs,
-                           void *key_cache, void *value_cache, int64_t cb, int64_t ch, int64_t ct, const void *slots,
-                           int32_t slot_bytes, int64_t num_tokens, int32_t num_kv_heads, int32_t block_size,
-                           int32_t head_size, int32_t elem_bytes, int32_t threads) {
-    const size_t row = size_t(head_size) * elem_bytes;
-    const char *k = static_cast<const char *>(key), *v = static_cast<const char *>(value);
-    char *kc = static_cast<char *>(key_cache), *vc = static_cast<char *>(value_cache);
+int hal_cpu_write_kv_cache(const hal_cpu_write_kv_cache_args *args) {
+    const hal_cpu_write_kv_cache_args &a = *args;
+    const int64_t kts = a.k_token_stride, khs = a.k_head_stride, vts = a.v_token_stride, vhs = a.v_head_stride;
+    const int64_t cb = a.c_block_stride, ch = a.c_head_stride, ct = a.c_token_stride, num_tokens = a.num_tokens;
+    const int32_t num_kv_heads = a.num_kv_heads, block_size = a.block_size, elem_bytes = a.elem_bytes;
+    const void *slots = a.slots;
+    const int32_t slot_bytes = a.slot_bytes;
+    const size_t row = size_t(a.head_size) * elem_bytes;
+    const char *k = static_cast<const char *>(a.key), *v = static_cast<const char *>(a.value);
+    char *kc = static_cast<char *>(a.key_cache), *vc = static_cast<char *>(a.value_cache);
     const int64_t per_task = 16;
-    hal::parallel_for((num_tokens + per_task - 1) / per_task, threads, [&](int64_t t) {
+    hal::parallel_for((num_tokens + per_task - 1) / per_task, a.threads, [&](int64_t t) {
         const int64_t i1 = std::min(num_tokens, (t + 1) * per_task);
         for (int64_t i = t * per_task; i < i1; ++i) {
             const int64_t slot = slot_bytes == 8 ? static_cast<const int64_t *>(slots)[i]

@@ -31,39 +31,201 @@ int64_t hal_cpu_set_spin_us(int64_t us);
    jobs run on the calling thread alone in the back-off that follows (serial). */
 void hal_cpu_pool_stats(int64_t *starved_jobs, int64_t *serial_jobs);
 
+/* Every kernel takes one pointer to its argument struct. Each struct's fields are listed once, in an X-macro
+ * (HAL_CPU_<KERNEL>_FIELDS(F): F(type, name) per field), which declares the struct below and lets
+ * hal_cpu_abi(name) describe its layout; hal_cpu._abi mirrors each struct with ctypes and compares the two
+ * when the library loads. Adding an argument: one F(...) line here, one field in _abi.py, and the kernel that
+ * reads it. */
+#define HAL_CPU_DECLARE_FIELD(type, name) type name;
+
 /* Variable-length paged attention (hal-core's paged_attention contract): the new tokens of a batch that mixes
  * prompts, prompt chunks and decoding sequences, against a paged K/V cache. Strides are in elements; the last
  * dimension of query, caches and out is contiguous. */
-typedef struct hal_cpu_attention_args {
-    const void *query;                       /* [num_tokens, num_heads, head_size] */
-    int64_t q_token_stride, q_head_stride;
-    const void *key_cache, *value_cache;     /* [num_blocks, num_kv_heads, block_size, head_size]; K and V may differ */
-    int64_t k_block_stride, k_head_stride, k_token_stride;
-    int64_t v_block_stride, v_head_stride, v_token_stride;
-    const int32_t *block_tables;             /* [num_seqs, bt_stride] */
-    int64_t bt_stride;
-    const int32_t *seq_lens;                 /* [num_seqs], new tokens included */
-    const int32_t *query_start_loc;          /* [num_seqs + 1]; NULL: one new token per sequence (decode) */
-    const float *sinks;                      /* [num_heads] or NULL */
-    const float *alibi_slopes;               /* [num_heads] or NULL */
-    void *out;                               /* [num_tokens, num_heads, head_size], head stride = head_size */
-    int64_t out_token_stride;
-    int32_t out_dtype;                       /* HAL_F32 / HAL_F16 / HAL_BF16: the kernel writes the final dtype */
-    int32_t num_seqs, num_tokens, num_heads, num_kv_heads, block_size, head_size;
-    int32_t dtype;                           /* of query and caches */
-    int32_t max_query_len;                   /* >= every q_len (bounds the query tiles) */
-    int32_t window;                          /* 0: none; else a token sees keys t with p - window < t <= p */
-    float scale, softcap;                    /* softcap 0: none */
-    int32_t partition_tokens;                /* split-KV partition of decode rows; 0: no split */
-    int32_t query_tile;                      /* tokens per prefill task (times the GQA group: its rows); 0: the kernel's */
-    int32_t threads;
-} hal_cpu_attention_args;
+#define HAL_CPU_ATTENTION_FIELDS(F)                                                                            \
+    F(const void *, query)              /* [num_tokens, num_heads, head_size] */                               \
+    F(int64_t, q_token_stride)                                                                                 \
+    F(int64_t, q_head_stride)                                                                                  \
+    F(const void *, key_cache)          /* [num_blocks, num_kv_heads, block_size, head_size]; K and V may */    \
+    F(const void *, value_cache)        /* differ in strides */                                                \
+    F(int64_t, k_block_stride)                                                                                 \
+    F(int64_t, k_head_stride)                                                                                  \
+    F(int64_t, k_token_stride)                                                                                 \
+    F(int64_t, v_block_stride)                                                                                 \
+    F(int64_t, v_head_stride)                                                                                  \
+    F(int64_t, v_token_stride)                                                                                 \
+    F(const int32_t *, block_tables)    /* [num_seqs, bt_stride] */                                            \
+    F(int64_t, bt_stride)                                                                                      \
+    F(const int32_t *, seq_lens)        /* [num_seqs], new tokens included */                                  \
+    F(const int32_t *, query_start_loc) /* [num_seqs + 1]; NULL: one new token per sequence (decode) */        \
+    F(const float *, sinks)             /* [num_heads] or NULL */                                              \
+    F(const float *, alibi_slopes)      /* [num_heads] or NULL */                                              \
+    F(void *, out)                      /* [num_tokens, num_heads, head_size], head stride = head_size */      \
+    F(int64_t, out_token_stride)                                                                               \
+    F(int32_t, out_dtype)               /* HAL_F32 / HAL_F16 / HAL_BF16: the kernel writes the final dtype */  \
+    F(int32_t, num_seqs)                                                                                       \
+    F(int32_t, num_tokens)                                                                                     \
+    F(int32_t, num_heads)                                                                                      \
+    F(int32_t, num_kv_heads)                                                                                   \
+    F(int32_t, block_size)                                                                                     \
+    F(int32_t, head_size)                                                                                      \
+    F(int32_t, dtype)                   /* of query and caches */                                              \
+    F(int32_t, max_query_len)           /* >= every q_len (bounds the query tiles) */                          \
+    F(int32_t, window)                  /* 0: none; else a token sees keys t with p - window < t <= p */       \
+    F(float, scale)                                                                                            \
+    F(float, softcap)                   /* 0: none */                                                          \
+    F(int32_t, partition_tokens)        /* split-KV partition of decode rows; 0: no split */                   \
+    F(int32_t, query_tile)              /* tokens per prefill task (times the GQA group: its rows); 0: the   */ \
+                                        /* kernel's */                                                         \
+    F(int32_t, threads)
+typedef struct hal_cpu_attention_args { HAL_CPU_ATTENTION_FIELDS(HAL_CPU_DECLARE_FIELD) } hal_cpu_attention_args;
 
-/* "size=N;field=offset:size;..." for a struct of this ABI ("attention"), NULL for an unknown name: hal_cpu._abi
- * compares it with its ctypes mirror when the library loads. */
+/* Scatter new keys and values into the paged caches through a slot mapping. Strides in elements; the cache
+ * strides are shared by key_cache and value_cache, the head rows (head_size elements) are contiguous. */
+#define HAL_CPU_WRITE_KV_CACHE_FIELDS(F)                                                                       \
+    F(const void *, key)                /* [num_tokens, num_kv_heads, head_size] */                            \
+    F(int64_t, k_token_stride)                                                                                 \
+    F(int64_t, k_head_stride)                                                                                  \
+    F(const void *, value)              /* [num_tokens, num_kv_heads, head_size] */                            \
+    F(int64_t, v_token_stride)                                                                                 \
+    F(int64_t, v_head_stride)                                                                                  \
+    F(void *, key_cache)                /* [num_blocks, num_kv_heads, block_size, head_size] */                \
+    F(void *, value_cache)              /* the same layout */                                                  \
+    F(int64_t, c_block_stride)                                                                                 \
+    F(int64_t, c_head_stride)                                                                                  \
+    F(int64_t, c_token_stride)                                                                                 \
+    F(const void *, slots)              /* [num_tokens] int32 or int64; a negative slot is skipped */          \
+    F(int64_t, num_tokens)                                                                                     \
+    F(int32_t, slot_bytes)              /* 4 or 8 */                                                           \
+    F(int32_t, num_kv_heads)                                                                                   \
+    F(int32_t, block_size)                                                                                     \
+    F(int32_t, head_size)                                                                                      \
+    F(int32_t, elem_bytes)              /* bytes of one cache element */                                       \
+    F(int32_t, threads)
+typedef struct hal_cpu_write_kv_cache_args {
+    HAL_CPU_WRITE_KV_CACHE_FIELDS(HAL_CPU_DECLARE_FIELD)
+} hal_cpu_write_kv_cache_args;
+
+/* x [M, K] (row stride x_stride elements) to float32 out [M, K] (contiguous). */
+#define HAL_CPU_TO_FLOAT32_FIELDS(F)                                                                           \
+    F(const void *, x)                                                                                         \
+    F(int64_t, x_stride)                                                                                       \
+    F(int64_t, m)                                                                                              \
+    F(int64_t, k)                                                                                              \
+    F(float *, out)                                                                                            \
+    F(int32_t, dtype)                   /* of x: HAL_F32 / HAL_F16 / HAL_BF16 */                               \
+    F(int32_t, threads)
+typedef struct hal_cpu_to_float32_args { HAL_CPU_TO_FLOAT32_FIELDS(HAL_CPU_DECLARE_FIELD) } hal_cpu_to_float32_args;
+
+/* W4A16 without act-order, group_size % 8 == 0: y [M, N] fp32 = x @ dequant(w), int4 unpacked in registers.
+ * The packed weight is qweight [K / 8, N] (8 codes per word, row 8r + j in nibble j), scales and zeros
+ * [K / group_size, N]. k_parts (small M only, else ignored): K is cut into that many runs of whole groups,
+ * each summed on its own and the runs added in order at the end; the result depends on k_parts, not on
+ * n_tile or threads. */
+#define HAL_CPU_W4A16_GEMV_FIELDS(F)                                                                           \
+    F(const void *, x)                  /* [M, K], row stride x_stride elements */                             \
+    F(int64_t, x_stride)                                                                                       \
+    F(int64_t, m)                                                                                              \
+    F(int64_t, k)                                                                                              \
+    F(int64_t, n)                                                                                              \
+    F(const uint32_t *, qweight)        /* [K / 8, N] */                                                       \
+    F(const void *, scales)             /* [K / group_size, N] in s_dtype */                                   \
+    F(const uint8_t *, zeros)           /* [K / group_size, N], or NULL: default_zero everywhere */            \
+    F(int64_t, group_size)                                                                                     \
+    F(float *, y)                       /* [M, N] float32, contiguous */                                       \
+    F(int64_t, n_tile)                  /* columns per task */                                                 \
+    F(int32_t, x_dtype)                 /* HAL_F32 / HAL_F16 / HAL_BF16 */                                     \
+    F(int32_t, s_dtype)                 /* of scales */                                                        \
+    F(int32_t, default_zero)                                                                                   \
+    F(int32_t, k_parts)                                                                                        \
+    F(int32_t, threads)
+typedef struct hal_cpu_w4a16_gemv_args { HAL_CPU_W4A16_GEMV_FIELDS(HAL_CPU_DECLARE_FIELD) } hal_cpu_w4a16_gemv_args;
+
+/* Columns [n0, n1) of the dequantised weight (int4 or int8) as float32 out [K, n1 - n0] (row stride ld). */
+#define HAL_CPU_DEQUANT_TILE_FIELDS(F)                                                                         \
+    F(const void *, qweight)            /* int4: uint32 [K / 8, N]; int8: uint8 [K, N] */                      \
+    F(const void *, scales)             /* [groups, N] in s_dtype */                                           \
+    F(const uint8_t *, zeros)           /* [groups, N], or NULL: default_zero everywhere */                    \
+    F(const int32_t *, g_idx)           /* [K] group of each row (act-order), or NULL: row / group_size */     \
+    F(int64_t, group_size)                                                                                     \
+    F(int64_t, k)                                                                                              \
+    F(int64_t, n)                                                                                              \
+    F(int64_t, n0)                                                                                             \
+    F(int64_t, n1)                                                                                             \
+    F(float *, out)                                                                                            \
+    F(int64_t, ld)                                                                                             \
+    F(int32_t, bits)                    /* 4 or 8 */                                                           \
+    F(int32_t, s_dtype)                                                                                        \
+    F(int32_t, default_zero)                                                                                   \
+    F(int32_t, threads)
+typedef struct hal_cpu_dequant_tile_args {
+    HAL_CPU_DEQUANT_TILE_FIELDS(HAL_CPU_DECLARE_FIELD)
+} hal_cpu_dequant_tile_args;
+
+/* W8A8: per-token int8 quantisation fused, exact integer sums per group, y [M, N] fp32.
+ * perm (nullable) orders rows so groups are contiguous runs (act-order); group_starts [runs + 1]
+ * bounds those runs in the permuted order, group_of_run [runs] names each run's group. A row of x
+ * holding NaN or Inf gives a row of NaN. k_parts (small M only, else ignored): the segments are cut
+ * into that many runs, each summed on its own and the runs added in order; every variant gives the
+ * same bits for the same k_parts. */
+#define HAL_CPU_W8A8_GEMM_FIELDS(F)                                                                            \
+    F(const void *, x)                  /* [M, K], row stride x_stride elements */                             \
+    F(int64_t, x_stride)                                                                                       \
+    F(int64_t, m)                                                                                              \
+    F(int64_t, k)                                                                                              \
+    F(int64_t, n)                                                                                              \
+    F(const uint8_t *, qweight)         /* [K, N] codes */                                                     \
+    F(const void *, scales)             /* [groups, N] in s_dtype */                                           \
+    F(const uint8_t *, zeros)           /* [groups, N], or NULL: default_zero everywhere */                    \
+    F(const int32_t *, perm)            /* [K] or NULL */                                                      \
+    F(const int64_t *, group_starts)    /* [runs + 1] */                                                       \
+    F(const int32_t *, group_of_run)    /* [runs] */                                                           \
+    F(int64_t, runs)                                                                                           \
+    F(float *, y)                       /* [M, N] float32, contiguous */                                       \
+    F(int64_t, n_tile)                  /* columns per small-M task */                                         \
+    F(int32_t, x_dtype)                                                                                        \
+    F(int32_t, s_dtype)                                                                                        \
+    F(int32_t, default_zero)                                                                                   \
+    F(int32_t, k_parts)                                                                                        \
+    F(int32_t, threads)
+typedef struct hal_cpu_w8a8_gemm_args { HAL_CPU_W8A8_GEMM_FIELDS(HAL_CPU_DECLARE_FIELD) } hal_cpu_w8a8_gemm_args;
+
+/* W4A16 for large M (act-order included): a cache-blocked float32 GEMM on B panels dequantised from int4
+ * into a per-task buffer (256 KiB); the activations are packed once (M rounded up to the tile, times K floats). */
+#define HAL_CPU_W4A16_BLOCKED_FIELDS(F)                                                                        \
+    F(const void *, x)                  /* [M, K], row stride x_stride elements */                             \
+    F(int64_t, x_stride)                                                                                       \
+    F(int64_t, m)                                                                                              \
+    F(int64_t, k)                                                                                              \
+    F(int64_t, n)                                                                                              \
+    F(const uint32_t *, qweight)        /* [K / 8, N] */                                                       \
+    F(const void *, scales)             /* [groups, N] in s_dtype */                                           \
+    F(const uint8_t *, zeros)           /* [groups, N], or NULL: default_zero everywhere */                    \
+    F(const int32_t *, g_idx)           /* [K] group of each row (act-order), or NULL: row / group_size */     \
+    F(int64_t, group_size)                                                                                     \
+    F(float *, y)                       /* [M, N] float32, contiguous */                                       \
+    F(int32_t, x_dtype)                                                                                        \
+    F(int32_t, s_dtype)                                                                                        \
+    F(int32_t, default_zero)                                                                                   \
+    F(int32_t, threads)
+typedef struct hal_cpu_w4a16_blocked_args {
+    HAL_CPU_W4A16_BLOCKED_FIELDS(HAL_CPU_DECLARE_FIELD)
+} hal_cpu_w4a16_blocked_args;
+
+/* The names hal_cpu_abi knows, with their field lists: X(name, struct, FIELDS) per argument struct. */
+#define HAL_CPU_ABI_STRUCTS(X)                                                                                 \
+    X(attention, hal_cpu_attention_args, HAL_CPU_ATTENTION_FIELDS)                                             \
+    X(write_kv_cache, hal_cpu_write_kv_cache_args, HAL_CPU_WRITE_KV_CACHE_FIELDS)                              \
+    X(to_float32, hal_cpu_to_float32_args, HAL_CPU_TO_FLOAT32_FIELDS)                                          \
+    X(w4a16_gemv, hal_cpu_w4a16_gemv_args, HAL_CPU_W4A16_GEMV_FIELDS)                                          \
+    X(dequant_tile, hal_cpu_dequant_tile_args, HAL_CPU_DEQUANT_TILE_FIELDS)                                    \
+    X(w8a8_gemm, hal_cpu_w8a8_gemm_args, HAL_CPU_W8A8_GEMM_FIELDS)                                             \
+    X(w4a16_blocked, hal_cpu_w4a16_blocked_args, HAL_CPU_W4A16_BLOCKED_FIELDS)
+
+/* "size=N;field=offset:size;..." for an argument struct of this ABI (the names of HAL_CPU_ABI_STRUCTS), NULL
+ * for an unknown name: hal_cpu._abi compares it with its ctypes mirror when the library loads. */
 const char *hal_cpu_abi(const char *name);
 
-/* Returns HAL_OK, or HAL_ENOMEM (nothing written to out). */
+/* Every kernel returns HAL_OK, or HAL_ENOMEM (nothing written to its outputs). */
 int hal_cpu_paged_attention(const hal_cpu_attention_args *args);
 
 /* Whether bf16/fp16 prefill attention runs on AMX tiles here (1: the CPU has AMX-BF16, the OS granted the tile
@@ -72,51 +234,12 @@ int hal_cpu_attention_amx(void);
 /* Allows (1, the default) or forbids (0) AMX for attention in this process; returns the previous setting. */
 int hal_cpu_set_attention_amx(int enabled);
 
-int hal_cpu_write_kv_cache(
-    const void *key, int64_t k_token_stride, int64_t k_head_stride,
-    const void *value, int64_t v_token_stride, int64_t v_head_stride,
-    void *key_cache, void *value_cache,
-    int64_t c_block_stride, int64_t c_head_stride, int64_t c_token_stride,
-    const void *slots, int32_t slot_bytes, int64_t num_tokens, int32_t num_kv_heads, int32_t block_size,
-    int32_t head_size, int32_t elem_bytes, int32_t threads);
-
-/* x [M, K] (row stride x_stride) to float32 [M, K] (contiguous). */
-int hal_cpu_to_float32(const void *x, int32_t dtype, int64_t x_stride, int64_t m, int64_t k, float *out,
-                       int32_t threads);
-
-/* W4A16 without act-order, group_size % 8 == 0: y [M, N] fp32 = x @ dequant(w), int4 unpacked in registers.
- * n_tile: columns per task. k_parts (small M only, else ignored): K is cut into that many runs of whole groups,
- * each summed on its own and the runs added in order at the end; the result depends on k_parts, not on
- * n_tile or threads. */
-int hal_cpu_w4a16_gemv(
-    const void *x, int32_t x_dtype, int64_t x_stride, int64_t m, int64_t k, int64_t n,
-    const uint32_t *qweight, const void *scales, int32_t s_dtype, const uint8_t *zeros, int32_t default_zero,
-    int64_t group_size, float *y, int64_t n_tile, int32_t k_parts, int32_t threads);
-
-/* Columns [n0, n1) of the dequantised weight (int4 or int8) as float32 [K, n1 - n0] (row stride ld). */
-int hal_cpu_dequant_tile(
-    const void *qweight, int32_t bits, const void *scales, int32_t s_dtype, const uint8_t *zeros,
-    int32_t default_zero, const int32_t *g_idx, int64_t group_size, int64_t k, int64_t n, int64_t n0, int64_t n1,
-    float *out, int64_t ld, int32_t threads);
-
-/* W8A8: per-token int8 quantisation fused, exact integer sums per group, y [M, N] fp32.
- * perm (nullable) orders rows so groups are contiguous runs (act-order); group_starts [groups + 1]
- * bounds those runs in the permuted order. A row of x holding NaN or Inf gives a row of NaN.
- * k_parts (M <= 2 only, else ignored): the segments are cut into that many runs, each summed on its own
- * and the runs added in order; every variant gives the same bits for the same k_parts. */
-int hal_cpu_w8a8_gemm(
-    const void *x, int32_t x_dtype, int64_t x_stride, int64_t m, int64_t k, int64_t n,
-    const uint8_t *qweight, const void *scales, int32_t s_dtype, const uint8_t *zeros, int32_t default_zero,
-    const int32_t *perm, const int64_t *group_starts, const int32_t *group_of_run, int64_t runs,
-    float *y, int64_t n_tile, int32_t k_parts, int32_t threads);
-
-/* W4A16 for large M (act-order included): a cache-blocked float32 GEMM on B panels dequantised from int4
- * into a per-task buffer (256 KiB); the activations are packed once (M rounded up to the tile, times K floats).
- * g_idx (nullable) gives each row of K its group. */
-int hal_cpu_w4a16_blocked(
-    const void *x, int32_t x_dtype, int64_t x_stride, int64_t m, int64_t k, int64_t n,
-    const uint32_t *qweight, const void *scales, int32_t s_dtype, const uint8_t *zeros, int32_t default_zero,
-    const int32_t *g_idx, int64_t group_size, float *y, int32_t threads);
+int hal_cpu_write_kv_cache(const hal_cpu_write_kv_cache_args *args);
+int hal_cpu_to_float32(const hal_cpu_to_float32_args *args);
+int hal_cpu_w4a16_gemv(const hal_cpu_w4a16_gemv_args *args);
+int hal_cpu_dequant_tile(const hal_cpu_dequant_tile_args *args);
+int hal_cpu_w8a8_gemm(const hal_cpu_w8a8_gemm_args *args);
+int hal_cpu_w4a16_blocked(const hal_cpu_w4a16_blocked_args *args);
 
 /* 1 when hal_cpu_w4a16_gemv runs fp16/bf16 activations through AVX512_BF16 dot products on this CPU, else 0. */
 int hal_cpu_w4a16_half_dot(void);

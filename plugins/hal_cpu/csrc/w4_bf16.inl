@@ -247,10 +247,14 @@ HAL_BF16_TARGET void w4_bf16_columns(int64_t m, const uint32_t *hi, const uint32
 
 // Returns false when this path does not apply (no AVX512_BF16, or float32 activations): nothing written.
 template <class SS>
-bool w4a16_bf16(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, int64_t n, const uint32_t *qw,
-                const typename SS::T *scales, const uint8_t *zeros, int32_t zdef, int64_t gsize, float *y,
-                int64_t n_tile, int32_t k_parts, int32_t threads, std::vector<float> &x32, std::vector<float> &xsum) {
-    if (xdt == HAL_F32 || !cpu_has_avx512_bf16()) return false;
+bool w4a16_bf16(const hal_cpu_w4a16_gemv_args &a, std::vector<float> &x32, std::vector<float> &xsum) {
+    if (a.x_dtype == HAL_F32 || !cpu_has_avx512_bf16()) return false;
+    const int32_t xdt = a.x_dtype, zdef = a.default_zero, k_parts = a.k_parts, threads = a.threads;
+    const int64_t m = a.m, k = a.k, n = a.n, gsize = a.group_size, n_tile = a.n_tile;
+    const uint32_t *qw = a.qweight;
+    const uint8_t *zeros = a.zeros;
+    float *y = a.y;
+    const auto *scales = static_cast<const typename SS::T *>(a.scales);
     const bool split = xdt == HAL_F16;
     const int64_t ngroups = k / gsize, pstride = k / 2;  // 4 pair words per packed row
     // Bounded by the activations: one or two pair words per two activations.

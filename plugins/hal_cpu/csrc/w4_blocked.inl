@@ -105,10 +105,15 @@ inline void w4_dequant_panel(const uint32_t *qw, int64_t n, const typename SS::T
 }
 
 template <class SS>
-int w4a16_blocked_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, int64_t n,
-                    const uint32_t *qw, const void *scales_v, const uint8_t *zeros, int32_t zdef,
-                    const int32_t *g_idx, int64_t gsize, float *y, int32_t threads) {
-    const auto *scales = static_cast<const typename SS::T *>(scales_v);
+int w4a16_blocked_t(const hal_cpu_w4a16_blocked_args &a) {
+    const void *x = a.x;
+    const int32_t xdt = a.x_dtype, zdef = a.default_zero, threads = a.threads;
+    const int64_t xstride = a.x_stride, m = a.m, k = a.k, n = a.n, gsize = a.group_size;
+    const uint32_t *qw = a.qweight;
+    const uint8_t *zeros = a.zeros;
+    const int32_t *g_idx = a.g_idx;
+    float *y = a.y;
+    const auto *scales = static_cast<const typename SS::T *>(a.scales);
     const int64_t mstrips = (m + kMR - 1) / kMR;
     // Packed activations: M_pad * K floats, and one float32 row per strip to convert through.
     std::vector<float> ap(size_t(mstrips) * kMR * k), rows32(size_t(mstrips) * k);
@@ -153,15 +158,11 @@ int w4a16_blocked_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int6
     return failed ? HAL_ENOMEM : HAL_OK;
 }
 
-int w4a16_blocked(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, int64_t n, const uint32_t *qw,
-                  const void *scales, int32_t sdt, const uint8_t *zeros, int32_t zdef, const int32_t *g_idx,
-                  int64_t gsize, float *y, int32_t threads) {
+int w4a16_blocked(const hal_cpu_w4a16_blocked_args *args) {
     try {
-        if (sdt == HAL_F16)
-            return w4a16_blocked_t<F16>(x, xdt, xstride, m, k, n, qw, scales, zeros, zdef, g_idx, gsize, y, threads);
-        if (sdt == HAL_BF16)
-            return w4a16_blocked_t<BF16>(x, xdt, xstride, m, k, n, qw, scales, zeros, zdef, g_idx, gsize, y, threads);
-        return w4a16_blocked_t<F32>(x, xdt, xstride, m, k, n, qw, scales, zeros, zdef, g_idx, gsize, y, threads);
+        if (args->s_dtype == HAL_F16) return w4a16_blocked_t<F16>(*args);
+        if (args->s_dtype == HAL_BF16) return w4a16_blocked_t<BF16>(*args);
+        return w4a16_blocked_t<F32>(*args);
     } catch (const std::bad_alloc &) {
         return HAL_ENOMEM;
     }

@@ -12,8 +12,17 @@
 constexpr float kNibbleScale[8] = {1.0f, 0.0625f, 0.00390625f, 0.000244140625f, 1.52587890625e-05f,
                                    9.5367431640625e-07f, 5.9604644775390625e-08f, 5.9604644775390625e-08f};
 
-//: M up to this is served by the sweep (w4_sweep, w4_bf16_sweep): one wide column range per task.
+//: M up to this: the sweep's tiles are 2 rows x 4 vectors, and the bf16 loop sweeps (w4_bf16_sweep) only up to it.
+//: The float32 loop's sweep (w4_sweep) serves every M, in tiles of kW4SweepTileRows rows x 4 vectors above it:
+//: at each column step every row tile runs over the pass's codes (in L1 after the first tile).
 constexpr int64_t kW4SweepMaxM = 2;
+constexpr int kW4SweepTileRows = 4;
+//: Rows whose tiles run one column step after the other before the next rows start: their partial sums and
+//: activations for a pass stay in L1 beside the pass's codes (which stay in L2 for the next rows).
+constexpr int64_t kW4SweepBlockRows = 16;
+//: Above the sweep's M the bf16 loop walks K in chunks of about this many packed rows (1024 k), so that a row tile's
+//: activations for one chunk stay in L1 across the task's columns.
+constexpr int64_t kW4ChunkRows = 128;
 //: Packed rows (8 k each) per pass of the sweep. Measured on a 2-core Zen 4 (4096x11008, M=1, weight in DRAM):
 //: 8 rows reach ~30 GB/s, 4 rows ~27, 16 rows (a whole G=128 group) ~15-20; ranges cut into 4-8 tasks per thread
 //: instead of one drop to 15-20 GB/s: short runs a row apart are what the prefetchers do not follow.
@@ -24,9 +33,6 @@ constexpr int64_t kW4SplitPassRows = 4;
 //: The sweep prefetches each packed row this many words (512 bytes) ahead of its loads, into L2: with N a multiple
 //: of 1024 words the 8 rows of a pass share L1 sets.
 constexpr int64_t kW4PrefetchWords = 128;
-//: Above the sweep's M the bf16 loop walks K in chunks of about this many packed rows (1024 k), so that a row tile's
-//: activations for one chunk stay in L1 across the task's columns.
-constexpr int64_t kW4ChunkRows = 128;
 //: Vectors per sweep step: 4 zmm (64 columns, 256 bytes a packed row); 2 for narrower vectors, whose register
 //: file (16 on AVX2) would not hold 2 rows x 4 accumulators beside the codes.
 constexpr int kW4SweepNV = W >= 16 ? 4 : 2;
@@ -115,43 +121,88 @@ inline void w4_tile(const float *xs, int64_t k, const float *xsum, int64_t ngrou
         for (int v = 0; v < NV; ++v) V::store(y + mb * ldy + n0 + v * W, tot[mb][v]);
 }
 
-// Columns [c0, c1) of MB rows (c1 - c0 a multiple of W NV) over groups [g0, g1), swept pass by pass, `pass`
-// packed rows at a time across the whole range (see kW4PassRows); a group's partial sums wait between passes in
-// part[MB][c1 - c0]; out (row stride n) receives the totals.
+// What one sweep task reads and writes: every row of x (pre-scaled, row stride k) and its group sums, the weight,
+// out (row stride n) for the totals and part[m][width] for a group's partial sums between passes.
+template <class SS>
+struct W4Sweep {
+    const float *xs;
+    int64_t k;
+    const float *xsum;
+    int64_t ngroups;
+    const uint32_t *qw;
+    int64_t n;
+    const typename SS::T *scales;
+    const uint8_t *zeros;
+    float zdef;
+    float *out, *part;
+    int64_t c0, width;
+};
+
+// Rows [row, row + R) x columns [c, c + W NV) over packed rows [r0, r1) of group g (a pass): the partial sums
+// start at zero (first pass of the group) or from part, and go back to part, or (last pass) are folded into out.
+template <class SS, int R, int NV>
+inline void w4_sweep_tile(const W4Sweep<SS> &s, int64_t row, int64_t c, int64_t g, int64_t r0, int64_t r1,
+                          bool first, bool last, int64_t pf_rows) {
+    float *pc = s.part + row * s.width + (c - s.c0);
+    V::f acc[R][NV];
+    for (int mb = 0; mb < R; ++mb)
+        for (int v = 0; v < NV; ++v) acc[mb][v] = first ? V::zero() : V::load(pc + mb * s.width + v * W);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint32_t *wrow = s.qw + r * s.n + c;
+        if (pf_rows) {
+            const uint32_t *pf = w4_sweep_prefetch(s.qw, s.n, pf_rows, r1 - r0, r, c, s.c0, s.c0 + s.width);
+            for (int v = 0; v < NV; v += 16 / W) __builtin_prefetch(pf + v * W, 0, 2);
+        }
+        V::i w[NV];
+        for (int v = 0; v < NV; ++v) w[v] = V::loadi(wrow + v * W);
+        w4_row<R, NV>(acc, w, s.xs + row * s.k + 8 * r, s.k);
+    }
+    for (int mb = 0; mb < R; ++mb)
+        for (int v = 0; v < NV; ++v) {
+            if (!last) {
+                V::store(pc + mb * s.width + v * W, acc[mb][v]);
+                continue;
+            }
+            float *yc = s.out + (row + mb) * s.n + c + v * W;
+            V::store(yc, w4_fold<SS>(acc[mb][v], V::load(yc), s.scales, s.zeros, s.zdef, g * s.n + c + v * W,
+                                     s.xsum[(row + mb) * s.ngroups + g]));
+        }
+}
+
+// The last rows [row, row + rest) of the sweep, rest < R.
+template <class SS, int R, int NV>
+inline void w4_sweep_rest(const W4Sweep<SS> &s, int64_t rest, int64_t row, int64_t c, int64_t g, int64_t r0,
+                          int64_t r1, bool first, bool last, int64_t pf_rows) {
+    if constexpr (R > 0) {
+        if (rest == R) w4_sweep_tile<SS, R, NV>(s, row, c, g, r0, r1, first, last, pf_rows);
+        else w4_sweep_rest<SS, R - 1, NV>(s, rest, row, c, g, r0, r1, first, last, pf_rows);
+    }
+}
+
+// Columns [c0, c1) of all m rows (c1 - c0 a multiple of W NV) over groups [g0, g1), swept pass by pass, `pass`
+// packed rows at a time across the whole range (see kW4PassRows); at each column step every tile of MB rows
+// runs over the pass's codes (in L1 after the first tile), so the weight is read once whatever m is. A group's
+// partial sums wait between passes in part[m][c1 - c0]; out (row stride n) receives the totals.
 template <class SS, int MB, int NV>
-inline void w4_sweep(const float *xs, int64_t k, const float *xsum, int64_t ngroups, const uint32_t *qw, int64_t n,
-                     int64_t c0, int64_t c1, const typename SS::T *scales, const uint8_t *zeros, float zdef,
-                     int64_t gsize, int64_t g0, int64_t g1, int64_t pass, float *out, float *part) {
-    const int64_t words = gsize / 8, width = c1 - c0, rows = g1 * words;
-    for (int mb = 0; mb < MB; ++mb) std::fill(out + mb * n + c0, out + mb * n + c1, 0.0f);
+inline void w4_sweep(int64_t m, const float *xs, int64_t k, const float *xsum, int64_t ngroups, const uint32_t *qw,
+                     int64_t n, int64_t c0, int64_t c1, const typename SS::T *scales, const uint8_t *zeros,
+                     float zdef, int64_t gsize, int64_t g0, int64_t g1, int64_t pass, float *out, float *part) {
+    const int64_t words = gsize / 8, rows = g1 * words;
+    const W4Sweep<SS> s{xs, k, xsum, ngroups, qw, n, scales, zeros, zdef, out, part, c0, c1 - c0};
+    for (int64_t mb = 0; mb < m; ++mb) std::fill(out + mb * n + c0, out + mb * n + c1, 0.0f);
     for (int64_t g = g0; g < g1; ++g) {
         const int64_t r_begin = g * words, r_end = r_begin + words;
         for (int64_t r0 = r_begin; r0 < r_end; r0 += pass) {
             const int64_t r1 = std::min(r_end, r0 + pass);
             const bool first = r0 == r_begin, last = r1 == r_end;
+            for (int64_t m0 = 0; m0 < m; m0 += kW4SweepBlockRows) {
+            const int64_t m1 = std::min(m, m0 + kW4SweepBlockRows);
             for (int64_t c = c0; c < c1; c += W * NV) {
-                float *pc = part + (c - c0);
-                V::f acc[MB][NV];
-                for (int mb = 0; mb < MB; ++mb)
-                    for (int v = 0; v < NV; ++v) acc[mb][v] = first ? V::zero() : V::load(pc + mb * width + v * W);
-                for (int64_t r = r0; r < r1; ++r) {
-                    const uint32_t *wrow = qw + r * n + c;
-                    const uint32_t *pf = w4_sweep_prefetch(qw, n, rows, r1 - r0, r, c, c0, c1);
-                    for (int v = 0; v < NV; v += 16 / W) __builtin_prefetch(pf + v * W, 0, 2);
-                    V::i w[NV];
-                    for (int v = 0; v < NV; ++v) w[v] = V::loadi(wrow + v * W);
-                    w4_row<MB, NV>(acc, w, xs + 8 * r, k);
-                }
-                for (int mb = 0; mb < MB; ++mb)
-                    for (int v = 0; v < NV; ++v) {
-                        if (!last) {
-                            V::store(pc + mb * width + v * W, acc[mb][v]);
-                            continue;
-                        }
-                        float *yc = out + mb * n + c + v * W;
-                        V::store(yc, w4_fold<SS>(acc[mb][v], V::load(yc), scales, zeros, zdef, g * n + c + v * W,
-                                                 xsum[mb * ngroups + g]));
-                    }
+                int64_t row = m0;
+                for (; row + MB <= m1; row += MB)
+                    w4_sweep_tile<SS, MB, NV>(s, row, c, g, r0, r1, first, last, row == 0 ? rows : 0);
+                w4_sweep_rest<SS, MB - 1, NV>(s, m1 - row, row, c, g, r0, r1, first, last, row == 0 ? rows : 0);
+            }
             }
         }
     }
@@ -196,10 +247,14 @@ inline void w4_rows(int64_t rows, const float *xs, int64_t k, const float *xsum,
 #include "w4_bf16.inl"
 
 template <class SS>
-int w4a16_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, int64_t n, const uint32_t *qw,
-            const void *scales_v, const uint8_t *zeros, int32_t zdef, int64_t gsize, float *y, int64_t n_tile,
-            int32_t k_parts, int32_t threads) {
-    const auto *scales = static_cast<const typename SS::T *>(scales_v);
+int w4a16_t(const hal_cpu_w4a16_gemv_args &a) {
+    const void *x = a.x;
+    const int32_t xdt = a.x_dtype, zdef = a.default_zero, k_parts = a.k_parts, threads = a.threads;
+    const int64_t xstride = a.x_stride, m = a.m, k = a.k, n = a.n, gsize = a.group_size, n_tile = a.n_tile;
+    const uint32_t *qw = a.qweight;
+    const uint8_t *zeros = a.zeros;
+    float *y = a.y;
+    const auto *scales = static_cast<const typename SS::T *>(a.scales);
     const int64_t ngroups = k / gsize;
     // Bounded by the activations: x in float32, its group sums and (float32 path) its pre-scaled copy.
     std::vector<float> x32(size_t(m) * k), xsum(size_t(m) * ngroups);
@@ -213,8 +268,7 @@ int w4a16_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, i
         }
     });
 #if defined(HAL_W4_BF16) && !defined(HAL_W4_NO_BF16)
-    if (w4a16_bf16<SS>(x, xdt, xstride, m, k, n, qw, scales, zeros, zdef, gsize, y, n_tile, k_parts, threads, x32,
-                       xsum)) {
+    if (w4a16_bf16<SS>(a, x32, xsum)) {
         w4_scalar_cols<SS>(x32.data(), m, k, qw, n, n / W * W, n, scales, zeros, float(zdef), gsize, y);
         return HAL_OK;
     }
@@ -223,28 +277,18 @@ int w4a16_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, i
     parallel_for(m, threads, [&](int64_t r) {
         for (int64_t kk = 0; kk < k; ++kk) xs[r * k + kk] = x32[r * k + kk] * kNibbleScale[kk % 8];
     });
-    const bool sweep = m <= kW4SweepMaxM;
-    const int64_t nv = sweep ? kW4SweepNV : 2;
-    int64_t tile = std::max<int64_t>(n_tile, nv * W) / (nv * W) * (nv * W);
+    constexpr int64_t nv = kW4SweepNV;
+    const int64_t tile = std::max<int64_t>(n_tile, nv * W) / (nv * W) * (nv * W);
     const int64_t full = n / (nv * W) * (nv * W);
-    const int64_t ntiles = (full + tile - 1) / tile;
-    if (sweep) {
-        w4_sweep_parts(k_parts, ngroups, m, n, full, tile, y, threads,
-                       [&](int64_t g0, int64_t g1, int64_t pass, int64_t c0, int64_t c1, float *out, float *part) {
-            if (m == 2)
-                w4_sweep<SS, 2, kW4SweepNV>(xs.data(), k, xsum.data(), ngroups, qw, n, c0, c1, scales, zeros,
-                                            float(zdef), gsize, g0, g1, pass, out, part);
-            else
-                w4_sweep<SS, 1, kW4SweepNV>(xs.data(), k, xsum.data(), ngroups, qw, n, c0, c1, scales, zeros,
-                                            float(zdef), gsize, g0, g1, pass, out, part);
-        });
-    } else {
-        parallel_for(ntiles, threads, [&](int64_t t) {
-            const int64_t c1 = std::min(full, (t + 1) * tile);
-            for (int64_t c = t * tile; c < c1; c += nv * W)
-                w4_rows<SS, 2>(m, xs.data(), k, xsum.data(), ngroups, qw, n, c, scales, zeros, float(zdef), gsize, y);
-        });
-    }
+    w4_sweep_parts(k_parts, ngroups, m, n, full, tile, y, threads,
+                   [&](int64_t g0, int64_t g1, int64_t pass, int64_t c0, int64_t c1, float *out, float *part) {
+        if (m <= kW4SweepMaxM)
+            w4_sweep<SS, 2, kW4SweepNV>(m, xs.data(), k, xsum.data(), ngroups, qw, n, c0, c1, scales, zeros,
+                                        float(zdef), gsize, g0, g1, pass, out, part);
+        else
+            w4_sweep<SS, kW4SweepTileRows, kW4SweepNV>(m, xs.data(), k, xsum.data(), ngroups, qw, n, c0, c1, scales,
+                                                      zeros, float(zdef), gsize, g0, g1, pass, out, part);
+    });
     int64_t c = full;
     for (; c + W <= n; c += W)
         w4_rows<SS, 1>(m, xs.data(), k, xsum.data(), ngroups, qw, n, c, scales, zeros, float(zdef), gsize, y);
@@ -252,16 +296,11 @@ int w4a16_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, i
     return HAL_OK;
 }
 
-int w4a16_gemv(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, int64_t n, const uint32_t *qw,
-               const void *scales, int32_t sdt, const uint8_t *zeros, int32_t zdef, int64_t gsize, float *y,
-               int64_t n_tile, int32_t k_parts, int32_t threads) {
+int w4a16_gemv(const hal_cpu_w4a16_gemv_args *args) {
     try {
-#define HAL_W4_CALL(SS) \
-    w4a16_t<SS>(x, xdt, xstride, m, k, n, qw, scales, zeros, zdef, gsize, y, n_tile, k_parts, threads)
-        if (sdt == HAL_F16) return HAL_W4_CALL(F16);
-        if (sdt == HAL_BF16) return HAL_W4_CALL(BF16);
-        return HAL_W4_CALL(F32);
-#undef HAL_W4_CALL
+        if (args->s_dtype == HAL_F16) return w4a16_t<F16>(*args);
+        if (args->s_dtype == HAL_BF16) return w4a16_t<BF16>(*args);
+        return w4a16_t<F32>(*args);
     } catch (const std::bad_alloc &) {
         return HAL_ENOMEM;
     }

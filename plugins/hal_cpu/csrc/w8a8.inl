@@ -75,10 +75,14 @@ inline std::vector<Segment> w8_segments(const int64_t *starts, const int32_t *gr
 }
 
 template <class SS>
-int w8a8_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, int64_t n, const uint8_t *qw,
-           const void *scales_v, const uint8_t *zeros, int32_t zdef, const int32_t *perm,
-           const std::vector<Segment> &segs, float *y, int64_t n_tile, int32_t k_parts, int32_t threads) {
-    const auto *scales = static_cast<const typename SS::T *>(scales_v);
+int w8a8_t(const hal_cpu_w8a8_gemm_args &a, const std::vector<Segment> &segs) {
+    const void *x = a.x;
+    const int32_t xdt = a.x_dtype, zdef = a.default_zero, k_parts = a.k_parts, threads = a.threads;
+    const int64_t xstride = a.x_stride, m = a.m, k = a.k, n = a.n, n_tile = a.n_tile;
+    const uint8_t *qw = a.qweight, *zeros = a.zeros;
+    const int32_t *perm = a.perm;
+    float *y = a.y;
+    const auto *scales = static_cast<const typename SS::T *>(a.scales);
     const int64_t nseg = int64_t(segs.size());
     std::vector<float> xq(size_t(m) * k), xqsum(size_t(m) * std::max<int64_t>(nseg, 1)), sx(m);
     std::vector<char> bad(m, 0);
@@ -153,14 +157,12 @@ int w8a8_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, in
 #include "w8a8_vnni.inl"
 #endif
 
-int w8a8_gemm(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, int64_t n, const uint8_t *qw,
-              const void *scales, int32_t sdt, const uint8_t *zeros, int32_t zdef, const int32_t *perm,
-              const int64_t *starts, const int32_t *group_of_run, int64_t runs, float *y, int64_t n_tile,
-              int32_t k_parts, int32_t threads) {
+int w8a8_gemm(const hal_cpu_w8a8_gemm_args *args) {
     try {
-        const std::vector<Segment> segs = w8_segments(starts, group_of_run, runs);
-#define HAL_W8_CALL(KERNEL, SS) \
-    KERNEL<SS>(x, xdt, xstride, m, k, n, qw, scales, zeros, zdef, perm, segs, y, n_tile, k_parts, threads)
+        const hal_cpu_w8a8_gemm_args &a = *args;
+        const std::vector<Segment> segs = w8_segments(a.group_starts, a.group_of_run, a.runs);
+        const int32_t sdt = a.s_dtype;
+#define HAL_W8_CALL(KERNEL, SS) KERNEL<SS>(a, segs)
 #if defined(HAL_ISA_VNNI)
 #define HAL_W8_KERNEL w8a8_vnni_t
 #else

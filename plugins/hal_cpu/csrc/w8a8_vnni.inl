@@ -17,15 +17,24 @@
 //   M <= kVnniGemvRows: the codes are read straight from [K, N]; each step reads 8 rows across a wide
 //     column tile (contiguous bytes), interleaves them in registers and accumulates into an int32
 //     [M, tile] workspace in L1 (columns in a lane-blocked order, put back per segment).
-//   larger M: each 64-column panel of the codes is packed once into dot-product layout ([Kp / 4,
-//     64, 4] bytes, natural column order) in a per-task workspace, then 6 x 64 register tiles run
-//     over it (24 int32 accumulators, 4 code vectors and one broadcast per step of 4 rows).
+//   larger M: a task owns a block of up to 32 panels of 64 columns (the blocks spread evenly over a
+//     multiple of the thread count) and walks K in chunks of whole segments (one group of 128 rows):
+//     it packs the chunk's codes into dot-product layout ([rows / 4, 64, 4] bytes per panel, natural
+//     column order) in a per-task workspace of at most 320 KiB, reading 4 code rows at a time as runs
+//     of up to 2 KiB, then 6 x 64 register tiles run over each panel (24 int32 accumulators, 4 code
+//     vectors and one broadcast per step of 4 rows). Segments are still summed and folded into y
+//     one after the other, so the bits do not change with the chunks or the blocks.
 
 constexpr int64_t kVnniGemvRows = 4;
 constexpr int kVnniTileRows = 6;
 constexpr int64_t kVnniAccWords = 8192;     // int32 accumulators of a small-M task (32 KiB of stack): M x tile
                                             // at most, so up to 8192 columns for M = 1 and 2048 for M = 4
 constexpr int64_t kVnniPrefetchRows = 32;  // code rows read this far ahead are prefetched into L2
+//: Larger M: code rows packed per chunk of K (whole segments, one group of 128 rows), and 64-column panels per
+//: task: up to 32 (each packing step reads 4 code rows as runs of up to 2 KiB), within kVnniPackBytes (L2).
+constexpr int64_t kVnniBlockPanels = 32;
+constexpr int64_t kVnniChunkRows = 128;
+constexpr int64_t kVnniPackBytes = 320 * 1024;
 
 struct W8Panel {
     int64_t kp = 0;              // padded row length of q (a multiple of 4)
@@ -289,37 +298,47 @@ inline void w8v_columns(const W8Panel &p, const std::vector<Segment> &segs, int6
     else w8v_tile<SS, MB, false>(p, segs, s0, s1, w, k, c0, c1, y, acc);
 }
 
-// Pack columns [c0, c0 + valid) of the codes, every segment, into dot-product layout [Kp / 4][64][4];
-// code rows kVnniPrefetchRows ahead are prefetched into L2 (the reads are one line per row, strided).
+// Pack columns [c0, c0 + valid) of the codes, rows of segments [s0, s1), into
+// dot-product panels [rows / 4][64][4], 64-column panel j at dst + j * pitch. Four code rows at a time are read as
+// four contiguous runs across the whole block (what the hardware prefetchers follow, whatever N is); the same
+// columns of the rows kVnniPrefetchRows ahead are prefetched into L2.
 template <class SS>
-inline void w8_pack_panel(const W8Panel &p, const std::vector<Segment> &segs, const W8Weight<SS> &w, int64_t k,
-                          int64_t c0, int64_t valid, uint8_t *dst) {
-    for (size_t sg = 0; sg < segs.size(); ++sg) {
+inline void w8_pack_block(const W8Panel &p, const std::vector<Segment> &segs, int64_t s0, int64_t s1,
+                          const W8Weight<SS> &w, int64_t k, int64_t c0, int64_t valid, uint8_t *dst, int64_t pitch) {
+    const int64_t base = p.pstart[s0];
+    for (int64_t sg = s0; sg < s1; ++sg) {
         const int64_t last = segs[sg].end - 1;
-        uint8_t *d = dst + p.pstart[sg] * 64;
+        uint8_t *d = dst + (p.pstart[sg] - base) * 64;
         for (int64_t i = segs[sg].start; i < segs[sg].end; i += 4, d += 256) {
-            if (i + kVnniPrefetchRows + 4 <= k)
-                for (int64_t j = i + kVnniPrefetchRows; j < i + kVnniPrefetchRows + 4; ++j) w8_prefetch(w.row(j) + c0);
-            VI::i o[4];
-            VI::interleave4(VI::load_bytes(w.row(i) + c0, valid), VI::load_bytes(w.row(std::min(i + 1, last)) + c0, valid),
-                            VI::load_bytes(w.row(std::min(i + 2, last)) + c0, valid),
-                            VI::load_bytes(w.row(std::min(i + 3, last)) + c0, valid), o);
-            for (int v = 0; v < 4; ++v) _mm512_store_si512(d + 64 * v, o[v]);
+            const uint8_t *r0 = w.row(i) + c0, *r1 = w.row(std::min(i + 1, last)) + c0;
+            const uint8_t *r2 = w.row(std::min(i + 2, last)) + c0, *r3 = w.row(std::min(i + 3, last)) + c0;
+            const bool ahead = !w.perm && i + kVnniPrefetchRows + 4 <= k;
+            for (int64_t c = 0; c < valid; c += 64) {
+                if (ahead)
+                    for (int64_t j = 0; j < 4; ++j) w8_prefetch(r0 + (kVnniPrefetchRows + j) * w.n + c);
+                const int64_t v = std::min<int64_t>(64, valid - c);
+                VI::i o[4];
+                VI::interleave4(VI::load_bytes(r0 + c, v), VI::load_bytes(r1 + c, v), VI::load_bytes(r2 + c, v),
+                                VI::load_bytes(r3 + c, v), o);
+                uint8_t *out = d + (c / 64) * pitch;
+                for (int q = 0; q < 4; ++q) _mm512_store_si512(out + 64 * q, o[q]);
+            }
         }
     }
 }
 
-// Rows [r0, r0 + MR) x one packed 64-column panel, every segment.
+// Rows [r0, r0 + MR) x one packed 64-column panel holding segments [s0, s1) (from p.pstart[s0] on).
 template <class SS, int MR>
-inline void w8_tile_rows(const W8Panel &p, const std::vector<Segment> &segs, const W8Weight<SS> &w,
-                         const uint8_t *panel, int64_t r0, int64_t c0, int64_t valid, float *y) {
+inline void w8_tile_rows(const W8Panel &p, const std::vector<Segment> &segs, int64_t s0, int64_t s1,
+                         const W8Weight<SS> &w, const uint8_t *panel, int64_t r0, int64_t c0, int64_t valid,
+                         float *y) {
     const int64_t nseg = int64_t(segs.size()), kp = p.kp;
-    for (int64_t sg = 0; sg < nseg; ++sg) {
+    for (int64_t sg = s0; sg < s1; ++sg) {
         VI::i acc[MR][4];
         for (int r = 0; r < MR; ++r)
             for (int v = 0; v < 4; ++v) acc[r][v] = VI::zero();
         const int8_t *a = p.q.data() + r0 * kp + p.pstart[sg];
-        const uint8_t *b = panel + p.pstart[sg] * 64;
+        const uint8_t *b = panel + (p.pstart[sg] - p.pstart[s0]) * 64;
         const int64_t steps = (p.pstart[sg + 1] - p.pstart[sg]) / 4;
         for (int64_t t = 0; t < steps; ++t, a += 4, b += 256) {
             const VI::i b0 = _mm512_load_si512(b), b1 = _mm512_load_si512(b + 64);
@@ -344,13 +363,34 @@ inline void w8_tile_rows(const W8Panel &p, const std::vector<Segment> &segs, con
     }
 }
 
+// Every row of y x one packed panel (columns [c0, c0 + valid)) over segments [s0, s1): register tiles of
+// kVnniTileRows rows, then the remainder.
 template <class SS>
-int w8a8_vnni_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t k, int64_t n, const uint8_t *qw,
-                const void *scales_v, const uint8_t *zeros, int32_t zdef, const int32_t *perm,
-                const std::vector<Segment> &segs, float *y, int64_t n_tile, int32_t k_parts, int32_t threads) {
+inline void w8_panel_rows(const W8Panel &p, const std::vector<Segment> &segs, int64_t s0, int64_t s1,
+                          const W8Weight<SS> &w, const uint8_t *panel, int64_t m, int64_t c0, int64_t valid,
+                          float *y) {
+    int64_t r = 0;
+    for (; r + kVnniTileRows <= m; r += kVnniTileRows)
+        w8_tile_rows<SS, kVnniTileRows>(p, segs, s0, s1, w, panel, r, c0, valid, y);
+    switch (m - r) {
+        case 5: w8_tile_rows<SS, 5>(p, segs, s0, s1, w, panel, r, c0, valid, y); break;
+        case 4: w8_tile_rows<SS, 4>(p, segs, s0, s1, w, panel, r, c0, valid, y); break;
+        case 3: w8_tile_rows<SS, 3>(p, segs, s0, s1, w, panel, r, c0, valid, y); break;
+        case 2: w8_tile_rows<SS, 2>(p, segs, s0, s1, w, panel, r, c0, valid, y); break;
+        case 1: w8_tile_rows<SS, 1>(p, segs, s0, s1, w, panel, r, c0, valid, y); break;
+        default: break;
+    }
+}
+
+template <class SS>
+int w8a8_vnni_t(const hal_cpu_w8a8_gemm_args &a, const std::vector<Segment> &segs) {
+    const int32_t k_parts = a.k_parts, threads = a.threads;
+    const int64_t m = a.m, k = a.k, n = a.n, n_tile = a.n_tile;
+    float *y = a.y;
     W8Panel p;
-    w8_quantise(x, xdt, xstride, m, k, perm, segs, p, threads);
-    const W8Weight<SS> w{qw, n, perm, static_cast<const typename SS::T *>(scales_v), zeros, float(zdef)};
+    w8_quantise(a.x, a.x_dtype, a.x_stride, m, k, a.perm, segs, p, threads);
+    const W8Weight<SS> w{a.qweight, n, a.perm, static_cast<const typename SS::T *>(a.scales), a.zeros,
+                         float(a.default_zero)};
     if (segs.empty()) {
         std::fill(y, y + m * n, 0.0f);
     } else if (m <= kVnniGemvRows) {
@@ -367,38 +407,49 @@ int w8a8_vnni_t(const void *x, int32_t xdt, int64_t xstride, int64_t m, int64_t 
             else w8v_columns<SS, 4>(p, segs, s0, s1, w, k, c0, c1, out, acc);
         });
     } else {
-        // One packed-panel workspace per running task, all allocated before any output is written.
-        const int64_t panels = (n + 63) / 64;
-        const int64_t tasks = std::min<int64_t>(panels, 4 * std::max<int32_t>(threads, 1));
-        TaskSlots slots(std::min<int64_t>(tasks, std::max<int32_t>(threads, 1)));
-        const size_t bytes = size_t(p.kp) * 64;
+        // A task owns a block of 64-column panels and walks K in chunks of whole segments (about
+        // kVnniChunkRows rows): it packs the chunk's codes for its block (contiguous runs of each code row,
+        // in L2), then runs every row tile over each panel. One workspace per running task, all allocated
+        // before any output is written.
+        const int64_t nseg = int64_t(segs.size());
+        std::vector<int64_t> chunk{0};  // chunk c: segments [chunk[c], chunk[c + 1])
+        for (int64_t sg = 1; sg <= nseg; ++sg)
+            if (sg == nseg || p.pstart[sg + 1] - p.pstart[chunk.back()] > kVnniChunkRows) chunk.push_back(sg);
+        int64_t rows = 0;  // padded rows of the largest chunk
+        for (size_t c = 0; c + 1 < chunk.size(); ++c) rows = std::max(rows, p.pstart[chunk[c + 1]] - p.pstart[chunk[c]]);
+        // Panels per block: as many as fit kVnniPackBytes (at most kVnniBlockPanels), spread evenly over a multiple
+        // of the thread count. A panel's pitch is padded off multiples of 4 KiB, so that the packing stores to
+        // the block's panels do not all fall in the same L1 sets.
+        const int64_t pitch = rows * 64 + 5 * 64;
+        const int64_t panels = (n + 63) / 64, nthreads = std::max<int32_t>(threads, 1);
+        const int64_t widest = std::max<int64_t>(1, std::min<int64_t>(kVnniBlockPanels, kVnniPackBytes / pitch));
+        const int64_t blocks = nthreads * ((panels + widest * nthreads - 1) / (widest * nthreads));
+        const int64_t block_panels = (panels + blocks - 1) / blocks, block = 64 * block_panels;
+        TaskSlots slots(std::min<int64_t>(blocks, nthreads));
+        const size_t bytes = size_t(pitch) * block_panels;
         std::vector<uint8_t *> workspaces;  // indexed by slot
         workspaces.reserve(size_t(slots.count()));
         for (int64_t s = 0; s < slots.count(); ++s) {
-            auto *panel = static_cast<uint8_t *>(_mm_malloc(bytes, 64));
-            if (!panel) {
+            auto *buffer = static_cast<uint8_t *>(_mm_malloc(bytes, 64));
+            if (!buffer) {
                 for (uint8_t *q : workspaces) _mm_free(q);
                 return HAL_ENOMEM;
             }
-            workspaces.push_back(panel);
+            workspaces.push_back(buffer);
         }
-        parallel_for(tasks, threads, [&](int64_t t) {
+        parallel_for(blocks, threads, [&](int64_t t) {
             const int64_t slot = slots.acquire();
-            uint8_t *panel = workspaces[size_t(slot)];
-            for (int64_t pi = panels * t / tasks; pi < panels * (t + 1) / tasks; ++pi) {
-                const int64_t c0 = pi * 64, valid = std::min<int64_t>(64, n - c0);
-                w8_pack_panel<SS>(p, segs, w, k, c0, valid, panel);
-                int64_t r = 0;
-                for (; r + kVnniTileRows <= m; r += kVnniTileRows)
-                    w8_tile_rows<SS, kVnniTileRows>(p, segs, w, panel, r, c0, valid, y);
-                switch (m - r) {
-                    case 5: w8_tile_rows<SS, 5>(p, segs, w, panel, r, c0, valid, y); break;
-                    case 4: w8_tile_rows<SS, 4>(p, segs, w, panel, r, c0, valid, y); break;
-                    case 3: w8_tile_rows<SS, 3>(p, segs, w, panel, r, c0, valid, y); break;
-                    case 2: w8_tile_rows<SS, 2>(p, segs, w, panel, r, c0, valid, y); break;
-                    case 1: w8_tile_rows<SS, 1>(p, segs, w, panel, r, c0, valid, y); break;
-                    default: break;
-                }
+            uint8_t *buffer = workspaces[size_t(slot)];
+            const int64_t c0 = t * block, width = std::min(block, n - c0);
+            if (width <= 0) {
+                slots.release(slot);
+                return;
+            }
+            for (size_t c = 0; c + 1 < chunk.size(); ++c) {
+                w8_pack_block<SS>(p, segs, chunk[c], chunk[c + 1], w, k, c0, width, buffer, pitch);
+                for (int64_t j = 0; j * 64 < width; ++j)
+                    w8_panel_rows<SS>(p, segs, chunk[c], chunk[c + 1], w, buffer + j * pitch, m, c0 + 64 * j,
+                                      std::min<int64_t>(64, width - 64 * j), y);
             }
             slots.release(slot);
         });

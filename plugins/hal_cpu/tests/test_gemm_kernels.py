@@ -168,14 +168,15 @@ def test_tiling_and_threads_agree(rng: np.random.Generator, threads: int, n_tile
     np.testing.assert_array_equal(got, serial)
 
 
-@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 21])
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize(("k", "group_size"), [(256, 32), (384, 96), (512, 128), (1024, 1024)])
 def test_w4a16_sweep_matches_reference(variant: str, rng: np.random.Generator, m: int, dtype: str, k: int,
                                        group_size: int) -> None:
-    """The small-M sweep (one column range per task, packed rows in passes of 8): groups of fewer rows than a
+    """The sweep (one column range per task, packed rows in passes of 8): groups of fewer rows than a
     pass, of a pass and a remainder, of two passes and of the whole K (many passes, partial sums kept between
-    them), over two ranges of uneven width and a ragged column tail."""
+    them), over two ranges of uneven width and a ragged column tail; above M = 2 (the float32 loop's sweep) row
+    tiles of 4 with a remainder, and more than one block of 16 rows."""
     args = quantized_gemm_inputs(rng, m=m, k=k, n=300, bits=4, group_size=group_size, symmetric=False,
                                  dtype=dtype)
     got = quantized_gemm.gemm(args["x"], args["qweight"], kernel="registers", threads=2, n_tile=192)
@@ -183,7 +184,7 @@ def test_w4a16_sweep_matches_reference(variant: str, rng: np.random.Generator, m
                  what=f"{variant} W4A16 sweep M={m} G={group_size} {dtype} x")
 
 
-@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("m", [1, 2, 7, 18])
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_w4a16_sweep_tiling_and_threads_agree(rng: np.random.Generator, m: int, dtype: str) -> None:
     """Where the sweep's ranges start and which thread runs them never changes a column's value."""
@@ -201,6 +202,20 @@ def test_sweep_column_tile_rule() -> None:
         assert sweep % 64 == 0 and -(-n // sweep) <= threads and sweep * threads >= n
         tiles = _rules.gemv_column_tile(n, threads, _rules.SWEEP_M_MAX + 1)
         assert tiles % 64 == 0 and tiles <= sweep
+
+
+def test_float_sweep_column_tile_rule() -> None:
+    """The float32 sweep at any M: one range per thread while the M rows of partial sums fit SWEEP_PARTIAL_BYTES,
+    else narrower ranges within it, in a multiple of the thread count."""
+    for n, threads in [(11008, 2), (4096, 2), (300, 3), (28672, 16)]:
+        for m in (1, 2, 3, 16, 64, 257):
+            tile = _rules.sweep_column_tile(n, threads, m)
+            assert tile % 64 == 0 and (m * tile * 4 <= _rules.SWEEP_PARTIAL_BYTES or tile == 64)
+            assert -(-n // tile) >= min(threads, -(-n // 64))
+            if m <= _rules.SWEEP_M_MAX:
+                assert tile == _rules.gemv_column_tile(n, threads, m)
+    assert _rules.sweep_column_tile(11008, 2, 16) == 2752  # 4 ranges of 4096 columns at most
+    assert _rules.sweep_column_tile(11008, 2, 64) == 960
 
 
 def test_registers_kernel_refuses_act_order(rng: np.random.Generator) -> None:
@@ -375,3 +390,31 @@ def test_w8a8_column_tile_rule() -> None:
             tasks = -(-n // tile)
             assert tasks >= min(threads, -(-n // 64)), (n, threads, tile)
     assert quantized_gemm.w8a8_column_tile(11008, 2, 1) == 5504  # M = 1: one long range per thread
+
+
+@pytest.mark.parametrize("m", [5, 8, 16, 64])
+@pytest.mark.parametrize("case", ["g128", "act-order"])
+def test_w8a8_large_m_blocks_and_chunks(select_isa: Callable[[str], AbstractContextManager[None]],
+                                        rng: np.random.Generator, m: int, case: str) -> None:
+    """The larger-M byte-dot-product kernel across its blocks: K in several chunks of whole segments (the last one
+    short), N over several 512-column blocks with a ragged last panel, act-order groups of uneven length; the
+    float kernel's bits and the reference's values."""
+    args = (_uneven_act_order(rng, m, 1216, 1100, 32) if case == "act-order" else
+            quantized_gemm_inputs(rng, m=m, k=1280, n=1100, bits=8, group_size=128, symmetric=False, dtype="bf16"))
+    got = {}
+    for name in ("avx512vnni", "avx512"):
+        with select_isa(name):
+            got[name] = quantized_gemm.gemm(args["x"], args["qweight"])
+    np.testing.assert_array_equal(got["avx512vnni"], got["avx512"])
+    assert_close(got["avx512vnni"], REFERENCE(args), kind="gemm", dtype="bf16" if case == "g128" else "fp32",
+                 what=f"avx512vnni W8A8 M={m} {case}")
+
+
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_w8a8_large_m_more_threads_than_panels(variant: str, rng: np.random.Generator, threads: int) -> None:
+    """More threads than 64-column panels (some column blocks empty): every column once, the reference's values,
+    the bits of one thread."""
+    args = quantized_gemm_inputs(rng, m=7, k=384, n=40, bits=8, group_size=128, symmetric=False, dtype="fp32")
+    serial = quantized_gemm.gemm(args["x"], args["qweight"], threads=1)
+    np.testing.assert_array_equal(quantized_gemm.gemm(args["x"], args["qweight"], threads=threads), serial)
+    assert_close(serial, REFERENCE(args), kind="gemm", dtype="fp32", what=f"{variant} W8A8 M=7 N=40")

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
-from hal_cpu import _native
+from hal_cpu import _abi, _native
 from hal_cpu.ops import paged_attention
 
 from hal_core.testing.inputs import paged_attention_inputs
@@ -75,3 +77,37 @@ def test_vnni_variant_ranks_first_where_it_runs(native: _native.Native) -> None:
         pytest.skip(f"this CPU or build has no avx512vnni variant (available: {', '.join(native.available)})")
     assert native.available.index("avx512vnni") < native.available.index("avx512")
     assert native.isa == "avx512vnni"
+
+
+def _mirror(name: str, fields: list[tuple[str, Any]]) -> type[ctypes.Structure]:
+    return type(f"Wrong_{name}", (ctypes.Structure,), {"_fields_": fields})
+
+
+@pytest.mark.parametrize("name", sorted(_abi.STRUCTS))
+def test_every_struct_mirror_matches_and_a_wrong_one_is_refused(native: _native.Native, name: str) -> None:
+    """Each kernel's argument struct: the real mirror matches the library's layout; a mirror missing a field, or
+    with a field of another width, is refused with the rebuild message naming the struct and the field."""
+    struct = _abi.STRUCTS[name]
+    _native.check_abi(native.lib, {name: struct})
+    fields = list(struct._fields_)
+    dropped = fields[-2][0]
+    widened = max(i for i, (_, kind) in enumerate(fields) if kind is ctypes.c_int32)
+    wrong = {
+        dropped: _mirror(name, [*fields[:-2], fields[-1]]),
+        fields[widened][0]: _mirror(name, [*fields[:widened], (fields[widened][0], ctypes.c_int64),
+                                           *fields[widened + 1:]]),
+    }
+    compiled = native.lib.hal_cpu_abi(name.encode()).decode()
+    for field, mirror in wrong.items():
+        with pytest.raises(_native.NativeUnavailable, match=rf"struct '{name}' differs.*rebuild with `pip install"):
+            _native.check_abi(native.lib, {name: mirror})
+        assert field in (_abi.mismatch(name, mirror, compiled) or ""), field
+
+
+def test_every_kernel_takes_a_mirrored_struct() -> None:
+    """Every kernel entry point taking a pointer takes a pointer to one of the mirrored structs, and every mirror
+    is some kernel's argument; the library describes no struct it does not know."""
+    pointers = {argtypes[0]._type_ for _, argtypes in _native._SIGNATURES.values()
+                if len(argtypes) == 1 and issubclass(argtypes[0], ctypes._Pointer)}
+    assert pointers == set(_abi.STRUCTS.values())
+    assert _native.load().lib.hal_cpu_abi(b"no_such_struct") is None

@@ -10,6 +10,7 @@ and on, and from several Python threads at once.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from hal_cpu import _native
+from hal_cpu import _abi, _native
 from hal_cpu.ops._native_args import dtype_code
 
 
@@ -61,8 +62,9 @@ def spin(request: pytest.FixtureRequest, native: _native.Native) -> Iterator[int
 
 def _convert(native: _native.Native, x: np.ndarray, threads: int) -> np.ndarray:
     out = np.full(x.shape, np.nan, dtype=np.float32)
-    rc = native.lib.hal_cpu_to_float32(_native.pointer(x), dtype_code(x), x.shape[1], x.shape[0], x.shape[1],
-                                       _native.pointer(out), threads)
+    args = _abi.ToFloat32Args(x=_native.pointer(x), x_stride=x.shape[1], m=x.shape[0], k=x.shape[1],
+                              out=_native.pointer(out), dtype=dtype_code(x), threads=threads)
+    rc = native.lib.hal_cpu_to_float32(ctypes.byref(args))
     assert rc == 0
     return out
 

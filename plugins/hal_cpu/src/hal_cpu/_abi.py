@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import ctypes
 
-__all__ = ["STRUCTS", "AttentionArgs", "layout", "mismatch"]
+__all__ = ["STRUCTS", "AttentionArgs", "DequantTileArgs", "ToFloat32Args", "W4a16BlockedArgs", "W4a16GemvArgs",
+           "W8a8GemmArgs", "WriteKvCacheArgs", "layout", "mismatch"]
 
 _i32, _i64, _f32, _p = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -32,8 +33,78 @@ class AttentionArgs(ctypes.Structure):
     ]
 
 
+class WriteKvCacheArgs(ctypes.Structure):
+    """``hal_cpu_write_kv_cache_args``: scatter new keys and values into the paged caches through a slot mapping."""
+
+    _fields_ = [
+        ("key", _p), ("k_token_stride", _i64), ("k_head_stride", _i64),
+        ("value", _p), ("v_token_stride", _i64), ("v_head_stride", _i64),
+        ("key_cache", _p), ("value_cache", _p),
+        ("c_block_stride", _i64), ("c_head_stride", _i64), ("c_token_stride", _i64),
+        ("slots", _p), ("num_tokens", _i64), ("slot_bytes", _i32), ("num_kv_heads", _i32), ("block_size", _i32),
+        ("head_size", _i32), ("elem_bytes", _i32), ("threads", _i32),
+    ]
+
+
+class ToFloat32Args(ctypes.Structure):
+    """``hal_cpu_to_float32_args``: rows of fp16/bf16/fp32 activations widened to contiguous float32."""
+
+    _fields_ = [
+        ("x", _p), ("x_stride", _i64), ("m", _i64), ("k", _i64), ("out", _p), ("dtype", _i32), ("threads", _i32),
+    ]
+
+
+class W4a16GemvArgs(ctypes.Structure):
+    """``hal_cpu_w4a16_gemv_args``: W4A16 with the int4 codes unpacked in registers (small M)."""
+
+    _fields_ = [
+        ("x", _p), ("x_stride", _i64), ("m", _i64), ("k", _i64), ("n", _i64),
+        ("qweight", _p), ("scales", _p), ("zeros", _p), ("group_size", _i64), ("y", _p), ("n_tile", _i64),
+        ("x_dtype", _i32), ("s_dtype", _i32), ("default_zero", _i32), ("k_parts", _i32), ("threads", _i32),
+    ]
+
+
+class DequantTileArgs(ctypes.Structure):
+    """``hal_cpu_dequant_tile_args``: columns ``[n0, n1)`` of an int4 or int8 weight dequantised to float32."""
+
+    _fields_ = [
+        ("qweight", _p), ("scales", _p), ("zeros", _p), ("g_idx", _p), ("group_size", _i64),
+        ("k", _i64), ("n", _i64), ("n0", _i64), ("n1", _i64), ("out", _p), ("ld", _i64),
+        ("bits", _i32), ("s_dtype", _i32), ("default_zero", _i32), ("threads", _i32),
+    ]
+
+
+class W8a8GemmArgs(ctypes.Structure):
+    """``hal_cpu_w8a8_gemm_args``: W8A8 with per-token activation quantisation fused."""
+
+    _fields_ = [
+        ("x", _p), ("x_stride", _i64), ("m", _i64), ("k", _i64), ("n", _i64),
+        ("qweight", _p), ("scales", _p), ("zeros", _p), ("perm", _p), ("group_starts", _p), ("group_of_run", _p),
+        ("runs", _i64), ("y", _p), ("n_tile", _i64),
+        ("x_dtype", _i32), ("s_dtype", _i32), ("default_zero", _i32), ("k_parts", _i32), ("threads", _i32),
+    ]
+
+
+class W4a16BlockedArgs(ctypes.Structure):
+    """``hal_cpu_w4a16_blocked_args``: W4A16 as a cache-blocked GEMM on dequantised panels (large M, act-order)."""
+
+    _fields_ = [
+        ("x", _p), ("x_stride", _i64), ("m", _i64), ("k", _i64), ("n", _i64),
+        ("qweight", _p), ("scales", _p), ("zeros", _p), ("g_idx", _p), ("group_size", _i64), ("y", _p),
+        ("x_dtype", _i32), ("s_dtype", _i32), ("default_zero", _i32), ("threads", _i32),
+    ]
+
+
 #: ABI name (as ``hal_cpu_abi`` knows it) -> mirror.
-STRUCTS: dict[str, type[ctypes.Structure]] = {"attention": AttentionArgs}
+STRUCTS: dict[str, type[ctypes.Structure]] = {
+    "attention": AttentionArgs,
+    "write_kv_cache": WriteKvCacheArgs,
+    "to_float32": ToFloat32Args,
+    "w4a16_gemv": W4a16GemvArgs,
+    "dequant_tile": DequantTileArgs,
+    "w8a8_gemm": W8a8GemmArgs,
+    "w4a16_blocked": W4a16BlockedArgs,
+}
 
 
 def layout(struct: type[ctypes.Structure]) -> str:

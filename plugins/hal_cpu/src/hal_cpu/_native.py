@@ -39,7 +39,7 @@ DEFAULT_SPIN_US = 100
 #: (default on; off runs the vector-FMA path, for testing and diagnosis).
 AMX_ENV = "HAL_CPU_AMX"
 
-_i32, _i64, _f32, _p = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_i64 = ctypes.c_int64
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "hal_cpu_select_isa": (ctypes.c_char_p, [ctypes.c_char_p]),
     "hal_cpu_isa": (ctypes.c_char_p, []),
@@ -51,17 +51,12 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "hal_cpu_paged_attention": (ctypes.c_int, [ctypes.POINTER(_abi.AttentionArgs)]),
     "hal_cpu_attention_amx": (ctypes.c_int, []),
     "hal_cpu_set_attention_amx": (ctypes.c_int, [ctypes.c_int]),
-    "hal_cpu_write_kv_cache": (ctypes.c_int, [_p, _i64, _i64, _p, _i64, _i64, _p, _p, _i64, _i64, _i64, _p, _i32,
-                                              _i64, _i32, _i32, _i32, _i32, _i32]),
-    "hal_cpu_to_float32": (ctypes.c_int, [_p, _i32, _i64, _i64, _i64, _p, _i32]),
-    "hal_cpu_w4a16_gemv": (ctypes.c_int, [_p, _i32, _i64, _i64, _i64, _i64, _p, _p, _i32, _p, _i32, _i64, _p,
-                                          _i64, _i32, _i32]),
-    "hal_cpu_dequant_tile": (ctypes.c_int, [_p, _i32, _p, _i32, _p, _i32, _p, _i64, _i64, _i64, _i64, _i64, _p,
-                                            _i64, _i32]),
-    "hal_cpu_w8a8_gemm": (ctypes.c_int, [_p, _i32, _i64, _i64, _i64, _i64, _p, _p, _i32, _p, _i32, _p, _p, _p,
-                                         _i64, _p, _i64, _i32, _i32]),
-    "hal_cpu_w4a16_blocked": (ctypes.c_int, [_p, _i32, _i64, _i64, _i64, _i64, _p, _p, _i32, _p, _i32, _p, _i64,
-                                             _p, _i32]),
+    "hal_cpu_write_kv_cache": (ctypes.c_int, [ctypes.POINTER(_abi.WriteKvCacheArgs)]),
+    "hal_cpu_to_float32": (ctypes.c_int, [ctypes.POINTER(_abi.ToFloat32Args)]),
+    "hal_cpu_w4a16_gemv": (ctypes.c_int, [ctypes.POINTER(_abi.W4a16GemvArgs)]),
+    "hal_cpu_dequant_tile": (ctypes.c_int, [ctypes.POINTER(_abi.DequantTileArgs)]),
+    "hal_cpu_w8a8_gemm": (ctypes.c_int, [ctypes.POINTER(_abi.W8a8GemmArgs)]),
+    "hal_cpu_w4a16_blocked": (ctypes.c_int, [ctypes.POINTER(_abi.W4a16BlockedArgs)]),
     "hal_cpu_w4a16_half_dot": (ctypes.c_int, []),
 }
 

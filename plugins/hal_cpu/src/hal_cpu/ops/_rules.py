@@ -19,6 +19,7 @@ __all__ = [
     "SERIAL_BYTES",
     "SMALL_M_MAX",
     "SWEEP_M_MAX",
+    "SWEEP_PARTIAL_BYTES",
     "ATTENTION_TILE_ROWS",
     "attention_partition_tokens",
     "attention_query_tile",
@@ -26,16 +27,25 @@ __all__ = [
     "gemm_kernel",
     "gemv_column_tile",
     "gemv_k_parts",
+    "sweep_column_tile",
     "threads_for",
 ]
 
 #: Work (bytes moved) below which an op runs on the calling thread: waking the pool costs more.
 SERIAL_BYTES = 256 * 1024
-#: W4A16: the largest M served by the in-register kernel; above it, the blocked kernel.
-SMALL_M_MAX = 32
+#: W4A16 with float32 activations (or on a CPU without AVX512_BF16): the largest M served by the in-register
+#: kernel (its float32 sweep, every row tile over the same long runs of packed rows); above it, the blocked kernel.
+#: One thread's CPU time here: 4096x11008 M = 3 9.6 ms against 37.8, M = 8 25.6 against 34.7, M = 16 50.2
+#: against 44.7; 11008x4096 M = 8 20.6 against 35.6, M = 12 33.8 against 42.9, M = 16 41.4 against 44.8; AVX2
+#: with fp16 activations M = 16 41.3 against 61.9.
+SMALL_M_MAX = 12
 #: W4A16: the largest M the in-register kernel serves by a sweep of one wide column range per thread
 #: (csrc/w4a16.inl, ``kW4SweepMaxM``).
 SWEEP_M_MAX = 2
+#: W4A16's float32 sweep at any M (csrc/w4a16.inl, ``w4_sweep``): bytes of one task's partial sums (``M x columns``
+#: floats) that stay in L2 beside the weight stream; a task's columns are bounded by it, so larger M runs more,
+#: narrower column ranges.
+SWEEP_PARTIAL_BYTES = 256 * 1024
 #: Small-M GEMVs (M <= SWEEP_M_MAX) of weights whose packed rows are shorter than this cut K into
 #: :data:`K_PARTS` parts (csrc/parts.inl), so that a task reads whole rows instead of a short run of each.
 K_PART_ROW_BYTES = 32 * 1024
@@ -152,6 +162,18 @@ def gemv_column_tile(n: int, threads: int, m: int = SWEEP_M_MAX + 1, k_parts: in
     compute-bound tiles.
     """
     tasks = _tasks_per_part(threads, k_parts) if m <= SWEEP_M_MAX else max(1, threads) * 8
+    per_task = -(-n // tasks)
+    return max(64, -(-per_task // 64) * 64)
+
+
+def sweep_column_tile(n: int, threads: int, m: int = 1, k_parts: int = 1) -> int:
+    """Columns per task of W4A16's float32 sweep at any M, a multiple of 64: one range per thread (of a part of
+    K), as :func:`gemv_column_tile` up to :data:`SWEEP_M_MAX`, but never wider than the columns whose ``m`` rows
+    of partial sums fit :data:`SWEEP_PARTIAL_BYTES` (then more, narrower ranges, a multiple of the tasks per part
+    in number)."""
+    per_part = _tasks_per_part(threads, k_parts)
+    widest = max(64, SWEEP_PARTIAL_BYTES // (4 * max(1, m)) // 64 * 64)
+    tasks = per_part * -(-n // (widest * per_part))
     per_task = -(-n // tasks)
     return max(64, -(-per_task // 64) * 64)
 

@@ -17,22 +17,50 @@
   :func:`~hal_core.quant.quantize_activations`; integer dot products are exact
   per group, then scaled by the group scales and the token scale. On CPUs with
   AVX512_VNNI the products are int8 x uint8 byte dot products summed in int32
-  (codes read in place over wide column tiles for M <= 4, packed 64-column
-  panels and register tiles above; csrc/w8a8_vnni.inl), elsewhere exact float
-  sums; both give the same bits. A row of ``x`` holding NaN or Inf gives a row
-  of NaN.
+  (codes read in place over wide column tiles for M <= 4; above, each task
+  packs its block of up to 32 64-column panels one group of K at a time from
+  contiguous code-row runs and runs 6 x 64 register tiles over them;
+  csrc/w8a8_vnni.inl), elsewhere exact float sums; both give the same bits. A
+  row of ``x`` holding NaN or Inf gives a row of NaN.
+
+What each kernel allocates per call (all freed when it returns; never a float
+copy of the weight):
+
+- every kernel: the float32 result ``[M, N]`` (cast to ``x``'s dtype by the
+  front door);
+- ``'registers'`` W4A16: ``x`` in float32 and its group sums (``M * K + M * K/G``
+  floats), then ``M * K`` pre-scaled floats (float32 loop) or ``M * K/2``
+  (bf16 activations) / ``M * K`` (fp16: high and low parts) pair words
+  (AVX512_BF16 loop); the sweep's partial sums, ``M x tile`` floats per
+  running task (M <= 2, and the float32 loop at any M, where the tile keeps
+  them within :data:`~hal_cpu.ops._rules.SWEEP_PARTIAL_BYTES`) and, with K in
+  parts, ``(parts - 1) * M * N`` floats;
+- ``'blocked'`` W4A16: the packed activations (``ceil(M/8) * 8 * K`` floats plus
+  ``ceil(M/8) * K`` to convert through) and one 256 KiB panel per running task;
+- ``'tiles'`` W4A16: one dequantised tile ``[K, columns]`` of at most
+  :data:`~hal_cpu.ops._rules.DEQUANT_TILE_BYTES`, ``[M, columns]`` floats, and
+  ``x`` in float32 unless it already is;
+- W8A8 (``avx512vnni``): the int8 activation panel ``M * Kp`` bytes (``Kp`` at
+  most ``K + 3`` per segment), ``M * segments + M`` floats; M <= 4: 32 KiB of
+  int32 accumulators per task on the stack (and ``(parts - 1) * M * N`` floats
+  with K in parts); M > 4: one packing workspace per running thread, at most
+  320 KiB (weight-derived codes of one group of K for the task's columns);
+- W8A8 (other variants): ``M * K`` floats (quantised activations) and
+  ``M * segments`` floats.
 
 No weight-derived array outlives a call.
 """
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
 from hal_core.ops import OpCall
 from hal_core.quant import QuantizedWeight
 
-from .. import _native
+from .. import _abi, _native
 from . import _fallback_gemm, _knobs, _rules
 from ._common import finish
 from ._native_args import dtype_code
@@ -94,27 +122,32 @@ def gemm(
     if k_parts is None:
         k_parts = _rules.gemv_k_parts(n, qweight.bits, m)
     if n_tile is None:
-        n_tile = (w8a8_column_tile(n, threads, m, k_parts) if qweight.bits == 8
-                  else _rules.gemv_column_tile(n, threads, m, k_parts))
+        if qweight.bits == 8:
+            n_tile = w8a8_column_tile(n, threads, m, k_parts)
+        elif half_dot(native, x.dtype):
+            n_tile = _rules.gemv_column_tile(n, threads, m, k_parts)
+        else:  # the float32 loop sweeps at every M
+            n_tile = _rules.sweep_column_tile(n, threads, m, k_parts)
     y = np.empty((m, n), dtype=np.float32)
     xs = x.strides[0] // x.itemsize
     ptr = _native.pointer
+    # The fields every GEMM struct shares: activations, weight, output.
+    common = {"x": ptr(x), "x_stride": xs, "m": m, "k": k, "n": n, "qweight": ptr(qw), "scales": ptr(scales),
+              "zeros": ptr(zeros), "y": ptr(y), "x_dtype": dtype_code(x), "s_dtype": dtype_code(scales),
+              "default_zero": qweight.default_zero, "threads": int(threads)}
     if qweight.bits == 8:
-        runs = _group_runs(k, qweight.group_size, g_idx)
-        perm, starts, groups = runs
-        rc = native.lib.hal_cpu_w8a8_gemm(
-            ptr(x), dtype_code(x), xs, m, k, n, ptr(qw), ptr(scales), dtype_code(scales), ptr(zeros),
-            qweight.default_zero, ptr(perm), ptr(starts), ptr(groups), groups.size, ptr(y), n_tile, k_parts, threads)
+        perm, starts, groups = _group_runs(k, qweight.group_size, g_idx)
+        w8 = _abi.W8a8GemmArgs(**common, perm=ptr(perm), group_starts=ptr(starts), group_of_run=ptr(groups),
+                               runs=groups.size, n_tile=n_tile, k_parts=k_parts)
+        rc = native.lib.hal_cpu_w8a8_gemm(ctypes.byref(w8))
     elif kernel == "registers":
         if g_idx is not None or qweight.group_size % 8:
             raise ValueError("quantized_gemm: kernel='registers' needs group_size % 8 == 0 and no act-order")
-        rc = native.lib.hal_cpu_w4a16_gemv(
-            ptr(x), dtype_code(x), xs, m, k, n, ptr(qw), ptr(scales), dtype_code(scales), ptr(zeros),
-            qweight.default_zero, qweight.group_size, ptr(y), n_tile, k_parts, threads)
+        w4 = _abi.W4a16GemvArgs(**common, group_size=qweight.group_size, n_tile=n_tile, k_parts=k_parts)
+        rc = native.lib.hal_cpu_w4a16_gemv(ctypes.byref(w4))
     elif kernel == "blocked":
-        rc = native.lib.hal_cpu_w4a16_blocked(
-            ptr(x), dtype_code(x), xs, m, k, n, ptr(qw), ptr(scales), dtype_code(scales), ptr(zeros),
-            qweight.default_zero, ptr(g_idx), qweight.group_size, ptr(y), threads)
+        blocked = _abi.W4a16BlockedArgs(**common, g_idx=ptr(g_idx), group_size=qweight.group_size)
+        rc = native.lib.hal_cpu_w4a16_blocked(ctypes.byref(blocked))
     elif kernel == "tiles":
         rc = _tiles(native, x, xs, qweight, qw, scales, zeros, g_idx, y, tile_bytes, threads)
     else:
@@ -145,10 +178,12 @@ def _redo_non_finite_rows(native: _native.Native, x: np.ndarray, qweight: Quanti
         return  # an overflow of finite inputs: the kernel's result stands
     rows = np.ascontiguousarray(x[bad])
     redo = np.empty((bad.size, y.shape[1]), dtype=np.float32)
-    rc = native.lib.hal_cpu_w4a16_blocked(
-        _native.pointer(rows), dtype_code(rows), rows.strides[0] // rows.itemsize, bad.size, x.shape[1], y.shape[1],
-        _native.pointer(qw), _native.pointer(scales), dtype_code(scales), _native.pointer(zeros),
-        qweight.default_zero, _native.pointer(g_idx), qweight.group_size, _native.pointer(redo), threads)
+    args = _abi.W4a16BlockedArgs(
+        x=_native.pointer(rows), x_stride=rows.strides[0] // rows.itemsize, m=bad.size, k=x.shape[1], n=y.shape[1],
+        qweight=_native.pointer(qw), scales=_native.pointer(scales), zeros=_native.pointer(zeros),
+        g_idx=_native.pointer(g_idx), group_size=qweight.group_size, y=_native.pointer(redo),
+        x_dtype=dtype_code(rows), s_dtype=dtype_code(scales), default_zero=qweight.default_zero, threads=threads)
+    rc = native.lib.hal_cpu_w4a16_blocked(ctypes.byref(args))
     if rc:
         raise MemoryError("quantized_gemm: the CPU kernel could not allocate its activation workspace")
     y[bad] = redo
@@ -163,16 +198,19 @@ def _tiles(native: _native.Native, x: np.ndarray, xs: int, qweight: QuantizedWei
     ptr = _native.pointer
     x32 = x if x.dtype == np.float32 and x.flags.c_contiguous else np.empty((m, k), dtype=np.float32)
     if x32 is not x:
-        native.lib.hal_cpu_to_float32(ptr(x), dtype_code(x), xs, m, k, ptr(x32), threads)
+        widen = _abi.ToFloat32Args(x=ptr(x), x_stride=xs, m=m, k=k, out=ptr(x32), dtype=dtype_code(x), threads=threads)
+        native.lib.hal_cpu_to_float32(ctypes.byref(widen))
     columns = _rules.dequant_tile_columns(k, n, tile_bytes or _rules.DEQUANT_TILE_BYTES)
     tile = np.empty((k, columns), dtype=np.float32)
     part = np.empty((m, columns), dtype=np.float32)
     for n0 in range(0, n, columns):
         width = min(columns, n - n0)
         t = tile[:, :width] if width == columns else np.empty((k, width), dtype=np.float32)
-        native.lib.hal_cpu_dequant_tile(ptr(qw), qweight.bits, ptr(scales), dtype_code(scales), ptr(zeros),
-                                        qweight.default_zero, ptr(g_idx), qweight.group_size, k, n, n0,
-                                        n0 + width, ptr(t), width, threads)
+        tile_args = _abi.DequantTileArgs(
+            qweight=ptr(qw), scales=ptr(scales), zeros=ptr(zeros), g_idx=ptr(g_idx), group_size=qweight.group_size,
+            k=k, n=n, n0=n0, n1=n0 + width, out=ptr(t), ld=width, bits=qweight.bits, s_dtype=dtype_code(scales),
+            default_zero=qweight.default_zero, threads=threads)
+        native.lib.hal_cpu_dequant_tile(ctypes.byref(tile_args))
         out = part if width == columns else np.empty((m, width), dtype=np.float32)
         np.matmul(x32, t, out=out)
         y[:, n0:n0 + width] = out

@@ -7,11 +7,13 @@ negative slots are skipped.
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
 from hal_core.ops import OpCall
 
-from .. import _native
+from .. import _abi, _native
 from . import _rules
 from ._native_args import element_strides, last_contiguous
 
@@ -42,10 +44,14 @@ def scatter(key: np.ndarray, value: np.ndarray, key_cache: np.ndarray, value_cac
     kts, khs, _ = element_strides(key)
     vts, vhs, _ = element_strides(value)
     cb, ch, ct, _ = element_strides(key_cache)
-    native.lib.hal_cpu_write_kv_cache(
-        _native.pointer(key), kts, khs, _native.pointer(value), vts, vhs, _native.pointer(key_cache),
-        _native.pointer(value_cache), cb, ch, ct, _native.pointer(slots), slots.itemsize, num_tokens, num_kv_heads,
-        key_cache.shape[2], head_size, item, int(threads))
+    args = _abi.WriteKvCacheArgs(
+        key=_native.pointer(key), k_token_stride=kts, k_head_stride=khs,
+        value=_native.pointer(value), v_token_stride=vts, v_head_stride=vhs,
+        key_cache=_native.pointer(key_cache), value_cache=_native.pointer(value_cache),
+        c_block_stride=cb, c_head_stride=ch, c_token_stride=ct, slots=_native.pointer(slots), num_tokens=num_tokens,
+        slot_bytes=slots.itemsize, num_kv_heads=num_kv_heads, block_size=key_cache.shape[2], head_size=head_size,
+        elem_bytes=item, threads=int(threads))
+    native.lib.hal_cpu_write_kv_cache(ctypes.byref(args))
 
 
 def _numpy_scatter(key: np.ndarray, value: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray,
