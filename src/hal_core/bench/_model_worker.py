@@ -38,6 +38,7 @@ __all__ = ["build_float_model", "greedy", "main", "prompt_ids"]
 
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _BLOCK_SIZE = 16
+_WARMUP_PROMPT = 16
 #: Progress lines per quantized width while preparing (the parent counts on it: :func:`._model.model_steps`).
 _QUARTERS = 4
 
@@ -276,10 +277,8 @@ def run(task: dict[str, Any]) -> dict[str, Any]:
         loaded = {"load_peak_rss_bytes": peak_rss_bytes(), "load_peak_anon_bytes": sampler.peak,
                   "after_load_anon_bytes": sampler.sample()}
         _phase(f"{name}: warming up")
-        greedy(model, attention, prompts[:1], 2)
-        for batch in batches:
-            if batch != 1:
-                greedy(model, attention, prompts[:batch, :16], 2)
+        for batch in sorted(set(batches) | {1}):  # a short prompt: a prefill costs as much as the decode steps
+            greedy(model, attention, prompts[:batch, :_WARMUP_PROMPT], 2)
         prefill_s, first_s, tokens = [], [], {}
         decode: dict[str, list[float]] = {str(b): [] for b in batches}
         steps: dict[str, list[float]] = {str(b): [] for b in batches}
