@@ -188,3 +188,24 @@ def test_missing_transformers_is_named(monkeypatch: pytest.MonkeyPatch, capsys: 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name))
     assert main(["bench", "--model", "tiny", "-q"]) == 2
     assert "pip install 'hal-core[torch]' transformers" in capsys.readouterr().err
+
+
+def test_targets_are_ratios_of_the_results(rng: np.random.Generator) -> None:
+    from hal_core.bench._model import model_targets
+
+    a, b, c, d, e, f, g = (float(x) for x in rng.uniform(0.5, 5.0, size=7))
+    results = {"hal-int4": {"decode": {"1": {"tokens_per_s": a, "ratio_limit": b}, "8": {"tokens_per_s": c}},
+                            "prefill": {"tokens_per_s": d}, "memory": {"peak_rss_bytes": e}},
+               "sdpa-bf16": {"decode": {"1": {"tokens_per_s": f}}, "prefill": {"tokens_per_s": g}}}
+    got = {t["ratio"]: t for t in model_targets(results, [1, 8])}
+    expected = {"int4 decode batch 1 / its decode limit": (b, 0.6),
+                "int4 decode batch 1 / sdpa bf16 decode batch 1": (a / f, 2.5),
+                "int4 decode batch 8 / int4 decode batch 1": (c / a, 3.0),
+                "int4 prefill / sdpa bf16 prefill": (d / g, 1.0)}
+    for label, (value, target) in expected.items():
+        assert got[label]["value"] == pytest.approx(value) and got[label]["target"] == target
+        assert got[label]["met"] == (value >= target)
+    memory = next(t for t in got.values() if "memory" in t["ratio"])
+    assert memory["value"] is None and memory["met"] is None  # sdpa-fp32 did not run
+    only_one = {t["ratio"]: t for t in model_targets(results, [1])}
+    assert only_one["int4 decode batch 1 / int4 decode batch 1"]["value"] is None
