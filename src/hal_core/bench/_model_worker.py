@@ -280,6 +280,7 @@ def run(task: dict[str, Any]) -> dict[str, Any]:
         for batch in sorted(set(batches) | {1}):  # a short prompt: a prefill costs as much as the decode steps
             greedy(model, attention, prompts[:batch, :_WARMUP_PROMPT], 2)
         prefill_s, first_s, tokens = [], [], {}
+        by_batch: dict[str, dict[str, int]] = {}  # the high-water marks once each batch size has run
         decode: dict[str, list[float]] = {str(b): [] for b in batches}
         steps: dict[str, list[float]] = {str(b): [] for b in batches}
         for rnd in range(task["repeat"]):
@@ -294,7 +295,10 @@ def run(task: dict[str, Any]) -> dict[str, Any]:
                     decode[str(batch)].append(sum(got["step_s"]))
                     steps[str(batch)] += got["step_s"]
                 tokens[str(batch)] = got["tokens"]
-    memory = {"peak_rss_bytes": peak_rss_bytes(), "peak_anon_bytes": sampler.peak, **loaded}
+                by_batch.setdefault(str(batch), {"peak_rss_bytes": peak_rss_bytes(),  # the first round's
+                                                 "peak_anon_bytes": sampler.peak})
+    memory = {"peak_rss_bytes": peak_rss_bytes(), "peak_anon_bytes": sampler.peak, **loaded,
+              "peak_after_batch": by_batch}
     return {
         "contender": name, "threads": torch.get_num_threads(), "load_s": load_s,
         "model_bytes": _model_bytes(model),
