@@ -1,4 +1,5 @@
-"""``hal bench``: every op over preset or given shapes, against the machine's limits and peers, in one run."""
+"""``hal bench``: every op over preset or given shapes, against the machine's limits and peers, in one run;
+``--model``: a whole model's tokens/s and memory, per contender."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import importlib.util
 import sys
 
+from ._bench_model import add_model_options, run_model_command
 from ._cases_args import add_case_options, add_timing_options, cases_from, policy_from
 
 __all__ = ["add_bench_parser"]
@@ -33,6 +35,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
                        help="skip the rows of what a call costs above its kernel (front door, torch.ops.hal)")
     bench.add_argument("--json", metavar="PATH", help="write the full report as JSON (schema in docs/benchmarks.md)")
     bench.add_argument("--plot", metavar="PATH", help="draw ratio against size (needs: pip install 'hal-core[bench]')")
+    add_model_options(bench)
     bench.set_defaults(func=_cmd_bench)
 
 
@@ -45,6 +48,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     import hal_core
     from hal_core import HalError, bench
 
+    if args.model is not None:
+        return run_model_command(args)
     try:
         policy = policy_from(args, _REPEAT, _MAX_TIME)
         cases = cases_from(args, "all")

@@ -1,0 +1,237 @@
+"""What ``hal bench --model`` runs: the model's config (a built-in size or a Hugging Face config), the contenders,
+and the bytes a decode step must read (no torch needed).
+
+A model is a Llama-architecture config: a built-in size (:data:`BUILTIN_MODELS`)
+or a path to a ``config.json`` (or a directory holding one) whose
+``model_type`` is one of :data:`LLAMA_TYPES`. Its weights are random
+(seeded): nothing is downloaded, and a checkpoint's own weights are never
+read, only its config.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._cases import BenchArgumentError
+
+__all__ = ["BUILTIN_MODELS", "CONTENDERS", "LLAMA_TYPES", "Contender", "ModelSpec", "check_sizes", "decode_bytes",
+           "decode_limit", "linear_shapes", "resolve_contenders", "resolve_model", "step_bytes"]
+
+#: ``model_type`` values whose layers are Llama's (RMSNorm, rotary GQA attention, gated MLP, no biases needed).
+LLAMA_TYPES = ("llama", "mistral")
+
+_COMMON = {"model_type": "llama", "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+           "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+           "bos_token_id": 1, "eos_token_id": 2}
+
+#: Built-in sizes. ``1b``: 1.7 GB of bf16 weights (hidden 2048, 16 layers, GQA 16/4 heads of 128, MLP 5632,
+#: vocabulary 32000); ``tiny``: a few MB for tests (2 layers, GQA 2/1 heads of 128).
+BUILTIN_MODELS: dict[str, dict[str, Any]] = {
+    "tiny": {**_COMMON, "vocab_size": 512, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128,
+             "max_position_embeddings": 2048, "initializer_range": 0.1},
+    "1b": {**_COMMON, "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632,
+           "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128,
+           "max_position_embeddings": 4096, "initializer_range": 0.02},
+}
+
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+#: Keys of a checkpoint's config that describe its stored weights, not the architecture: dropped.
+_DROPPED = ("quantization_config", "architectures", "auto_map", "_name_or_path", "transformers_version",
+            "torch_dtype", "dtype")
+
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model to benchmark: its name (a built-in size or the config's path) and its config as a dict."""
+
+    name: str
+    config: Mapping[str, Any]
+
+    @property
+    def layers(self) -> int:
+        return int(self.config["num_hidden_layers"])
+
+    @property
+    def hidden(self) -> int:
+        return int(self.config["hidden_size"])
+
+    @property
+    def heads(self) -> int:
+        return int(self.config["num_attention_heads"])
+
+    @property
+    def kv_heads(self) -> int:
+        return int(self.config.get("num_key_value_heads") or self.heads)
+
+    @property
+    def head_size(self) -> int:
+        return int(self.config.get("head_dim") or self.hidden // self.heads)
+
+    @property
+    def vocab(self) -> int:
+        return int(self.config["vocab_size"])
+
+    @property
+    def tied(self) -> bool:
+        return bool(self.config.get("tie_word_embeddings", False))
+
+    def parameters(self) -> int:
+        """Parameters of the model (a tied embedding counted once)."""
+        linear = sum(k * n for _, k, n in linear_shapes(self))
+        norms = (2 * self.layers + 1) * self.hidden
+        return linear + norms + self.vocab * self.hidden * (1 if self.tied else 2)
+
+    def summary(self) -> dict[str, Any]:
+        """The figures a report shows: sizes, heads, parameters."""
+        return {"name": self.name, "layers": self.layers, "hidden": self.hidden,
+                "intermediate": int(self.config["intermediate_size"]), "heads": self.heads,
+                "kv_heads": self.kv_heads, "head_size": self.head_size, "vocab": self.vocab,
+                "tied_embeddings": self.tied, "parameters": self.parameters()}
+
+
+def resolve_model(text: str) -> ModelSpec:
+    """A built-in size by name, or the config at a path (``config.json`` or a directory holding one).
+
+    Raises :class:`BenchArgumentError` naming ``--model`` for an unknown
+    name, a missing or unreadable file, or a config that is not a Llama
+    architecture with the sizes this benchmark needs.
+    """
+    if text in BUILTIN_MODELS:
+        return ModelSpec(text, dict(BUILTIN_MODELS[text]))
+    path = Path(text)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise BenchArgumentError(f"argument --model: {text!r} is neither a built-in size "
+                                 f"({', '.join(BUILTIN_MODELS)}) nor a config.json or a directory holding one")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise BenchArgumentError(f"argument --model: cannot read {path}: {exc}") from None
+    if not isinstance(config, dict):
+        raise BenchArgumentError(f"argument --model: {path} holds no JSON object")
+    text_config = config.get("text_config")
+    if config.get("model_type") not in LLAMA_TYPES and isinstance(text_config, dict):
+        config = text_config  # a multimodal model's language model
+    kind = config.get("model_type")
+    if kind not in LLAMA_TYPES:
+        raise BenchArgumentError(f"argument --model: {path}: model_type {kind!r} is not a Llama architecture "
+                                 f"(expected one of {', '.join(LLAMA_TYPES)})")
+    missing = [k for k in _REQUIRED if not isinstance(config.get(k), int) or isinstance(config.get(k), bool)
+               or config[k] <= 0]
+    if missing:
+        raise BenchArgumentError(f"argument --model: {path}: missing or not a positive integer: "
+                                 f"{', '.join(missing)}")
+    spec = ModelSpec(str(path), {k: v for k, v in config.items() if k not in _DROPPED})
+    if spec.heads % spec.kv_heads:
+        raise BenchArgumentError(f"argument --model: {path}: num_key_value_heads={spec.kv_heads} does not divide "
+                                 f"num_attention_heads={spec.heads}")
+    if spec.config.get("attention_bias") or spec.config.get("mlp_bias"):
+        raise BenchArgumentError(f"argument --model: {path}: attention_bias / mlp_bias are not Llama's layers")
+    return spec
+
+
+# -- the contenders ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Contender:
+    """One way to run the model: transformers' attention or hal's, float linears or hal's int4/int8."""
+
+    name: str
+    attention: str         #: ``"sdpa"`` (transformers' own, DynamicCache) or ``"hal"`` (HalPagedCache)
+    dtype: str             #: the activations', KV cache's and float weights' dtype: ``"fp32"`` or ``"bf16"``
+    bits: int | None       #: None: float linear layers; 4 or 8: hal's QuantLinear loaded from a GPTQ checkpoint
+    description: str
+
+    @property
+    def dtype_bytes(self) -> int:
+        return _DTYPE_BYTES[self.dtype]
+
+
+#: Every contender, in the order they run and print.
+CONTENDERS: dict[str, Contender] = {c.name: c for c in (
+    Contender("sdpa-fp32", "sdpa", "fp32", None, "transformers, attn_implementation='sdpa', fp32"),
+    Contender("sdpa-bf16", "sdpa", "bf16", None, "transformers, attn_implementation='sdpa', bf16"),
+    Contender("hal-fp32", "hal", "fp32", None, "transformers with hal attention and paged cache, fp32"),
+    Contender("hal-bf16", "hal", "bf16", None, "transformers with hal attention and paged cache, bf16"),
+    Contender("hal-int4", "hal", "bf16", 4, "hal attention + hal W4A16 linears (GPTQ checkpoint), bf16"),
+    Contender("hal-int8", "hal", "bf16", 8, "hal attention + hal W8A8 linears (GPTQ checkpoint), bf16"),
+)}
+
+
+def resolve_contenders(text: str | None) -> tuple[Contender, ...]:
+    """Comma-separated contender names (None or ``all``: every one), in :data:`CONTENDERS` order."""
+    if text is None or text.strip() == "all":
+        return tuple(CONTENDERS.values())
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONTENDERS]
+    if unknown or not names:
+        raise BenchArgumentError(f"argument --contenders: unknown {', '.join(map(repr, unknown)) or 'empty list'}; "
+                                 f"known: {', '.join(CONTENDERS)} (or all)")
+    return tuple(c for c in CONTENDERS.values() if c.name in names)
+
+
+# -- the bytes a decode step reads --------------------------------------------------
+
+
+def linear_shapes(spec: ModelSpec) -> list[tuple[str, int, int]]:
+    """``(name, in_features, out_features)`` of every linear layer of the decoder layers (not ``lm_head``)."""
+    h, i, d = spec.hidden, int(spec.config["intermediate_size"]), spec.head_size
+    one = [("q_proj", h, spec.heads * d), ("k_proj", h, spec.kv_heads * d), ("v_proj", h, spec.kv_heads * d),
+           ("o_proj", spec.heads * d, h), ("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h)]
+    return [(f"model.layers.{n}.{name}", k, m) for n in range(spec.layers) for name, k, m in one]
+
+
+def _linear_bytes(k: int, n: int, contender: Contender, group_size: int) -> int:
+    if contender.bits is None:
+        return k * n * contender.dtype_bytes
+    scales = (k // group_size) * n * 2  # float16 scales; symmetric: no zero points
+    return k * n * contender.bits // 8 + scales
+
+
+def step_bytes(spec: ModelSpec, contender: Contender, batch: int, context: int, group_size: int = 128) -> int:
+    """Bytes one decode step of ``batch`` sequences, each attending over ``context`` positions, must read.
+
+    Every weight once (the decoder's linear layers in the contender's format,
+    ``lm_head`` and the norms in its dtype), each sequence's embedding row,
+    and each sequence's keys and values of every layer over its context, in
+    the contender's dtype. What the step writes (one new key and value per
+    layer, the logits) is left out: it is small against the reads.
+    """
+    size = contender.dtype_bytes
+    weights = sum(_linear_bytes(k, n, contender, group_size) for _, k, n in linear_shapes(spec))
+    weights += spec.vocab * spec.hidden * size + (2 * spec.layers + 1) * spec.hidden * size
+    kv = 2 * spec.layers * spec.kv_heads * spec.head_size * size * context
+    return weights + batch * (spec.hidden * size + kv)
+
+
+def decode_bytes(spec: ModelSpec, contender: Contender, batch: int, prompt_len: int, new_tokens: int,
+                 group_size: int = 128) -> int:
+    """Bytes of ``new_tokens`` decode steps after a ``prompt_len`` prefill: step ``i`` (1-based) attends over
+    ``prompt_len + i`` positions (the prompt, the tokens decoded before it and its own)."""
+    return sum(step_bytes(spec, contender, batch, prompt_len + i, group_size) for i in range(1, new_tokens + 1))
+
+
+def decode_limit(spec: ModelSpec, contender: Contender, batch: int, prompt_len: int, new_tokens: int,
+                 copy_gbps: float, group_size: int = 128) -> float:
+    """Tokens/s if every decode step only read its bytes (:func:`decode_bytes`) at the copy bandwidth."""
+    seconds = decode_bytes(spec, contender, batch, prompt_len, new_tokens, group_size) / (copy_gbps * 1e9)
+    return batch * new_tokens / seconds
+
+
+def check_sizes(spec: ModelSpec, contenders: Sequence[Contender], group_size: int) -> None:
+    """Refuse (naming the option) a model whose linear layers the quantized contenders cannot hold."""
+    if not any(c.bits for c in contenders):
+        return
+    for name, k, _ in linear_shapes(spec)[:7]:
+        if k % group_size or k % 8:
+            raise BenchArgumentError(f"argument --group-size: {name.split('.')[-1]} has {k} input features, "
+                                     f"which {group_size} (and 8, int4's packing) must divide")

@@ -1,0 +1,329 @@
+"""The child process of ``hal bench --model``: one contender's run, or the preparation of the quantized checkpoints.
+
+Run as ``python -m hal_core.bench._model_worker '<json task>'``; it writes JSON
+lines on stdout: ``{"event": "phase", "text": ...}`` as it goes, then one
+``{"event": "result", ...}``. Each contender runs in its own process so that
+its peak memory (the child's high-water mark, and its anonymous memory
+sampled as it runs) is its own, and one contender's allocator arenas and
+threads never weigh on the next.
+
+Tasks (the parent, :mod:`._model`, writes them):
+
+- ``prepare``: build the seeded random fp32 model from the config, quantize
+  every decoder linear layer with :func:`hal_core.quant.quantize` (symmetric,
+  group-wise, float16 scales) and write each requested width as a GPTQ
+  checkpoint directory (``config.json`` with its ``quantization_config``,
+  ``model.safetensors``; embeddings, norms and ``lm_head`` in bf16);
+- ``run``: build the contender's model (a float one from the config with the
+  same seed, or :func:`hal_core.torch.load_quantized` of a checkpoint), warm
+  it up, then time prefill, the first token and greedy decoding
+  (:func:`greedy`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["build_float_model", "greedy", "main", "prompt_ids"]
+
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_BLOCK_SIZE = 16
+_WARMUP_PROMPT = 16
+#: Progress lines per quantized width while preparing (the parent counts on it: :func:`._model.model_steps`).
+_QUARTERS = 4
+
+
+def _emit(event: str, **fields: Any) -> None:
+    sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
+    sys.stdout.flush()
+
+
+def _phase(text: str) -> None:
+    _emit("phase", text=text)
+
+
+# -- memory -------------------------------------------------------------------------
+
+
+def _status_bytes(*keys: str) -> dict[str, int]:
+    """Fields of /proc/self/status in bytes (empty where there is no procfs)."""
+    found = {}
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                name, _, value = line.partition(":")
+                if name in keys:
+                    found[name] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return found
+
+
+def peak_rss_bytes() -> int:
+    """This process's high-water mark of resident memory: ``VmHWM``, else ``ru_maxrss``.
+
+    ``VmHWM`` belongs to the process's own address space; Linux's
+    ``ru_maxrss`` also keeps the parent's high-water mark across fork and
+    exec, so a child would inherit the parent's peak.
+    """
+    found = _status_bytes("VmHWM")
+    if "VmHWM" in found:
+        return found["VmHWM"]
+    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB elsewhere
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+class _AnonSampler:
+    """The largest anonymous resident memory (``RssAnon``: not file pages) seen every ``interval`` seconds."""
+
+    def __init__(self, interval: float = 0.01) -> None:
+        self.interval, self.peak = interval, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+    def sample(self) -> int:
+        now = _status_bytes("RssAnon").get("RssAnon", 0)
+        self.peak = max(self.peak, now)
+        return now
+
+    def __enter__(self) -> _AnonSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
+# -- models --------------------------------------------------------------------------
+
+
+def _config(config: dict[str, Any], dtype: torch.dtype | None = None) -> Any:
+    import transformers
+
+    fields = dict(config)
+    kind = fields.pop("model_type")
+    made = transformers.AutoConfig.for_model(kind, **fields)
+    if dtype is not None:
+        made.dtype = dtype
+    return made
+
+
+def build_float_model(config: dict[str, Any], dtype: torch.dtype, seed: int,
+                      attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """The random model of ``config`` in ``dtype``: transformers' own initialisation after ``torch.manual_seed``."""
+    import transformers
+
+    if attn_implementation == "hal":
+        from ..torch import transformers as _registers_hal  # noqa: F401
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(_config(config), dtype=dtype,
+                                                          attn_implementation=attn_implementation)
+    return model.eval()
+
+
+def prompt_ids(vocab: int, batch: int, length: int, seed: int) -> torch.Tensor:
+    """The prompts: ``[batch, length]`` token ids drawn uniformly from a generator seeded with ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=generator)
+
+
+def _gptq_tensors(weight: Any) -> dict[str, torch.Tensor]:
+    """A symmetric hal :class:`~hal_core.quant.QuantizedWeight` as GPTQ v1 stores it (qweight, qzeros, scales,
+    g_idx; layouts in :mod:`hal_core.quant.gptq`)."""
+    k, n = weight.shape
+    bits, group = weight.bits, weight.group_size
+    if weight.zeros is not None or weight.g_idx is not None:
+        raise ValueError("expected a symmetric weight without act-order")
+    per_word = 32 // bits
+    if bits == 4:  # hal's int4 words are GPTQ's: row 8r + j at bits 4j of word [r, n]
+        qweight = np.ascontiguousarray(weight.qweight).view(np.int32)
+    else:  # row 4r + j at bits 8j of word [r, n]: the four bytes of a little-endian word
+        codes = np.ascontiguousarray(np.asarray(weight.qweight).reshape(k // 4, 4, n).transpose(0, 2, 1))
+        qweight = codes.view("<u4").reshape(k // 4, n).astype(np.uint32).view(np.int32)
+    stored = (1 << (bits - 1)) - 1  # v1 stores the zero point minus one
+    word = sum(stored << (bits * j) for j in range(per_word))
+    qzeros = np.full((k // group, n // per_word), word, dtype=np.uint32).view(np.int32)
+    return {"qweight": torch.from_numpy(np.ascontiguousarray(qweight)), "qzeros": torch.from_numpy(qzeros),
+            "scales": torch.from_numpy(np.ascontiguousarray(weight.scales)),
+            "g_idx": torch.from_numpy((np.arange(k) // group).astype(np.int32))}
+
+
+def prepare(task: dict[str, Any]) -> dict[str, Any]:
+    """Write one GPTQ checkpoint per entry of ``task["bits"]`` under ``task["out"]``; their paths by width."""
+    from safetensors.torch import save_file
+
+    from ..quant import quantize
+
+    _phase("building the fp32 model to quantize")
+    model = build_float_model(task["config"], torch.float32, task["seed"])
+    linears = [(name, module) for name, module in model.named_modules()
+               if type(module) is torch.nn.Linear and name != "lm_head"]
+    floats = {name: t.detach().to(torch.bfloat16).contiguous() for name, t in model.state_dict().items()
+              if name.rsplit(".", 1)[0] not in dict(linears)}
+    written = {}
+    for bits in task["bits"]:
+        tensors = dict(floats)
+        for i, (name, linear) in enumerate(linears):
+            if i * _QUARTERS // len(linears) != (i - 1) * _QUARTERS // len(linears):  # _QUARTERS phases
+                _phase(f"quantizing to int{bits}: {i}/{len(linears)} layers")
+            weight = quantize(linear.weight.detach().T, bits=bits, group_size=task["group_size"], symmetric=True,
+                              scale_dtype=np.float16)
+            tensors.update({f"{name}.{part}": t for part, t in _gptq_tensors(weight).items()})
+        folder = Path(task["out"]) / f"int{bits}"
+        folder.mkdir(parents=True, exist_ok=True)
+        document = _config(task["config"], torch.bfloat16).to_dict()
+        document["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": task["group_size"],
+                                           "desc_act": False, "sym": True, "checkpoint_format": "gptq"}
+        (folder / "config.json").write_text(json.dumps(document, indent=1, default=str))
+        _phase(f"writing the int{bits} checkpoint")
+        save_file(tensors, str(folder / "model.safetensors"))
+        written[str(bits)] = str(folder)
+        del tensors
+    return {"checkpoints": written}
+
+
+# -- timing -------------------------------------------------------------------------
+
+
+def _new_cache(model: Any, attention: str, batch: int, length: int) -> Any:
+    if attention != "hal":
+        from transformers import DynamicCache
+
+        return DynamicCache(config=model.config)
+    from ..torch.transformers import HalPagedCache
+
+    blocks = batch * -(-length // _BLOCK_SIZE)
+    return HalPagedCache(model.config, num_blocks=blocks, block_size=_BLOCK_SIZE, dtype=model.dtype)
+
+
+def greedy(model: torch.nn.Module, attention: str, ids: torch.Tensor, new_tokens: int) -> dict[str, Any]:
+    """Prefill ``ids [batch, length]`` (one forward, last logits only), then ``new_tokens`` greedy decode steps.
+
+    Returns ``prefill_s`` (the prefill forward), ``first_s`` (it and the
+    first token's argmax: the time to first token), ``step_s`` (each decode step: one forward of
+    one token per sequence and its argmax) and ``tokens`` (per sequence: the
+    first token, then one per step).
+    """
+    batch, length = ids.shape
+    cache = _new_cache(model, attention, batch, length + new_tokens + 1)
+    steps = []
+    try:
+        with torch.no_grad():
+            start = time.perf_counter()
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            prefill = time.perf_counter() - start
+            token = out.logits[:, -1].argmax(-1)
+            first = time.perf_counter() - start
+            tokens = [token]
+            cache = out.past_key_values
+            for _ in range(new_tokens):
+                start = time.perf_counter()
+                out = model(input_ids=token[:, None], past_key_values=cache, use_cache=True)
+                token = out.logits[:, -1].argmax(-1)
+                steps.append(time.perf_counter() - start)
+                tokens.append(token)
+    finally:
+        if hasattr(cache, "close"):
+            cache.close()
+    return {"prefill_s": prefill, "first_s": first, "step_s": steps, "tokens": torch.stack(tokens, 1).tolist()}
+
+
+def _load(task: dict[str, Any]) -> torch.nn.Module:
+    contender = task["contender"]
+    dtype = _TORCH_DTYPES[contender["dtype"]]
+    if contender["bits"] is None:
+        return build_float_model(task["config"], dtype, task["seed"], contender["attention"])
+    from ..torch import load_quantized
+
+    return load_quantized(task["checkpoint"], dtype=dtype, attn_implementation=contender["attention"])
+
+
+def _model_bytes(model: torch.nn.Module) -> int:
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def run(task: dict[str, Any]) -> dict[str, Any]:
+    """One contender: load, warm up, then ``repeat`` rounds of prefill + decode at every batch size."""
+    from ..torch import QuantLinear
+
+    contender = task["contender"]
+    attention, name = contender["attention"], contender["name"]
+    prompt_len, new_tokens, batches = task["prompt_len"], task["new_tokens"], task["batches"]
+    torch.set_num_threads(task["threads"])
+    prompts = prompt_ids(task["config"]["vocab_size"], max(batches), prompt_len, task["seed"] + 1)
+    with _AnonSampler() as sampler:
+        _phase(f"{name}: loading")
+        start = time.perf_counter()
+        model = _load(task)
+        load_s = time.perf_counter() - start
+        loaded = {"load_peak_rss_bytes": peak_rss_bytes(), "load_peak_anon_bytes": sampler.peak,
+                  "after_load_anon_bytes": sampler.sample()}
+        _phase(f"{name}: warming up")
+        for batch in sorted(set(batches) | {1}):  # a short prompt: a prefill costs as much as the decode steps
+            greedy(model, attention, prompts[:batch, :_WARMUP_PROMPT], 2)
+        prefill_s, first_s, tokens = [], [], {}
+        by_batch: dict[str, dict[str, int]] = {}  # the high-water marks once each batch size has run
+        decode: dict[str, list[float]] = {str(b): [] for b in batches}
+        steps: dict[str, list[float]] = {str(b): [] for b in batches}
+        for rnd in range(task["repeat"]):
+            for batch in sorted(set(batches) | {1}):
+                _phase(f"{name}: round {rnd + 1}/{task['repeat']}, batch {batch}: prefill {batch}x{prompt_len}, "
+                       f"decode {new_tokens}")
+                got = greedy(model, attention, prompts[:batch], new_tokens)
+                if batch == 1:
+                    prefill_s.append(got["prefill_s"])
+                    first_s.append(got["first_s"])
+                if str(batch) in decode:
+                    decode[str(batch)].append(sum(got["step_s"]))
+                    steps[str(batch)] += got["step_s"]
+                tokens[str(batch)] = got["tokens"]
+                by_batch.setdefault(str(batch), {"peak_rss_bytes": peak_rss_bytes(),  # the first round's
+                                                 "peak_anon_bytes": sampler.peak})
+    memory = {"peak_rss_bytes": peak_rss_bytes(), "peak_anon_bytes": sampler.peak, **loaded,
+              "peak_after_batch": by_batch}
+    return {
+        "contender": name, "threads": torch.get_num_threads(), "load_s": load_s,
+        "model_bytes": _model_bytes(model),
+        "quantized_layers": sum(isinstance(m, QuantLinear) for m in model.modules()),
+        "prefill": {"seconds": prefill_s, "tokens_per_s": prompt_len / float(np.median(prefill_s))},
+        "ttft_s": float(np.median(first_s)),
+        "decode": {b: {"seconds": decode[b], "tokens_per_s": int(b) * new_tokens / float(np.median(decode[b])),
+                       "step_ms_median": 1e3 * float(np.median(steps[b])),
+                       "step_ms_min": 1e3 * float(np.min(steps[b]))} for b in decode},
+        "tokens": tokens, "memory": memory,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the JSON task given as the one argument; exit status 0 with a ``result`` line, 1 on failure."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m hal_core.bench._model_worker '<json task>'", file=sys.stderr)
+        return 2
+    task = json.loads(args[0])
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    result = prepare(task) if task["task"] == "prepare" else run(task)
+    _emit("result", **result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
