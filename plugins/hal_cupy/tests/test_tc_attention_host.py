@@ -164,7 +164,8 @@ def _run(host_builder: HostKernelBuilder, host_rng: np.random.Generator, case: C
         simt = _module(host_builder,
                        pa_rules.paged_attention_spec(code, case.head_size, case.num_heads // case.num_kv_heads),
                        host_rng, case.ftz)
-        simt.launch(reduce, out, tmp_out, max_logits, exp_sums, sl, case.num_heads, size, parts)
+        simt.launch(reduce, out, tmp_out, max_logits, exp_sums, sl, None, None, case.num_heads, q.shape[0], 1, size,
+                    parts)
     if own_flag:
         assert flag[0] == 0, "valid indices must not raise the error flag"
     return out

@@ -1,6 +1,11 @@
 """``paged_attention`` on a GPU: tensor-core or SIMT kernels, single-pass or split-KV, chosen by
 :mod:`~hal_cupy.ops._paged_attention_rules`.
 
+Every call the op's contract allows runs here (decode, prefill, chunked prefill and mixed batches; sliding
+window, softcap, sinks, ALiBi; strided cache views whose strides keep 16-byte rows), except head sizes outside
+``PA_HEAD_SIZES``, block sizes outside ``PA_BLOCK_SIZES`` and arrays the kernels cannot address (see
+:func:`check`).
+
 Selection, per call:
 
 - Tensor cores (the platform's warp matrix instructions at level ``PA_TC_MIN_SM``, see
@@ -10,8 +15,12 @@ Selection, per call:
   registers per compute unit against the compiled kernel's, bounded by the runtime's occupancy calculator) and
   the sequence-length bound (below); a split is merged by ``hal_paged_attention_reduce`` of
   ``paged_attention.cu``, in column slices that give every compute unit a CTA.
-- Otherwise (fp32, small groups, other head sizes, devices without those instructions): the SIMT kernels of
-  ``paged_attention.cu``, single-pass or split-KV by :func:`choose_paged_attention_variant`.
+  Plain decode only: no ``prefill`` rows and none of the variants (window, softcap, sinks, ALiBi, strided caches).
+- Otherwise (prefill rows, a variant, fp32, small groups, other head sizes, devices without those instructions):
+  the SIMT kernels of ``paged_attention.cu``, single-pass or split-KV by :func:`choose_paged_attention_variant`.
+  A call with prefill rows passes ``query_start_loc`` and tiles of ``PA_PREFILL_ROWS`` (new token, query head)
+  rows per CTA; its output is allocated zeroed (rows of a sequence whose ``query_start_loc`` entries are bad stay
+  zeros). A decode call (``is_prefill`` false) does not read ``query_start_loc``.
 
 Nothing is read from the device and nothing synchronises (the call is CUDA-graph capturable): partitions and
 workspaces are sized from :func:`seq_len_bound` -- the caller's ``max_seq_len``, else the block table's
@@ -28,9 +37,10 @@ import numpy as np
 
 from hal_core.arrays import dtype_name, is_c_contiguous
 from hal_core.ops import OpCall
+from hal_core.ops.paged_attention import is_prefill
 from hal_core.ops.paged_attention import variants as _variants
 
-from .._arrays import KERNEL_DTYPES, as_storage, empty_like_dtype
+from .._arrays import KERNEL_DTYPES, as_storage, empty_like_dtype, zeros_like_dtype
 from .._cupy import cupy
 from .._index_errors import error_flag
 from ._common import GpuOp, kernels_for, launch, misaligned, storage_device, tensor_cores_available
@@ -42,6 +52,7 @@ from ._paged_attention_rules import (
     choose_paged_attention_variant,
     paged_attention_launches,
     paged_attention_partitions,
+    paged_attention_rows,
     paged_attention_spec,
     paged_attention_tc_ctas_per_cu,
     paged_attention_tc_launches,
@@ -51,13 +62,37 @@ from ._paged_attention_rules import (
     specializations,
 )
 
-__all__ = ["OP", "check", "run", "seq_len_bound", "split_workspace_bytes", "uses_tensor_cores"]
+__all__ = ["OP", "cache_strides", "check", "query_len_bound", "run", "seq_len_bound", "split_workspace_bytes",
+           "uses_tensor_cores"]
 
 
-def split_workspace_bytes(num_seqs: int, num_heads: int, head_size: int, max_seq_len: int) -> int:
-    """fp32 bytes of ``tmp_out``, ``max_logits`` and ``exp_sums`` for the split-KV variant."""
+def split_workspace_bytes(num_tokens: int, num_heads: int, head_size: int, max_seq_len: int) -> int:
+    """fp32 bytes of ``tmp_out``, ``max_logits`` and ``exp_sums`` for the split-KV variant (``num_tokens`` query
+    rows: ``num_seqs`` for decode)."""
     parts = paged_attention_partitions(max_seq_len, PA_PARTITION_SIZE)
-    return 4 * num_seqs * num_heads * parts * (head_size + 2)
+    return 4 * num_tokens * num_heads * parts * (head_size + 2)
+
+
+def query_len_bound(call: OpCall) -> int:
+    """The most new tokens of one sequence the launches are sized for, known on the host: 1 for decode (no
+    prefill rows), else ``min(max_query_len, num_tokens)`` (``num_tokens`` without the hint). The kernels treat
+    a longer sequence as an index error (``query_start_loc`` in the error flag)."""
+    if not is_prefill(call.args):
+        return 1
+    num_tokens = int(call["query"].shape[0])
+    bound = call.args.get("max_query_len")
+    return max(1, num_tokens if bound is None else min(int(bound), num_tokens))
+
+
+def cache_strides(cache: Any) -> tuple[int, int, int] | None:
+    """Element strides (block, KV head, token) of a ``[num_blocks, num_kv_heads, block_size, head_size]`` cache,
+    or None when the kernels cannot address it: a last dimension that is not contiguous, a negative stride, or a
+    row that does not start on a 16-byte boundary (a byte stride that is not a multiple of 16)."""
+    item = cache.dtype.itemsize
+    strides = tuple(int(x) for x in cache.strides)
+    if strides[3] != item or any(x < 0 or x % 16 for x in strides[:3]):
+        return None
+    return strides[0] // item, strides[1] // item, strides[2] // item
 
 
 def seq_len_bound(call: OpCall) -> int:
@@ -118,25 +153,35 @@ def _run_tensor_cores(call: OpCall, device_index: int, storage: tuple[Any, ...],
     reduce = kernels_for(call, device_index,
                          paged_attention_spec(kdtype, head_size, num_heads // num_kv_heads, caps.simd_width))
     launch(call, device_index, reduce, plans[1],
-           (out, tmp_out, max_logits, exp_sums, sl, np.int32(num_heads), np.int32(size), np.int32(parts)))
+           (out, tmp_out, max_logits, exp_sums, sl, None, None, np.int32(num_heads), np.int32(num_seqs),
+            np.int32(1), np.int32(size), np.int32(parts)))
 
 
 def check(call: OpCall) -> str:
     q, kc = call["query"], call["key_cache"]
-    variants = sorted(_variants(call.args))
-    if variants:
-        return f"the GPU kernels run decode over C-contiguous caches only, not {', '.join(variants)}"
     if not is_c_contiguous(q):
         return "the kernels read a C-contiguous query"
-    num_seqs, _, head_size = q.shape
+    head_size = q.shape[2]
+    num_seqs = call["seq_lens"].shape[0]
     block_size = kc.shape[2]
     if head_size not in PA_HEAD_SIZES:
         return f"head_size {head_size} has no GPU kernel (built for {', '.join(map(str, PA_HEAD_SIZES))})"
     if block_size not in PA_BLOCK_SIZES:
         return f"block_size {block_size} is not one the GPU kernels are tested with ({PA_BLOCK_SIZES})"
+    for name in ("key_cache", "value_cache"):  # host arrays are copied into fresh contiguous ones
+        if not call.host_arrays and cache_strides(as_storage(call[name])) is None:
+            return f"argument {name!r}: the kernels need non-negative strides that keep every row on 16 bytes"
+    for name in ("sinks", "alibi_slopes"):
+        value = call.args.get(name)
+        if value is not None and not is_c_contiguous(value):
+            return f"argument {name!r}: the kernels read a contiguous array"
     caps = call.capabilities
     if num_seqs > caps.max_grid_dims[1]:
         return f"num_seqs {num_seqs} exceeds the grid's y limit {caps.max_grid_dims[1]} on {caps.name}"
+    group = q.shape[1] // kc.shape[1]
+    tiles = -(-query_len_bound(call) * group // paged_attention_rows(group, query_len_bound(call)))
+    if kc.shape[1] * tiles > caps.max_grid_dims[0]:
+        return f"max_query_len x group needs more CTAs than the grid's x limit {caps.max_grid_dims[0]}"
     if paged_attention_partitions(seq_len_bound(call)) > caps.max_grid_dims[2]:
         return "the sequence-length bound (max_seq_len, else the block table's capacity) needs more split-KV " \
                "partitions than the grid's z limit"
@@ -149,39 +194,57 @@ def run(call: OpCall) -> Any:
     device_index = storage_device(query)
     q, kc, vc, bt, sl = (as_storage(call[n]) for n in ("query", "key_cache", "value_cache",
                                                          "block_tables", "seq_lens"))
-    num_seqs, num_heads, head_size = q.shape
+    num_tokens, num_heads, head_size = q.shape
+    num_seqs = sl.shape[0]
     num_kv_heads, block_size = kc.shape[1], kc.shape[2]
+    group = num_heads // num_kv_heads
     max_blocks = bt.shape[1]
     hal_dtype = dtype_name(query)
     caps = call.backend.device(device_index).capabilities
-    spec = paged_attention_spec(KERNEL_DTYPES[hal_dtype], head_size, num_heads // num_kv_heads, caps.simd_width)
     max_seq_len = seq_len_bound(call)
+    prefill = is_prefill(call.args)
+    max_query_len = query_len_bound(call)
+    plain = not _variants(call.args)
     with cp.cuda.Device(device_index):
         checks = (np.int32(kc.shape[0]), np.int32(max_seq_len), error_flag(device_index))
-        out = empty_like_dtype(tuple(q.shape), hal_dtype)
-        if uses_tensor_cores(call.backend, device_index, hal_dtype, num_heads, num_kv_heads, head_size):
+        # Rows of a sequence whose query_start_loc entries cannot place them are written by no CTA: zeros.
+        out = (zeros_like_dtype if prefill else empty_like_dtype)(tuple(q.shape), hal_dtype)
+        if plain and uses_tensor_cores(call.backend, device_index, hal_dtype, num_heads, num_kv_heads, head_size):
             _run_tensor_cores(call, device_index, (q, kc, vc, bt, sl), as_storage(out), KERNEL_DTYPES[hal_dtype],
                               checks)
             return out
-        kernels = kernels_for(call, device_index, spec)
+        rows = paged_attention_rows(group, max_query_len)
+        kernels = kernels_for(call, device_index,
+                              paged_attention_spec(KERNEL_DTYPES[hal_dtype], head_size, rows, caps.simd_width))
         variant = choose_paged_attention_variant(num_seqs, num_kv_heads, max_seq_len, caps.compute_units,
-                                                 num_heads=num_heads, partition_size=PA_PARTITION_SIZE)
+                                                 num_heads=num_heads, partition_size=PA_PARTITION_SIZE,
+                                                 max_query_len=max_query_len, num_tokens=num_tokens,
+                                                 head_size=head_size)
         plans = paged_attention_launches(variant, num_seqs, num_heads, num_kv_heads, max_seq_len,
-                                         partition_size=PA_PARTITION_SIZE)
-        shared = (q, kc, vc, bt, sl, np.float32(call["scale"]), np.int32(num_heads), np.int32(num_kv_heads),
-                  np.int32(block_size), np.int32(max_blocks))
+                                         partition_size=PA_PARTITION_SIZE, max_query_len=max_query_len,
+                                         num_tokens=num_tokens)
+        qsl = as_storage(call["query_start_loc"]) if prefill else None
+        sinks, slopes = (None if call.args.get(n) is None else as_storage(call[n]) for n in ("sinks", "alibi_slopes"))
+        k_strides, v_strides = cache_strides(kc), cache_strides(vc)
+        assert k_strides is not None and v_strides is not None  # check() refused the others
+        softcap = call.args.get("softcap")
+        shared = (q, kc, vc, bt, sl, qsl, sinks, slopes, np.float32(call["scale"]),
+                  np.float32(0.0 if softcap is None else softcap), np.int32(num_heads), np.int32(num_kv_heads),
+                  np.int32(block_size), np.int32(max_blocks), np.int32(call.args.get("window") or 0),
+                  np.int32(num_tokens), np.int32(max_query_len), *(np.int64(x) for x in k_strides),
+                  *(np.int64(x) for x in v_strides))
         if variant == "single":
             launch(call, device_index, kernels, plans[0], (as_storage(out), *shared, *checks))
             return out
         parts = paged_attention_partitions(max_seq_len, PA_PARTITION_SIZE)
-        tmp_out = cp.empty((num_seqs, num_heads, parts, head_size), dtype=np.float32)
-        max_logits = cp.empty((num_seqs, num_heads, parts), dtype=np.float32)
-        exp_sums = cp.empty((num_seqs, num_heads, parts), dtype=np.float32)
+        tmp_out = cp.empty((num_tokens, num_heads, parts, head_size), dtype=np.float32)
+        max_logits = cp.empty((num_tokens, num_heads, parts), dtype=np.float32)
+        exp_sums = cp.empty((num_tokens, num_heads, parts), dtype=np.float32)
         launch(call, device_index, kernels, plans[0],
                (tmp_out, max_logits, exp_sums, *shared, np.int32(PA_PARTITION_SIZE), np.int32(parts), *checks))
         launch(call, device_index, kernels, plans[1],
-               (as_storage(out), tmp_out, max_logits, exp_sums, sl, np.int32(num_heads),
-                np.int32(PA_PARTITION_SIZE), np.int32(parts)))
+               (as_storage(out), tmp_out, max_logits, exp_sums, sl, qsl, sinks, np.int32(num_heads),
+                np.int32(num_seqs), np.int32(max_query_len), np.int32(PA_PARTITION_SIZE), np.int32(parts)))
     return out
 
 

@@ -24,8 +24,12 @@ __all__ = [
     "PA_TC_MIN_GROUP",
     "PA_TC_MIN_PARTITION",
     "PA_TC_MIN_SM",
+    "PA_PREFILL_ROWS",
+    "PA_SPLIT_WORKSPACE_BYTES",
     "choose_paged_attention_variant",
     "paged_attention_gqa_tile",
+    "paged_attention_rows",
+    "paged_attention_tiles",
     "paged_attention_launches",
     "paged_attention_partitions",
     "paged_attention_shared_bytes",
@@ -44,13 +48,20 @@ __all__ = [
 
 PA_HEAD_SIZES = (64, 80, 96, 112, 128, 192, 256)
 #: Block sizes are runtime arguments; any positive value works, these are tested.
-PA_BLOCK_SIZES = (8, 16, 32)
+PA_BLOCK_SIZES = (8, 16, 32, 64, 128)
 #: Query heads per CTA (HAL_GQA); a group of G heads uses tile min(pow2ceil(G), 8).
 PA_GQA_TILES = (1, 2, 4, 8)
 PA_NUM_THREADS = 128
 PA_UNROLL = 4
 #: Tokens per split-KV partition (runtime argument of the split kernel).
 PA_PARTITION_SIZE = 512
+#: Rows ((new token, query head) pairs of one KV head) per CTA of a call with prefill rows: HAL_GQA = 8.
+PA_PREFILL_ROWS = 8
+#: Largest fp32 workspace (partial outputs and statistics) a split-KV launch may take; a call needing more runs
+#: single-pass (a prefill of many tokens has enough CTAs without a split).
+PA_SPLIT_WORKSPACE_BYTES = 64 << 20
+#: Largest grid y (sequences; query rows of the reduce step) of a launch.
+_MAX_GRID_Y = 65535
 
 #: Head sizes of the tensor-core decode attention (``paged_attention_tc.cu``): multiples of 64 up to 256.
 PA_TC_HEAD_SIZES = (64, 128, 192, 256)
@@ -82,6 +93,21 @@ def paged_attention_gqa_tile(group_size: int) -> int:
     if group_size < 1:
         raise ValueError("group_size must be >= 1")
     return min(pow2ceil(group_size), 8)
+
+
+def paged_attention_rows(group_size: int, max_query_len: int = 1) -> int:
+    """Rows per CTA (HAL_GQA) of ``paged_attention.cu``: the GQA tile of the group for decode
+    (``max_query_len == 1``), else :data:`PA_PREFILL_ROWS` (new tokens x query heads of one KV head, token-major)."""
+    if max_query_len < 1:
+        raise ValueError("max_query_len must be >= 1")
+    return paged_attention_gqa_tile(group_size) if max_query_len == 1 else PA_PREFILL_ROWS
+
+
+def paged_attention_tiles(num_heads: int, num_kv_heads: int, max_query_len: int = 1) -> int:
+    """CTAs per (sequence, KV head): ``ceil(max_query_len * group / rows)`` with ``rows =``
+    :func:`paged_attention_rows`; grid x is ``num_kv_heads`` times this."""
+    group = num_heads // num_kv_heads
+    return -(-max_query_len * group // paged_attention_rows(group, max_query_len))
 
 
 def paged_attention_spec(dtype: str | int, head_size: int, group_size: int, warp_size: int = 32) -> Specialization:
@@ -120,10 +146,10 @@ def paged_attention_shared_bytes(dtype: str | int, head_size: int, gqa_tile: int
 
     ``4 * (GQA * CHUNK + GQA * HEAD_SIZE + 3 * GQA)`` with
     ``CHUNK = (128 / warp) * (warp / LPT) * 4`` and ``LPT = min(pow2ceil(HEAD_SIZE / EPV), warp)``,
-    plus the index check's one int (``hal_index_checks.cuh``).
+    plus the index checks' two ints (``hal_index_checks.cuh``: the block table's and query_start_loc's).
     """
     chunk = _pa_layout(dtype_code(dtype), head_size, warp_size)["chunk"]
-    return 4 * (gqa_tile * chunk + gqa_tile * head_size + 3 * gqa_tile) + PA_INDEX_CHECK_BYTES
+    return 4 * (gqa_tile * chunk + gqa_tile * head_size + 3 * gqa_tile) + 2 * PA_INDEX_CHECK_BYTES
 
 
 def choose_paged_attention_variant(
@@ -133,20 +159,31 @@ def choose_paged_attention_variant(
     compute_units: int,
     num_heads: int | None = None,
     partition_size: int = PA_PARTITION_SIZE,
+    *,
+    max_query_len: int = 1,
+    num_tokens: int | None = None,
+    head_size: int = 256,
 ) -> str:
     """``"single"`` or ``"split"``.
 
     Split when the sequence is longer than one partition and the single-pass
-    grid (num_seqs * num_kv_heads * gqa_tiles CTAs) would not give every
-    compute unit two CTAs, or when a sequence is very long (> 8 partitions),
-    which would serialise one CTA over many tokens.
+    grid (num_seqs * num_kv_heads * :func:`paged_attention_tiles` CTAs) would not
+    give every compute unit two CTAs, or when a sequence is very long (> 8
+    partitions), which would serialise one CTA over many tokens -- unless the
+    split's workspace for ``num_tokens`` query rows (default ``num_seqs``) of
+    ``head_size`` would pass :data:`PA_SPLIT_WORKSPACE_BYTES` or its reduce step
+    the grid's y limit (a prefill of many tokens: enough CTAs without it).
     """
     if max_seq_len <= partition_size:
         return "single"
+    rows = num_seqs if num_tokens is None else num_tokens
+    heads = num_kv_heads if num_heads is None else num_heads
+    workspace = 4 * rows * heads * paged_attention_partitions(max_seq_len, partition_size) * (head_size + 2)
+    if workspace > PA_SPLIT_WORKSPACE_BYTES or rows > _MAX_GRID_Y:
+        return "single"
     tiles = 1
     if num_heads is not None:
-        group = num_heads // num_kv_heads
-        tiles = -(-group // paged_attention_gqa_tile(group))
+        tiles = paged_attention_tiles(num_heads, num_kv_heads, max_query_len)
     ctas = num_seqs * num_kv_heads * tiles
     if ctas < 2 * compute_units or max_seq_len > 8 * partition_size:
         return "split"
@@ -165,15 +202,19 @@ def paged_attention_launches(
     num_kv_heads: int,
     max_seq_len: int,
     partition_size: int = PA_PARTITION_SIZE,
+    *,
+    max_query_len: int = 1,
+    num_tokens: int | None = None,
 ) -> list[Launch]:
-    """Launches (in order) for one decode step.
+    """Launches (in order) for one call: ``num_tokens`` query rows (default ``num_seqs``, decode), at most
+    ``max_query_len`` per sequence.
 
-    The split variant also needs fp32 workspaces ``tmp_out [num_seqs, num_heads,
-    max_partitions, head_size]``, ``max_logits`` and ``exp_sums`` ``[num_seqs,
-    num_heads, max_partitions]`` (uninitialised is fine).
+    The split variant also needs fp32 workspaces ``tmp_out [num_tokens, num_heads,
+    max_partitions, head_size]``, ``max_logits`` and ``exp_sums`` ``[num_tokens,
+    num_heads, max_partitions]`` (uninitialised is fine); its reduce step has one
+    CTA per (query head, query row).
     """
-    group = num_heads // num_kv_heads
-    tiles = -(-group // paged_attention_gqa_tile(group))
+    tiles = paged_attention_tiles(num_heads, num_kv_heads, max_query_len)
     block = (PA_NUM_THREADS, 1, 1)
     gx = num_kv_heads * tiles
     if variant == "single":
@@ -181,9 +222,10 @@ def paged_attention_launches(
     if variant != "split":
         raise ValueError(variant)
     parts = paged_attention_partitions(max_seq_len, partition_size)
+    rows = num_seqs if num_tokens is None else num_tokens
     return [
         Launch("hal_paged_attention_split", (gx, num_seqs, parts), block),
-        Launch("hal_paged_attention_reduce", (num_heads, num_seqs, 1), block),
+        Launch("hal_paged_attention_reduce", (num_heads, rows, 1), block),
     ]
 
 
