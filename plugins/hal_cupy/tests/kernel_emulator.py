@@ -286,8 +286,10 @@ class Kernel:
     def hal_paged_attention(self, grid: Any, block: Any, out: Any, *rest: Any) -> None:
         assert len(rest) == 26, "hal_paged_attention takes 27 parameters"
         a = self._pa_varlen(rest[:23])
-        checks = rest[23:]
         self._pa_grid(a, grid, block, 1)
+        self._pa_single(a, out, rest[23:])
+
+    def _pa_single(self, a: SimpleNamespace, out: Any, checks: tuple[Any, ...]) -> None:
         o = _ptr(out)
         # Rows no CTA places keep what the output held (the op allocates it zeroed for prefill rows).
         result = _floats(o, self.defines["HAL_DTYPE"]) if a.qsl is not None else np.zeros(a.q.shape, np.float32)
@@ -313,8 +315,12 @@ class Kernel:
                                   *rest: Any) -> None:
         assert len(rest) == 28, "hal_paged_attention_split takes 31 parameters"
         a = self._pa_varlen(rest[:23])
-        ps, parts, checks = _i32(rest[23]), _i32(rest[24]), rest[25:]
+        ps, parts = _i32(rest[23]), _i32(rest[24])
         self._pa_grid(a, grid, block, parts)
+        self._pa_split(a, tmp_out, max_logits, exp_sums, ps, parts, rest[25:])
+
+    def _pa_split(self, a: SimpleNamespace, tmp_out: Any, max_logits: Any, exp_sums: Any, ps: int, parts: int,
+                  checks: tuple[Any, ...]) -> None:
         tmp, ml, es = _ptr(tmp_out, np.float32), _ptr(max_logits, np.float32), _ptr(exp_sums, np.float32)
         assert tmp.shape == (a.ntok, a.nh, parts, a.q.shape[2]) and ml.shape == es.shape == (a.ntok, a.nh, parts)
         for s in range(a.sl.shape[0]):
@@ -366,43 +372,20 @@ class Kernel:
 
     def hal_paged_attention_tc(self, grid: Any, block: Any, out: Any, tmp_out: Any, max_logits: Any,
                                exp_sums: Any, *rest: Any) -> None:
-        assert len(rest) == 15, "hal_paged_attention_tc takes 19 parameters"
-        q, kc, vc, bt, sl, scale, nh, nkv = self._pa_common(*rest[:10])
-        ps, parts, checks = _i32(rest[10]), _i32(rest[11]), rest[12:]
-        group = nh // nkv
-        assert grid == (nkv * -(-group // 16), q.shape[0], parts) and block == (128, 1, 1)
-        assert ps % {64: 64, 128: 32}.get(q.shape[2], 16) == 0, "partitions are whole chunks"
+        assert len(rest) == 28, "hal_paged_attention_tc takes 32 parameters"
+        a = self._pa_varlen(rest[:23])
+        ps, parts, checks = _i32(rest[23]), _i32(rest[24]), rest[25:]
+        group = a.nh // a.nkv
+        assert grid == (a.nkv * -(-a.mql * group // 16), a.sl.shape[0], parts) and block == (128, 1, 1)
+        assert ps % {64: 64, 128: 32}.get(a.q.shape[2], 16) == 0, "partitions are whole chunks"
+        assert tuple(rest[17:20]) == tuple(rest[20:23]), "the tensor-core kernel takes equal K and V strides"
         if parts == 1:
             assert _ptr(tmp_out, nullable=True) is None and _ptr(max_logits, nullable=True) is None
             assert _ptr(exp_sums, nullable=True) is None
-            o = _ptr(out)
-            result = np.zeros(q.shape, np.float32)
-            for s in range(q.shape[0]):
-                if self._index_code(bt, sl, s, 0, max(int(sl[s]), 0), kc.shape[2], checks):
-                    continue  # zeros
-                for kv in range(nkv):
-                    if sl[s] > 0:
-                        heads = slice(kv * group, (kv + 1) * group)
-                        acc, _, lsum = _attend(q[s, heads], kc, vc, bt[s], 0, int(sl[s]), scale, kv)
-                        result[s, heads] = acc / lsum[:, None]
-            _store(o, result, self.defines["HAL_DTYPE"])
+            self._pa_single(a, out, checks)
             return
         assert _ptr(out, nullable=True) is None
-        tmp, ml, es = _ptr(tmp_out, np.float32), _ptr(max_logits, np.float32), _ptr(exp_sums, np.float32)
-        assert tmp.shape == (q.shape[0], nh, parts, q.shape[2]) and ml.shape == es.shape == (q.shape[0], nh, parts)
-        for s in range(q.shape[0]):
-            for p in range(parts):
-                t0 = p * ps
-                t1 = t0 if t0 >= sl[s] else min(t0 + ps, int(sl[s]))
-                if self._index_code(bt, sl, s, t0, t1, kc.shape[2], checks):
-                    ml[s, :, p], es[s, :, p] = 0, -1  # marked: the reduce writes zeros
-                    continue
-                if t0 >= sl[s]:
-                    continue  # writes nothing
-                for kv in range(nkv):
-                    heads = slice(kv * group, (kv + 1) * group)
-                    acc, m, lsum = _attend(q[s, heads], kc, vc, bt[s], t0, t1, scale, kv)
-                    tmp[s, heads, p], ml[s, heads, p], es[s, heads, p] = acc, m, lsum
+        self._pa_split(a, tmp_out, max_logits, exp_sums, ps, parts, checks)
 
     # -- write_kv_cache.cu -------------------------------------------------------------------
 

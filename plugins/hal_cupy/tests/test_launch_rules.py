@@ -123,6 +123,22 @@ def test_varlen_rows_and_split_rule() -> None:
         pa_rules.paged_attention_rows(4, 0)
 
 
+def test_tc_varlen_partitions_and_grid() -> None:
+    """The tensor-core kernel's grid counts 16-row tiles of new tokens x heads; a long prompt does not split
+    (its workspace would pass the bound), a short chunk over a long context does; the reduce has a row per token."""
+    occ = pa_rules.paged_attention_tc_ctas_per_cu(128)
+    size, parts = pa_rules.paged_attention_tc_partitions(1, 32, 8, 8192, 128, 132, occ, max_query_len=8192,
+                                                         num_tokens=8192)
+    assert parts == 1 and size >= 8192
+    size, parts = pa_rules.paged_attention_tc_partitions(1, 32, 8, 32768, 128, 132, occ, max_query_len=16,
+                                                         num_tokens=16)
+    assert parts > 1 and 4 * 16 * 32 * parts * 130 <= pa_rules.PA_SPLIT_WORKSPACE_BYTES
+    plans = pa_rules.paged_attention_tc_launches(2, 32, 8, parts, 128, 132, max_query_len=16, num_tokens=17)
+    assert plans[0].grid == (8 * 4, 2, parts)  # 16 tokens x 4 heads = 64 rows: 4 tiles per KV head
+    assert plans[1].grid[:2] == (32, 17)
+    assert pa_rules.paged_attention_tc_launches(3, 32, 8, 1)[0].grid == (8, 3, 1)  # decode: one tile of 4 heads
+
+
 @pytest.mark.parametrize(("max_seq_len", "bound"), [(None, 4096), (900, 900), (4096, 4096), (10**6, 4096)])
 def test_seq_len_bound_comes_from_the_host(max_seq_len: int | None, bound: int) -> None:
     """Launches are sized for min(max_seq_len, capacity) (capacity = 256 blocks of 16), never from seq_lens' values:

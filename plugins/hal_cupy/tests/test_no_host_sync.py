@@ -285,17 +285,20 @@ def test_the_counter_sees_a_host_read(gpu: Any, rng: np.random.Generator) -> Non
 
 
 @pytest.mark.parametrize("max_query_len", [None, 40], ids=["no-hint", "hint"])
-@pytest.mark.parametrize(("seq_lens", "query_lens", "kernels"), [
-    ([40, 9, 300], [40, 1, 6], ["hal_paged_attention"]),
-    ([1, 700, 2100], [1, 3, 1], ["hal_paged_attention_split", "hal_paged_attention_reduce"]),
-], ids=["single", "split"])
-def test_varlen_attention_reads_nothing_back(gpu: Any, rng: np.random.Generator, seq_lens: list[int],
-                                             query_lens: list[int], kernels: list[str],
-                                             max_query_len: int | None) -> None:
+@pytest.mark.parametrize(("seq_lens", "query_lens", "tensor_cores", "kernels"), [
+    ([40, 9, 300], [40, 1, 6], "0", ["hal_paged_attention"]),
+    ([1, 700, 2100], [1, 3, 1], "0", ["hal_paged_attention_split", "hal_paged_attention_reduce"]),
+    ([40, 9, 300], [40, 1, 6], "1", ["hal_paged_attention_tc"]),
+    ([1, 700, 2100], [1, 3, 1], "1", ["hal_paged_attention_tc", "hal_paged_attention_reduce"]),
+], ids=["simt-single", "simt-split", "tc-single", "tc-split"])
+def test_varlen_attention_reads_nothing_back(gpu: Any, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch,
+                                             seq_lens: list[int], query_lens: list[int], tensor_cores: str,
+                                             kernels: list[str], max_query_len: int | None) -> None:
     """Prefill rows with a window and sinks: zero host reads, copies and synchronisations (the grid comes from the
     host hints, else num_tokens), and the float64 reference's result."""
     from hal_core.ops.paged_attention import paged_attention_inputs
 
+    monkeypatch.setenv("HAL_CUDA_TENSOR_CORES", tensor_cores)
     args = paged_attention_inputs(rng, seq_lens=seq_lens, num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
                                   dtype="fp16", query_lens=query_lens)
     args["sinks"] = rng.uniform(-1, 2, 8).astype(np.float32)

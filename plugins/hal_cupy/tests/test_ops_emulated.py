@@ -143,11 +143,16 @@ def varlen(rng: np.random.Generator, dtype: str, seq_lens: list[int], query_lens
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_paged_attention_varlen(backend: Any, rng: np.random.Generator, dtype: str, seq_lens: list[int],
                                 query_lens: list[int] | None, variants: dict[str, Any], kernels: list[str]) -> None:
-    """Prefill rows and the variants run on the SIMT kernels (never the tensor-core decode kernel) and match the
-    float64 reference."""
+    """Prefill rows and the variants: the tensor-core kernel for bf16 where the platform has the warp matrix
+    instructions (prefill rows fill its 16 rows whatever the group; decode needs a group of 4, as here), the
+    SIMT kernels otherwise; both match the float64 reference."""
     args = varlen(rng, dtype, seq_lens, query_lens, **variants)
     out, _ = run("paged_attention", backend, args)
-    assert kernels == emu.LAUNCHED
+    if backend.platform.mma_level and dtype == "bf16":
+        assert emu.LAUNCHED[0] == "hal_paged_attention_tc"
+        assert emu.LAUNCHED[1:] in ([], ["hal_paged_attention_reduce"])
+    else:
+        assert kernels == emu.LAUNCHED
     assert rel_err(out, OPS["paged_attention"].reference(args)) < TOL[dtype]
 
 
@@ -164,6 +169,18 @@ def test_paged_attention_declares_every_variant(backend: Any) -> None:
     assert set(coverage.variants) == {"prefill", "window", "softcap", "sinks", "alibi", "strided_cache"}
     assert set(coverage.head_sizes) == set(rules.PA_HEAD_SIZES)
     assert set(coverage.block_sizes) == set(rules.PA_BLOCK_SIZES)
+
+
+def test_paged_attention_unequal_strides_keep_simt(backend: Any, rng: np.random.Generator) -> None:
+    """Caches of different strides (each its own padded buffer) run on the SIMT kernels even where tensor cores
+    serve the call otherwise; the result matches the float64 reference."""
+    args = varlen(rng, "bf16", [40, 9], [40, 1])
+    key = np.zeros((*args["key_cache"].shape[:3], 72), args["key_cache"].dtype)  # 144-byte rows
+    key[..., :64] = args["key_cache"]
+    args["key_cache"] = key[..., :64]
+    out, _ = run("paged_attention", backend, args)
+    assert emu.LAUNCHED == ["hal_paged_attention"]
+    assert rel_err(out, OPS["paged_attention"].reference(args)) < TOL["bf16"]
 
 
 def test_paged_attention_misaligned_strides_fall_back(backend: Any, rng: np.random.Generator) -> None:

@@ -252,3 +252,109 @@ def test_varlen_bad_index(host_builder: HostKernelBuilder, host_rng: np.random.G
     assert not out[rows].astype(np.float64).any(), "the spoilt rows must be zeros"
     expected = OPS["paged_attention"].reference(good)
     assert_close(out[~rows], expected[~rows], kind="attention", dtype=case.dtype, what=f"{case.id} {bad}")
+
+
+# --------------------------------------------------------------------------
+# Tensor cores (paged_attention_tc.cu): 16 rows per CTA, the same rows and variants
+# --------------------------------------------------------------------------
+
+#: (case, partition): None: the plugin's partition rule over MANY_CUS; 0: the rule over one compute unit (no
+#: split); else this partition size (whole chunks).
+TC_CASES = [
+    (VarlenCase("fp16", 128, 8, 2, 16, (37, 20), (37, 5)), 0),
+    (VarlenCase("bf16", 64, 4, 4, 16, (50, 33, 1, 70), (1, 33, 1, 6), window=16, sinks=True), 64),
+    (VarlenCase("fp16", 256, 32, 8, 128, (20, 9), (20, 4), softcap=25.0, alibi=True), 0),
+    (VarlenCase("bf16", 192, 9, 3, 16, (130, 9, 600), (3, 9, 1), softcap=30.0, sinks=True, strided=True), None),
+    (VarlenCase("fp16", 128, 8, 2, 16, (0, 45, 300), None, window=50, softcap=20.0, sinks=True, alibi=True,
+                strided=True), 64),
+    (VarlenCase("bf16", 128, 4, 4, 32, (24, 5, 10), (24, 0, 3), window=7, alibi=True), 0),
+]
+
+
+def run_tc(builder: HostKernelBuilder, rng: np.random.Generator, case: VarlenCase, args: dict[str, Any],
+           partition: int | None, max_query_len: int,
+           max_seq_len: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """hal_paged_attention_tc (and, when split, the SIMT reduce) as the op launches them; (out, flag, parts)."""
+    code = DTYPE_CODES[case.dtype]
+    varlen = case.query_lens is not None or bool(case.window or case.softcap or case.alibi)
+    spec = pa_rules.paged_attention_tc_spec(code, case.head_size, varlen)
+    tc = builder.build(spec.source, dict(spec.defines))
+    tc.seed(int(rng.integers(1, 2**63)))
+    assert tc.static_shared_bytes() == pa_rules.paged_attention_tc_shared_bytes(case.head_size, varlen)
+    q, kc, vc, bt, sl = (args[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens"))
+    qsl = args.get("query_start_loc") if case.query_lens is not None else None
+    num_tokens, num_seqs = q.shape[0], sl.shape[0]
+    if partition is None or partition == 0:
+        size, parts = pa_rules.paged_attention_tc_partitions(
+            num_seqs, case.num_heads, case.num_kv_heads, max_seq_len, case.head_size,
+            MANY_CUS if partition is None else 1, pa_rules.paged_attention_tc_ctas_per_cu(case.head_size),
+            max_query_len=max_query_len, num_tokens=num_tokens)
+    else:
+        size, parts = partition, -(-max_seq_len // partition)
+    launches = pa_rules.paged_attention_tc_launches(num_seqs, case.num_heads, case.num_kv_heads, parts,
+                                                    case.head_size, MANY_CUS, max_query_len=max_query_len,
+                                                    num_tokens=num_tokens)
+    common = (q, kc, vc, bt, sl, qsl, args.get("sinks"), args.get("alibi_slopes"), args["scale"],
+              args.get("softcap") or 0.0, case.num_heads, case.num_kv_heads, case.block_size, bt.shape[1],
+              args.get("window") or 0, num_tokens, max_query_len, *_strides(kc), *_strides(vc))
+    flag = np.zeros(1, np.int32)
+    checks = (kc.shape[0], max_seq_len, flag)
+    out = np.full(q.shape, np.nan, q.dtype)
+    if parts == 1:
+        tc.launch(launches[0], out, None, None, None, *common, size, 1, *checks)
+        return out, flag, parts
+    split, reduce = launches
+    tmp_out = np.full((num_tokens, case.num_heads, parts, case.head_size), np.nan, np.float32)
+    max_logits = np.full((num_tokens, case.num_heads, parts), np.nan, np.float32)
+    exp_sums = np.full_like(max_logits, np.nan)
+    tc.launch(split, None, tmp_out, max_logits, exp_sums, *common, size, parts, *checks)
+    simt_spec = pa_rules.paged_attention_spec(code, case.head_size, case.num_heads // case.num_kv_heads)
+    simt = builder.build(simt_spec.source, dict(simt_spec.defines))
+    simt.launch(reduce, out, tmp_out, max_logits, exp_sums, sl, qsl, args.get("sinks"), case.num_heads, num_seqs,
+                max_query_len, size, parts)
+    return out, flag, parts
+
+
+@pytest.mark.parametrize(("case", "partition"), TC_CASES, ids=[f"{c.id}-p{p}" for c, p in TC_CASES])
+def test_tc_varlen_attention(host_builder: HostKernelBuilder, host_rng: np.random.Generator, case: VarlenCase,
+                             partition: int | None) -> None:
+    """The tensor-core kernel on decode, prefill and mixed batches with the variants (Q K^T and P V on the
+    emulated m16n8k16, P rounded to the cache dtype) matches the float64 reference; unused NaN slots never leak."""
+    args = _inputs(case, host_rng)
+    max_query_len = 1 if case.query_lens is None else max(1, max(case.query_lens))
+    group = case.num_heads // case.num_kv_heads
+    assert pa_rules.paged_attention_uses_tensor_cores(80, DTYPE_CODES[case.dtype], group, case.head_size,
+                                                      prefill=case.query_lens is not None)
+    out, flag, parts = run_tc(host_builder, host_rng, case, args, partition, max_query_len, max(case.seq_lens))
+    assert flag[0] == 0, "valid indices must not raise the error flag"
+    assert (parts > 1) == (partition != 0)
+    expected = OPS["paged_attention"].reference(args)
+    assert_close(out, expected, kind="attention", dtype=case.dtype, what=f"{case.id} parts={parts}")
+
+
+@pytest.mark.parametrize("bad", ["q_len-beyond-seq_len", "starts-decrease", "block-high"])
+@pytest.mark.parametrize("partition", [0, 64])
+def test_tc_varlen_bad_index(host_builder: HostKernelBuilder, host_rng: np.random.Generator, bad: str,
+                             partition: int) -> None:
+    """The tensor-core kernel's index checks: flag, zeros for the spoilt rows, the rest as the reference."""
+    case = VarlenCase("fp16", 64, 8, 2, 16, (37, 300, 5), (4, 7, 1))
+    args = _inputs(case, host_rng)
+    good = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in args.items()}
+    qsl, sl, bt = args["query_start_loc"], args["seq_lens"], args["block_tables"]
+    rows = np.zeros(args["query"].shape[0], bool)
+    if bad == "q_len-beyond-seq_len":
+        sl[1], want = 6, ERR_QUERY_START_LOC
+        rows[qsl[1]:qsl[2]] = True
+    elif bad == "starts-decrease":
+        qsl[2], want = qsl[1] - 1, ERR_QUERY_START_LOC
+        rows[:] = True
+    else:
+        bt[1, (sl[1] - 1) // case.block_size], want = args["key_cache"].shape[0], ERR_BLOCK_TABLES
+        rows[qsl[1]:qsl[2]] = True
+    out, flag, parts = run_tc(host_builder, host_rng, case, args, partition, 7, 300)
+    assert flag[0] & want
+    if parts == 1:  # the op allocates the output zeroed for prefill rows: rows no CTA could place
+        out[np.isnan(out).all(axis=(1, 2)) & rows] = 0
+    assert not out[rows].astype(np.float64).any(), "the spoilt rows must be zeros"
+    expected = OPS["paged_attention"].reference(good)
+    assert_close(out[~rows], expected[~rows], kind="attention", dtype="fp16", what=bad)

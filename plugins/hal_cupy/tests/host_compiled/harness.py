@@ -65,7 +65,7 @@ _SIGNATURES: dict[str, str] = {
     "hal_w4a16_gemm_tc": "ppppppiiiii",
     "hal_w8a8_gemm_tc": "pppppppiiiii",
     "hal_tc_reduce": "ppqi",
-    "hal_paged_attention_tc": "pppppppppfiiiiiiiip",
+    "hal_paged_attention_tc": "pppp" + "pppppppp" + "ff" + "iiiiiii" + "qqqqqq" + "iiiip",
 }
 _CTYPES = {"p": ctypes.c_void_p, "f": ctypes.c_float, "i": ctypes.c_int, "q": ctypes.c_longlong}
 _UINT3 = ctypes.c_uint * 3

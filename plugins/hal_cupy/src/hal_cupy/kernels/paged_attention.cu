@@ -21,6 +21,7 @@
 // are the sequence's, the split kernel marks its partition with exp_sum -1, which the reduce turns into zeros).
 #include "hal_common.cuh"
 #include "hal_index_checks.cuh"
+#include "hal_attention_rows.cuh"
 
 #ifndef HAL_NUM_THREADS
 #define HAL_NUM_THREADS 128
@@ -30,6 +31,12 @@
 #endif
 
 namespace pa {
+
+using pa_rows::Args;
+using pa_rows::row_first_key;
+using pa_rows::row_index;
+using pa_rows::row_position;
+using pa_rows::Tile;
 
 constexpr int HS = HAL_HEAD_SIZE;
 constexpr int GQA = HAL_GQA;  // rows per CTA
@@ -52,87 +59,6 @@ constexpr int REG = VPL * EPV;             // floats per lane per row
 static_assert(HS % EPV == 0, "head size must fill whole 16-byte vectors");
 static_assert(NT % WARP == 0, "HAL_NUM_THREADS must be a multiple of the warp size");
 static_assert(GQA >= 1 && GQA <= 8, "HAL_GQA must be in 1..8");
-
-// The kernels' shared parameters (in the order they are passed).
-struct Args {
-    const hal_t* HAL_RESTRICT query;
-    const hal_t* HAL_RESTRICT key_cache;
-    const hal_t* HAL_RESTRICT value_cache;
-    const int* HAL_RESTRICT block_tables;
-    const int* HAL_RESTRICT seq_lens;
-    const int* HAL_RESTRICT query_start_loc;  // null: one new token per sequence (row s)
-    const float* HAL_RESTRICT sinks;          // null: none
-    const float* HAL_RESTRICT alibi_slopes;   // null: none
-    float scale, softcap;                     // softcap 0: none
-    int num_heads, num_kv_heads, block_size, max_blocks_per_seq, window, num_tokens, max_query_len;
-    hal_i64 k_stride[3], v_stride[3];  // elements between blocks, KV heads, tokens
-};
-
-// One CTA's rows and the keys they see.
-struct Tile {
-    int s, kv_head, r0, n_rows;  // rows [r0, r0 + n_rows) of the sequence's q_len * group rows
-    int q0, q_len, seq_len;      // first query row, new tokens, keys
-    bool rows_known;             // query_start_loc places this sequence's rows (its own entries are sane)
-    int lo, hi;                  // union of the rows' visible keys [lo, hi)
-};
-
-HAL_DEVICE int row_position(const Tile& tl, int group, int r) { return tl.seq_len - tl.q_len + r / group; }
-HAL_DEVICE int row_first_key(const Args& a, int pos) {
-    return a.window > 0 && pos - a.window + 1 > 0 ? pos - a.window + 1 : 0;
-}
-HAL_DEVICE hal_i64 row_index(const Args& a, const Tile& tl, int group, int r) {  // query/out row * heads + head
-    return ((hal_i64)tl.q0 + r / group) * a.num_heads + (hal_i64)tl.kv_head * group + r % group;
-}
-
-HAL_DEVICE Tile make_tile(const Args& a) {
-    Tile tl;
-    const int group = a.num_heads / a.num_kv_heads;
-    const int tiles = (a.max_query_len * group + GQA - 1) / GQA;
-    tl.s = blockIdx.y;
-    tl.kv_head = blockIdx.x / tiles;
-    tl.r0 = (blockIdx.x % tiles) * GQA;
-    tl.seq_len = a.seq_lens[tl.s];
-    if (a.query_start_loc == 0) {
-        tl.q0 = tl.s;
-        tl.q_len = 1;
-        tl.rows_known = true;
-    } else {
-        tl.q0 = a.query_start_loc[tl.s];
-        const int q1 = a.query_start_loc[tl.s + 1];
-        tl.q_len = q1 - tl.q0;
-        tl.rows_known = tl.q0 >= 0 && q1 >= tl.q0 && q1 <= a.num_tokens && tl.q_len <= a.max_query_len;
-    }
-    const int rows = tl.rows_known ? tl.q_len * group - tl.r0 : 0;
-    tl.n_rows = rows < GQA ? (rows > 0 ? rows : 0) : GQA;
-    tl.lo = 0;
-    tl.hi = 0;
-    if (tl.n_rows > 0) {
-        tl.lo = row_first_key(a, row_position(tl, group, tl.r0));
-        tl.hi = row_position(tl, group, tl.r0 + tl.n_rows - 1) + 1;
-    }
-    return tl;
-}
-
-// 0 when keys [t0, t1) of the tile's sequence may be read, else the error code, reported by thread 0:
-// query_start_loc sane and q_len <= min(L, max_query_len), L in [0, min(max_seq_len, table capacity)], the
-// table entries of those keys in [0, num_blocks).  Cooperative: every thread of the CTA calls it.
-HAL_DEVICE int check_indices(const Args& a, const Tile& tl, const int* HAL_RESTRICT table, int t0, int t1,
-                             int num_blocks, int max_seq_len, int* error_flag) {
-    const int capacity = a.max_blocks_per_seq * a.block_size;
-    const int limit = max_seq_len < capacity ? max_seq_len : capacity;
-    int code = 0;
-    if (a.query_start_loc != 0 &&
-        (!hal_query_starts_ok(a.query_start_loc, (int)gridDim.y, a.num_tokens, NT) || !tl.rows_known ||
-         tl.q_len > tl.seq_len))
-        code = HAL_ERR_QUERY_START_LOC;
-    if (tl.seq_len < 0 || tl.seq_len > limit)
-        code |= HAL_ERR_SEQ_LENS;
-    else if (code == 0 && t1 > t0 &&
-             !hal_block_table_ok(table, t0 / a.block_size, (t1 - 1) / a.block_size + 1, num_blocks, NT))
-        code = HAL_ERR_BLOCK_TABLES;
-    if (code != 0 && threadIdx.x == 0) hal_report_index_error(error_flag, code);
-    return code;
-}
 
 // Attention of the tile's rows over keys [t0, t1) (each row masked to its own visible keys).  Leaves the
 // unnormalised output in s_out and the running max and exp-sum per row in s_m / s_l (all in shared memory;
@@ -325,22 +251,6 @@ HAL_DEVICE void mark_partition(const Args& a, const Tile& tl, float* HAL_RESTRIC
 
 }  // namespace pa
 
-#define HAL_PA_PARAMS                                                                                           \
-    const hal_t *HAL_RESTRICT query, const hal_t *HAL_RESTRICT key_cache, const hal_t *HAL_RESTRICT value_cache, \
-        const int *HAL_RESTRICT block_tables, const int *HAL_RESTRICT seq_lens,                                 \
-        const int *HAL_RESTRICT query_start_loc, const float *HAL_RESTRICT sinks,                               \
-        const float *HAL_RESTRICT alibi_slopes, float scale, float softcap, int num_heads, int num_kv_heads,     \
-        int block_size, int max_blocks_per_seq, int window, int num_tokens, int max_query_len,                  \
-        hal_i64 k_stride_block, hal_i64 k_stride_head, hal_i64 k_stride_token, hal_i64 v_stride_block,          \
-        hal_i64 v_stride_head, hal_i64 v_stride_token
-#define HAL_PA_ARGS                                                                                             \
-    pa::Args {                                                                                                  \
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, sinks, alibi_slopes, scale,     \
-            softcap, num_heads, num_kv_heads, block_size, max_blocks_per_seq, window, num_tokens,               \
-            max_query_len, {k_stride_block, k_stride_head, k_stride_token},                                     \
-            {v_stride_block, v_stride_head, v_stride_token}                                                     \
-    }
-
 // Single pass: one CTA covers every key its rows see and writes their final output.
 HAL_GLOBAL void HAL_LAUNCH_BOUNDS(HAL_NUM_THREADS)
 hal_paged_attention(hal_t* HAL_RESTRICT out, HAL_PA_PARAMS, int num_blocks, int max_seq_len,
@@ -350,10 +260,10 @@ hal_paged_attention(hal_t* HAL_RESTRICT out, HAL_PA_PARAMS, int num_blocks, int 
     __shared__ float s_out[GQA][HS];
     __shared__ float s_m[GQA], s_l[GQA], s_alpha[GQA];
     const Args a = HAL_PA_ARGS;
-    const Tile tl = make_tile(a);
+    const Tile tl = pa_rows::make_tile<GQA>(a);
     const int group = num_heads / num_kv_heads;
     const int* table = block_tables + (hal_i64)tl.s * max_blocks_per_seq;
-    if (check_indices(a, tl, table, tl.lo, tl.hi, num_blocks, max_seq_len, error_flag) != 0) {
+    if (pa_rows::check_indices(a, tl, table, tl.lo, tl.hi, num_blocks, max_seq_len, error_flag, NT) != 0) {
         for (int i = threadIdx.x; i < tl.n_rows * HS; i += NT)
             out[row_index(a, tl, group, tl.r0 + i / HS) * HS + i % HS] = hal_from_float(0.f);
         return;
@@ -391,7 +301,7 @@ hal_paged_attention_split(float* HAL_RESTRICT tmp_out, float* HAL_RESTRICT max_l
     __shared__ float s_out[GQA][HS];
     __shared__ float s_m[GQA], s_l[GQA], s_alpha[GQA];
     const Args a = HAL_PA_ARGS;
-    const Tile tl = make_tile(a);
+    const Tile tl = pa_rows::make_tile<GQA>(a);
     const int group = num_heads / num_kv_heads;
     const int p = blockIdx.z;
     const int p0 = p * partition_size;
@@ -400,7 +310,7 @@ hal_paged_attention_split(float* HAL_RESTRICT tmp_out, float* HAL_RESTRICT max_l
     int t1 = p1 < tl.hi ? p1 : tl.hi;
     t1 = t1 > t0 ? t1 : t0;
     const int* table = block_tables + (hal_i64)tl.s * max_blocks_per_seq;
-    if (check_indices(a, tl, table, t0, t1, num_blocks, max_seq_len, error_flag) != 0) {
+    if (pa_rows::check_indices(a, tl, table, t0, t1, num_blocks, max_seq_len, error_flag, NT) != 0) {
         mark_partition(a, tl, max_logits, exp_sums, p, max_partitions);
         return;
     }

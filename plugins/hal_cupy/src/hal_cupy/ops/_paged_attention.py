@@ -9,15 +9,18 @@ window, softcap, sinks, ALiBi; strided cache views whose strides keep 16-byte ro
 Selection, per call:
 
 - Tensor cores (the platform's warp matrix instructions at level ``PA_TC_MIN_SM``, see
-  :meth:`hal_cupy.GpuPlatform.warp_mma_level`; fp16/bf16 caches; at least ``PA_TC_MIN_GROUP`` query heads per
-  KV head; a head size of ``PA_TC_HEAD_SIZES``; ``HAL_<BACKEND>_TENSOR_CORES`` not 0): ``paged_attention_tc.cu``.
+  :meth:`hal_cupy.GpuPlatform.warp_mma_level`; fp16/bf16 caches; prefill rows, or at least ``PA_TC_MIN_GROUP``
+  query heads per KV head; a head size of ``PA_TC_HEAD_SIZES``; ``HAL_<BACKEND>_TENSOR_CORES`` not 0):
+  ``paged_attention_tc.cu``.
   Its partitions come from compute units x the kernel's occupancy (the device's shared memory, threads and
   registers per compute unit against the compiled kernel's, bounded by the runtime's occupancy calculator) and
   the sequence-length bound (below); a split is merged by ``hal_paged_attention_reduce`` of
   ``paged_attention.cu``, in column slices that give every compute unit a CTA.
-  Plain decode only: no ``prefill`` rows and none of the variants (window, softcap, sinks, ALiBi, strided caches).
-- Otherwise (prefill rows, a variant, fp32, small groups, other head sizes, devices without those instructions):
-  the SIMT kernels of ``paged_attention.cu``, single-pass or split-KV by :func:`choose_paged_attention_variant`.
+  With prefill rows the group size does not matter (new tokens fill the 16 rows of a CTA); every variant runs
+  there, strided caches too when both caches have the same strides (else the SIMT kernels).
+- Otherwise (fp32, small decode groups, other head sizes, caches of different strides, devices without those
+  instructions): the SIMT kernels of ``paged_attention.cu``, single-pass or split-KV by
+  :func:`choose_paged_attention_variant`.
   A call with prefill rows passes ``query_start_loc`` and tiles of ``PA_PREFILL_ROWS`` (new token, query head)
   rows per CTA; its output is allocated zeroed (rows of a sequence whose ``query_start_loc`` entries are bad stay
   zeros). A decode call (``is_prefill`` false) does not read ``query_start_loc``.
@@ -108,28 +111,33 @@ def seq_len_bound(call: OpCall) -> int:
 
 
 def uses_tensor_cores(backend: Any, device_index: int, hal_dtype: str, num_heads: int, num_kv_heads: int,
-                      head_size: int) -> bool:
-    """True when ``paged_attention_tc.cu`` serves this call (see the module docs)."""
+                      head_size: int, prefill: bool = False) -> bool:
+    """True when ``paged_attention_tc.cu`` may serve this call (see the module docs; the caller also needs the
+    value cache's strides to equal the key cache's)."""
     if not tensor_cores_available(backend, device_index, PA_TC_MIN_SM):
         return False
     level = backend.platform.warp_mma_level(backend.device(device_index).capabilities)
     dtype = {"fp16": "float16", "bf16": "bfloat16"}.get(hal_dtype, hal_dtype)
-    return paged_attention_uses_tensor_cores(level, dtype, num_heads // num_kv_heads, head_size)
+    return paged_attention_uses_tensor_cores(level, dtype, num_heads // num_kv_heads, head_size, prefill)
 
 
-def _run_tensor_cores(call: OpCall, device_index: int, storage: tuple[Any, ...], out: Any, kdtype: str,
-                      checks: tuple[Any, ...]) -> None:
+def _run_tensor_cores(call: OpCall, device_index: int, out: Any, kdtype: str, params: tuple[Any, ...],
+                      rows: tuple[int, int], checks: tuple[Any, ...]) -> None:
     """The tensor-core kernel (and the reduce step when split); partitions sized without reading the device.
 
-    ``checks`` are the kernels' index-check parameters: ``(num_blocks, seq_len_bound, error_flag)``.
+    ``params`` are the kernels' shared parameters (README: ``P``), ``rows`` ``(num_tokens, max_query_len)`` and
+    ``checks`` the index-check parameters ``(num_blocks, seq_len_bound, error_flag)``.
     """
     cp = cupy()
-    q, kc, vc, bt, sl = storage
-    num_seqs, num_heads, head_size = q.shape
-    num_kv_heads, block_size = kc.shape[1], kc.shape[2]
+    q, sl, qsl, sinks = params[0], params[4], params[5], params[6]
+    num_tokens, max_query_len = rows
+    num_seqs = sl.shape[0]
+    num_heads, head_size = q.shape[1], q.shape[2]
+    num_kv_heads = params[1].shape[1]
     device = call.backend.device(device_index)
     caps = device.capabilities
-    kernels = kernels_for(call, device_index, paged_attention_tc_spec(kdtype, head_size))
+    varlen = params[5] is not None or bool(_variants(call.args))  # prefill rows, a variant or strided caches
+    kernels = kernels_for(call, device_index, paged_attention_tc_spec(kdtype, head_size, varlen))
     registers = int(getattr(kernels["hal_paged_attention_tc"], "attributes", {}).get("num_regs", 0))
     occupancy = paged_attention_tc_ctas_per_cu(head_size, caps.shared_mem_per_cu, caps.max_threads_per_cu,
                                                registers_per_thread=registers,
@@ -139,22 +147,23 @@ def _run_tensor_cores(call: OpCall, device_index: int, storage: tuple[Any, ...],
         occupancy = max(1, min(occupancy, int(measured(kernels["hal_paged_attention_tc"], 128))))
     # The bound covers every valid length (the kernels flag others); partitions past a sequence's end exit at once.
     size, parts = paged_attention_tc_partitions(num_seqs, num_heads, num_kv_heads, int(checks[1]),
-                                                head_size, caps.compute_units, occupancy)
-    plans = paged_attention_tc_launches(num_seqs, num_heads, num_kv_heads, parts, head_size, caps.compute_units)
-    common = (q, kc, vc, bt, sl, np.float32(call["scale"]), np.int32(num_heads), np.int32(num_kv_heads),
-              np.int32(block_size), np.int32(bt.shape[1]), np.int32(size), np.int32(parts))
+                                                head_size, caps.compute_units, occupancy,
+                                                max_query_len=max_query_len, num_tokens=num_tokens)
+    plans = paged_attention_tc_launches(num_seqs, num_heads, num_kv_heads, parts, head_size, caps.compute_units,
+                                        max_query_len=max_query_len, num_tokens=num_tokens)
+    tail = (np.int32(size), np.int32(parts), *checks)
     if parts == 1:
-        launch(call, device_index, kernels, plans[0], (out, None, None, None, *common, *checks))
+        launch(call, device_index, kernels, plans[0], (out, None, None, None, *params, *tail))
         return
-    tmp_out = cp.empty((num_seqs, num_heads, parts, head_size), dtype=np.float32)
-    max_logits = cp.empty((num_seqs, num_heads, parts), dtype=np.float32)
-    exp_sums = cp.empty((num_seqs, num_heads, parts), dtype=np.float32)
-    launch(call, device_index, kernels, plans[0], (None, tmp_out, max_logits, exp_sums, *common, *checks))
+    tmp_out = cp.empty((num_tokens, num_heads, parts, head_size), dtype=np.float32)
+    max_logits = cp.empty((num_tokens, num_heads, parts), dtype=np.float32)
+    exp_sums = cp.empty((num_tokens, num_heads, parts), dtype=np.float32)
+    launch(call, device_index, kernels, plans[0], (None, tmp_out, max_logits, exp_sums, *params, *tail))
     reduce = kernels_for(call, device_index,
                          paged_attention_spec(kdtype, head_size, num_heads // num_kv_heads, caps.simd_width))
     launch(call, device_index, reduce, plans[1],
-           (out, tmp_out, max_logits, exp_sums, sl, None, None, np.int32(num_heads), np.int32(num_seqs),
-            np.int32(1), np.int32(size), np.int32(parts)))
+           (out, tmp_out, max_logits, exp_sums, sl, qsl, sinks, np.int32(num_heads), np.int32(num_seqs),
+            np.int32(max_query_len), np.int32(size), np.int32(parts)))
 
 
 def check(call: OpCall) -> str:
@@ -204,14 +213,24 @@ def run(call: OpCall) -> Any:
     max_seq_len = seq_len_bound(call)
     prefill = is_prefill(call.args)
     max_query_len = query_len_bound(call)
-    plain = not _variants(call.args)
     with cp.cuda.Device(device_index):
         checks = (np.int32(kc.shape[0]), np.int32(max_seq_len), error_flag(device_index))
         # Rows of a sequence whose query_start_loc entries cannot place them are written by no CTA: zeros.
         out = (zeros_like_dtype if prefill else empty_like_dtype)(tuple(q.shape), hal_dtype)
-        if plain and uses_tensor_cores(call.backend, device_index, hal_dtype, num_heads, num_kv_heads, head_size):
-            _run_tensor_cores(call, device_index, (q, kc, vc, bt, sl), as_storage(out), KERNEL_DTYPES[hal_dtype],
-                              checks)
+        qsl = as_storage(call["query_start_loc"]) if prefill else None
+        sinks, slopes = (None if call.args.get(n) is None else as_storage(call[n]) for n in ("sinks", "alibi_slopes"))
+        k_strides, v_strides = cache_strides(kc), cache_strides(vc)
+        assert k_strides is not None and v_strides is not None  # check() refused the others
+        softcap = call.args.get("softcap")
+        shared = (q, kc, vc, bt, sl, qsl, sinks, slopes, np.float32(call["scale"]),
+                  np.float32(0.0 if softcap is None else softcap), np.int32(num_heads), np.int32(num_kv_heads),
+                  np.int32(block_size), np.int32(max_blocks), np.int32(call.args.get("window") or 0),
+                  np.int32(num_tokens), np.int32(max_query_len), *(np.int64(x) for x in k_strides),
+                  *(np.int64(x) for x in v_strides))
+        if k_strides == v_strides and uses_tensor_cores(call.backend, device_index, hal_dtype, num_heads,
+                                                        num_kv_heads, head_size, prefill):
+            _run_tensor_cores(call, device_index, as_storage(out), KERNEL_DTYPES[hal_dtype], shared,
+                              (num_tokens, max_query_len), checks)
             return out
         rows = paged_attention_rows(group, max_query_len)
         kernels = kernels_for(call, device_index,
@@ -223,16 +242,6 @@ def run(call: OpCall) -> Any:
         plans = paged_attention_launches(variant, num_seqs, num_heads, num_kv_heads, max_seq_len,
                                          partition_size=PA_PARTITION_SIZE, max_query_len=max_query_len,
                                          num_tokens=num_tokens)
-        qsl = as_storage(call["query_start_loc"]) if prefill else None
-        sinks, slopes = (None if call.args.get(n) is None else as_storage(call[n]) for n in ("sinks", "alibi_slopes"))
-        k_strides, v_strides = cache_strides(kc), cache_strides(vc)
-        assert k_strides is not None and v_strides is not None  # check() refused the others
-        softcap = call.args.get("softcap")
-        shared = (q, kc, vc, bt, sl, qsl, sinks, slopes, np.float32(call["scale"]),
-                  np.float32(0.0 if softcap is None else softcap), np.int32(num_heads), np.int32(num_kv_heads),
-                  np.int32(block_size), np.int32(max_blocks), np.int32(call.args.get("window") or 0),
-                  np.int32(num_tokens), np.int32(max_query_len), *(np.int64(x) for x in k_strides),
-                  *(np.int64(x) for x in v_strides))
         if variant == "single":
             launch(call, device_index, kernels, plans[0], (as_storage(out), *shared, *checks))
             return out

@@ -234,17 +234,22 @@ def paged_attention_launches(
 # --------------------------------------------------------------------------
 
 
-def paged_attention_uses_tensor_cores(mma_level: int, dtype: str | int, group_size: int, head_size: int) -> bool:
+def paged_attention_uses_tensor_cores(mma_level: int, dtype: str | int, group_size: int, head_size: int,
+                                      prefill: bool = False) -> bool:
     """True when ``paged_attention_tc.cu`` serves a call: warp matrix instructions of level ``PA_TC_MIN_SM``
-    (:meth:`~hal_cupy.GpuPlatform.warp_mma_level`), fp16/bf16, a group of >= 4, a TC head size."""
+    (:meth:`~hal_cupy.GpuPlatform.warp_mma_level`), fp16/bf16, a TC head size, and prefill rows (``prefill``:
+    new tokens fill the 16 rows whatever the group) or a group of >= 4 (decode)."""
     if mma_level < PA_TC_MIN_SM:
         return False
     code = dtype if isinstance(dtype, int) else DTYPE_CODES.get(dtype, -1)
-    return code in (1, 2) and group_size >= PA_TC_MIN_GROUP and head_size in PA_TC_HEAD_SIZES
+    return code in (1, 2) and (prefill or group_size >= PA_TC_MIN_GROUP) and head_size in PA_TC_HEAD_SIZES
 
 
-def paged_attention_tc_spec(dtype: str | int, head_size: int) -> Specialization:
-    """``paged_attention_tc.cu`` for fp16/bf16 caches and a head size of :data:`PA_TC_HEAD_SIZES` (32-lane warps)."""
+def paged_attention_tc_spec(dtype: str | int, head_size: int, varlen: bool = False) -> Specialization:
+    """``paged_attention_tc.cu`` for fp16/bf16 caches and a head size of :data:`PA_TC_HEAD_SIZES` (32-lane warps):
+    the decode build (``HAL_VARLEN=0``: C-contiguous caches, every row sees every key of its partition), or with
+    ``varlen`` the build that masks each row to its own keys, applies softcap and ALiBi and takes the caches'
+    strides (prefill rows, a window, softcap, ALiBi, strided caches)."""
     code = dtype_code(dtype)
     if code not in (1, 2):
         raise ValueError("the tensor-core attention takes float16 or bfloat16 caches")
@@ -253,7 +258,8 @@ def paged_attention_tc_spec(dtype: str | int, head_size: int) -> Specialization:
     return Specialization(
         "paged_attention_tc.cu",
         ("hal_paged_attention_tc",),
-        (("HAL_DTYPE", str(code)), ("HAL_HEAD_SIZE", str(head_size)), warp_define(32)),
+        (("HAL_DTYPE", str(code)), ("HAL_HEAD_SIZE", str(head_size)), ("HAL_VARLEN", str(int(varlen))),
+         warp_define(32)),
         min_sm=PA_TC_MIN_SM,
     )
 
@@ -268,19 +274,20 @@ def paged_attention_tc_token_groups(head_size: int) -> int:
     return min(PA_TC_THREADS // 32, paged_attention_tc_chunk(head_size) // 8)
 
 
-def paged_attention_tc_shared_bytes(head_size: int) -> int:
+def paged_attention_tc_shared_bytes(head_size: int, varlen: bool = False) -> int:
     """Static shared memory of hal_paged_attention_tc.
 
     Two stages of K and V (``chunk`` rows of ``head_size + 8`` 16-bit elements each; after the loop the same
     bytes hold the token groups' fp32 outputs), the 64-bit row offsets of two chunks, per token group and row
     the max, exp-sum and merge weight, the merged max and exp-sum per row, :data:`PA_TC_BT` block-table
-    entries, and the index check's one int (``hal_index_checks.cuh``).
+    entries and the index checks' ints (``hal_index_checks.cuh``: the block table's; with ``varlen``, the
+    ``HAL_VARLEN`` build, query_start_loc's too).
     """
     chunk = paged_attention_tc_chunk(head_size)
     groups = paged_attention_tc_token_groups(head_size)
     stages = max(2 * 2 * chunk * (head_size + 8) * 2, groups * PA_TC_ROWS * (head_size + 4) * 4)
     shared = stages + 2 * chunk * 8 + 3 * groups * PA_TC_ROWS * 4 + 2 * PA_TC_ROWS * 4 + PA_TC_BT * 4
-    return shared + PA_INDEX_CHECK_BYTES
+    return shared + (2 if varlen else 1) * PA_INDEX_CHECK_BYTES
 
 
 def paged_attention_tc_ctas_per_cu(
@@ -314,23 +321,29 @@ def paged_attention_tc_partitions(
     head_size: int,
     compute_units: int,
     ctas_per_cu: int,
+    *,
+    max_query_len: int = 1,
+    num_tokens: int | None = None,
 ) -> tuple[int, int]:
     """(partition_size, max_partitions) of the tensor-core kernel.
 
-    The grid without a split has ``num_seqs * num_kv_heads * ceil(group / 16)`` CTAs. Sequences are split
-    into as many partitions as it takes to give every compute unit ``ctas_per_cu`` CTAs (one full wave at
-    the kernel's occupancy), but no partition is shorter than :data:`PA_TC_MIN_PARTITION` tokens of
-    ``max_seq_len``; the partition size is a whole number of chunks.  ``max_partitions == 1`` means no split
-    (the kernel writes the output itself, no reduce step).
+    The grid without a split has ``num_seqs * num_kv_heads * ceil(max_query_len * group / 16)`` CTAs. Sequences
+    are split into as many partitions as it takes to give every compute unit ``ctas_per_cu`` CTAs (one full wave
+    at the kernel's occupancy), but no partition is shorter than :data:`PA_TC_MIN_PARTITION` tokens of
+    ``max_seq_len`` and the fp32 workspaces for ``num_tokens`` query rows (default ``num_seqs``) stay within
+    :data:`PA_SPLIT_WORKSPACE_BYTES`; the partition size is a whole number of chunks.  ``max_partitions == 1``
+    means no split (the kernel writes the output itself, no reduce step).
     """
     if min(num_seqs, num_heads, num_kv_heads, compute_units, ctas_per_cu) < 1:
         raise ValueError("num_seqs, num_heads, num_kv_heads, compute_units and ctas_per_cu must be >= 1")
     chunk = paged_attention_tc_chunk(head_size)
     max_seq_len = max(1, max_seq_len)
     group = num_heads // num_kv_heads
-    base = num_seqs * num_kv_heads * -(-group // PA_TC_ROWS)
+    base = num_seqs * num_kv_heads * -(-max_query_len * group // PA_TC_ROWS)
     want = -(-(compute_units * ctas_per_cu) // base)
-    parts = max(1, min(want, max_seq_len // PA_TC_MIN_PARTITION, _MAX_GRID_Z))
+    rows = num_seqs if num_tokens is None else num_tokens
+    fits = PA_SPLIT_WORKSPACE_BYTES // max(1, 4 * rows * num_heads * (head_size + 2))
+    parts = max(1, min(want, max_seq_len // PA_TC_MIN_PARTITION, _MAX_GRID_Z, fits))
     size = -(-max_seq_len // parts)
     size = -(-size // chunk) * chunk
     return size, -(-max_seq_len // size)
@@ -346,18 +359,21 @@ def paged_attention_tc_reduce_slices(head_size: int, rows: int, compute_units: i
 
 
 def paged_attention_tc_launches(num_seqs: int, num_heads: int, num_kv_heads: int, max_partitions: int,
-                                head_size: int = 128, compute_units: int = 0) -> list[Launch]:
-    """hal_paged_attention_tc over (num_kv_heads * ceil(group / 16), num_seqs, max_partitions), then, when
-    split, hal_paged_attention_reduce of paged_attention.cu over (num_heads, num_seqs, slices), with
-    :func:`paged_attention_tc_reduce_slices` column slices so that the reduce step fills ``compute_units``.
+                                head_size: int = 128, compute_units: int = 0, *, max_query_len: int = 1,
+                                num_tokens: int | None = None) -> list[Launch]:
+    """hal_paged_attention_tc over (num_kv_heads * ceil(max_query_len * group / 16), num_seqs, max_partitions),
+    then, when split, hal_paged_attention_reduce of paged_attention.cu over (num_heads, num_tokens, slices)
+    (``num_tokens`` query rows, default ``num_seqs``), with :func:`paged_attention_tc_reduce_slices` column slices
+    so that the reduce step fills ``compute_units``.
 
     A split needs the fp32 workspaces of :func:`paged_attention_launches` (uninitialised is fine)."""
     group = num_heads // num_kv_heads
-    gx = num_kv_heads * -(-group // PA_TC_ROWS)
+    gx = num_kv_heads * -(-max_query_len * group // PA_TC_ROWS)
+    rows = num_seqs if num_tokens is None else num_tokens
     plans = [Launch("hal_paged_attention_tc", (gx, num_seqs, max_partitions), (PA_TC_THREADS, 1, 1))]
     if max_partitions > 1:
-        slices = paged_attention_tc_reduce_slices(head_size, num_heads * num_seqs, compute_units)
-        plans.append(Launch("hal_paged_attention_reduce", (num_heads, num_seqs, slices), (PA_NUM_THREADS, 1, 1)))
+        slices = paged_attention_tc_reduce_slices(head_size, num_heads * rows, compute_units)
+        plans.append(Launch("hal_paged_attention_reduce", (num_heads, rows, slices), (PA_NUM_THREADS, 1, 1)))
     return plans
 
 
@@ -373,5 +389,6 @@ def specializations(warp_size: int) -> list[Specialization]:
     specs = [paged_attention_spec(dtype, hs, g, warp_size)
              for dtype in DTYPE_CODES for hs in PA_HEAD_SIZES for g in PA_GQA_TILES]
     if warp_size == 32:  # mma.sync is a 32-lane warp instruction
-        specs += [paged_attention_tc_spec(dtype, hs) for dtype in ("float16", "bfloat16") for hs in PA_TC_HEAD_SIZES]
+        specs += [paged_attention_tc_spec(dtype, hs, varlen) for varlen in (False, True)
+                  for dtype in ("float16", "bfloat16") for hs in PA_TC_HEAD_SIZES]
     return specs
