@@ -15,7 +15,10 @@
 #    arrays updated in place against the float64 reference, and replays a bad block id, which must come back as
 #    ArgumentError('block_tables') from hal_core.check_errors()) and `hal bench`
 #    (the hal_core.bench library: every op against the measured copy bandwidth, cuBLAS rate and
-#    the cuBLAS fp16/bf16 peer), whose report goes into the summary under "hal_bench".
+#    the cuBLAS fp16/bf16 peer), whose report goes into the summary under "hal_bench",
+# 6. runs the variable-length attention on the GPU: the contract suite's prefill/mixed tests (every variant,
+#    against the float64 reference) and `hal bench --preset prefill` and `--preset mixed`, whose reports go
+#    into the summary under "hal_bench_varlen".
 # The summary JSON <date>-<device>.json is rewritten after every step, so a run
 # killed part-way still leaves the steps done so far.
 #
@@ -45,7 +48,7 @@ SUMMARY=$("$PY" -c 'import sys; sys.path.insert(0, "benchmarks"); from _gpu_benc
 print(result_path(sys.argv[1], sys.argv[2] or "unknown"))' "$RESULTS" "${DEVICE_NAME:-}") || exit 1
 
 summarize() {  # summarize FINISHED(0|1): (re)write the summary from the steps so far and the benchmark JSONs
-  "$PY" - "$RESULTS" "$SUMMARY" "$TMP/steps" "$1" "$BUDGET" "$TMP/hal-bench.json" <<'PYEOF' || echo "gpu_check: writing the summary failed"
+  "$PY" - "$RESULTS" "$SUMMARY" "$TMP/steps" "$1" "$BUDGET" "$TMP/hal-bench.json" "$TMP" <<'PYEOF' || echo "gpu_check: writing the summary failed"
 import json, sys
 from pathlib import Path
 sys.path.insert(0, "benchmarks")
@@ -69,6 +72,13 @@ if hal_bench.is_file():
         summary["hal_bench"] = json.loads(hal_bench.read_text())
     except ValueError:
         summary["hal_bench"] = {"error": "the hal bench report is not valid JSON (its step was cut short?)"}
+for preset in ("prefill", "mixed"):
+    report = Path(sys.argv[7]) / f"hal-bench-{preset}.json"
+    if report.is_file():
+        try:
+            summary.setdefault("hal_bench_varlen", {})[preset] = json.loads(report.read_text())
+        except ValueError:
+            summary.setdefault("hal_bench_varlen", {})[preset] = {"error": "not valid JSON (cut short?)"}
 summary["device"] = next((summary[p]["device"] for p in ("paged_attention", "quantized_gemm")
                           if isinstance(summary.get(p), dict) and "device" in summary[p]), {"name": "unknown"})
 write_json(target, summary)
@@ -121,10 +131,11 @@ fi
 
 step info 15 "$PY" -c "import json, hal_core; print(json.dumps([i.__dict__ for i in hal_core.list_backends()], indent=1))"
 step warmup 60 "$PY" -m hal_cupy._warmup cuda "$(nproc)"
-step cuda_tests 160 "$PY" -m pytest plugins/hal_cuda/tests plugins/hal_cupy/tests -q -rs -p no:cacheprovider \
+step cuda_tests 105 "$PY" -m pytest plugins/hal_cuda/tests plugins/hal_cupy/tests -q -rs -p no:cacheprovider \
   --ignore=plugins/hal_cuda/tests/test_nvrtc_compile.py --ignore=plugins/hal_cupy/tests/test_kernels_host_compiled.py \
   --ignore=plugins/hal_cupy/tests/test_tc_emulation.py --ignore=plugins/hal_cupy/tests/test_tc_quant_gemm_host.py \
   --ignore=plugins/hal_cupy/tests/test_tc_numerics_host.py --ignore=plugins/hal_cuda/tests/test_tc_sass_budget.py \
+  --ignore=plugins/hal_cupy/tests/test_varlen_attention_host.py --ignore=plugins/hal_cupy/tests/test_tc_attention_host.py \
   --junitxml="$RESULTS/cuda-tests.xml"
 step contract 45 "$PY" -m pytest -p hal_core.testing --pyargs hal_core.testing.suite -q -rs -p no:cacheprovider --hal-backend=cuda \
   --junitxml="$RESULTS/contract.xml"
@@ -135,12 +146,22 @@ step bench_quantized_gemm 65 "$PY" benchmarks/bench_quantized_gemm.py --json "$R
 step hal_bench 40 "$PY" -m hal_core bench --backend cuda --preset all --budget 25 \
   --repeat 5 --max-time 0.3 --warmup-time 0.05 -q --json "$TMP/hal-bench.json"
 
+# Variable-length attention on the GPU: prefill, chunked prefill and mixed batches with every variant against
+# float64 (the contract suite's tests), then the prefill and mixed presets of hal bench.
+step varlen 30 "$PY" -m pytest -p hal_core.testing --pyargs hal_core.testing.suite.test_paged_attention_varlen -q -rs \
+  -p no:cacheprovider --hal-backend=cuda
+step hal_bench_varlen 25 sh -c '"$0" -m hal_core bench --backend cuda --op paged_attention --preset prefill --budget 8 \
+  --repeat 5 --max-time 0.3 --warmup-time 0.05 -q --json "$1/hal-bench-prefill.json" && "$0" -m hal_core bench \
+  --backend cuda --op paged_attention --preset mixed --budget 8 --repeat 5 --max-time 0.3 --warmup-time 0.05 -q \
+  --json "$1/hal-bench-mixed.json"' "$PY" "$TMP"
+
 echo "gpu_check: done in $((SECONDS - START)) s"
 while read -r name rc seconds; do printf '  %-22s rc=%-8s %4s s\n' "$name" "$rc" "$seconds"; done <"$TMP/steps"
-for name in cuda_tests contract core_tests; do
+for name in cuda_tests contract core_tests varlen; do
   [[ -f $TMP/$name.log ]] && grep -E "passed|failed|error" "$TMP/$name.log" | tail -n 1
 done
 grep -hE "^(copy|paged_attention|graph decode|W4A16|offload)" "$TMP"/bench_*.log 2>/dev/null
 [[ -f $TMP/hal_bench.log ]] && grep -E "^(limits|paged_attention|W4A16|W8A8|write_kv_cache|  vs)" "$TMP/hal_bench.log" | head -n 40
+[[ -f $TMP/hal_bench_varlen.log ]] && grep -E "^(paged_attention|  vs)" "$TMP/hal_bench_varlen.log" | head -n 20
 # exit status: 0 when every step passed, else 1 (the summary says which)
 awk '$2 != "0" { bad = 1 } END { exit bad }' "$TMP/steps"

@@ -42,6 +42,9 @@ SM_LIMITS = {
 MAX_CONVERSION_PER_2_WEIGHTS = {1: 1.25, 2: 1.75}  # HAL_DTYPE f16: 4 LOP3 + 1 shift per 8; bf16: 4 LOP3 + 3
 MAX_DEQUANT_PER_2_WEIGHTS = {1: 2.25, 2: 2.75}  # plus one HADD2/HFMA2 per pair for the zero point
 MAX_ATTENTION_INSTR_PER_BYTE = 0.1  # decode attention main loop: warp instructions per byte of K/V
+#: The HAL_VARLEN build (prefill rows, window, softcap, ALiBi): per logit a row mask, softcap and ALiBi on top
+#: of the decode loop's work; its 16 rows are new tokens sharing each K/V byte, so per row it is 16x cheaper.
+MAX_ATTENTION_VARLEN_INSTR_PER_BYTE = 0.15
 
 _FUNC = re.compile(r"^\s*\.text\.(\S+):\s*$")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):\s*$")
@@ -255,6 +258,16 @@ def attention_mma_per_chunk(head_size: int) -> int:
     return tokens // 8 * head_size // 16 + pv_steps * (columns // 8 + 1)
 
 
+def attention_varlen(spec) -> bool:
+    """Whether a ``paged_attention_tc.cu`` specialisation is the HAL_VARLEN build."""
+    return dict(spec.defines).get("HAL_VARLEN") == "1"
+
+
+def attention_instr_per_byte_budget(spec) -> float:
+    """The instructions-per-byte budget of a tensor-core attention build (decode or HAL_VARLEN)."""
+    return MAX_ATTENTION_VARLEN_INSTR_PER_BYTE if attention_varlen(spec) else MAX_ATTENTION_INSTR_PER_BYTE
+
+
 def attention_specs() -> list:
     from hal_cupy import all_specializations
 
@@ -290,15 +303,17 @@ def measure_attention(spec, arch: str, tool: str) -> list[AttentionBudget]:
 
 def attention_markdown(rows: list[AttentionBudget]) -> str:
     lines = [
-        "## Tensor-core decode attention (SASS)",
+        "## Tensor-core attention (SASS)",
         "",
         "From `python benchmarks/sass_budget.py`. *Main loop*: the loop with the most HMMA, one chunk of K/V per",
         "iteration (its HMMA count is the layout's per-chunk count); *instr/chunk*: its warp instructions;",
         "*K/V B/warp*: the bytes of K and V of one chunk divided by the CTA's 4 warps; *instr/byte*: the ratio.",
         "",
         "Held by `plugins/hal_cuda/tests/test_attention_sass_budget.py` on every arch: no spill; HMMA in the main",
-        f"loop, one chunk per iteration; at most {MAX_ATTENTION_INSTR_PER_BYTE} warp-instructions per byte of K/V;",
-        "at least 2 CTAs per SM.",
+        f"loop, one chunk per iteration; at most {MAX_ATTENTION_INSTR_PER_BYTE} warp-instructions per byte of K/V",
+        f"for the decode builds (`VARLEN=0`), {MAX_ATTENTION_VARLEN_INSTR_PER_BYTE} for the `VARLEN=1` builds",
+        "(prefill rows, window, softcap, ALiBi: a row mask, softcap and ALiBi per logit; their 16 rows are",
+        "new tokens that share each K/V byte); at least 2 CTAs per SM.",
         "",
         "| specialisation | arch | regs | spill B | smem B | CTAs/SM | MMA (loop) | instr/chunk | K/V B/warp "
         "| instr/byte |",

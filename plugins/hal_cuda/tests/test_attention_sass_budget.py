@@ -1,7 +1,8 @@
 """The static budget of the tensor-core decode attention, read from its SASS (NVRTC cubin + nvdisasm; no GPU).
 
 For every ``paged_attention_tc.cu`` specialisation on sm_80, sm_90 and sm_120: no register spills, HMMA in the
-main loop, one chunk of K/V per iteration, at most ``MAX_ATTENTION_INSTR_PER_BYTE`` warp-instructions per byte of
+main loop, one chunk of K/V per iteration, at most ``MAX_ATTENTION_INSTR_PER_BYTE`` (the ``HAL_VARLEN`` builds:
+``MAX_ATTENTION_VARLEN_INSTR_PER_BYTE``) warp-instructions per byte of
 K/V, and at least two CTAs per SM (``benchmarks/sass_budget.py`` documents the counting; docs/kernel-resources.md
 the values).  Skipped, with the reason, without the NVRTC or nvdisasm wheels.
 """
@@ -23,12 +24,13 @@ def budgets():
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("spec", SPECS, ids=[s.id for s in SPECS])
 def test_attention_budget(budgets, spec, arch) -> None:
-    """No spill, HMMA in a main loop of one chunk, <= 0.1 instructions per byte of K/V, >= 2 CTAs per SM."""
+    """No spill, HMMA in a main loop of one chunk, <= 0.1 instructions per byte of K/V (0.15 for the HAL_VARLEN
+    build), >= 2 CTAs per SM."""
     b = budgets[(spec.id, arch)]
     assert b.spill_bytes == 0, f"{b.kernel} spills {b.spill_bytes} bytes on {arch}"
     assert b.mma_main_loop > 0, f"no HMMA in the main loop of {b.kernel} on {arch}"
     assert b.chunks_per_iteration == 1.0, f"main loop has {b.mma_main_loop} HMMA, not one chunk's"
-    assert b.instructions_per_byte <= sb.MAX_ATTENTION_INSTR_PER_BYTE, (
+    assert b.instructions_per_byte <= sb.attention_instr_per_byte_budget(spec), (
         f"{b.main_loop_instructions} instructions per {b.kv_bytes_per_warp} bytes on {arch}")
     assert b.ctas_per_sm >= 2, f"{b.kernel}: {b.registers} registers, {b.static_shared_bytes} B shared"
 

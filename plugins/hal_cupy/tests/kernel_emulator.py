@@ -38,11 +38,19 @@ class DevArray(np.ndarray):
 
 
 def dev(array: np.ndarray) -> DevArray:
-    """A DevArray copy of a host array (bf16 as uint16 storage, like the CUDA backend)."""
-    array = np.ascontiguousarray(array)
+    """A DevArray copy of a host array (bf16 as uint16 storage, like the CUDA backend); a strided view of a
+    C-contiguous array stays a view (same strides and offset) into a copy of that array."""
     if array.dtype == BFLOAT16:
         array = array.view(np.uint16)
-    return np.array(array).view(DevArray)
+    root = array
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if array.flags.c_contiguous or root is array or not root.flags.c_contiguous:
+        return np.array(np.ascontiguousarray(array)).view(DevArray)
+    copy = np.array(root).reshape(-1).view(np.uint8)
+    offset = array.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+    return np.ndarray.__new__(DevArray, array.shape, array.dtype, buffer=copy, offset=offset,  # type: ignore[call-overload]
+                              strides=array.strides)
 
 
 def to_dev(value: Any) -> Any:
@@ -198,110 +206,186 @@ class Kernel:
         flag[0] |= code
         return code
 
-    def _tiles(self, nh: int, nkv: int) -> int:
-        group = nh // nkv
-        return -(-group // self.defines["HAL_GQA"])
+    def _pa_varlen(self, rest: tuple[Any, ...]) -> SimpleNamespace:
+        """The 23 parameters paged_attention.cu's kernels share (README), checked and converted."""
+        assert len(rest) == 23, "paged_attention.cu's kernels share 23 parameters"
+        code = self.defines["HAL_DTYPE"]
+        (q, kc, vc, bt, sl, qsl, sinks, slopes, scale, softcap, nh, nkv, bs, maxb, window, ntok, mql) = rest[:17]
+        caches = []
+        for cache, strides in ((kc, rest[17:20]), (vc, rest[20:23])):
+            assert isinstance(cache, DevArray) and cache.strides[3] == cache.itemsize
+            assert all(isinstance(x, np.int64) for x in strides)
+            assert tuple(int(x) * cache.itemsize for x in strides) == cache.strides[:3], "element strides"
+            caches.append(_floats(np.asarray(cache), code))
+        assert isinstance(scale, np.float32) and isinstance(softcap, np.float32)
+        a = SimpleNamespace(q=_floats(_ptr(q), code), kc=caches[0], vc=caches[1], bt=_ptr(bt, np.int32),
+                            sl=_ptr(sl, np.int32), qsl=_ptr(qsl, np.int32, nullable=True),
+                            sinks=_ptr(sinks, np.float32, nullable=True),
+                            slopes=_ptr(slopes, np.float32, nullable=True), scale=float(scale),
+                            softcap=float(softcap), nh=_i32(nh), nkv=_i32(nkv), bs=_i32(bs), window=_i32(window),
+                            ntok=_i32(ntok), mql=_i32(mql))
+        assert a.q.shape == (a.ntok, a.nh, self.defines["HAL_HEAD_SIZE"]) and a.kc.shape[1:3] == (a.nkv, a.bs)
+        assert a.bt.shape[1] == _i32(maxb)
+        if a.qsl is None:
+            assert a.ntok == a.sl.shape[0] and a.mql == 1
+        return a
+
+    def _pa_grid(self, a: SimpleNamespace, grid: Any, block: Any, z: int) -> None:
+        group = a.nh // a.nkv
+        rows = self.defines["HAL_GQA"]
+        assert rows == (min(1 << (group - 1).bit_length(), 8) if a.mql == 1 else 8)
+        assert grid == (a.nkv * -(-a.mql * group // rows), a.sl.shape[0], z) and block == (128, 1, 1)
+
+    @staticmethod
+    def _pa_sequence(a: SimpleNamespace, s: int, checks: tuple[Any, ...]) -> tuple[int, int, int]:
+        """(first row, q_len, code) of sequence s after hal_index_checks.cuh (code 0: readable; the flag set)."""
+        num_blocks, limit, flag = _i32(checks[0]), _i32(checks[1]), _ptr(checks[2], np.int32)
+        assert flag.shape == (1,), "the error flag is one int32"
+        n = int(a.sl[s])
+        code = 0
+        if a.qsl is None:
+            q0, q_len = s, 1
+        else:
+            q0, q_len = int(a.qsl[s]), int(a.qsl[s + 1]) - int(a.qsl[s])
+            ok = a.qsl[0] == 0 and a.qsl[-1] == a.ntok and (np.diff(a.qsl) >= 0).all()
+            if not ok or q0 < 0 or q_len < 0 or q0 + q_len > a.ntok or q_len > min(a.mql, n):
+                code = 8
+        if n < 0 or n > min(limit, a.bt.shape[1] * a.bs):
+            code |= 2
+        elif code == 0 and n > 0:
+            first = max(0, n - q_len - a.window + 1) if a.window > 0 else 0
+            used = a.bt[s, first // a.bs:(n - 1) // a.bs + 1]
+            code = 1 if ((used < 0) | (used >= num_blocks)).any() else 0
+        flag[0] |= code
+        return q0, q_len, code
+
+    @staticmethod
+    def _pa_rows(a: SimpleNamespace, s: int, q0: int, q_len: int, t0: int, t1: int) -> tuple[Any, ...]:
+        """Unnormalised output, max and exp-sum of sequence s's rows [q_len, heads] over keys [t0, t1)."""
+        n = int(a.sl[s])
+        group = a.nh // a.nkv
+        t = np.arange(t0, t1)
+        blocks = a.bt[s, t // a.bs]
+        keys = np.repeat(a.kc[blocks, :, t % a.bs], group, axis=1)  # [T, heads, d]
+        values = np.repeat(a.vc[blocks, :, t % a.bs], group, axis=1)
+        pos = n - q_len + np.arange(q_len)
+        x = np.einsum("ihd,thd->iht", a.q[q0:q0 + q_len] * np.float32(a.scale), keys)
+        if a.softcap > 0:
+            x = a.softcap * np.tanh(x / a.softcap)
+        if a.slopes is not None:
+            x = x + a.slopes[None, :, None] * (t[None, None, :] - pos[:, None, None])
+        visible = t[None, :] <= pos[:, None]
+        if a.window > 0:
+            visible &= t[None, :] > pos[:, None] - a.window
+        x = np.where(visible[:, None, :], x, -np.inf).astype(np.float32)
+        m = x.max(axis=2, initial=-np.inf)
+        with np.errstate(invalid="ignore"):
+            p = np.exp(x - np.where(m == -np.inf, 0, m)[:, :, None])
+        return np.einsum("iht,thd->ihd", p, values), m, p.sum(axis=2)
 
     def hal_paged_attention(self, grid: Any, block: Any, out: Any, *rest: Any) -> None:
-        assert len(rest) == 13, "hal_paged_attention takes 14 parameters"
-        q, kc, vc, bt, sl, scale, nh, nkv = self._pa_common(*rest[:10])
-        bs, checks = kc.shape[2], rest[10:]
-        assert grid == (nkv * self._tiles(nh, nkv), q.shape[0], 1) and block == (128, 1, 1)
+        assert len(rest) == 26, "hal_paged_attention takes 27 parameters"
+        a = self._pa_varlen(rest[:23])
+        self._pa_grid(a, grid, block, 1)
+        self._pa_single(a, out, rest[23:])
+
+    def _pa_single(self, a: SimpleNamespace, out: Any, checks: tuple[Any, ...]) -> None:
         o = _ptr(out)
-        group = nh // nkv
-        result = np.zeros(q.shape, np.float32)
-        for s in range(q.shape[0]):
-            if self._index_code(bt, sl, s, 0, max(int(sl[s]), 0), bs, checks):
-                continue  # zeros
-            for kv in range(nkv):
-                if sl[s] == 0:
-                    continue
-                heads = slice(kv * group, (kv + 1) * group)
-                acc, _, lsum = _attend(q[s, heads], kc, vc, bt[s], 0, int(sl[s]), scale, kv)
-                result[s, heads] = acc / lsum[:, None]
+        # Rows no CTA places keep what the output held (the op allocates it zeroed for prefill rows).
+        result = _floats(o, self.defines["HAL_DTYPE"]) if a.qsl is not None else np.zeros(a.q.shape, np.float32)
+        for s in range(a.sl.shape[0]):
+            q0, q_len, code = self._pa_sequence(a, s, checks)
+            if code:
+                if q0 >= 0 and 0 <= q_len <= a.mql and q0 + q_len <= a.ntok:
+                    result[q0:q0 + q_len] = 0
+                continue
+            n = int(a.sl[s])
+            if q_len == 0 or n == 0:
+                result[q0:q0 + q_len] = 0
+                continue
+            acc, m, lsum = self._pa_rows(a, s, q0, q_len, 0, n)
+            if a.sinks is not None:
+                top = np.maximum(m, a.sinks[None, :])
+                f = np.exp(m - top)
+                acc, lsum = acc * f[:, :, None], lsum * f + np.exp(a.sinks[None, :] - top)
+            result[q0:q0 + q_len] = acc / lsum[:, :, None]
         _store(o, result, self.defines["HAL_DTYPE"])
 
     def hal_paged_attention_split(self, grid: Any, block: Any, tmp_out: Any, max_logits: Any, exp_sums: Any,
                                   *rest: Any) -> None:
-        assert len(rest) == 15, "hal_paged_attention_split takes 18 parameters"
-        q, kc, vc, bt, sl, scale, nh, nkv = self._pa_common(*rest[:10])
-        ps, parts, checks = _i32(rest[10]), _i32(rest[11]), rest[12:]
-        assert grid == (nkv * self._tiles(nh, nkv), q.shape[0], parts)
+        assert len(rest) == 28, "hal_paged_attention_split takes 31 parameters"
+        a = self._pa_varlen(rest[:23])
+        ps, parts = _i32(rest[23]), _i32(rest[24])
+        self._pa_grid(a, grid, block, parts)
+        self._pa_split(a, tmp_out, max_logits, exp_sums, ps, parts, rest[25:])
+
+    def _pa_split(self, a: SimpleNamespace, tmp_out: Any, max_logits: Any, exp_sums: Any, ps: int, parts: int,
+                  checks: tuple[Any, ...]) -> None:
         tmp, ml, es = _ptr(tmp_out, np.float32), _ptr(max_logits, np.float32), _ptr(exp_sums, np.float32)
-        assert tmp.shape == (q.shape[0], nh, parts, q.shape[2]) and ml.shape == es.shape == (q.shape[0], nh, parts)
-        group = nh // nkv
-        for s in range(q.shape[0]):
+        assert tmp.shape == (a.ntok, a.nh, parts, a.q.shape[2]) and ml.shape == es.shape == (a.ntok, a.nh, parts)
+        for s in range(a.sl.shape[0]):
+            q0, q_len, code = self._pa_sequence(a, s, checks)
+            rows = slice(q0, q0 + q_len)
+            if code:
+                if q0 >= 0 and 0 <= q_len <= a.mql and q0 + q_len <= a.ntok:
+                    ml[rows], es[rows] = 0, -1  # marked: the reduce writes zeros
+                continue
+            n = int(a.sl[s])
             for p in range(parts):
                 t0 = p * ps
-                t1 = t0 if t0 >= sl[s] else min(t0 + ps, int(sl[s]))
-                if self._index_code(bt, sl, s, t0, t1, kc.shape[2], checks):
-                    ml[s, :, p], es[s, :, p] = 0, -1  # marked: the reduce writes zeros
-                    continue
-                if t0 >= sl[s]:
+                if t0 >= n or q_len == 0:
                     continue  # writes nothing
-                for kv in range(nkv):
-                    heads = slice(kv * group, (kv + 1) * group)
-                    acc, m, lsum = _attend(q[s, heads], kc, vc, bt[s], t0, min(t0 + ps, int(sl[s])), scale, kv)
-                    tmp[s, heads, p], ml[s, heads, p], es[s, heads, p] = acc, m, lsum
+                acc, m, lsum = self._pa_rows(a, s, q0, q_len, t0, min(t0 + ps, n))
+                tmp[rows, :, p], ml[rows, :, p], es[rows, :, p] = acc, m, lsum
 
     def hal_paged_attention_reduce(self, grid: Any, block: Any, out: Any, tmp_out: Any, max_logits: Any,
-                                   exp_sums: Any, seq_lens: Any, nh: Any, ps: Any, parts: Any) -> None:
+                                   exp_sums: Any, seq_lens: Any, query_start_loc: Any, sinks: Any, nh: Any,
+                                   num_seqs: Any, mql: Any, ps: Any, parts: Any) -> None:
         o = _ptr(out)
         tmp, ml, es = _ptr(tmp_out, np.float32), _ptr(max_logits, np.float32), _ptr(exp_sums, np.float32)
         sl, nh, ps, parts = _ptr(seq_lens, np.int32), _i32(nh), _i32(ps), _i32(parts)
+        qsl, sk = _ptr(query_start_loc, np.int32, nullable=True), _ptr(sinks, np.float32, nullable=True)
+        num_seqs, mql = _i32(num_seqs), _i32(mql)
+        assert sl.shape == (num_seqs,) and (qsl is not None or mql == 1)
         # grid z: column slices of every head (together they cover each row once)
         assert grid[:2] == (nh, o.shape[0]) and o.shape[-1] % grid[2] == 0 and o.shape[-1] // grid[2] >= 32
         result = np.zeros(o.shape, np.float32)
-        for s in range(o.shape[0]):
+        for row in range(o.shape[0]):
+            s = row
+            if qsl is not None:
+                s = max(0, int(np.searchsorted(qsl[:num_seqs], row, side="right")) - 1)
+                q0, q1 = int(qsl[s]), int(qsl[s + 1])
+                if not (0 <= q0 <= row < q1 <= o.shape[0] and q1 - q0 <= mql):
+                    continue  # zeros
             n = min(-(-int(sl[s]) // ps), parts)
-            if n <= 0 or (es[s, :, :n] < 0).any():  # empty, or a partition marked by the index checks: zeros
+            if n <= 0 or (es[row, :, :n] < 0).any():  # empty, or a partition marked by the index checks: zeros
                 continue
-            m = ml[s, :, :n].max(axis=1, keepdims=True)
-            w = np.exp(ml[s, :, :n] - m)
-            result[s] = (w[:, :, None] * tmp[s, :, :n]).sum(axis=1) / (w * es[s, :, :n]).sum(axis=1)[:, None]
+            m = ml[row, :, :n].max(axis=1)
+            if sk is not None:
+                m = np.maximum(m, sk)
+            w = np.exp(ml[row, :, :n] - m[:, None])
+            den = (w * es[row, :, :n]).sum(axis=1) + (0 if sk is None else np.exp(sk - m))
+            result[row] = (w[:, :, None] * tmp[row, :, :n]).sum(axis=1) / den[:, None]
         _store(o, result, self.defines["HAL_DTYPE"])
 
     # -- paged_attention_tc.cu ----------------------------------------------------------------
 
     def hal_paged_attention_tc(self, grid: Any, block: Any, out: Any, tmp_out: Any, max_logits: Any,
                                exp_sums: Any, *rest: Any) -> None:
-        assert len(rest) == 15, "hal_paged_attention_tc takes 19 parameters"
-        q, kc, vc, bt, sl, scale, nh, nkv = self._pa_common(*rest[:10])
-        ps, parts, checks = _i32(rest[10]), _i32(rest[11]), rest[12:]
-        group = nh // nkv
-        assert grid == (nkv * -(-group // 16), q.shape[0], parts) and block == (128, 1, 1)
-        assert ps % {64: 64, 128: 32}.get(q.shape[2], 16) == 0, "partitions are whole chunks"
+        assert len(rest) == 28, "hal_paged_attention_tc takes 32 parameters"
+        a = self._pa_varlen(rest[:23])
+        ps, parts, checks = _i32(rest[23]), _i32(rest[24]), rest[25:]
+        group = a.nh // a.nkv
+        assert grid == (a.nkv * -(-a.mql * group // 16), a.sl.shape[0], parts) and block == (128, 1, 1)
+        assert ps % {64: 64, 128: 32}.get(a.q.shape[2], 16) == 0, "partitions are whole chunks"
+        assert tuple(rest[17:20]) == tuple(rest[20:23]), "the tensor-core kernel takes equal K and V strides"
         if parts == 1:
             assert _ptr(tmp_out, nullable=True) is None and _ptr(max_logits, nullable=True) is None
             assert _ptr(exp_sums, nullable=True) is None
-            o = _ptr(out)
-            result = np.zeros(q.shape, np.float32)
-            for s in range(q.shape[0]):
-                if self._index_code(bt, sl, s, 0, max(int(sl[s]), 0), kc.shape[2], checks):
-                    continue  # zeros
-                for kv in range(nkv):
-                    if sl[s] > 0:
-                        heads = slice(kv * group, (kv + 1) * group)
-                        acc, _, lsum = _attend(q[s, heads], kc, vc, bt[s], 0, int(sl[s]), scale, kv)
-                        result[s, heads] = acc / lsum[:, None]
-            _store(o, result, self.defines["HAL_DTYPE"])
+            self._pa_single(a, out, checks)
             return
         assert _ptr(out, nullable=True) is None
-        tmp, ml, es = _ptr(tmp_out, np.float32), _ptr(max_logits, np.float32), _ptr(exp_sums, np.float32)
-        assert tmp.shape == (q.shape[0], nh, parts, q.shape[2]) and ml.shape == es.shape == (q.shape[0], nh, parts)
-        for s in range(q.shape[0]):
-            for p in range(parts):
-                t0 = p * ps
-                t1 = t0 if t0 >= sl[s] else min(t0 + ps, int(sl[s]))
-                if self._index_code(bt, sl, s, t0, t1, kc.shape[2], checks):
-                    ml[s, :, p], es[s, :, p] = 0, -1  # marked: the reduce writes zeros
-                    continue
-                if t0 >= sl[s]:
-                    continue  # writes nothing
-                for kv in range(nkv):
-                    heads = slice(kv * group, (kv + 1) * group)
-                    acc, m, lsum = _attend(q[s, heads], kc, vc, bt[s], t0, t1, scale, kv)
-                    tmp[s, heads, p], ml[s, heads, p], es[s, heads, p] = acc, m, lsum
+        self._pa_split(a, tmp_out, max_logits, exp_sums, ps, parts, checks)
 
     # -- write_kv_cache.cu -------------------------------------------------------------------
 

@@ -65,6 +65,11 @@ def _at_every_width(cases: list[Any], widen: Any = None) -> list[Any]:
     return out
 
 
+def element_strides(cache: np.ndarray) -> tuple[int, int, int]:
+    """Element strides (block, KV head, token) of a cache array, as the kernels take them."""
+    return tuple(int(x) // cache.itemsize for x in cache.strides[:3])  # type: ignore[return-value]
+
+
 def _assert_close(actual: np.ndarray, expected: np.ndarray, kind: str, dtype: str, what: str) -> None:
     atol, rtol = tolerance(kind, dtype)
     np.testing.assert_allclose(actual.astype(np.float64), expected, atol=atol, rtol=rtol, err_msg=what)
@@ -198,7 +203,8 @@ def _run_attention(module: HostModule, case: AttentionCase, launches: list[Any],
     """Run the single or split+reduce launches; the output and the device error flag (one int32)."""
     q, kc, vc, bt, sl = (args[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens"))
     num_seqs = q.shape[0]
-    common = (q, kc, vc, bt, sl, args["scale"], case.num_heads, case.num_kv_heads, case.block_size, bt.shape[1])
+    common = (q, kc, vc, bt, sl, None, None, None, args["scale"], 0.0, case.num_heads, case.num_kv_heads,
+              case.block_size, bt.shape[1], 0, num_seqs, 1, *element_strides(kc), *element_strides(vc))
     flag = np.zeros(1, np.int32)
     checks = (kc.shape[0], max_seq_len, flag)
     out = np.full(q.shape, np.nan, q.dtype)
@@ -214,7 +220,8 @@ def _run_attention(module: HostModule, case: AttentionCase, launches: list[Any],
     max_logits = np.full((num_seqs, case.num_heads, parts), np.nan, np.float32)
     exp_sums = np.full_like(max_logits, np.nan)
     module.launch(split, tmp_out, max_logits, exp_sums, *common, case.partition_size, parts, *checks)
-    module.launch(reduce, out, tmp_out, max_logits, exp_sums, sl, case.num_heads, case.partition_size, parts)
+    module.launch(reduce, out, tmp_out, max_logits, exp_sums, sl, None, None, case.num_heads, num_seqs, 1,
+                  case.partition_size, parts)
     return out, flag
 
 

@@ -83,6 +83,62 @@ def test_specialisations_follow_the_simd_width(profile: str, lanes: int) -> None
         kv_rules.write_kv_cache_spec(True, 16)
 
 
+@pytest.mark.parametrize(("num_seqs", "num_tokens", "max_query_len", "num_heads", "num_kv_heads", "max_seq_len"), [
+    (1, 8192, 8192, 32, 8, 8192), (64, 2048, 512, 64, 8, 4096), (4, 4, 1, 28, 4, 32768), (3, 300, 256, 9, 3, 100_000),
+    (256, 1024, 16, 32, 8, 2048),
+], ids=["prompt-8k", "mixed-64", "decode-4", "gqa3-100k", "chunks-256"])
+def test_varlen_plans_fit(caps: Any, num_seqs: int, num_tokens: int, max_query_len: int, num_heads: int,
+                          num_kv_heads: int, max_seq_len: int) -> None:
+    """Prefill and mixed grids pass the device's limits; a split's workspace stays within its bound and its reduce
+    step has one CTA row per query row."""
+    variant = pa_rules.choose_paged_attention_variant(num_seqs, num_kv_heads, max_seq_len, caps.compute_units,
+                                                      num_heads=num_heads, max_query_len=max_query_len,
+                                                      num_tokens=num_tokens, head_size=128)
+    plans = pa_rules.paged_attention_launches(variant, num_seqs, num_heads, num_kv_heads, max_seq_len,
+                                              max_query_len=max_query_len, num_tokens=num_tokens)
+    for plan in plans:
+        _config(plan).validate(caps)
+    group = num_heads // num_kv_heads
+    rows = pa_rules.paged_attention_rows(group, max_query_len)
+    assert plans[0].grid[0] * rows >= num_kv_heads * max_query_len * group  # every row has a CTA
+    assert plans[0].grid[0] == num_kv_heads * pa_rules.paged_attention_tiles(num_heads, num_kv_heads, max_query_len)
+    if variant == "split":
+        assert pa.split_workspace_bytes(num_tokens, num_heads, 128, max_seq_len) <= pa_rules.PA_SPLIT_WORKSPACE_BYTES
+        assert plans[1].grid[:2] == (num_heads, num_tokens)
+
+
+def test_varlen_rows_and_split_rule() -> None:
+    """Decode keeps the GQA tile; prefill rows take 8 per CTA; a long prompt never splits (its workspace), a short
+    chunk over a long context does."""
+    assert [pa_rules.paged_attention_rows(g) for g in (1, 2, 3, 4, 6, 16)] == [1, 2, 4, 4, 8, 8]
+    assert [pa_rules.paged_attention_rows(g, 2) for g in (1, 3, 16)] == [8, 8, 8]
+    assert pa_rules.paged_attention_tiles(32, 8, 1) == 1 and pa_rules.paged_attention_tiles(48, 2, 1) == 3
+    assert pa_rules.paged_attention_tiles(32, 8, 100) == 50 and pa_rules.paged_attention_tiles(9, 3, 5) == 2
+    cus = hal_core.load_profile("H200").compute_units
+    assert pa_rules.choose_paged_attention_variant(1, 8, 8192, cus, num_heads=32, max_query_len=8192,
+                                                   num_tokens=8192, head_size=128) == "single"
+    assert pa_rules.choose_paged_attention_variant(1, 8, 32768, cus, num_heads=32, max_query_len=16,
+                                                   num_tokens=16, head_size=128) == "split"
+    with pytest.raises(ValueError, match="max_query_len"):
+        pa_rules.paged_attention_rows(4, 0)
+
+
+def test_tc_varlen_partitions_and_grid() -> None:
+    """The tensor-core kernel's grid counts 16-row tiles of new tokens x heads; a long prompt does not split
+    (its workspace would pass the bound), a short chunk over a long context does; the reduce has a row per token."""
+    occ = pa_rules.paged_attention_tc_ctas_per_cu(128)
+    size, parts = pa_rules.paged_attention_tc_partitions(1, 32, 8, 8192, 128, 132, occ, max_query_len=8192,
+                                                         num_tokens=8192)
+    assert parts == 1 and size >= 8192
+    size, parts = pa_rules.paged_attention_tc_partitions(1, 32, 8, 32768, 128, 132, occ, max_query_len=16,
+                                                         num_tokens=16)
+    assert parts > 1 and 4 * 16 * 32 * parts * 130 <= pa_rules.PA_SPLIT_WORKSPACE_BYTES
+    plans = pa_rules.paged_attention_tc_launches(2, 32, 8, parts, 128, 132, max_query_len=16, num_tokens=17)
+    assert plans[0].grid == (8 * 4, 2, parts)  # 16 tokens x 4 heads = 64 rows: 4 tiles per KV head
+    assert plans[1].grid[:2] == (32, 17)
+    assert pa_rules.paged_attention_tc_launches(3, 32, 8, 1)[0].grid == (8, 3, 1)  # decode: one tile of 4 heads
+
+
 @pytest.mark.parametrize(("max_seq_len", "bound"), [(None, 4096), (900, 900), (4096, 4096), (10**6, 4096)])
 def test_seq_len_bound_comes_from_the_host(max_seq_len: int | None, bound: int) -> None:
     """Launches are sized for min(max_seq_len, capacity) (capacity = 256 blocks of 16), never from seq_lens' values:
@@ -163,9 +219,9 @@ def offload_everything(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(("change", "reason"), [
     (dict(head_size=100), "head_size 100 has no GPU kernel"),
     (dict(head_size=48), "head_size 48"),
-    (dict(block=64), "block_size 64"),
+    (dict(block=24), "block_size 24"),
     (dict(block=1), "block_size 1"),
-], ids=["hs100", "hs48", "bs64", "bs1"])
+], ids=["hs100", "hs48", "bs24", "bs1"])
 def test_paged_attention_unsupported(change: dict[str, Any], reason: str) -> None:
     call = _call("paged_attention", hal_core.load_profile("H100"), **_attention(**change))
     verdict = pa.OP.supports(call)

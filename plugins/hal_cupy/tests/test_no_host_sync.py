@@ -284,6 +284,60 @@ def test_the_counter_sees_a_host_read(gpu: Any, rng: np.random.Generator) -> Non
     assert crossed == ["to_numpy (device to host)", "DevArray.__int__", "Device.synchronize"]
 
 
+@pytest.mark.parametrize("max_query_len", [None, 40], ids=["no-hint", "hint"])
+@pytest.mark.parametrize(("seq_lens", "query_lens", "tensor_cores", "kernels"), [
+    ([40, 9, 300], [40, 1, 6], "0", ["hal_paged_attention"]),
+    ([1, 700, 2100], [1, 3, 1], "0", ["hal_paged_attention_split", "hal_paged_attention_reduce"]),
+    ([40, 9, 300], [40, 1, 6], "1", ["hal_paged_attention_tc"]),
+    ([1, 700, 2100], [1, 3, 1], "1", ["hal_paged_attention_tc", "hal_paged_attention_reduce"]),
+], ids=["simt-single", "simt-split", "tc-single", "tc-split"])
+def test_varlen_attention_reads_nothing_back(gpu: Any, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch,
+                                             seq_lens: list[int], query_lens: list[int], tensor_cores: str,
+                                             kernels: list[str], max_query_len: int | None) -> None:
+    """Prefill rows with a window and sinks: zero host reads, copies and synchronisations (the grid comes from the
+    host hints, else num_tokens), and the float64 reference's result."""
+    from hal_core.ops.paged_attention import paged_attention_inputs
+
+    monkeypatch.setenv("HAL_CUDA_TENSOR_CORES", tensor_cores)
+    args = paged_attention_inputs(rng, seq_lens=seq_lens, num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                                  dtype="fp16", query_lens=query_lens)
+    args["sinks"] = rng.uniform(-1, 2, 8).astype(np.float32)
+    args.pop("max_query_len")
+    dev = {k: to_dev(v) for k, v in args.items()}
+    with gpu.counter.window() as crossed:
+        out = gpu.ops.paged_attention(dev["query"], dev["key_cache"], dev["value_cache"], dev["block_tables"],
+                                      dev["seq_lens"], scale=args["scale"], query_start_loc=dev["query_start_loc"],
+                                      max_query_len=max_query_len, window=64, sinks=dev["sinks"])
+    assert crossed == []
+    assert kernels == emu.LAUNCHED
+    assert rel_err(out, OPS["paged_attention"].reference({**args, "window": 64})) < TOL["fp16"]
+    gpu.check_errors()
+
+
+def test_varlen_bad_query_start_loc_raises_at_check_errors(gpu: Any, rng: np.random.Generator) -> None:
+    """A sequence with more new tokens than its length: its rows are zeros, the others match, and check_errors()
+    names query_start_loc."""
+    from hal_core.ops.paged_attention import paged_attention_inputs
+
+    args = paged_attention_inputs(rng, seq_lens=[40, 9, 300], num_heads=8, num_kv_heads=2, head_size=64,
+                                  block_size=16, dtype="fp16", query_lens=[40, 3, 6])
+    good = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in args.items()}
+    args["seq_lens"][1] = 2  # 3 new tokens
+    dev = {k: to_dev(v) for k, v in args.items()}
+    with gpu.counter.window() as crossed:
+        out = gpu.ops.paged_attention(dev["query"], dev["key_cache"], dev["value_cache"], dev["block_tables"],
+                                      dev["seq_lens"], scale=args["scale"], query_start_loc=dev["query_start_loc"],
+                                      max_query_len=40)
+    assert crossed == []
+    result = host(out).astype(np.float64)
+    assert not result[40:43].any()
+    expected = OPS["paged_attention"].reference(good)
+    keep = np.r_[0:40, 43:49]
+    assert rel_err(result[keep], expected[keep]) < TOL["fp16"]
+    with pytest.raises(hal_core.ArgumentError, match="argument 'query_start_loc'"):
+        gpu.check_errors()
+
+
 # -- bad indices on device arrays -------------------------------------------------------------------------------
 
 

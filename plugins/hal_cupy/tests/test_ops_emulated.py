@@ -113,6 +113,92 @@ def test_paged_attention_gqa_tiles(backend: Any, rng: np.random.Generator) -> No
     assert rel_err(result, OPS["paged_attention"].reference(args)) < TOL["fp16"]
 
 
+def varlen(rng: np.random.Generator, dtype: str, seq_lens: list[int], query_lens: list[int] | None,
+           **variants: Any) -> dict[str, Any]:
+    """Prefill/mixed (or decode, ``query_lens`` None) arguments from hal-core's builder, with variants."""
+    from hal_core.ops.paged_attention import paged_attention_inputs
+
+    args = paged_attention_inputs(rng, seq_lens=seq_lens, num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                                  dtype=dtype, query_lens=query_lens)
+    if variants.pop("strided", False):  # K and V halves of one [num_blocks, 2, ...] buffer
+        both = np.stack([args["key_cache"], args["value_cache"]], axis=1)
+        args["key_cache"], args["value_cache"] = both[:, 0], both[:, 1]
+    if variants.pop("sinks", False):
+        args["sinks"] = rng.uniform(-1, 2, 8).astype(np.float32)
+    if variants.pop("alibi", False):
+        args["alibi_slopes"] = (2.0 ** -rng.uniform(1, 8, 8)).astype(np.float32)
+    return {**args, **variants, "out": None}
+
+
+@pytest.mark.parametrize(("seq_lens", "query_lens", "variants", "kernels"), [
+    ([40, 9, 300], [40, 1, 6], {}, ["hal_paged_attention"]),
+    ([40, 9, 300], [40, 1, 6], {"window": 32, "softcap": 20.0, "sinks": True, "alibi": True, "strided": True},
+     ["hal_paged_attention"]),
+    ([1, 700, 2100], [1, 3, 1], {"sinks": True, "window": 600}, ["hal_paged_attention_split",
+                                                                 "hal_paged_attention_reduce"]),
+    ([0, 700, 2100], None, {"softcap": 10.0, "alibi": True, "strided": True}, ["hal_paged_attention_split",
+                                                                              "hal_paged_attention_reduce"]),
+    ([0, 37, 300], None, {"sinks": True}, ["hal_paged_attention"]),
+], ids=["prefill-mixed", "prefill-variants", "mixed-split", "decode-variants-split", "decode-sinks"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_paged_attention_varlen(backend: Any, rng: np.random.Generator, dtype: str, seq_lens: list[int],
+                                query_lens: list[int] | None, variants: dict[str, Any], kernels: list[str]) -> None:
+    """Prefill rows and the variants: the tensor-core kernel for bf16 where the platform has the warp matrix
+    instructions (prefill rows fill its 16 rows whatever the group; decode needs a group of 4, as here), the
+    SIMT kernels otherwise; both match the float64 reference."""
+    args = varlen(rng, dtype, seq_lens, query_lens, **variants)
+    out, _ = run("paged_attention", backend, args)
+    if backend.platform.mma_level and dtype == "bf16":
+        assert emu.LAUNCHED[0] == "hal_paged_attention_tc"
+        assert emu.LAUNCHED[1:] in ([], ["hal_paged_attention_reduce"])
+    else:
+        assert kernels == emu.LAUNCHED
+    assert rel_err(out, OPS["paged_attention"].reference(args)) < TOL[dtype]
+
+
+def test_paged_attention_declares_every_variant(backend: Any) -> None:
+    """The coverage hal-cupy declares: every variant, the kernels' head and block sizes."""
+    from hal_cupy.ops import _paged_attention_rules as rules
+    from hal_cupy.ops import register_ops
+
+    from hal_core.ops import OpRegistry
+
+    registry = OpRegistry()
+    register_ops(registry, "cuda")
+    coverage = registry.coverage("paged_attention")
+    assert set(coverage.variants) == {"prefill", "window", "softcap", "sinks", "alibi", "strided_cache"}
+    assert set(coverage.head_sizes) == set(rules.PA_HEAD_SIZES)
+    assert set(coverage.block_sizes) == set(rules.PA_BLOCK_SIZES)
+
+
+def test_paged_attention_unequal_strides_keep_simt(backend: Any, rng: np.random.Generator) -> None:
+    """Caches of different strides (each its own padded buffer) run on the SIMT kernels even where tensor cores
+    serve the call otherwise; the result matches the float64 reference."""
+    args = varlen(rng, "bf16", [40, 9], [40, 1])
+    key = np.zeros((*args["key_cache"].shape[:3], 72), args["key_cache"].dtype)  # 144-byte rows
+    key[..., :64] = args["key_cache"]
+    args["key_cache"] = key[..., :64]
+    out, _ = run("paged_attention", backend, args)
+    assert emu.LAUNCHED == ["hal_paged_attention"]
+    assert rel_err(out, OPS["paged_attention"].reference(args)) < TOL["bf16"]
+
+
+def test_paged_attention_misaligned_strides_fall_back(backend: Any, rng: np.random.Generator) -> None:
+    """A cache view whose rows do not start on 16 bytes is refused with the reason (the CPU path runs it)."""
+    from hal_cupy.ops import OPS as CUDA_OPS
+
+    args = varlen(rng, "fp16", [20, 9], [20, 1])
+    padded = np.zeros((*args["key_cache"].shape[:3], 68), np.float16)  # 136-byte rows
+    padded[..., :64] = args["key_cache"]
+    args["key_cache"] = padded[..., :64]
+    dev = OPS["paged_attention"].map_arrays(args, to_dev)
+    OPS["paged_attention"].validate(dev, host)
+    dev.pop("out", None)
+    impl = next(o for o in CUDA_OPS if o.op == "paged_attention")
+    reason = impl.supports(OpCall(spec=OPS["paged_attention"], args=dev, backend=backend))
+    assert isinstance(reason, str) and "key_cache" in reason and "16 bytes" in reason
+
+
 @pytest.mark.parametrize("slot_dtype", [np.int32, np.int64], ids=["slot32", "slot64"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_write_kv_cache(backend: Any, rng: np.random.Generator, dtype: str, slot_dtype: Any) -> None:

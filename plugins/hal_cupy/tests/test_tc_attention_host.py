@@ -146,7 +146,9 @@ def _run(host_builder: HostKernelBuilder, host_rng: np.random.Generator, case: C
         size, parts = case.partition, -(-max_len // case.partition)
     launches = pa_rules.paged_attention_tc_launches(num_seqs, case.num_heads, case.num_kv_heads, parts, case.head_size,
                                                     case.reduce_cus)
-    common = (q, kc, vc, bt, sl, args["scale"], case.num_heads, case.num_kv_heads, case.block_size, bt.shape[1])
+    strides = tuple(int(x) // kc.itemsize for x in kc.strides[:3])
+    common = (q, kc, vc, bt, sl, None, None, None, args["scale"], 0.0, case.num_heads, case.num_kv_heads,
+              case.block_size, bt.shape[1], 0, num_seqs, 1, *strides, *strides)
     own_flag = flag is None
     flag = np.zeros(1, np.int32) if flag is None else flag
     checks = (kc.shape[0], max_len, flag)
@@ -164,7 +166,8 @@ def _run(host_builder: HostKernelBuilder, host_rng: np.random.Generator, case: C
         simt = _module(host_builder,
                        pa_rules.paged_attention_spec(code, case.head_size, case.num_heads // case.num_kv_heads),
                        host_rng, case.ftz)
-        simt.launch(reduce, out, tmp_out, max_logits, exp_sums, sl, case.num_heads, size, parts)
+        simt.launch(reduce, out, tmp_out, max_logits, exp_sums, sl, None, None, case.num_heads, q.shape[0], 1, size,
+                    parts)
     if own_flag:
         assert flag[0] == 0, "valid indices must not raise the error flag"
     return out
@@ -248,7 +251,9 @@ def test_selection_by_capability() -> None:
     assert use(120, 1, 8, 64)
     assert not use(75, "float16", 8, 128)  # no bf16 MMA / cp.async below level 80
     assert not use(90, "float32", 8, 128)  # fp32 caches keep the SIMT path
-    assert not use(90, "float16", 2, 128)  # small groups
+    assert not use(90, "float16", 2, 128)  # small decode groups
+    assert use(90, "float16", 1, 128, prefill=True) and use(80, "bfloat16", 2, 64, prefill=True)  # rows: tokens
+    assert not use(90, "float32", 1, 128, prefill=True) and not use(90, "float16", 8, 96, prefill=True)
     assert not use(90, "float16", 8, 80)  # head size not a multiple of 64
     assert not use(0, "float16", 8, 128)  # a platform without the instructions keeps the SIMT kernels
     with pytest.raises(ValueError, match="float16 or bfloat16"):
@@ -305,5 +310,6 @@ def test_reduce_slices_fill_the_device() -> None:
 def test_catalogue_lists_tc_specialisations() -> None:
     """Every TC specialisation is in the catalogue (compiled by test_nvrtc_compile) and marked CUDA-only."""
     tc = [s for s in all_specializations() if s.source == "paged_attention_tc.cu"]
-    assert len(tc) == 2 * len(pa_rules.PA_TC_HEAD_SIZES)
+    assert len(tc) == 2 * 2 * len(pa_rules.PA_TC_HEAD_SIZES)  # dtypes x (decode, HAL_VARLEN) x head sizes
+    assert {dict(s.defines)["HAL_VARLEN"] for s in tc} == {"0", "1"}
     assert all(s.min_sm == pa_rules.PA_TC_MIN_SM for s in tc)

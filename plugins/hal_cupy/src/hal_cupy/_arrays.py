@@ -15,7 +15,8 @@ from hal_core.arrays import BFLOAT16, TaggedArray, dtype_name, untag
 
 from ._cupy import cupy
 
-__all__ = ["KERNEL_DTYPES", "aligned", "as_storage", "empty_like_dtype", "kernel_dtype", "to_device", "to_host"]
+__all__ = ["KERNEL_DTYPES", "aligned", "as_storage", "empty_like_dtype", "kernel_dtype", "to_device", "to_host",
+           "zeros_like_dtype"]
 
 #: hal dtype names to the catalogue's names (``_specialization.DTYPE_CODES``).
 KERNEL_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -54,6 +55,14 @@ def empty_like_dtype(shape: tuple[int, ...], hal_dtype: str) -> Any:
     if hal_dtype == "bf16":
         return TaggedArray(cp.empty(shape, dtype=np.uint16), "bf16")
     return cp.empty(shape, dtype={"fp32": np.float32, "fp16": np.float16}.get(hal_dtype, hal_dtype))
+
+
+def zeros_like_dtype(shape: tuple[int, ...], hal_dtype: str) -> Any:
+    """A new zero-filled device array of ``shape`` holding ``hal_dtype`` (bf16 as a tagged uint16 array)."""
+    cp = cupy()
+    if hal_dtype == "bf16":
+        return TaggedArray(cp.zeros(shape, dtype=np.uint16), "bf16")
+    return cp.zeros(shape, dtype={"fp32": np.float32, "fp16": np.float16}.get(hal_dtype, hal_dtype))
 
 
 def to_device(array: Any, device_index: int) -> Any:

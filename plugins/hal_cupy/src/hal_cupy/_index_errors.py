@@ -28,13 +28,16 @@ from ._cupy import cupy
 __all__ = ["ERROR_ARGUMENTS", "error_flag", "forget_flags", "has_flag", "raise_recorded"]
 
 #: Flag bits (``HAL_ERR_*`` of ``hal_index_checks.cuh``) and the argument each names.
-ERROR_ARGUMENTS: dict[int, str] = {1: "block_tables", 2: "seq_lens", 4: "slot_mapping"}
+ERROR_ARGUMENTS: dict[int, str] = {1: "block_tables", 2: "seq_lens", 4: "slot_mapping", 8: "query_start_loc"}
 
 _WHAT = {
     "block_tables": "a used entry outside [0, num_blocks); that sequence's output rows were written as zeros",
     "seq_lens": "a length below 0 or beyond min(max_seq_len, max_blocks_per_seq * block_size); that sequence's "
                 "output rows were written as zeros",
     "slot_mapping": "a slot at or past num_blocks * block_size; that token was not written",
+    "query_start_loc": "offsets not starting at 0, decreasing or not ending at num_tokens (every output row was "
+                       "written as zeros), or a sequence with more new tokens than its seq_lens entry or "
+                       "max_query_len (that sequence's output rows were written as zeros)",
 }
 
 _flags: dict[int, Any] = {}

@@ -51,9 +51,9 @@ _SHIMS = {
 # ctypes parameter kinds after (grid, block), in kernel parameter order:
 # p = pointer (numpy array or None), f = float32, i = int32, q = int64.
 _SIGNATURES: dict[str, str] = {
-    "hal_paged_attention": "ppppppfiiiiiip",
-    "hal_paged_attention_split": "ppppppppfiiiiiiiip",
-    "hal_paged_attention_reduce": "pppppiii",
+    "hal_paged_attention": "p" + "pppppppp" + "ff" + "iiiiiii" + "qqqqqq" + "iip",
+    "hal_paged_attention_split": "ppp" + "pppppppp" + "ff" + "iiiiiii" + "qqqqqq" + "iiiip",
+    "hal_paged_attention_reduce": "ppppppp" + "iiiii",
     "hal_write_kv_cache": "pppppiiiip",
     "hal_w4a16_gemm": "ppppppiiiii",
     "hal_w8a8_gemm": "pppppppiiiii",
@@ -65,7 +65,7 @@ _SIGNATURES: dict[str, str] = {
     "hal_w4a16_gemm_tc": "ppppppiiiii",
     "hal_w8a8_gemm_tc": "pppppppiiiii",
     "hal_tc_reduce": "ppqi",
-    "hal_paged_attention_tc": "pppppppppfiiiiiiiip",
+    "hal_paged_attention_tc": "pppp" + "pppppppp" + "ff" + "iiiiiii" + "qqqqqq" + "iiiip",
 }
 _CTYPES = {"p": ctypes.c_void_p, "f": ctypes.c_float, "i": ctypes.c_int, "q": ctypes.c_longlong}
 _UINT3 = ctypes.c_uint * 3
@@ -116,8 +116,8 @@ def _pointer(value: Any) -> ctypes.c_void_p:
         return ctypes.c_void_p(None)
     if not isinstance(value, np.ndarray):
         raise TypeError(f"expected a numpy array or None for a pointer, got {type(value).__name__}")
-    if not value.flags.c_contiguous:
-        raise ValueError("kernel arrays must be C-contiguous")
+    if not value.flags.c_contiguous and (value.ndim == 0 or value.strides[-1] != value.itemsize):
+        raise ValueError("kernel arrays must be C-contiguous, or strided views with a contiguous last dimension")
     return ctypes.c_void_p(value.ctypes.data)
 
 

@@ -12,6 +12,7 @@
 #define HAL_ERR_BLOCK_TABLES 1
 #define HAL_ERR_SEQ_LENS 2
 #define HAL_ERR_SLOT_MAPPING 4
+#define HAL_ERR_QUERY_START_LOC 8
 
 // Records `code` in the device error flag (a null flag records nothing).
 HAL_DEVICE void hal_report_index_error(int* error_flag, int code) {
@@ -35,4 +36,16 @@ HAL_DEVICE bool hal_block_table_ok(const int* HAL_RESTRICT row, int b0, int b1, 
     }
     hal_barrier();
     return bad == 0;
+}
+
+// True when query_start_loc [num_seqs + 1] starts at 0, never decreases and ends at num_tokens.  Cooperative like
+// hal_block_table_ok (two barriers; every thread gets the same answer).
+HAL_DEVICE bool hal_query_starts_ok(const int* HAL_RESTRICT starts, int num_seqs, int num_tokens, int nthreads) {
+    __shared__ int bad_starts;
+    if (threadIdx.x == 0) bad_starts = starts[0] != 0 || starts[num_seqs] != num_tokens;
+    hal_barrier();
+    for (int j = (int)threadIdx.x; j < num_seqs; j += nthreads)
+        if (starts[j + 1] < starts[j]) bad_starts = 1;  // every writer stores the same value
+    hal_barrier();
+    return bad_starts == 0;
 }

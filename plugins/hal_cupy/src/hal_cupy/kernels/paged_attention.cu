@@ -1,17 +1,27 @@
-// Paged-attention decode kernels (one query token per sequence).
+// Paged-attention kernels over a packed batch of sequences, each with one or more new tokens (decode, prefill,
+// chunked prefill, mixed in one launch).
 //
-// Defines: HAL_DTYPE (0 f32, 1 f16, 2 bf16), HAL_HEAD_SIZE, HAL_GQA (query
-// heads handled by one CTA; 1, 2, 4 or 8), optional HAL_NUM_THREADS (128) and
-// HAL_UNROLL (4, tokens per thread per chunk).  See README.md for launch rules.
+// Defines: HAL_DTYPE (0 f32, 1 f16, 2 bf16), HAL_HEAD_SIZE, HAL_GQA (rows of a CTA: (new token, query head)
+// pairs of one KV head; 1, 2, 4 or 8), optional HAL_NUM_THREADS (128) and HAL_UNROLL (4, tokens per thread per
+// chunk).  See README.md for the parameters and launch rules.
 //
-// Index checks (hal_index_checks.cuh): a CTA reads a sequence only when its
-// length lies in [0, max_seq_len] and the block-table entries of the tokens
-// it covers lie in [0, num_blocks); otherwise it reports seq_lens or
-// block_tables in error_flag and the sequence's output is zeros (the split
-// kernel marks its partition with exp_sum -1, which the reduce turns into
-// zeros).
+// Rows: sequence s has q_len new tokens (query rows query_start_loc[s] ..; one row s without query_start_loc)
+// and each KV head serves `group` query heads, so s has q_len * group rows per KV head, token-major (row r is
+// new token r / group, query head kv_head * group + r % group).  CTA (x, s, p) takes HAL_GQA consecutive rows
+// of one KV head (x = kv_head * tiles + tile) and the keys of partition p that any of them sees: new token i
+// sits at position L - q_len + i (L = seq_lens[s]) and sees the keys t <= position, the last `window` of them
+// with a window (> 0).  Chunks of keys outside the rows' union are never loaded; keys a row does not see are
+// masked out of its softmax.  Scores: scale * q.k, then softcap * tanh(score / softcap) (softcap > 0), then
+// + alibi_slopes[h] * (t - position) (non-null slopes); sinks[h] (non-null) joins the softmax denominator.
+//
+// Index checks (hal_index_checks.cuh): a CTA reads a sequence only when query_start_loc starts at 0, never
+// decreases and ends at num_tokens, q_len <= min(L, max_query_len), L lies in [0, max_seq_len] and the
+// block-table entries of the keys it loads lie in [0, num_blocks); otherwise it reports the argument in
+// error_flag and the sequence's rows are zeros (the single-pass kernel writes them when it can tell which rows
+// are the sequence's, the split kernel marks its partition with exp_sum -1, which the reduce turns into zeros).
 #include "hal_common.cuh"
 #include "hal_index_checks.cuh"
+#include "hal_attention_rows.cuh"
 
 #ifndef HAL_NUM_THREADS
 #define HAL_NUM_THREADS 128
@@ -22,8 +32,14 @@
 
 namespace pa {
 
+using pa_rows::Args;
+using pa_rows::row_first_key;
+using pa_rows::row_index;
+using pa_rows::row_position;
+using pa_rows::Tile;
+
 constexpr int HS = HAL_HEAD_SIZE;
-constexpr int GQA = HAL_GQA;
+constexpr int GQA = HAL_GQA;  // rows per CTA
 constexpr int NT = HAL_NUM_THREADS;
 constexpr int WARP = HAL_WARP_SIZE;
 constexpr int NWARPS = NT / WARP;
@@ -44,32 +60,38 @@ static_assert(HS % EPV == 0, "head size must fill whole 16-byte vectors");
 static_assert(NT % WARP == 0, "HAL_NUM_THREADS must be a multiple of the warp size");
 static_assert(GQA >= 1 && GQA <= 8, "HAL_GQA must be in 1..8");
 
-// Attention of query heads [head0, head0 + n_valid) of sequence s over tokens
-// [t0, t1).  Leaves the unnormalised output in s_out and the running max and
-// exp-sum per head in s_m / s_l (all in shared memory).
-HAL_DEVICE void attend(const hal_t* HAL_RESTRICT query, const hal_t* HAL_RESTRICT key_cache,
-                       const hal_t* HAL_RESTRICT value_cache, const int* HAL_RESTRICT block_table,
-                       float scale, int s, int num_heads, int num_kv_heads, int kv_head, int head0,
-                       int n_valid, int block_size, int t0, int t1, float (*s_logit)[CHUNK],
-                       float* s_m, float* s_l, float* s_alpha, float (*s_out)[HS]) {
+// Attention of the tile's rows over keys [t0, t1) (each row masked to its own visible keys).  Leaves the
+// unnormalised output in s_out and the running max and exp-sum per row in s_m / s_l (all in shared memory;
+// a row that sees none of the keys keeps max -inf, exp-sum 0 and output 0).
+HAL_DEVICE void attend(const Args& a, const Tile& tl, const int* HAL_RESTRICT block_table, int t0, int t1,
+                       float (*s_logit)[CHUNK], float* s_m, float* s_l, float* s_alpha, float (*s_out)[HS]) {
     const int tid = threadIdx.x;
     const int lane = tid % WARP;
     const int warp = tid / WARP;
     const int vec = lane % LPT;
     const int slot = warp * SPW + lane / LPT;
+    const int group = a.num_heads / a.num_kv_heads;
 
-    // This lane's slice of the (pre-scaled) queries.
+    // This lane's slice of the (pre-scaled) query rows, and each row's visible keys and ALiBi slope.
     float qf[GQA][REG];
+    int lo[GQA], hi[GQA];
+    float slope[GQA];
 #pragma unroll
     for (int g = 0; g < GQA; ++g) {
+        const bool valid = g < tl.n_rows;
+        const int r = tl.r0 + g;
+        const hal_i64 row = valid ? row_index(a, tl, group, r) : 0;
+        const int pos = row_position(tl, group, r);
+        lo[g] = valid ? row_first_key(a, pos) : 0;
+        hi[g] = valid ? pos + 1 : 0;
+        slope[g] = valid && a.alibi_slopes != 0 ? a.alibi_slopes[row % a.num_heads] : 0.f;
 #pragma unroll
         for (int j = 0; j < VPL; ++j) {
             const int vi = vec + j * LPT;
-            if (g < n_valid && vi < NVEC) {
-                const hal_t* p = query + ((hal_i64)s * num_heads + head0 + g) * HS + vi * EPV;
-                hal_unpack16(hal_load16(p), &qf[g][j * EPV]);
+            if (valid && vi < NVEC) {
+                hal_unpack16(hal_load16(a.query + row * HS + vi * EPV), &qf[g][j * EPV]);
 #pragma unroll
-                for (int e = 0; e < EPV; ++e) qf[g][j * EPV + e] *= scale;
+                for (int e = 0; e < EPV; ++e) qf[g][j * EPV + e] *= a.scale;
             } else {
 #pragma unroll
                 for (int e = 0; e < EPV; ++e) qf[g][j * EPV + e] = 0.f;
@@ -86,18 +108,22 @@ HAL_DEVICE void attend(const hal_t* HAL_RESTRICT query, const hal_t* HAL_RESTRIC
         s_m[tid] = HAL_NEG_INF;
         s_l[tid] = 0.f;
     }
+    const hal_i64 k_head = (hal_i64)tl.kv_head * a.k_stride[1], v_head = (hal_i64)tl.kv_head * a.v_stride[1];
 
     for (int c0 = t0; c0 < t1; c0 += CHUNK) {
-        hal_i64 row[HAL_UNROLL];
+        hal_i64 krow[HAL_UNROLL], vrow[HAL_UNROLL];
         bool ok[HAL_UNROLL];
 #pragma unroll
         for (int u = 0; u < HAL_UNROLL; ++u) {
             const int t = c0 + u * SLOTS + slot;
             ok[u] = t < t1;
-            row[u] = 0;
+            krow[u] = 0;
+            vrow[u] = 0;
             if (ok[u]) {
-                const hal_i64 phys = block_table[t / block_size];
-                row[u] = ((phys * num_kv_heads + kv_head) * block_size + t % block_size) * HS;
+                const hal_i64 phys = block_table[t / a.block_size];
+                const hal_i64 off = t % a.block_size;
+                krow[u] = phys * a.k_stride[0] + k_head + off * a.k_stride[2];
+                vrow[u] = phys * a.v_stride[0] + v_head + off * a.v_stride[2];
             }
         }
         hal_vec16 kv[HAL_UNROLL][VPL];
@@ -106,12 +132,13 @@ HAL_DEVICE void attend(const hal_t* HAL_RESTRICT query, const hal_t* HAL_RESTRIC
 #pragma unroll
             for (int j = 0; j < VPL; ++j) {
                 const int vi = vec + j * LPT;
-                kv[u][j] = ok[u] && vi < NVEC ? hal_load16(key_cache + row[u] + vi * EPV)
+                kv[u][j] = ok[u] && vi < NVEC ? hal_load16(a.key_cache + krow[u] + vi * EPV)
                                               : make_uint4(0u, 0u, 0u, 0u);
             }
-        // Logits: partial dot products, then a sum over the LPT lanes of a row.
+        // Scores: partial dot products, then a sum over the LPT lanes of a key; masked keys get -inf.
 #pragma unroll
         for (int u = 0; u < HAL_UNROLL; ++u) {
+            const int t = c0 + u * SLOTS + slot;
             float kf[REG];
 #pragma unroll
             for (int j = 0; j < VPL; ++j) hal_unpack16(kv[u][j], &kf[j * EPV]);
@@ -122,7 +149,9 @@ HAL_DEVICE void attend(const hal_t* HAL_RESTRICT query, const hal_t* HAL_RESTRIC
                 for (int e = 0; e < REG; ++e) dot += qf[g][e] * kf[e];
 #pragma unroll
                 for (int m = LPT / 2; m > 0; m >>= 1) dot += hal_shfl_xor(dot, m);
-                if (vec == 0) s_logit[g][u * SLOTS + slot] = ok[u] ? dot : HAL_NEG_INF;
+                if (a.softcap > 0.f) dot = a.softcap * tanhf(dot / a.softcap);
+                dot += slope[g] * (float)(t - (hi[g] - 1));
+                if (vec == 0) s_logit[g][u * SLOTS + slot] = ok[u] && t >= lo[g] && t < hi[g] ? dot : HAL_NEG_INF;
             }
         }
         // Issue the V loads before the softmax step so they overlap it.
@@ -131,27 +160,29 @@ HAL_DEVICE void attend(const hal_t* HAL_RESTRICT query, const hal_t* HAL_RESTRIC
 #pragma unroll
             for (int j = 0; j < VPL; ++j) {
                 const int vi = vec + j * LPT;
-                kv[u][j] = ok[u] && vi < NVEC ? hal_load16(value_cache + row[u] + vi * EPV)
+                kv[u][j] = ok[u] && vi < NVEC ? hal_load16(a.value_cache + vrow[u] + vi * EPV)
                                               : make_uint4(0u, 0u, 0u, 0u);
             }
         hal_barrier();
 
-        // Online softmax update, one warp per head.
+        // Online softmax update, one warp per row.  A row with no visible key so far keeps max -inf: its
+        // weights are taken against 0 (exp(-inf) = 0; a NaN score stays NaN).
         for (int g = warp; g < GQA; g += NWARPS) {
             float mx = HAL_NEG_INF;
             for (int i = lane; i < CHUNK; i += WARP) mx = fmaxf(mx, s_logit[g][i]);
             mx = hal_warp_max(mx);
             const float m_old = s_m[g];
-            const float m_new = fmaxf(m_old, mx);  // finite: each chunk has a valid token
+            const float m_new = fmaxf(m_old, mx);
+            const float base = m_new == HAL_NEG_INF ? 0.f : m_new;
             float sum = 0.f;
             for (int i = lane; i < CHUNK; i += WARP) {
-                const float p = expf(s_logit[g][i] - m_new);
+                const float p = expf(s_logit[g][i] - base);
                 s_logit[g][i] = p;
                 sum += p;
             }
             sum = hal_warp_sum(sum);
             if (lane == 0) {
-                const float alpha = expf(m_old - m_new);
+                const float alpha = expf(m_old - base);
                 s_alpha[g] = alpha;
                 s_l[g] = s_l[g] * alpha + sum;
                 s_m[g] = m_new;
@@ -161,9 +192,9 @@ HAL_DEVICE void attend(const hal_t* HAL_RESTRICT query, const hal_t* HAL_RESTRIC
 
 #pragma unroll
         for (int g = 0; g < GQA; ++g) {
-            const float a = s_alpha[g];
+            const float al = s_alpha[g];
 #pragma unroll
-            for (int e = 0; e < REG; ++e) acc[g][e] *= a;
+            for (int e = 0; e < REG; ++e) acc[g][e] *= al;
         }
 #pragma unroll
         for (int u = 0; u < HAL_UNROLL; ++u) {
@@ -207,39 +238,12 @@ HAL_DEVICE void attend(const hal_t* HAL_RESTRICT query, const hal_t* HAL_RESTRIC
     }
 }
 
-// Maps blockIdx.x to (kv head, first query head, number of valid heads).
-HAL_DEVICE void head_tile(int num_heads, int num_kv_heads, int* kv_head, int* head0, int* n_valid) {
-    const int group = num_heads / num_kv_heads;
-    const int tiles = (group + GQA - 1) / GQA;
-    const int tile = blockIdx.x % tiles;
-    *kv_head = blockIdx.x / tiles;
-    *head0 = *kv_head * group + tile * GQA;
-    const int left = group - tile * GQA;
-    *n_valid = left < GQA ? left : GQA;
-}
-
-// 0 when tokens [t0, t1) of a sequence of length seq_len may be read: the length in [0, max_seq_len] (and
-// within the table's row) and the table entries of those tokens in [0, num_blocks).  Else the error code,
-// reported by thread 0.  Cooperative (hal_block_table_ok): every thread of the CTA calls it.
-HAL_DEVICE int check_indices(const int* HAL_RESTRICT table, int seq_len, int t0, int t1, int block_size,
-                             int max_blocks_per_seq, int num_blocks, int max_seq_len, int* error_flag) {
-    const int capacity = max_blocks_per_seq * block_size;
-    const int limit = max_seq_len < capacity ? max_seq_len : capacity;
-    int code = 0;
-    if (seq_len < 0 || seq_len > limit)
-        code = HAL_ERR_SEQ_LENS;
-    else if (t1 > t0 && !hal_block_table_ok(table, t0 / block_size, (t1 - 1) / block_size + 1, num_blocks, NT))
-        code = HAL_ERR_BLOCK_TABLES;
-    if (code != 0 && threadIdx.x == 0) hal_report_index_error(error_flag, code);
-    return code;
-}
-
-// Marks partition p of query heads [head0, head0 + n_valid) of sequence s as unusable (exp_sum -1: the
-// reduce step writes zeros for the sequence).
-HAL_DEVICE void mark_partition(float* HAL_RESTRICT max_logits, float* HAL_RESTRICT exp_sums, int s, int p,
-                               int num_heads, int head0, int n_valid, int max_partitions) {
-    for (int g = threadIdx.x; g < n_valid; g += NT) {
-        const hal_i64 sp = ((hal_i64)s * num_heads + head0 + g) * max_partitions + p;
+// Marks partition p of the tile's rows as unusable (exp_sum -1: the reduce step writes zeros for them).
+HAL_DEVICE void mark_partition(const Args& a, const Tile& tl, float* HAL_RESTRICT max_logits,
+                               float* HAL_RESTRICT exp_sums, int p, int max_partitions) {
+    const int group = a.num_heads / a.num_kv_heads;
+    for (int g = threadIdx.x; g < tl.n_rows; g += NT) {
+        const hal_i64 sp = row_index(a, tl, group, tl.r0 + g) * max_partitions + p;
         max_logits[sp] = 0.f;
         exp_sums[sp] = -1.f;
     }
@@ -247,75 +251,74 @@ HAL_DEVICE void mark_partition(float* HAL_RESTRICT max_logits, float* HAL_RESTRI
 
 }  // namespace pa
 
-// Single pass: one CTA covers the whole sequence and writes the final output.
+// Single pass: one CTA covers every key its rows see and writes their final output.
 HAL_GLOBAL void HAL_LAUNCH_BOUNDS(HAL_NUM_THREADS)
-hal_paged_attention(hal_t* HAL_RESTRICT out, const hal_t* HAL_RESTRICT query,
-                    const hal_t* HAL_RESTRICT key_cache, const hal_t* HAL_RESTRICT value_cache,
-                    const int* HAL_RESTRICT block_tables, const int* HAL_RESTRICT seq_lens,
-                    float scale, int num_heads, int num_kv_heads, int block_size,
-                    int max_blocks_per_seq, int num_blocks, int max_seq_len, int* HAL_RESTRICT error_flag) {
+hal_paged_attention(hal_t* HAL_RESTRICT out, HAL_PA_PARAMS, int num_blocks, int max_seq_len,
+                    int* HAL_RESTRICT error_flag) {
     using namespace pa;
     __shared__ float s_logit[GQA][CHUNK];
     __shared__ float s_out[GQA][HS];
     __shared__ float s_m[GQA], s_l[GQA], s_alpha[GQA];
-    const int s = blockIdx.y;
-    int kv_head, head0, n_valid;
-    head_tile(num_heads, num_kv_heads, &kv_head, &head0, &n_valid);
-    const int seq_len = seq_lens[s];
-    const int* table = block_tables + (hal_i64)s * max_blocks_per_seq;
-    if (check_indices(table, seq_len, 0, seq_len, block_size, max_blocks_per_seq, num_blocks, max_seq_len,
-                      error_flag) != 0) {
-        for (int i = threadIdx.x; i < n_valid * HS; i += NT)
-            out[((hal_i64)s * num_heads + head0 + i / HS) * HS + i % HS] = hal_from_float(0.f);
+    const Args a = HAL_PA_ARGS;
+    const Tile tl = pa_rows::make_tile<GQA>(a);
+    const int group = num_heads / num_kv_heads;
+    const int* table = block_tables + (hal_i64)tl.s * max_blocks_per_seq;
+    if (pa_rows::check_indices(a, tl, table, tl.lo, tl.hi, num_blocks, max_seq_len, error_flag, NT) != 0) {
+        for (int i = threadIdx.x; i < tl.n_rows * HS; i += NT)
+            out[row_index(a, tl, group, tl.r0 + i / HS) * HS + i % HS] = hal_from_float(0.f);
         return;
     }
-    attend(query, key_cache, value_cache, table, scale,
-           s, num_heads, num_kv_heads, kv_head, head0, n_valid, block_size, 0, seq_len, s_logit,
-           s_m, s_l, s_alpha, s_out);
-    for (int i = threadIdx.x; i < n_valid * HS; i += NT) {
+    if (tl.n_rows == 0) return;
+    attend(a, tl, table, tl.lo, tl.hi, s_logit, s_m, s_l, s_alpha, s_out);
+    for (int i = threadIdx.x; i < tl.n_rows * HS; i += NT) {
         const int g = i / HS, d = i % HS;
-        // l >= 1 for finite logits; NaN when a NaN/inf logit made the softmax NaN (kept, as the reference does)
-        const float v = seq_len > 0 ? s_out[g][d] / s_l[g] : 0.f;
-        out[((hal_i64)s * num_heads + head0 + g) * HS + d] = hal_from_float(v);
+        const hal_i64 row = row_index(a, tl, group, tl.r0 + g);
+        float m = s_m[g], l = s_l[g], o = s_out[g][d];
+        if (sinks != 0) {  // the sink joins the max and the denominator
+            const float sink = sinks[row % num_heads];
+            const float top = fmaxf(m, sink);
+            const float f = m == HAL_NEG_INF ? 0.f : expf(m - top);
+            o *= f;
+            l = l * f + expf(sink - top);
+        }
+        // A row that sees no key (a decode sequence of length 0) is zeros; l is >= 1 for finite scores, NaN when
+        // a NaN/inf score made the softmax NaN (kept, as the reference does).
+        const float v = row_position(tl, group, tl.r0 + g) >= 0 ? o / l : 0.f;
+        out[row * HS + d] = hal_from_float(v);
     }
 }
 
-// Split-KV: CTA (x, s, p) covers tokens [p * partition_size, (p + 1) * partition_size)
-// and writes unnormalised fp32 partial outputs plus max logit and exp-sum.
-// Partitions starting at or beyond seq_lens[s] write nothing; one whose indices fail the checks (every one,
-// for a bad length) is marked with exp_sum -1 instead.
+// Split-KV: CTA (x, s, p) covers the keys [p * partition_size, (p + 1) * partition_size) its rows see and
+// writes, per row, the unnormalised fp32 partial output, max score and exp-sum (max -inf, exp-sum 0 and zeros
+// for a row that sees none of them).  Partitions starting at or beyond seq_lens[s] write nothing; one whose
+// indices fail the checks (every one, for a bad length) is marked with exp_sum -1 instead.
 HAL_GLOBAL void HAL_LAUNCH_BOUNDS(HAL_NUM_THREADS)
 hal_paged_attention_split(float* HAL_RESTRICT tmp_out, float* HAL_RESTRICT max_logits,
-                          float* HAL_RESTRICT exp_sums, const hal_t* HAL_RESTRICT query,
-                          const hal_t* HAL_RESTRICT key_cache, const hal_t* HAL_RESTRICT value_cache,
-                          const int* HAL_RESTRICT block_tables, const int* HAL_RESTRICT seq_lens,
-                          float scale, int num_heads, int num_kv_heads, int block_size,
-                          int max_blocks_per_seq, int partition_size, int max_partitions, int num_blocks,
-                          int max_seq_len, int* HAL_RESTRICT error_flag) {
+                          float* HAL_RESTRICT exp_sums, HAL_PA_PARAMS, int partition_size, int max_partitions,
+                          int num_blocks, int max_seq_len, int* HAL_RESTRICT error_flag) {
     using namespace pa;
     __shared__ float s_logit[GQA][CHUNK];
     __shared__ float s_out[GQA][HS];
     __shared__ float s_m[GQA], s_l[GQA], s_alpha[GQA];
-    const int s = blockIdx.y;
+    const Args a = HAL_PA_ARGS;
+    const Tile tl = pa_rows::make_tile<GQA>(a);
+    const int group = num_heads / num_kv_heads;
     const int p = blockIdx.z;
-    const int seq_len = seq_lens[s];
-    const int t0 = p * partition_size;
-    int kv_head, head0, n_valid;
-    head_tile(num_heads, num_kv_heads, &kv_head, &head0, &n_valid);
-    const int* table = block_tables + (hal_i64)s * max_blocks_per_seq;
-    const int t1 = t0 >= seq_len ? t0 : seq_len - t0 < partition_size ? seq_len : t0 + partition_size;
-    if (check_indices(table, seq_len, t0, t1, block_size, max_blocks_per_seq, num_blocks, max_seq_len,
-                      error_flag) != 0) {
-        mark_partition(max_logits, exp_sums, s, p, num_heads, head0, n_valid, max_partitions);
+    const int p0 = p * partition_size;
+    const int p1 = tl.seq_len - p0 < partition_size ? tl.seq_len : p0 + partition_size;
+    const int t0 = p0 > tl.lo ? p0 : tl.lo;
+    int t1 = p1 < tl.hi ? p1 : tl.hi;
+    t1 = t1 > t0 ? t1 : t0;
+    const int* table = block_tables + (hal_i64)tl.s * max_blocks_per_seq;
+    if (pa_rows::check_indices(a, tl, table, t0, t1, num_blocks, max_seq_len, error_flag, NT) != 0) {
+        mark_partition(a, tl, max_logits, exp_sums, p, max_partitions);
         return;
     }
-    if (t0 >= seq_len) return;
-    attend(query, key_cache, value_cache, table, scale,
-           s, num_heads, num_kv_heads, kv_head, head0, n_valid, block_size, t0, t1, s_logit,
-           s_m, s_l, s_alpha, s_out);
-    for (int i = threadIdx.x; i < n_valid * HS; i += NT) {
+    if (tl.n_rows == 0 || p0 >= tl.seq_len) return;
+    attend(a, tl, table, t0, t1, s_logit, s_m, s_l, s_alpha, s_out);
+    for (int i = threadIdx.x; i < tl.n_rows * HS; i += NT) {
         const int g = i / HS, d = i % HS;
-        const hal_i64 sp = ((hal_i64)s * num_heads + head0 + g) * max_partitions + p;
+        const hal_i64 sp = row_index(a, tl, group, tl.r0 + g) * max_partitions + p;
         tmp_out[sp * HS + d] = s_out[g][d];
         if (d == 0) {
             max_logits[sp] = s_m[g];
@@ -325,31 +328,47 @@ hal_paged_attention_split(float* HAL_RESTRICT tmp_out, float* HAL_RESTRICT max_l
 }
 
 // Merges the partitions of hal_paged_attention_split (or hal_paged_attention_tc) with log-sum-exp.
-// Grid (num_heads, num_seqs, slices), HAL_NUM_THREADS threads: CTA (h, s, z) writes columns
-// [z * HS / slices, (z + 1) * HS / slices) of head h of sequence s (slices divides HS; more slices fill a
-// device that has more compute units than heads x sequences).  The partitions' weights exp(m_p - max) are
-// computed once per CTA into shared memory, RP at a time; when a slice is narrower than the CTA, the threads
-// split the partitions into lanes and add the lanes' sums in a fixed order at the end.
-// A partition marked by the index checks (exp_sum < 0; a real exp-sum is >= 0 or NaN) makes the output zeros.
+// Grid (num_heads, num_tokens, slices), HAL_NUM_THREADS threads: CTA (h, q, z) writes columns
+// [z * HS / slices, (z + 1) * HS / slices) of head h of query row q (slices divides HS; more slices fill a
+// device that has more compute units than heads x rows).  Row q belongs to the sequence s whose
+// query_start_loc range holds it (a binary search; s = q without query_start_loc), whose partitions
+// p < ceil(seq_lens[s] / partition_size) are read.  The partitions' weights exp(m_p - max) are computed once
+// per CTA into shared memory, RP at a time; when a slice is narrower than the CTA, the threads split the
+// partitions into lanes and add the lanes' sums in a fixed order at the end.  With sinks, sinks[h] joins the
+// max and the denominator.  A partition marked by the index checks (exp_sum < 0; a real exp-sum is >= 0 or
+// NaN), or a row whose sequence's query_start_loc entries cannot place it, makes the output zeros.
 HAL_GLOBAL void HAL_LAUNCH_BOUNDS(HAL_NUM_THREADS)
 hal_paged_attention_reduce(hal_t* HAL_RESTRICT out, const float* HAL_RESTRICT tmp_out,
                            const float* HAL_RESTRICT max_logits, const float* HAL_RESTRICT exp_sums,
-                           const int* HAL_RESTRICT seq_lens, int num_heads, int partition_size,
-                           int max_partitions) {
+                           const int* HAL_RESTRICT seq_lens, const int* HAL_RESTRICT query_start_loc,
+                           const float* HAL_RESTRICT sinks, int num_heads, int num_seqs, int max_query_len,
+                           int partition_size, int max_partitions) {
     using namespace pa;
     constexpr int RP = 256;  // partition weights staged per pass
     __shared__ float s_red[NWARPS];
     __shared__ float s_w[RP];
     __shared__ float s_lane[NT];
-    const int h = blockIdx.x, s = blockIdx.y;
+    const int h = blockIdx.x, q = blockIdx.y;
     const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
     const int width = HS / (int)gridDim.z, c0 = (int)blockIdx.z * width;
     const int cols = width < NT ? width : NT;  // columns per pass of the CTA
     const int lanes = NT / cols;               // partition lanes
     const int col = tid % cols, pl = tid / cols;  // pl >= lanes: idle (NT is not a multiple of cols)
-    const hal_i64 sh = (hal_i64)s * num_heads + h;
+    const hal_i64 sh = (hal_i64)q * num_heads + h;
     hal_t* o = out + sh * HS + c0;
-    const int seq_len = seq_lens[s];
+    int s = q;
+    bool placed = true;
+    if (query_start_loc != 0) {  // the last sequence whose first row is <= q
+        int lo = 0, hi = num_seqs - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (query_start_loc[mid] <= q) lo = mid; else hi = mid - 1;
+        }
+        s = lo;
+        const int q0 = query_start_loc[s], q1 = query_start_loc[s + 1];
+        placed = q0 >= 0 && q0 <= q && q < q1 && q1 <= (int)gridDim.y && q1 - q0 <= max_query_len;
+    }
+    const int seq_len = placed ? seq_lens[s] : 0;
     int np = (seq_len + partition_size - 1) / partition_size;
     np = np < max_partitions ? np : max_partitions;
     if (np <= 0) {
@@ -376,6 +395,8 @@ hal_paged_attention_reduce(hal_t* HAL_RESTRICT out, const float* HAL_RESTRICT tm
     hal_barrier();
     mx = s_red[0];
     for (int w = 1; w < NWARPS; ++w) mx = fmaxf(mx, s_red[w]);
+    const float sink = sinks != 0 ? sinks[h] : HAL_NEG_INF;
+    mx = fmaxf(mx, sink);
     hal_barrier();
 
     float den = 0.f;
@@ -385,6 +406,7 @@ hal_paged_attention_reduce(hal_t* HAL_RESTRICT out, const float* HAL_RESTRICT tm
     hal_barrier();
     den = 0.f;
     for (int w = 0; w < NWARPS; ++w) den += s_red[w];
+    if (sinks != 0) den += expf(sink - mx);
     const float inv = den > 0.f ? 1.f / den : 0.f;
 
     const float* part = tmp_out + sh * max_partitions * HS + c0;
@@ -405,7 +427,7 @@ hal_paged_attention_reduce(hal_t* HAL_RESTRICT out, const float* HAL_RESTRICT tm
         if (lanes > 1) {  // uniform: add the other lanes' sums to lane 0's, in lane order
             s_lane[tid] = num;
             hal_barrier();
-            for (int q = 1; q < lanes; ++q) num += s_lane[q * cols + col];
+            for (int k = 1; k < lanes; ++k) num += s_lane[k * cols + col];
         }
         if (pl == 0 && active) o[d] = hal_from_float(num * inv);
     }

@@ -1,19 +1,26 @@
-// Paged-attention decode on tensor cores (warp matrix instructions of level 80): one query token
-// per sequence, the query heads of a GQA group forming the M dimension of
-// mma.sync m16n8k16 (padded to 16 rows).
+// Paged attention on tensor cores (warp matrix instructions of level 80): 16 rows per CTA -- (new token,
+// query head) pairs of one KV head, token-major (hal_attention_rows.cuh) -- form the M dimension of
+// mma.sync m16n8k16.  Decode (one new token per sequence) gives a CTA the query heads of a GQA group (padded
+// to 16 rows); prefill, chunked prefill and mixed batches (query_start_loc) give it the heads of consecutive
+// new tokens.  Sliding window, softcap, sinks and ALiBi as in paged_attention.cu; the caches' element strides
+// are the key cache's (the value cache must have the same strides).
 //
 // Defines: HAL_DTYPE (1 f16, 2 bf16: query, caches and output), HAL_HEAD_SIZE
-// (64, 128, 192 or 256).  Block 128 threads (4 warps).
+// (64, 128, 192 or 256), HAL_VARLEN (0: the decode build -- one new token per sequence, C-contiguous caches,
+// no window, softcap, sinks or ALiBi; the parameters for them are taken and unused; 1: the build above, every
+// row masked to the keys it sees, softcap, ALiBi and sinks, the caches' strides).  Both builds share the
+// chunk pipeline (chunk_rows, load_chunk) and the merge; the decode build keeps its own tile mapping, Q load
+// and logit mask, so its registers and instructions do not pay for the masks.  Block 128 threads (4 warps).
 //
 // Grid (num_kv_heads * tiles, num_seqs, max_partitions) with tiles =
-// ceil(group / 16): CTA (x, s, p) serves query heads [head0, head0 + n_valid)
-// of KV head x / tiles over tokens [p * partition_size, (p + 1) *
-// partition_size) of sequence s.  max_partitions == 1: the CTA writes the
-// normalised output (zeros for an empty sequence) and the workspaces are not
-// touched.  Otherwise it writes unnormalised fp32 partials, the max logit and
-// the exp-sum per head (the layout of hal_paged_attention_split), which
-// hal_paged_attention_reduce of paged_attention.cu merges; a partition that
-// starts at or past seq_lens[s] writes nothing.
+// ceil(max_query_len * group / 16): CTA (x, s, p) serves its 16 rows over the keys of
+// [p * partition_size, (p + 1) * partition_size) of sequence s that its rows see (chunks before the first
+// row's window and after the last row's position are skipped; each row masks the rest).
+// max_partitions == 1: the CTA writes the normalised output (zeros for an empty decode sequence; sinks joined
+// at the end) and the workspaces are not touched.  Otherwise it writes unnormalised fp32 partials, the max
+// logit and the exp-sum per row (the layout of hal_paged_attention_split; max -inf and exp-sum 0 for a row
+// that sees none of the partition's keys), which hal_paged_attention_reduce of paged_attention.cu merges; a
+// partition that starts at or past seq_lens[s] writes nothing.
 //
 // Per CTA: the partition's block-table slice is copied to shared memory once
 // (entries past PA_TC_BT are read from global memory, never past the last used
@@ -47,14 +54,20 @@
 // NaN or inf in a used value row reaches the columns the reference says --
 // the float64 reference's semantics.
 //
-// Index checks (hal_index_checks.cuh), before the block-table slice is used: a
-// length outside [0, max_seq_len] or a table entry of the partition outside [0,
-// num_blocks) is reported in error_flag and never read; the output rows are
-// zeros (single pass) or the partition is marked with exp_sum -1, which the
-// reduce step turns into zeros.
+// Index checks (hal_index_checks.cuh), before the block-table slice is used: bad
+// query_start_loc entries, a q_len beyond its length or max_query_len, a length
+// outside [0, max_seq_len] or a table entry of the keys the CTA loads outside [0,
+// num_blocks) is reported in error_flag and never read; the rows are zeros
+// (single pass, for rows the sequence's own entries place) or the partition is
+// marked with exp_sum -1, which the reduce step turns into zeros.
 #include "hal_common.cuh"
 #include "hal_index_checks.cuh"
+#include "hal_attention_rows.cuh"
 #include "hal_mma.cuh"
+
+#ifndef HAL_VARLEN
+#define HAL_VARLEN 0
+#endif
 
 namespace pa_tc {
 
@@ -62,7 +75,7 @@ constexpr int HS = HAL_HEAD_SIZE;
 constexpr int NT = 128;
 constexpr int WARP = 32;
 constexpr int NWARPS = NT / WARP;
-constexpr int ROWS = 16;  // query heads per CTA (MMA M)
+constexpr int ROWS = 16;  // rows per CTA (MMA M)
 // Tokens per chunk: a K + V stage of at most 16 KiB (HS <= 128: 32 tokens, else 16; HS 64: 64).
 constexpr int CHUNK = HS == 64 ? 64 : HS <= 128 ? 32 : 16;
 constexpr int STRIDE = HS + 8;  // shared row stride in elements: 16-byte padding against bank conflicts
@@ -154,7 +167,8 @@ constexpr int ROUNDS = CHUNK * VECS / NT;
 // c0 + tid (0 past t1) into row_off[buf].  Block index by a multiply-high with `magic` = (2^32 - 1) / block_size,
 // which is low by at most one (corrected), instead of a division.
 HAL_DEVICE void chunk_rows(Shared& sm, int buf, const int* HAL_RESTRICT block_table, int b0, int c0, int t1,
-                           unsigned magic, hal_i64 block_stride, hal_i64 head_off, int block_size) {
+                           unsigned magic, hal_i64 block_stride, hal_i64 head_off, hal_i64 token_stride,
+                           int block_size) {
     const int tid = threadIdx.x;
     if (tid >= CHUNK) return;
     const int t = c0 + tid;
@@ -168,7 +182,7 @@ HAL_DEVICE void chunk_rows(Shared& sm, int buf, const int* HAL_RESTRICT block_ta
         }
         const int j = q - b0;
         const hal_i64 phys = j < PA_TC_BT ? sm.bt[j] : block_table[b0 + j];
-        off = (phys * block_stride + head_off + (hal_i64)rem * HS) * (hal_i64)sizeof(hal_t);
+        off = (phys * block_stride + head_off + (hal_i64)rem * token_stride) * (hal_i64)sizeof(hal_t);
     }
     sm.row_off[buf][tid] = off;
 }
@@ -191,6 +205,204 @@ HAL_DEVICE void load_chunk(Shared& sm, int st, const hal_t* HAL_RESTRICT key_cac
     hal_cp_async_commit();
 }
 
+#if HAL_VARLEN
+// Attention of the tile's rows over keys [t0, t1), t0 < t1 (each row masked to the keys it sees).
+// Leaves in shared memory the token groups' unnormalised outputs (u.o), their merge weights (fac) and the
+// merged max logit and exp-sum of each row (row_m, row_l); the output of row r, column d, is
+// sum_g fac[g][r] * u.o[g][r][d] (divided by row_l[r] when normalised).
+HAL_DEVICE void attend(Shared& sm, const pa_rows::Args& a, const pa_rows::Tile& tl,
+                       const int* HAL_RESTRICT block_table, int t0, int t1) {
+    const hal_t* HAL_RESTRICT key_cache = a.key_cache;
+    const hal_t* HAL_RESTRICT value_cache = a.value_cache;
+    const int block_size = a.block_size;
+    const int group = a.num_heads / a.num_kv_heads;
+    const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
+    const int g = lane >> 2, tig = lane & 3;
+    const int tg = warp / CG, cg = warp % CG;
+    const int tok0 = tg * TW, ocol0 = cg * OCOLS;
+
+    // The partition's block-table slice, once.
+    const int b0 = t0 / block_size, nb = (t1 - 1) / block_size - b0 + 1;
+    for (int j = tid; j < nb && j < PA_TC_BT; j += NT) sm.bt[j] = block_table[b0 + j];
+
+    // This warp's A fragments of Q (rows past n_rows are zero), and the keys rows g and g + 8 see: [lo, pos],
+    // none for a row past n_rows; their ALiBi slopes in base 2.
+    hal_i64 qrow[2];
+    int lo[2], pos[2];
+    float slope2[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = g + 8 * h;
+        const bool valid = row < tl.n_rows;
+        qrow[h] = valid ? pa_rows::row_index(a, tl, group, tl.r0 + row) : 0;
+        pos[h] = valid ? pa_rows::row_position(tl, group, tl.r0 + row) : -1;
+        lo[h] = valid ? pa_rows::row_first_key(a, pos[h]) : 0;
+        slope2[h] = valid && a.alibi_slopes != 0 ? a.alibi_slopes[qrow[h] % a.num_heads] * LOG2E : 0.f;
+    }
+    unsigned qa[KSTEPS][4];
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int row = g + 8 * (i & 1);
+            const int col = kk * 16 + 2 * tig + 8 * (i >> 1);
+            unsigned w = 0;
+            if (row < tl.n_rows) {
+                const hal_t* p = a.query + qrow[i & 1] * HS + col;
+                w = (unsigned)p[0] | ((unsigned)p[1] << 16);
+            }
+            qa[kk][i] = w;
+        }
+    float acc[OTILES][4], lsum[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < OTILES; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
+    float m[2] = {HAL_NEG_INF, HAL_NEG_INF};
+    const unsigned ones[2] = {ONES, ONES};  // B of the exp-sum MMA
+    hal_barrier();  // the block-table slice
+
+    const hal_i64 block_stride = a.k_stride[0];
+    const hal_i64 head_off = (hal_i64)tl.kv_head * a.k_stride[1];
+    const hal_i64 token_stride = a.k_stride[2];
+    const unsigned magic = 0xffffffffu / (unsigned)block_size;
+    const float scale2 = a.scale * LOG2E;
+    // Softcap in base 2: cap2 * tanh(c * cap_in) = log2(e) * softcap * tanh(scale * c / softcap).
+    const float cap2 = a.softcap * LOG2E, cap_in = a.softcap > 0.f ? a.scale / a.softcap : 0.f;
+    chunk_rows(sm, 0, block_table, b0, t0, t1, magic, block_stride, head_off, token_stride, block_size);
+    hal_barrier();  // the rows of chunk 0
+    load_chunk(sm, 0, key_cache, value_cache, t1 - t0);
+    if (t0 + CHUNK < t1)
+        chunk_rows(sm, 1, block_table, b0, t0 + CHUNK, t1, magic, block_stride, head_off, token_stride, block_size);
+    int st = 0;
+    for (int c0 = t0; c0 < t1; c0 += CHUNK, st ^= 1) {
+        hal_cp_async_wait_all();
+        hal_barrier();  // chunk c0 visible; stage st ^ 1 free; the rows of chunk c0 + CHUNK visible
+        if (c0 + CHUNK < t1) {
+            load_chunk(sm, st ^ 1, key_cache, value_cache, t1 - c0 - CHUNK);
+            if (c0 + 2 * CHUNK < t1)
+                chunk_rows(sm, st, block_table, b0, c0 + 2 * CHUNK, t1, magic, block_stride, head_off, token_stride,
+                           block_size);
+        }
+
+        // Logits of this warp's tokens: NTW tiles of 16 x 8 over the whole head dimension (two accumulator
+        // chains per tile, even and odd k-steps, so that consecutive MMAs do not wait for each other).
+        float c[NTW][4];
+#pragma unroll
+        for (int nt = 0; nt < NTW; ++nt) {
+            float c2[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) c[nt][i] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS; kk += 2) {
+                unsigned b[4];
+                hal_ldmatrix_x4(b, &sm.u.kv.k[st][tok0 + nt * 8 + (lane & 7)][kk * 16 + 8 * (lane >> 3)]);
+                mma(c[nt], qa[kk], b);
+                mma(c2, qa[kk + 1], b + 2);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) c[nt][i] += c2[i];
+        }
+
+        // Online softmax of rows g and g + 8 over this warp's tokens (key t = tbase + nt * 8 + (i & 1)): scores
+        // in base 2 (softcap, ALiBi), -inf for a key past t1 or one the row does not see.
+        const int tbase = c0 + tok0 + 2 * tig;
+        float mx[2] = {HAL_NEG_INF, HAL_NEG_INF};
+#pragma unroll
+        for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int t = tbase + nt * 8 + (i & 1), r = i >> 1;
+                float v = cap_in > 0.f ? cap2 * tanhf(c[nt][i] * cap_in) : c[nt][i] * scale2;
+                v += slope2[r] * (float)(t - pos[r]);
+                v = t < t1 && t >= lo[r] && t <= pos[r] ? v : HAL_NEG_INF;
+                c[nt][i] = v;
+                mx[r] = fmaxf(mx[r], v);
+            }
+        float alpha[2], msafe[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], hal_shfl_xor(mx[r], 1));
+            mx[r] = fmaxf(mx[r], hal_shfl_xor(mx[r], 2));
+            const float m_new = fmaxf(m[r], mx[r]);  // NaN logits are ignored here and poison the sum
+            msafe[r] = m_new == HAL_NEG_INF ? 0.f : m_new;
+            alpha[r] = exp2_fast(m[r] - msafe[r]);
+            m[r] = m_new;
+        }
+        // P rounded to the cache dtype: the C fragments' pairs are the A fragment's words of P V (tile nt, row
+        // half h: word 2 nt + h; a k16 step takes the words of two tiles, the k8 step of one).
+        unsigned pa[2 * NTW];
+#pragma unroll
+        for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                pa[2 * nt + h] = pack2(exp2_fast(c[nt][2 * h] - msafe[h]), exp2_fast(c[nt][2 * h + 1] - msafe[h]));
+
+        // O = alpha * O + P V; exp-sum = alpha * l + P 1.
+#pragma unroll
+        for (int nt = 0; nt < OTILES; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[nt][i] *= alpha[i >> 1];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) lsum[i] *= alpha[i >> 1];
+        const int j = lane >> 3;
+        if (PSTEPS == 0) {  // 8 tokens: m16n8k8, ldmatrix.x4.trans matrices = tiles nt .. nt + 3
+            mma_k8(lsum, pa, ones);
+#pragma unroll
+            for (int nt = 0; nt < OTILES; nt += 4) {
+                unsigned b[4];
+                hal_ldmatrix_x4_trans(b, &sm.u.kv.v[st][tok0 + (lane & 7)][ocol0 + (nt + j) * 8]);
+#pragma unroll
+                for (int q = 0; q < 4; ++q) mma_k8(acc[nt + q], pa, b + q);
+            }
+        }
+#pragma unroll
+        for (int ps = 0; ps < PSTEPS; ++ps) {  // 16 tokens each: matrices (tokens 0-7 | 8-15) x (tiles nt | nt + 1)
+            const unsigned* a = pa + 4 * ps;
+            mma(lsum, a, ones);
+#pragma unroll
+            for (int nt = 0; nt < OTILES; nt += 2) {
+                unsigned b[4];
+                hal_ldmatrix_x4_trans(
+                    b, &sm.u.kv.v[st][tok0 + 16 * ps + 8 * (j & 1) + (lane & 7)][ocol0 + (nt + (j >> 1)) * 8]);
+                mma(acc[nt], a, b);
+                mma(acc[nt + 1], a, b + 2);
+            }
+        }
+    }
+
+    // Merge the token groups: each writes its output, max and exp-sum; the rows' weights are computed once.
+    hal_barrier();  // every warp is done with the stages the merge buffer overlays
+#pragma unroll
+    for (int nt = 0; nt < OTILES; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sm.u.o[tg][g + 8 * (i >> 1)][ocol0 + nt * 8 + 2 * tig + (i & 1)] = acc[nt][i];
+    if (cg == 0 && tig == 0) {  // every column of the exp-sum MMA holds the row's sum
+        sm.m[tg][g] = m[0];
+        sm.m[tg][g + 8] = m[1];
+        sm.l[tg][g] = lsum[0];
+        sm.l[tg][g + 8] = lsum[2];
+    }
+    hal_barrier();
+    if (tid < ROWS) {
+        float mm = sm.m[0][tid];
+#pragma unroll
+        for (int q = 1; q < TG; ++q) mm = fmaxf(mm, sm.m[q][tid]);
+        const float ms = mm == HAL_NEG_INF ? 0.f : mm;
+        float l = 0.f;
+#pragma unroll
+        for (int q = 0; q < TG; ++q) {
+            const float f = exp2_fast(sm.m[q][tid] - ms);
+            sm.fac[q][tid] = f;
+            l += f * sm.l[q][tid];
+        }
+        sm.row_m[tid] = mm;
+        sm.row_l[tid] = l;
+    }
+    hal_barrier();
+}
+
+#else  // decode
 // Attention of query rows [0, n_valid) (heads head0 + row) of sequence s over tokens [t0, t1), t0 < t1.
 // Leaves in shared memory the token groups' unnormalised outputs (u.o), their merge weights (fac) and the
 // merged max logit and exp-sum of each row (row_m, row_l); the output of row r, column d, is
@@ -236,10 +448,10 @@ HAL_DEVICE void attend(Shared& sm, const hal_t* HAL_RESTRICT query, const hal_t*
     const hal_i64 head_off = (hal_i64)kv_head * block_size * HS;
     const unsigned magic = 0xffffffffu / (unsigned)block_size;
     const float scale2 = scale * LOG2E;
-    chunk_rows(sm, 0, block_table, b0, t0, t1, magic, block_stride, head_off, block_size);
+    chunk_rows(sm, 0, block_table, b0, t0, t1, magic, block_stride, head_off, HS, block_size);
     hal_barrier();  // the rows of chunk 0
     load_chunk(sm, 0, key_cache, value_cache, t1 - t0);
-    if (t0 + CHUNK < t1) chunk_rows(sm, 1, block_table, b0, t0 + CHUNK, t1, magic, block_stride, head_off, block_size);
+    if (t0 + CHUNK < t1) chunk_rows(sm, 1, block_table, b0, t0 + CHUNK, t1, magic, block_stride, head_off, HS, block_size);
     int st = 0;
     for (int c0 = t0; c0 < t1; c0 += CHUNK, st ^= 1) {
         hal_cp_async_wait_all();
@@ -247,7 +459,7 @@ HAL_DEVICE void attend(Shared& sm, const hal_t* HAL_RESTRICT query, const hal_t*
         if (c0 + CHUNK < t1) {
             load_chunk(sm, st ^ 1, key_cache, value_cache, t1 - c0 - CHUNK);
             if (c0 + 2 * CHUNK < t1)
-                chunk_rows(sm, st, block_table, b0, c0 + 2 * CHUNK, t1, magic, block_stride, head_off, block_size);
+                chunk_rows(sm, st, block_table, b0, c0 + 2 * CHUNK, t1, magic, block_stride, head_off, HS, block_size);
         }
 
         // Logits of this warp's tokens: NTW tiles of 16 x 8 over the whole head dimension (two accumulator
@@ -374,17 +586,45 @@ HAL_DEVICE void head_tile(int num_heads, int num_kv_heads, int* kv_head, int* he
     *n_valid = left < ROWS ? left : ROWS;
 }
 
+#endif
 }  // namespace pa_tc
 
-// Resident CTAs per SM the register allocation is held to (d=64: 4, d=128 and 192: 3, d=256: 2), so that a
-// few registers more or less do not move the kernel off the occupancy the partition rule expects.
-#if defined(HAL_MMA_SYNC)
+// Resident CTAs per SM the register allocation is held to (decode: d=64: 4, d=128 and 192: 3, d=256: 2; the
+// HAL_VARLEN build, whose masks hold a few more registers, one fewer down to 2), so that a few registers more or
+// less do not move the kernel off the occupancy the partition rule expects.
+#if defined(HAL_MMA_SYNC) && HAL_VARLEN
+#define PA_TC_LAUNCH_BOUNDS __launch_bounds__(128, HAL_HEAD_SIZE == 64 ? 3 : 2)
+#elif defined(HAL_MMA_SYNC)
 #define PA_TC_LAUNCH_BOUNDS __launch_bounds__(128, HAL_HEAD_SIZE == 64 ? 4 : HAL_HEAD_SIZE == 256 ? 2 : 3)
 #else
 #define PA_TC_LAUNCH_BOUNDS HAL_LAUNCH_BOUNDS(128)
 #endif
 
 namespace pa_tc {
+#if HAL_VARLEN
+// The index checks of the top: 0, or the code of the argument whose values this CTA must not read (reported
+// once).  Cooperative (hal_query_starts_ok, hal_block_table_ok).  Kept out of line on the device so that none
+// of its values stays live in the registers the main loop needs.
+#if defined(HAL_HOST)
+HAL_DEVICE
+#else
+__device__ __noinline__
+#endif
+int check_indices(const int* HAL_RESTRICT query_start_loc, int num_tokens, bool rows_bad, bool bad_len,
+                  const int* HAL_RESTRICT table, int t0, int t1, int block_size, int num_blocks,
+                  int* HAL_RESTRICT error_flag) {
+    int code = 0;
+    if (query_start_loc != 0 && (!hal_query_starts_ok(query_start_loc, (int)gridDim.y, num_tokens, NT) || rows_bad))
+        code = HAL_ERR_QUERY_START_LOC;
+    if (bad_len)
+        code |= HAL_ERR_SEQ_LENS;
+    else if (code == 0 && t1 > t0 &&
+             !hal_block_table_ok(table, t0 / block_size, (t1 - 1) / block_size + 1, num_blocks, NT))
+        code = HAL_ERR_BLOCK_TABLES;
+    if (code != 0 && threadIdx.x == 0) hal_report_index_error(error_flag, code);
+    return code;
+}
+#else  // decode
 // The index checks of the top: 0, or the code of the argument whose values this CTA must not read (reported
 // once).  Cooperative (hal_block_table_ok).  Kept out of line on the device so that none of its values stays
 // live in the registers the main loop needs.
@@ -401,16 +641,97 @@ int check_indices(const int* HAL_RESTRICT table, bool bad_len, int t0, int t1, i
     if (code != 0 && threadIdx.x == 0) hal_report_index_error(error_flag, code);
     return code;
 }
+#endif
 }  // namespace pa_tc
 
 HAL_GLOBAL void PA_TC_LAUNCH_BOUNDS
+#if HAL_VARLEN
 hal_paged_attention_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT tmp_out, float* HAL_RESTRICT max_logits,
-                       float* HAL_RESTRICT exp_sums, const hal_t* HAL_RESTRICT query,
-                       const hal_t* HAL_RESTRICT key_cache, const hal_t* HAL_RESTRICT value_cache,
-                       const int* HAL_RESTRICT block_tables, const int* HAL_RESTRICT seq_lens, float scale,
-                       int num_heads, int num_kv_heads, int block_size, int max_blocks_per_seq,
-                       int partition_size, int max_partitions, int num_blocks, int max_seq_len,
-                       int* HAL_RESTRICT error_flag) {
+                       float* HAL_RESTRICT exp_sums, HAL_PA_PARAMS, int partition_size, int max_partitions,
+                       int num_blocks, int max_seq_len, int* HAL_RESTRICT error_flag) {
+    using namespace pa_tc;
+    __shared__ Shared sm;
+    const pa_rows::Args a = HAL_PA_ARGS;
+    const pa_rows::Tile tl = pa_rows::make_tile<ROWS>(a);
+    const int group = num_heads / num_kv_heads;
+    const int s = tl.s, part = blockIdx.z;
+    // Index checks: bad query_start_loc entries, a bad length or block-table entry is never read (see the top).
+    const int capacity = max_blocks_per_seq * block_size;
+    const int limit = max_seq_len < capacity ? max_seq_len : capacity;
+    const bool bad_len = tl.seq_len < 0 || tl.seq_len > limit;
+    const int seq_len = bad_len ? 0 : tl.seq_len;  // in [0, limit] from here on
+    const int p0 = part * partition_size;
+    // One partition covers the whole sequence; the CTA loads the keys of [t0, t1) (its rows' union in it).
+    const int p1 = max_partitions == 1 || seq_len - p0 < partition_size ? seq_len : p0 + partition_size;
+    const int t0 = p0 > tl.lo ? p0 : tl.lo;
+    int t1 = p1 < tl.hi ? p1 : tl.hi;
+    t1 = t1 > t0 ? t1 : t0;
+    const int* table = block_tables + (hal_i64)s * max_blocks_per_seq;
+    const bool rows_bad = !tl.rows_known || tl.q_len > tl.seq_len;
+    const int code = pa_tc::check_indices(query_start_loc, num_tokens, rows_bad, bad_len, table, t0, t1,
+                                          block_size, num_blocks, error_flag);
+
+    if (max_partitions == 1 && (t0 >= t1 || code != 0)) {  // an empty or unreadable sequence gives zeros
+        for (int e = threadIdx.x; e < tl.n_rows * HS; e += NT)
+            out[pa_rows::row_index(a, tl, group, tl.r0 + e / HS) * HS + e % HS] = hal_from_float(0.f);
+        return;
+    }
+    if (code != 0) {  // split: mark the partition for the reduce step
+        for (int row = threadIdx.x; row < tl.n_rows; row += NT) {
+            const hal_i64 sp = pa_rows::row_index(a, tl, group, tl.r0 + row) * max_partitions + part;
+            max_logits[sp] = 0.f;
+            exp_sums[sp] = -1.f;
+        }
+        return;
+    }
+    if (tl.n_rows == 0 || p0 >= seq_len) return;
+    if (t0 >= t1) {  // split: none of the rows sees a key of this partition
+        for (int e = threadIdx.x; e < tl.n_rows * HS; e += NT) {
+            const hal_i64 sp = pa_rows::row_index(a, tl, group, tl.r0 + e / HS) * max_partitions + part;
+            tmp_out[sp * HS + e % HS] = 0.f;
+            if (e % HS == 0) {
+                max_logits[sp] = HAL_NEG_INF;
+                exp_sums[sp] = 0.f;
+            }
+        }
+        return;
+    }
+
+    attend(sm, a, tl, table, t0, t1);
+
+    for (int e = threadIdx.x; e < tl.n_rows * HS; e += NT) {
+        const int row = e / HS, d = e % HS;
+        float o = 0.f;
+#pragma unroll
+        for (int q = 0; q < TG; ++q) o += sm.fac[q][row] * sm.u.o[q][row][d];
+        const hal_i64 sh = pa_rows::row_index(a, tl, group, tl.r0 + row);
+        if (max_partitions == 1) {
+            float l = sm.row_l[row];  // l == 0: all logits -inf, NaN
+            if (sinks != 0) {  // the sink joins the max and the denominator (base 2)
+                const float m = sm.row_m[row], sink = sinks[sh % num_heads] * LOG2E;
+                const float top = fmaxf(m, sink);
+                const float f = m == HAL_NEG_INF ? 0.f : exp2_fast(m - top);
+                o *= f;
+                l = l * f + exp2_fast(sink - top);
+            }
+            out[sh * HS + d] = hal_from_float(o / l);
+        } else {
+            const hal_i64 sp = sh * max_partitions + part;
+            tmp_out[sp * HS + d] = o;
+            if (d == 0) {
+                max_logits[sp] = sm.row_m[row] * LN2;  // natural-log units, as the reduce step reads
+                exp_sums[sp] = sm.row_l[row];
+            }
+        }
+    }
+}
+
+#else  // decode
+hal_paged_attention_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT tmp_out, float* HAL_RESTRICT max_logits,
+                       float* HAL_RESTRICT exp_sums, HAL_PA_PARAMS, int partition_size, int max_partitions,
+                       int num_blocks, int max_seq_len, int* HAL_RESTRICT error_flag) {
+    // The decode build: one new token per sequence (query_start_loc null), C-contiguous caches, no window,
+    // softcap, sinks or ALiBi (the host passes those to the HAL_VARLEN build); those parameters are unused.
     using namespace pa_tc;
     __shared__ Shared sm;
     const int s = blockIdx.y, part = blockIdx.z;
@@ -464,3 +785,5 @@ hal_paged_attention_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT tmp_out, flo
         }
     }
 }
+
+#endif

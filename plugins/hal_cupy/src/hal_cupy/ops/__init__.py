@@ -14,6 +14,7 @@ from hal_core.ops import OpCoverage, OpRegistry
 from .._specialization import Specialization
 from . import _paged_attention, _quantized_gemm, _write_kv_cache
 from ._common import GpuOp
+from ._paged_attention_rules import PA_BLOCK_SIZES, PA_HEAD_SIZES
 
 __all__ = ["OPS", "all_specializations", "register_ops"]
 
@@ -24,12 +25,14 @@ OPS: tuple[GpuOp, ...] = (_paged_attention.OP, _write_kv_cache.OP, _quantized_ge
 def register_ops(registry: OpRegistry, backend: str) -> None:
     """Register every implementation for ``backend`` (named ``<backend>.<op>``, priority 100).
 
-    Attention is declared for decode over C-contiguous caches (no ``variants``): prefill, sliding
-    windows, softcap, sinks, ALiBi and strided cache views run on the CPU path.
+    Attention is declared for its kernels' head sizes and block sizes with every variant (prefill and mixed
+    batches, sliding window, softcap, sinks, ALiBi, strided cache views).
     """
     for op in OPS:
         registry.register(op.impl(backend))
-    registry.declare("paged_attention", OpCoverage(variants=()))
+    registry.declare("paged_attention", OpCoverage(
+        head_sizes=PA_HEAD_SIZES, block_sizes=PA_BLOCK_SIZES,
+        variants=("prefill", "window", "softcap", "sinks", "alibi", "strided_cache")))
 
 
 def all_specializations(warp_size: int = 32) -> list[Specialization]:

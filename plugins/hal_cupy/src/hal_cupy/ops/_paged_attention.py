@@ -1,17 +1,29 @@
 """``paged_attention`` on a GPU: tensor-core or SIMT kernels, single-pass or split-KV, chosen by
 :mod:`~hal_cupy.ops._paged_attention_rules`.
 
+Every call the op's contract allows runs here (decode, prefill, chunked prefill and mixed batches; sliding
+window, softcap, sinks, ALiBi; strided cache views whose strides keep 16-byte rows), except head sizes outside
+``PA_HEAD_SIZES``, block sizes outside ``PA_BLOCK_SIZES`` and arrays the kernels cannot address (see
+:func:`check`).
+
 Selection, per call:
 
 - Tensor cores (the platform's warp matrix instructions at level ``PA_TC_MIN_SM``, see
-  :meth:`hal_cupy.GpuPlatform.warp_mma_level`; fp16/bf16 caches; at least ``PA_TC_MIN_GROUP`` query heads per
-  KV head; a head size of ``PA_TC_HEAD_SIZES``; ``HAL_<BACKEND>_TENSOR_CORES`` not 0): ``paged_attention_tc.cu``.
+  :meth:`hal_cupy.GpuPlatform.warp_mma_level`; fp16/bf16 caches; prefill rows, or at least ``PA_TC_MIN_GROUP``
+  query heads per KV head; a head size of ``PA_TC_HEAD_SIZES``; ``HAL_<BACKEND>_TENSOR_CORES`` not 0):
+  ``paged_attention_tc.cu``.
   Its partitions come from compute units x the kernel's occupancy (the device's shared memory, threads and
   registers per compute unit against the compiled kernel's, bounded by the runtime's occupancy calculator) and
   the sequence-length bound (below); a split is merged by ``hal_paged_attention_reduce`` of
   ``paged_attention.cu``, in column slices that give every compute unit a CTA.
-- Otherwise (fp32, small groups, other head sizes, devices without those instructions): the SIMT kernels of
-  ``paged_attention.cu``, single-pass or split-KV by :func:`choose_paged_attention_variant`.
+  With prefill rows the group size does not matter (new tokens fill the 16 rows of a CTA); every variant runs
+  there, strided caches too when both caches have the same strides (else the SIMT kernels).
+- Otherwise (fp32, small decode groups, other head sizes, caches of different strides, devices without those
+  instructions): the SIMT kernels of ``paged_attention.cu``, single-pass or split-KV by
+  :func:`choose_paged_attention_variant`.
+  A call with prefill rows passes ``query_start_loc`` and tiles of ``PA_PREFILL_ROWS`` (new token, query head)
+  rows per CTA; its output is allocated zeroed (rows of a sequence whose ``query_start_loc`` entries are bad stay
+  zeros). A decode call (``is_prefill`` false) does not read ``query_start_loc``.
 
 Nothing is read from the device and nothing synchronises (the call is CUDA-graph capturable): partitions and
 workspaces are sized from :func:`seq_len_bound` -- the caller's ``max_seq_len``, else the block table's
@@ -28,9 +40,10 @@ import numpy as np
 
 from hal_core.arrays import dtype_name, is_c_contiguous
 from hal_core.ops import OpCall
+from hal_core.ops.paged_attention import is_prefill
 from hal_core.ops.paged_attention import variants as _variants
 
-from .._arrays import KERNEL_DTYPES, as_storage, empty_like_dtype
+from .._arrays import KERNEL_DTYPES, as_storage, empty_like_dtype, zeros_like_dtype
 from .._cupy import cupy
 from .._index_errors import error_flag
 from ._common import GpuOp, kernels_for, launch, misaligned, storage_device, tensor_cores_available
@@ -42,6 +55,7 @@ from ._paged_attention_rules import (
     choose_paged_attention_variant,
     paged_attention_launches,
     paged_attention_partitions,
+    paged_attention_rows,
     paged_attention_spec,
     paged_attention_tc_ctas_per_cu,
     paged_attention_tc_launches,
@@ -51,13 +65,37 @@ from ._paged_attention_rules import (
     specializations,
 )
 
-__all__ = ["OP", "check", "run", "seq_len_bound", "split_workspace_bytes", "uses_tensor_cores"]
+__all__ = ["OP", "cache_strides", "check", "query_len_bound", "run", "seq_len_bound", "split_workspace_bytes",
+           "uses_tensor_cores"]
 
 
-def split_workspace_bytes(num_seqs: int, num_heads: int, head_size: int, max_seq_len: int) -> int:
-    """fp32 bytes of ``tmp_out``, ``max_logits`` and ``exp_sums`` for the split-KV variant."""
+def split_workspace_bytes(num_tokens: int, num_heads: int, head_size: int, max_seq_len: int) -> int:
+    """fp32 bytes of ``tmp_out``, ``max_logits`` and ``exp_sums`` for the split-KV variant (``num_tokens`` query
+    rows: ``num_seqs`` for decode)."""
     parts = paged_attention_partitions(max_seq_len, PA_PARTITION_SIZE)
-    return 4 * num_seqs * num_heads * parts * (head_size + 2)
+    return 4 * num_tokens * num_heads * parts * (head_size + 2)
+
+
+def query_len_bound(call: OpCall) -> int:
+    """The most new tokens of one sequence the launches are sized for, known on the host: 1 for decode (no
+    prefill rows), else ``min(max_query_len, num_tokens)`` (``num_tokens`` without the hint). The kernels treat
+    a longer sequence as an index error (``query_start_loc`` in the error flag)."""
+    if not is_prefill(call.args):
+        return 1
+    num_tokens = int(call["query"].shape[0])
+    bound = call.args.get("max_query_len")
+    return max(1, num_tokens if bound is None else min(int(bound), num_tokens))
+
+
+def cache_strides(cache: Any) -> tuple[int, int, int] | None:
+    """Element strides (block, KV head, token) of a ``[num_blocks, num_kv_heads, block_size, head_size]`` cache,
+    or None when the kernels cannot address it: a last dimension that is not contiguous, a negative stride, or a
+    row that does not start on a 16-byte boundary (a byte stride that is not a multiple of 16)."""
+    item = cache.dtype.itemsize
+    strides = tuple(int(x) for x in cache.strides)
+    if strides[3] != item or any(x < 0 or x % 16 for x in strides[:3]):
+        return None
+    return strides[0] // item, strides[1] // item, strides[2] // item
 
 
 def seq_len_bound(call: OpCall) -> int:
@@ -73,28 +111,33 @@ def seq_len_bound(call: OpCall) -> int:
 
 
 def uses_tensor_cores(backend: Any, device_index: int, hal_dtype: str, num_heads: int, num_kv_heads: int,
-                      head_size: int) -> bool:
-    """True when ``paged_attention_tc.cu`` serves this call (see the module docs)."""
+                      head_size: int, prefill: bool = False) -> bool:
+    """True when ``paged_attention_tc.cu`` may serve this call (see the module docs; the caller also needs the
+    value cache's strides to equal the key cache's)."""
     if not tensor_cores_available(backend, device_index, PA_TC_MIN_SM):
         return False
     level = backend.platform.warp_mma_level(backend.device(device_index).capabilities)
     dtype = {"fp16": "float16", "bf16": "bfloat16"}.get(hal_dtype, hal_dtype)
-    return paged_attention_uses_tensor_cores(level, dtype, num_heads // num_kv_heads, head_size)
+    return paged_attention_uses_tensor_cores(level, dtype, num_heads // num_kv_heads, head_size, prefill)
 
 
-def _run_tensor_cores(call: OpCall, device_index: int, storage: tuple[Any, ...], out: Any, kdtype: str,
-                      checks: tuple[Any, ...]) -> None:
+def _run_tensor_cores(call: OpCall, device_index: int, out: Any, kdtype: str, params: tuple[Any, ...],
+                      rows: tuple[int, int], checks: tuple[Any, ...]) -> None:
     """The tensor-core kernel (and the reduce step when split); partitions sized without reading the device.
 
-    ``checks`` are the kernels' index-check parameters: ``(num_blocks, seq_len_bound, error_flag)``.
+    ``params`` are the kernels' shared parameters (README: ``P``), ``rows`` ``(num_tokens, max_query_len)`` and
+    ``checks`` the index-check parameters ``(num_blocks, seq_len_bound, error_flag)``.
     """
     cp = cupy()
-    q, kc, vc, bt, sl = storage
-    num_seqs, num_heads, head_size = q.shape
-    num_kv_heads, block_size = kc.shape[1], kc.shape[2]
+    q, sl, qsl, sinks = params[0], params[4], params[5], params[6]
+    num_tokens, max_query_len = rows
+    num_seqs = sl.shape[0]
+    num_heads, head_size = q.shape[1], q.shape[2]
+    num_kv_heads = params[1].shape[1]
     device = call.backend.device(device_index)
     caps = device.capabilities
-    kernels = kernels_for(call, device_index, paged_attention_tc_spec(kdtype, head_size))
+    varlen = params[5] is not None or bool(_variants(call.args))  # prefill rows, a variant or strided caches
+    kernels = kernels_for(call, device_index, paged_attention_tc_spec(kdtype, head_size, varlen))
     registers = int(getattr(kernels["hal_paged_attention_tc"], "attributes", {}).get("num_regs", 0))
     occupancy = paged_attention_tc_ctas_per_cu(head_size, caps.shared_mem_per_cu, caps.max_threads_per_cu,
                                                registers_per_thread=registers,
@@ -104,39 +147,50 @@ def _run_tensor_cores(call: OpCall, device_index: int, storage: tuple[Any, ...],
         occupancy = max(1, min(occupancy, int(measured(kernels["hal_paged_attention_tc"], 128))))
     # The bound covers every valid length (the kernels flag others); partitions past a sequence's end exit at once.
     size, parts = paged_attention_tc_partitions(num_seqs, num_heads, num_kv_heads, int(checks[1]),
-                                                head_size, caps.compute_units, occupancy)
-    plans = paged_attention_tc_launches(num_seqs, num_heads, num_kv_heads, parts, head_size, caps.compute_units)
-    common = (q, kc, vc, bt, sl, np.float32(call["scale"]), np.int32(num_heads), np.int32(num_kv_heads),
-              np.int32(block_size), np.int32(bt.shape[1]), np.int32(size), np.int32(parts))
+                                                head_size, caps.compute_units, occupancy,
+                                                max_query_len=max_query_len, num_tokens=num_tokens)
+    plans = paged_attention_tc_launches(num_seqs, num_heads, num_kv_heads, parts, head_size, caps.compute_units,
+                                        max_query_len=max_query_len, num_tokens=num_tokens)
+    tail = (np.int32(size), np.int32(parts), *checks)
     if parts == 1:
-        launch(call, device_index, kernels, plans[0], (out, None, None, None, *common, *checks))
+        launch(call, device_index, kernels, plans[0], (out, None, None, None, *params, *tail))
         return
-    tmp_out = cp.empty((num_seqs, num_heads, parts, head_size), dtype=np.float32)
-    max_logits = cp.empty((num_seqs, num_heads, parts), dtype=np.float32)
-    exp_sums = cp.empty((num_seqs, num_heads, parts), dtype=np.float32)
-    launch(call, device_index, kernels, plans[0], (None, tmp_out, max_logits, exp_sums, *common, *checks))
+    tmp_out = cp.empty((num_tokens, num_heads, parts, head_size), dtype=np.float32)
+    max_logits = cp.empty((num_tokens, num_heads, parts), dtype=np.float32)
+    exp_sums = cp.empty((num_tokens, num_heads, parts), dtype=np.float32)
+    launch(call, device_index, kernels, plans[0], (None, tmp_out, max_logits, exp_sums, *params, *tail))
     reduce = kernels_for(call, device_index,
                          paged_attention_spec(kdtype, head_size, num_heads // num_kv_heads, caps.simd_width))
     launch(call, device_index, reduce, plans[1],
-           (out, tmp_out, max_logits, exp_sums, sl, np.int32(num_heads), np.int32(size), np.int32(parts)))
+           (out, tmp_out, max_logits, exp_sums, sl, qsl, sinks, np.int32(num_heads), np.int32(num_seqs),
+            np.int32(max_query_len), np.int32(size), np.int32(parts)))
 
 
 def check(call: OpCall) -> str:
     q, kc = call["query"], call["key_cache"]
-    variants = sorted(_variants(call.args))
-    if variants:
-        return f"the GPU kernels run decode over C-contiguous caches only, not {', '.join(variants)}"
     if not is_c_contiguous(q):
         return "the kernels read a C-contiguous query"
-    num_seqs, _, head_size = q.shape
+    head_size = q.shape[2]
+    num_seqs = call["seq_lens"].shape[0]
     block_size = kc.shape[2]
     if head_size not in PA_HEAD_SIZES:
         return f"head_size {head_size} has no GPU kernel (built for {', '.join(map(str, PA_HEAD_SIZES))})"
     if block_size not in PA_BLOCK_SIZES:
         return f"block_size {block_size} is not one the GPU kernels are tested with ({PA_BLOCK_SIZES})"
+    for name in ("key_cache", "value_cache"):  # host arrays are copied into fresh contiguous ones
+        if not call.host_arrays and cache_strides(as_storage(call[name])) is None:
+            return f"argument {name!r}: the kernels need non-negative strides that keep every row on 16 bytes"
+    for name in ("sinks", "alibi_slopes"):
+        value = call.args.get(name)
+        if value is not None and not is_c_contiguous(value):
+            return f"argument {name!r}: the kernels read a contiguous array"
     caps = call.capabilities
     if num_seqs > caps.max_grid_dims[1]:
         return f"num_seqs {num_seqs} exceeds the grid's y limit {caps.max_grid_dims[1]} on {caps.name}"
+    group = q.shape[1] // kc.shape[1]
+    tiles = -(-query_len_bound(call) * group // paged_attention_rows(group, query_len_bound(call)))
+    if kc.shape[1] * tiles > caps.max_grid_dims[0]:
+        return f"max_query_len x group needs more CTAs than the grid's x limit {caps.max_grid_dims[0]}"
     if paged_attention_partitions(seq_len_bound(call)) > caps.max_grid_dims[2]:
         return "the sequence-length bound (max_seq_len, else the block table's capacity) needs more split-KV " \
                "partitions than the grid's z limit"
@@ -149,39 +203,57 @@ def run(call: OpCall) -> Any:
     device_index = storage_device(query)
     q, kc, vc, bt, sl = (as_storage(call[n]) for n in ("query", "key_cache", "value_cache",
                                                          "block_tables", "seq_lens"))
-    num_seqs, num_heads, head_size = q.shape
+    num_tokens, num_heads, head_size = q.shape
+    num_seqs = sl.shape[0]
     num_kv_heads, block_size = kc.shape[1], kc.shape[2]
+    group = num_heads // num_kv_heads
     max_blocks = bt.shape[1]
     hal_dtype = dtype_name(query)
     caps = call.backend.device(device_index).capabilities
-    spec = paged_attention_spec(KERNEL_DTYPES[hal_dtype], head_size, num_heads // num_kv_heads, caps.simd_width)
     max_seq_len = seq_len_bound(call)
+    prefill = is_prefill(call.args)
+    max_query_len = query_len_bound(call)
     with cp.cuda.Device(device_index):
         checks = (np.int32(kc.shape[0]), np.int32(max_seq_len), error_flag(device_index))
-        out = empty_like_dtype(tuple(q.shape), hal_dtype)
-        if uses_tensor_cores(call.backend, device_index, hal_dtype, num_heads, num_kv_heads, head_size):
-            _run_tensor_cores(call, device_index, (q, kc, vc, bt, sl), as_storage(out), KERNEL_DTYPES[hal_dtype],
-                              checks)
+        # Rows of a sequence whose query_start_loc entries cannot place them are written by no CTA: zeros.
+        out = (zeros_like_dtype if prefill else empty_like_dtype)(tuple(q.shape), hal_dtype)
+        qsl = as_storage(call["query_start_loc"]) if prefill else None
+        sinks, slopes = (None if call.args.get(n) is None else as_storage(call[n]) for n in ("sinks", "alibi_slopes"))
+        k_strides, v_strides = cache_strides(kc), cache_strides(vc)
+        assert k_strides is not None and v_strides is not None  # check() refused the others
+        softcap = call.args.get("softcap")
+        shared = (q, kc, vc, bt, sl, qsl, sinks, slopes, np.float32(call["scale"]),
+                  np.float32(0.0 if softcap is None else softcap), np.int32(num_heads), np.int32(num_kv_heads),
+                  np.int32(block_size), np.int32(max_blocks), np.int32(call.args.get("window") or 0),
+                  np.int32(num_tokens), np.int32(max_query_len), *(np.int64(x) for x in k_strides),
+                  *(np.int64(x) for x in v_strides))
+        if k_strides == v_strides and uses_tensor_cores(call.backend, device_index, hal_dtype, num_heads,
+                                                        num_kv_heads, head_size, prefill):
+            _run_tensor_cores(call, device_index, as_storage(out), KERNEL_DTYPES[hal_dtype], shared,
+                              (num_tokens, max_query_len), checks)
             return out
-        kernels = kernels_for(call, device_index, spec)
+        rows = paged_attention_rows(group, max_query_len)
+        kernels = kernels_for(call, device_index,
+                              paged_attention_spec(KERNEL_DTYPES[hal_dtype], head_size, rows, caps.simd_width))
         variant = choose_paged_attention_variant(num_seqs, num_kv_heads, max_seq_len, caps.compute_units,
-                                                 num_heads=num_heads, partition_size=PA_PARTITION_SIZE)
+                                                 num_heads=num_heads, partition_size=PA_PARTITION_SIZE,
+                                                 max_query_len=max_query_len, num_tokens=num_tokens,
+                                                 head_size=head_size)
         plans = paged_attention_launches(variant, num_seqs, num_heads, num_kv_heads, max_seq_len,
-                                         partition_size=PA_PARTITION_SIZE)
-        shared = (q, kc, vc, bt, sl, np.float32(call["scale"]), np.int32(num_heads), np.int32(num_kv_heads),
-                  np.int32(block_size), np.int32(max_blocks))
+                                         partition_size=PA_PARTITION_SIZE, max_query_len=max_query_len,
+                                         num_tokens=num_tokens)
         if variant == "single":
             launch(call, device_index, kernels, plans[0], (as_storage(out), *shared, *checks))
             return out
         parts = paged_attention_partitions(max_seq_len, PA_PARTITION_SIZE)
-        tmp_out = cp.empty((num_seqs, num_heads, parts, head_size), dtype=np.float32)
-        max_logits = cp.empty((num_seqs, num_heads, parts), dtype=np.float32)
-        exp_sums = cp.empty((num_seqs, num_heads, parts), dtype=np.float32)
+        tmp_out = cp.empty((num_tokens, num_heads, parts, head_size), dtype=np.float32)
+        max_logits = cp.empty((num_tokens, num_heads, parts), dtype=np.float32)
+        exp_sums = cp.empty((num_tokens, num_heads, parts), dtype=np.float32)
         launch(call, device_index, kernels, plans[0],
                (tmp_out, max_logits, exp_sums, *shared, np.int32(PA_PARTITION_SIZE), np.int32(parts), *checks))
         launch(call, device_index, kernels, plans[1],
-               (as_storage(out), tmp_out, max_logits, exp_sums, sl, np.int32(num_heads),
-                np.int32(PA_PARTITION_SIZE), np.int32(parts)))
+               (as_storage(out), tmp_out, max_logits, exp_sums, sl, qsl, sinks, np.int32(num_heads),
+                np.int32(num_seqs), np.int32(max_query_len), np.int32(PA_PARTITION_SIZE), np.int32(parts)))
     return out
 
 
