@@ -129,15 +129,21 @@ def _plan(case: VarlenCase, args: dict[str, Any]) -> tuple[str, list[Any], int, 
     return variant, launches, max_query_len, max_len
 
 
+def _kernel_args(case: VarlenCase, args: dict[str, Any], qsl: np.ndarray | None, max_query_len: int) -> tuple[Any, ...]:
+    """The attention kernels' arguments after ``out`` (and the tensor-core split's workspaces), in their order."""
+    q, kc, vc, bt, sl = (args[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens"))
+    return (q, kc, vc, bt, sl, qsl, args.get("sinks"), args.get("alibi_slopes"), args["scale"],
+            args.get("softcap") or 0.0, case.num_heads, case.num_kv_heads, case.block_size, bt.shape[1],
+            args.get("window") or 0, q.shape[0], max_query_len, *_strides(kc), *_strides(vc))
+
+
 def run_varlen(module: HostModule, case: VarlenCase, args: dict[str, Any], launches: list[Any],
                max_query_len: int, max_seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     """Run the single or split+reduce launches as the op does; the output (NaN where no CTA wrote) and the flag."""
-    q, kc, vc, bt, sl = (args[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens"))
+    q, kc, sl = args["query"], args["key_cache"], args["seq_lens"]
     qsl = args.get("query_start_loc") if case.query_lens is not None else None
     num_tokens, num_seqs = q.shape[0], sl.shape[0]
-    common = (q, kc, vc, bt, sl, qsl, args.get("sinks"), args.get("alibi_slopes"), args["scale"],
-              args.get("softcap") or 0.0, case.num_heads, case.num_kv_heads, case.block_size, bt.shape[1],
-              args.get("window") or 0, num_tokens, max_query_len, *_strides(kc), *_strides(vc))
+    common = _kernel_args(case, args, qsl, max_query_len)
     flag = np.zeros(1, np.int32)
     checks = (kc.shape[0], max_seq_len, flag)
     out = np.full(q.shape, np.nan, q.dtype)
@@ -281,7 +287,7 @@ def run_tc(builder: HostKernelBuilder, rng: np.random.Generator, case: VarlenCas
     tc = builder.build(spec.source, dict(spec.defines))
     tc.seed(int(rng.integers(1, 2**63)))
     assert tc.static_shared_bytes() == pa_rules.paged_attention_tc_shared_bytes(case.head_size, varlen)
-    q, kc, vc, bt, sl = (args[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens"))
+    q, kc, sl = args["query"], args["key_cache"], args["seq_lens"]
     qsl = args.get("query_start_loc") if case.query_lens is not None else None
     num_tokens, num_seqs = q.shape[0], sl.shape[0]
     if partition is None or partition == 0:
@@ -294,9 +300,7 @@ def run_tc(builder: HostKernelBuilder, rng: np.random.Generator, case: VarlenCas
     launches = pa_rules.paged_attention_tc_launches(num_seqs, case.num_heads, case.num_kv_heads, parts,
                                                     case.head_size, MANY_CUS, max_query_len=max_query_len,
                                                     num_tokens=num_tokens)
-    common = (q, kc, vc, bt, sl, qsl, args.get("sinks"), args.get("alibi_slopes"), args["scale"],
-              args.get("softcap") or 0.0, case.num_heads, case.num_kv_heads, case.block_size, bt.shape[1],
-              args.get("window") or 0, num_tokens, max_query_len, *_strides(kc), *_strides(vc))
+    common = _kernel_args(case, args, qsl, max_query_len)
     flag = np.zeros(1, np.int32)
     checks = (kc.shape[0], max_seq_len, flag)
     out = np.full(q.shape, np.nan, q.dtype)
