@@ -15,7 +15,7 @@
 //   tiles with the query rows in the vector lanes, so the online softmax is lane-wise (no
 //   horizontal reduction) and P^T is already the layout P @ V broadcasts from; tiles the causal
 //   mask or the window hide entirely are never visited. bf16 and fp16 run both products on AMX
-//   tiles where the CPU and the OS allow it (amx_tile.inl).
+//   tiles where the CPU and the OS allow it (attention_amx.inl).
 // ---------------------------------------------------------------------------------------------
 
 //: Decode: tokens scored per step (a block, or a slice of a long block); a multiple of every W.

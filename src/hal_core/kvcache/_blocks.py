@@ -14,7 +14,7 @@ No arrays live here, so the rules can be tested on their own:
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -185,10 +185,6 @@ class BlockTable:
             self._refs[block] -= 1
             if self._refs[block] == 0:
                 self._free.append(block)
-
-    def free_many(self, seq_ids: Iterable[Hashable]) -> None:
-        for seq_id in list(seq_ids):
-            self.free(seq_id)
 
     # -- checks -----------------------------------------------------------
 

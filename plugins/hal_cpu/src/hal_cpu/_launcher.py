@@ -32,10 +32,10 @@ import numpy as np
 
 from hal_core import CompiledKernel, KernelCompileError, KernelLauncher, KernelSource, LaunchConfig
 
-if TYPE_CHECKING:
-    from hal_core import DeviceCapabilities
+from ._stream import CpuStream
 
-    from ._device import CpuDevice
+if TYPE_CHECKING:
+    from hal_core import DeviceCapabilities, DeviceHandle
 
 __all__ = ["BlockContext", "CpuKernel", "CpuLauncher"]
 
@@ -118,7 +118,7 @@ class CpuLauncher(KernelLauncher):
 
     source_suffix = ".py"
 
-    def __init__(self, device: CpuDevice) -> None:
+    def __init__(self, device: DeviceHandle) -> None:
         self._device = device
         self._lock = threading.Lock()
         self._cache: dict[tuple[str, str], types.ModuleType] = {}
@@ -156,6 +156,8 @@ class CpuLauncher(KernelLauncher):
         if not isinstance(kernel, CpuKernel):
             raise TypeError(f"expected a CpuKernel from CpuLauncher.load, got {type(kernel).__name__}")
         target = stream if stream is not None else self._device.current_stream()
+        if not isinstance(target, CpuStream):
+            raise TypeError(f"expected a CpuStream to launch on, got {type(target).__name__}")
         arguments = tuple(args)
         target.submit(lambda: self._run_grid(kernel, config, arguments))
 

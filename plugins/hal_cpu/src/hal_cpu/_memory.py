@@ -165,11 +165,6 @@ class CpuAllocator(Allocator):
         with self._lock:
             self._limit = None if nbytes is None else int(nbytes)
 
-    def reset_peak(self) -> None:
-        """Set ``peak`` to the bytes in use now."""
-        with self._lock:
-            self._peak = self._in_use
-
     # -- internals (called with the lock held, except _release) ------------
 
     def _take_cached(self, size: int) -> np.ndarray | None:

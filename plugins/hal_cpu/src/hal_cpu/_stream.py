@@ -19,14 +19,24 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from hal_core import Event, Stream
 
-if TYPE_CHECKING:
-    from ._device import CpuDevice
+__all__ = ["CpuEvent", "CpuStream", "StreamOwner"]
 
-__all__ = ["CpuEvent", "CpuStream"]
+
+class StreamOwner(Protocol):
+    """What a stream needs of its device (``CpuDevice``): the per-thread stack of current streams.
+
+    A protocol, so that this module does not import the device module that imports it.
+    """
+
+    def current_stream(self) -> Stream: ...
+
+    def _push_stream(self, stream: CpuStream) -> None: ...
+
+    def _pop_stream(self, stream: CpuStream) -> None: ...
 
 
 class _WorkQueue:
@@ -92,13 +102,13 @@ class _WorkQueue:
 class CpuStream(Stream):
     """An ordered queue of host work run by its own worker thread."""
 
-    def __init__(self, device: CpuDevice) -> None:
+    def __init__(self, device: StreamOwner) -> None:
         self._device = device
         self._work = _WorkQueue()
         weakref.finalize(self, self._work.close)
 
     @property
-    def device(self) -> CpuDevice:
+    def device(self) -> StreamOwner:
         return self._device
 
     def submit(self, work: Callable[[], object]) -> None:
@@ -144,7 +154,7 @@ class CpuStream(Stream):
 class CpuEvent(Event):
     """A marker on a :class:`CpuStream`; an event never recorded counts as complete."""
 
-    def __init__(self, device: CpuDevice | None = None, *, timing: bool = True) -> None:
+    def __init__(self, device: StreamOwner | None = None, *, timing: bool = True) -> None:
         self._device = device
         self._timing = timing
         self._lock = threading.Lock()

@@ -57,10 +57,6 @@ class CupyBackend(Backend):
     def devices(self) -> Sequence[CupyDevice]:
         return list(self._devices)
 
-    def current_device(self) -> CupyDevice:
-        """The device CuPy treats as current in this thread."""
-        return self._devices[int(cupy().cuda.runtime.getDevice())]
-
     def register_ops(self, registry: OpRegistry) -> None:
         from .ops import register_ops
 
