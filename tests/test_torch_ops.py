@@ -182,11 +182,13 @@ def test_weight_round_trip_is_a_view() -> None:
         hal_torch.weight_from_tensors(tensors, bits=3)
 
 
-def test_quantized_gemm_shape_mismatch_is_named_in_eager_and_in_a_trace() -> None:
+@pytest.mark.parametrize("shape", [(2, 32), (0, 65), (0, 32)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_quantized_gemm_shape_mismatch_is_named_in_eager_and_in_a_trace(shape: tuple) -> None:
+    """x's K differs from the weight's (with rows or none): ArgumentError naming 'x', eager and traced."""
     args = quantized_gemm_inputs(np.random.default_rng(5), m=2, k=64, n=16, bits=4, group_size=32,
                                  symmetric=True, dtype="fp32")
     weight = hal_torch.weight_to_tensors(args["qweight"])
-    x = torch.ones(2, 32)
+    x = torch.ones(shape)
     with pytest.raises(hal_core.ArgumentError, match="'x'"):
         hal_torch.quantized_gemm(x, weight, 4)
     with pytest.raises(Exception, match="argument 'x'"):

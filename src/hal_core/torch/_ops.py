@@ -32,6 +32,7 @@ import torch
 from ..interop import host_view
 from ..ops import OPS, OpSpec
 from ..ops._validate import check_shapes
+from ._autograd import refuse_grad_into_out, register_autograd
 from ._convert import to_tensor
 from ._routing import backend_for, on_torch_stream
 from ._schema import WEIGHT_FIELDS, TorchOp, torch_ops
@@ -87,6 +88,8 @@ def _real(op: TorchOp) -> Callable[..., Any]:
 
     def run(*values: Any) -> Any:
         given = dict(zip(names, values, strict=False))  # defaults are not passed
+        if op.writes_out:
+            refuse_grad_into_out(spec.name, given)
         lead = _lead(spec, given)
         backend = backend_for(lead)
         if lead.device.type == "cpu":
@@ -135,6 +138,8 @@ def register_torch_ops(spec: OpSpec) -> None:
             _LIBRARY.define(f"{op.name}{op.schema}")
             _LIBRARY.impl(op.name, _real(op), "CompositeExplicitAutograd")
             torch.library.register_fake(f"hal::{op.name}", _fake(op), lib=_LIBRARY)
+            if not op.writes_out:
+                register_autograd(op.name, _LIBRARY)
         _registered[spec.name] = spec
 
 
