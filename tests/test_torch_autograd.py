@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from torch_helpers import TORCH_DTYPES, host, torch
+from torch_helpers import TORCH_DTYPES, cuda_or_skip, host, torch
 
 import hal_core
 import hal_core.torch as hal_torch
@@ -101,6 +101,19 @@ def test_backward_formula_passes_gradcheck_in_float64() -> None:
 
     x = torch.tensor(rng.standard_normal((3, 32)), dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(Linear.apply, (x,))
+    assert torch.autograd.gradgradcheck(Linear.apply, (x,))
+
+
+def test_operator_backward_is_itself_differentiable_in_the_upstream_gradient() -> None:
+    """create_graph=True: x.grad is linear in dL/dy, and its derivative in dL/dy is W (double backward)."""
+    rng = np.random.default_rng(10)
+    qw = make_weight(rng, 8, 32, False, False)
+    x = torch.tensor(rng.standard_normal((3, K)), dtype=torch.float32, requires_grad=True)
+    upstream = torch.tensor(rng.standard_normal((3, N)), dtype=torch.float32, requires_grad=True)
+    (grad_x,) = torch.autograd.grad(torch.ops.hal.quantized_gemm(x, *op_args(qw)), x, upstream, create_graph=True)
+    assert grad_x.requires_grad
+    (second,) = torch.autograd.grad(grad_x.sum(), upstream)
+    assert_grad_close(second, np.ones((3, K)) @ qw.dequantize(np.float64), "fp32")
 
 
 def test_backward_dequantizes_in_bounded_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -226,3 +239,16 @@ def test_quant_linear_gradient_under_torch_compile_equals_eager() -> None:
     from_compiled, x.grad = x.grad, None
     layer(x).square().sum().backward()
     assert torch.equal(from_compiled, x.grad)
+
+
+def test_quant_linear_gradient_on_cuda_equals_the_reference() -> None:
+    """On a GPU host: the backward runs on the weight's device and gives the float64 reference gradient."""
+    cuda_or_skip()
+    rng = np.random.default_rng(16)
+    qw = make_weight(rng, 4, 32, False, True)
+    layer = QuantLinear.from_weight(qw, torch.zeros(N, dtype=torch.float16)).to("cuda")
+    x = torch.tensor(rng.standard_normal((2, 3, K)), dtype=torch.float16, device="cuda", requires_grad=True)
+    upstream = torch.tensor(rng.standard_normal((2, 3, N)), dtype=torch.float16, device="cuda")
+    layer(x).backward(upstream)
+    assert x.grad.is_cuda and x.grad.dtype == torch.float16
+    assert_grad_close(x.grad, host(upstream) @ qw.dequantize(np.float64).T, "fp16")

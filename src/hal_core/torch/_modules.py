@@ -219,7 +219,7 @@ class QuantLinear(torch.nn.Module):
             y = y + self.bias.to(y.dtype)
         return y
 
-    def describe(self) -> str:
+    def _describe(self) -> str:
         """How errors name this layer: its qualified name when known, else its shape."""
         shape = f"in_features={self.in_features}, out_features={self.out_features}"
         return f"QuantLinear {self.name!r} ({shape})" if self.name else f"QuantLinear({shape})"
@@ -227,17 +227,17 @@ class QuantLinear(torch.nn.Module):
     def _check_input(self, x: torch.Tensor) -> None:
         """ArgumentError / ArgumentTypeError naming ``x`` and this layer, before any work."""
         if not isinstance(x, torch.Tensor):
-            raise ArgumentTypeError(f"argument 'x' of {self.describe()}: expected a torch.Tensor, "
+            raise ArgumentTypeError(f"argument 'x' of {self._describe()}: expected a torch.Tensor, "
                                     f"got {type(x).__name__}")
         if x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise ArgumentError(f"argument 'x' of {self.describe()}: expected shape [..., {self.in_features}], "
+            raise ArgumentError(f"argument 'x' of {self._describe()}: expected shape [..., {self.in_features}], "
                                 f"got {tuple(x.shape)}")
         if x.dtype not in _ACTIVATION_DTYPES:
-            raise ArgumentTypeError(f"argument 'x' of {self.describe()}: expected dtype torch.float16, "
+            raise ArgumentTypeError(f"argument 'x' of {self._describe()}: expected dtype torch.float16, "
                                     f"torch.bfloat16 or torch.float32, got {x.dtype} (hal's quantized_gemm "
                                     f"has no such path; cast it, e.g. x.float())")
         if x.device != self.qweight.device:
-            raise ArgumentError(f"argument 'x' of {self.describe()}: is on {x.device}, the layer's weight on "
+            raise ArgumentError(f"argument 'x' of {self._describe()}: is on {x.device}, the layer's weight on "
                                 f"{self.qweight.device}; move one of them with .to()")
 
     def _host_gemm(self, rows: torch.Tensor) -> torch.Tensor:
