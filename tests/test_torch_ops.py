@@ -165,6 +165,8 @@ def test_quantized_gemm(device: str, dtype: str, case: tuple) -> None:
 
     positional = (x, weight["qweight"], weight["scales"], weight.get("zeros"), weight.get("g_idx"), bits, group_size)
     torch.library.opcheck(torch.ops.hal.quantized_gemm.default, positional)
+    # with x requiring grad: the registered autograd formula, traced by AOTAutograd too
+    torch.library.opcheck(torch.ops.hal.quantized_gemm.default, (x.detach().requires_grad_(), *positional[1:]))
 
 
 def test_weight_round_trip_is_a_view() -> None:
