@@ -197,6 +197,20 @@ def test_quantized_gemm_shape_mismatch_is_named_in_eager_and_in_a_trace(shape: t
         torch.compile(hal_torch.quantized_gemm, backend="eager", fullgraph=True)(x, weight, 4)
 
 
+def test_tensors_on_two_devices_are_named_not_given_an_uninitialised_result() -> None:
+    """A host x with a weight on meta (or the reverse) goes to the meta kernel: ArgumentError naming the tensor."""
+    args = quantized_gemm_inputs(np.random.default_rng(6), m=2, k=64, n=16, bits=4, group_size=32,
+                                 symmetric=False, dtype="fp32")
+    weight = hal_torch.weight_to_tensors(args["qweight"])
+    on_meta = {name: t.to("meta") for name, t in weight.items()}
+    x = tensor(args["x"])
+    with pytest.raises(hal_core.ArgumentError, match=r"argument 'qweight': is on meta, argument 'x' on cpu"):
+        hal_torch.quantized_gemm(x, on_meta, 4)
+    with pytest.raises(hal_core.ArgumentError, match=r"argument 'qweight': is on cpu, argument 'x' on meta"):
+        hal_torch.quantized_gemm(x.to("meta"), weight, 4)
+    assert hal_torch.quantized_gemm(x.to("meta"), on_meta, 4).shape == (2, 16)  # all on meta: shapes only
+
+
 # -- routing --------------------------------------------------------------------------
 
 
