@@ -21,9 +21,8 @@ bias        a parameter ``[N]`` or None                 same
 loads with ``torch.save`` or safetensors; loading checks every dtype (a
 cast would change the format's bits), shape and the presence of zero points
 and ``g_idx``, and loads nothing of the layer when one does not fit.
-``.to(dtype)`` / ``.half()`` change
-the bias only: the scales keep their dtype (hal's format), and the output
-has the input's dtype.
+``.to(dtype)`` / ``.half()`` change the bias only: the scales keep their
+dtype (hal's format), and the output has the input's dtype.
 """
 
 from __future__ import annotations
@@ -162,8 +161,8 @@ class QuantLinear(torch.nn.Module):
         layer = cls(k, n, bias is not None, bits=weight.bits, group_size=weight.group_size,
                     symmetric=weight.zeros is None, act_order=weight.g_idx is not None,
                     scale_dtype=scales.dtype, device="meta", name=name)
-        for name, tensor in tensors.items():
-            layer._buffers[name] = tensor
+        for field, tensor in tensors.items():
+            layer._buffers[field] = tensor
         if bias is not None:
             layer.bias = torch.nn.Parameter(bias.detach().to(scales.device), requires_grad=False)
         return layer
@@ -174,9 +173,10 @@ class QuantLinear(torch.nn.Module):
         """Quantize ``linear`` with :func:`hal_core.quant.quantize` (on the host) into a new layer.
 
         The layer is on ``linear``'s device, its bias a copy of ``linear``'s;
-        ``linear`` is left as it was; ``name`` as in :meth:`from_weight`. ``group_size=-1`` makes one group of
-        all ``in_features`` rows. The float weight is read once (its float64
-        copy on the host is the only transient, one layer's worth).
+        ``linear`` is left as it was; ``name`` as in :meth:`from_weight`.
+        ``group_size=-1`` makes one group of all ``in_features`` rows. The
+        float weight is read once (its float64 copy on the host is the only
+        transient, one layer's worth).
         """
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"argument 'linear': expected a torch.nn.Linear, got {type(linear).__name__}")
