@@ -252,3 +252,13 @@ def test_quant_linear_gradient_on_cuda_equals_the_reference() -> None:
     layer(x).backward(upstream)
     assert x.grad.is_cuda and x.grad.dtype == torch.float16
     assert_grad_close(x.grad, host(upstream) @ qw.dequantize(np.float64).T, "fp16")
+
+
+def test_a_weight_changed_in_place_before_backward_is_an_error_not_a_stale_gradient() -> None:
+    """The backward reads the buffers it saved: scales scaled in place after forward make backward raise."""
+    layer = QuantLinear.from_weight(make_weight(np.random.default_rng(17), 4, 32, True, False))
+    x = torch.ones(2, K, requires_grad=True)
+    y = layer(x)
+    layer.scales.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
