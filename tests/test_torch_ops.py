@@ -165,6 +165,8 @@ def test_quantized_gemm(device: str, dtype: str, case: tuple) -> None:
 
     positional = (x, weight["qweight"], weight["scales"], weight.get("zeros"), weight.get("g_idx"), bits, group_size)
     torch.library.opcheck(torch.ops.hal.quantized_gemm.default, positional)
+    # with x requiring grad: the registered autograd formula, traced by AOTAutograd too
+    torch.library.opcheck(torch.ops.hal.quantized_gemm.default, (x.detach().requires_grad_(), *positional[1:]))
 
 
 def test_weight_round_trip_is_a_view() -> None:
@@ -182,15 +184,31 @@ def test_weight_round_trip_is_a_view() -> None:
         hal_torch.weight_from_tensors(tensors, bits=3)
 
 
-def test_quantized_gemm_shape_mismatch_is_named_in_eager_and_in_a_trace() -> None:
+@pytest.mark.parametrize("shape", [(2, 32), (0, 65), (0, 32)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_quantized_gemm_shape_mismatch_is_named_in_eager_and_in_a_trace(shape: tuple) -> None:
+    """x's K differs from the weight's (with rows or none): ArgumentError naming 'x', eager and traced."""
     args = quantized_gemm_inputs(np.random.default_rng(5), m=2, k=64, n=16, bits=4, group_size=32,
                                  symmetric=True, dtype="fp32")
     weight = hal_torch.weight_to_tensors(args["qweight"])
-    x = torch.ones(2, 32)
+    x = torch.ones(shape)
     with pytest.raises(hal_core.ArgumentError, match="'x'"):
         hal_torch.quantized_gemm(x, weight, 4)
     with pytest.raises(Exception, match="argument 'x'"):
         torch.compile(hal_torch.quantized_gemm, backend="eager", fullgraph=True)(x, weight, 4)
+
+
+def test_tensors_on_two_devices_are_named_not_given_an_uninitialised_result() -> None:
+    """A host x with a weight on meta (or the reverse) goes to the meta kernel: ArgumentError naming the tensor."""
+    args = quantized_gemm_inputs(np.random.default_rng(6), m=2, k=64, n=16, bits=4, group_size=32,
+                                 symmetric=False, dtype="fp32")
+    weight = hal_torch.weight_to_tensors(args["qweight"])
+    on_meta = {name: t.to("meta") for name, t in weight.items()}
+    x = tensor(args["x"])
+    with pytest.raises(hal_core.ArgumentError, match=r"argument 'qweight': is on meta, argument 'x' on cpu"):
+        hal_torch.quantized_gemm(x, on_meta, 4)
+    with pytest.raises(hal_core.ArgumentError, match=r"argument 'qweight': is on cpu, argument 'x' on meta"):
+        hal_torch.quantized_gemm(x.to("meta"), weight, 4)
+    assert hal_torch.quantized_gemm(x.to("meta"), on_meta, 4).shape == (2, 16)  # all on meta: shapes only
 
 
 # -- routing --------------------------------------------------------------------------

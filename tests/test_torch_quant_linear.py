@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from torch_helpers import TORCH_DTYPES, cuda_or_skip, host, torch
 
+import hal_core
 import hal_core.torch as hal_torch
 from hal_core.quant import QuantizedWeight, quantize, quantize_activations
 from hal_core.testing.tolerances import tolerance
@@ -235,3 +238,84 @@ def test_eager_host_calls_equal_the_torch_operator_and_follow_replaced_buffers()
     before = layer(x) - layer.bias
     layer.scales.mul_(2)  # in place: the kept views see it
     assert torch.allclose(layer(x) - layer.bias, 2 * before, rtol=1e-5, atol=1e-5)
+
+
+# -- hostile inputs ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(3, K + 1), (0, K + 1), (2, 0, K - 8), (K + 1,), (), (0,)],
+                         ids=lambda s: "x".join(map(str, s)) or "scalar")
+@pytest.mark.parametrize("name", [None, "model.layers.0.mlp.up_proj"])
+def test_a_wrong_input_shape_names_the_input_and_the_layer(shape: tuple, name: str | None) -> None:
+    """Any batch shape (0 rows too) whose last dim is not in_features: ArgumentError naming 'x' and the layer."""
+    layer = QuantLinear.from_weight(make_weight(np.random.default_rng(41), 4, 32, True, False), name=name)
+    where = f"QuantLinear '{name}' (in_features={K}, out_features={N})" if name else \
+        f"QuantLinear(in_features={K}, out_features={N})"
+    with pytest.raises(hal_core.ArgumentError, match=rf"argument 'x' of {re.escape(where)}: expected shape "
+                                                     rf"\[\.\.\., {K}\], got {re.escape(str(shape))}"):
+        layer(torch.ones(shape))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float64, torch.bool])
+def test_an_activation_dtype_hal_cannot_take_names_the_input(dtype: torch.dtype) -> None:
+    """int / float64 / bool activations: ArgumentTypeError naming 'x', the layer and the dtype (no silent cast)."""
+    layer = QuantLinear.from_weight(make_weight(np.random.default_rng(42), 8, 32, True, False), name="proj")
+    with pytest.raises(hal_core.ArgumentTypeError, match=rf"argument 'x' of QuantLinear 'proj'.*{dtype}"):
+        layer(torch.ones(2, K, dtype=dtype))
+    with pytest.raises(hal_core.ArgumentTypeError, match=r"argument 'x'.*list"):
+        layer([[0.0] * K])
+
+
+def test_an_input_on_another_device_names_the_input() -> None:
+    """An input on meta for a host layer: ArgumentError naming 'x' and both devices, before any work."""
+    layer = QuantLinear.from_weight(make_weight(np.random.default_rng(43), 4, 32, True, False))
+    with pytest.raises(hal_core.ArgumentError, match=r"argument 'x' of QuantLinear\(.*meta.*cpu"):
+        layer(torch.ones(2, K, device="meta"))
+
+
+def test_one_dimensional_and_non_contiguous_inputs_match_the_reference() -> None:
+    """[K] -> [N] as nn.Linear does; a transposed (non-contiguous) input gives the contiguous one's result."""
+    rng = np.random.default_rng(44)
+    qw = make_weight(rng, 4, 64, False, False)
+    bias = torch.tensor(rng.standard_normal(N), dtype=torch.float32)
+    layer = QuantLinear.from_weight(qw, bias)
+    single = torch.tensor(rng.standard_normal(K), dtype=torch.float32)
+    y = layer(single)
+    assert y.shape == (N,)
+    assert_close_to(y, reference(single[None], qw, bias)[0], "fp32")
+    strided = torch.tensor(rng.standard_normal((K, 6)), dtype=torch.float32).T
+    assert not strided.is_contiguous()
+    assert torch.equal(layer(strided), layer(strided.contiguous()))
+
+
+def test_load_state_dict_with_a_wrong_shape_names_the_key_and_loads_nothing_of_the_layer() -> None:
+    """A wrong-shaped buffer inside a model: the error names its full key; the layer's other buffers are kept."""
+    rng = np.random.default_rng(45)
+    model = torch.nn.Sequential(QuantLinear.from_weight(make_weight(rng, 4, 32, False, False), torch.zeros(N)))
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    other = QuantLinear.from_weight(make_weight(rng, 4, 32, False, False), torch.ones(N)).state_dict()
+    state = {f"0.{name}": t for name, t in other.items()}
+    state["0.qweight"] = torch.zeros(K // 8 - 1, N, dtype=torch.int32)
+    for assign in (False, True):
+        with pytest.raises(RuntimeError, match=rf"'0\.qweight': the checkpoint holds shape \({K // 8 - 1}, {N}\)"):
+            model.load_state_dict(state, assign=assign)
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(tensor, before[name]), name
+
+
+def test_load_state_dict_with_zero_points_the_layer_lacks_is_refused_even_when_not_strict() -> None:
+    """strict=False does not drop a checkpoint's zero points or g_idx silently: the key is named."""
+    rng = np.random.default_rng(46)
+    state = QuantLinear.from_weight(make_weight(rng, 4, 32, False, True)).state_dict()
+    for kwargs, key in (({"act_order": True}, "'zeros'"), ({"symmetric": False}, "'g_idx'")):
+        layer = QuantLinear(K, N, bias=False, group_size=32, **kwargs)
+        with pytest.raises(RuntimeError, match=key):
+            layer.load_state_dict(state, strict=False)
+    with pytest.raises(RuntimeError, match=r"'zeros'.*has zeros but the checkpoint does not"):
+        QuantLinear(K, N, bias=False, group_size=32, symmetric=False, act_order=True).load_state_dict(
+            {k: v for k, v in state.items() if k != "zeros"}, strict=False)
+
+
+def test_name_must_be_a_string() -> None:
+    with pytest.raises(TypeError, match="'name'"):
+        QuantLinear(K, N, name=3)  # type: ignore[arg-type]

@@ -19,9 +19,10 @@ bias        a parameter ``[N]`` or None                 same
 
 ``state_dict`` holds exactly these (None ones left out), so it saves and
 loads with ``torch.save`` or safetensors; loading checks every dtype (a
-cast would change the format's bits). ``.to(dtype)`` / ``.half()`` change
-the bias only: the scales keep their dtype (hal's format), and the output
-has the input's dtype.
+cast would change the format's bits), shape and the presence of zero points
+and ``g_idx``, and loads nothing of the layer when one does not fit.
+``.to(dtype)`` / ``.half()`` change the bias only: the scales keep their
+dtype (hal's format), and the output has the input's dtype.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._errors import ArgumentError, ArgumentTypeError
 from ..arrays import BFLOAT16
 from ..interop import host_view
 from ..quant import QuantizedWeight, quantize
@@ -44,6 +46,8 @@ __all__ = ["QuantLinear"]
 _SCALE_DTYPES = {torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(BFLOAT16),
                  torch.float32: np.dtype(np.float32)}
 _BUFFERS = ("qweight", "scales", "zeros", "g_idx")
+#: The activation dtypes hal's quantized_gemm takes.
+_ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def resolve_group_size(group_size: Any, in_features: int) -> int:
@@ -74,6 +78,13 @@ class QuantLinear(torch.nn.Module):
     the activations in floating point; W8A8 (``bits=8``) quantizes them per
     token (docs/quantization.md). It compiles with
     ``torch.compile(fullgraph=True)``: the GEMM is one opaque custom op.
+
+    Gradients flow to ``x`` (``dL/dx = dL/dy @ W^T``, see
+    :mod:`hal_core.torch._autograd`) and to the bias when it requires grad;
+    the quantized weight is frozen and has none. A wrong input (last
+    dimension, dtype, device) is an ``ArgumentError`` /
+    ``ArgumentTypeError`` naming ``'x'`` and the layer (its ``name``, the
+    qualified name in its model, when given).
     """
 
     qweight: torch.Tensor
@@ -85,8 +96,13 @@ class QuantLinear(torch.nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, bits: int = 4,
                  group_size: int = 128, symmetric: bool = True, act_order: bool = False,
                  scale_dtype: torch.dtype = torch.float16, bias_dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, name: str | None = None) -> None:
         super().__init__()
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"argument 'name': expected the layer's qualified name (a str) or None, "
+                            f"got {type(name).__name__}")
+        #: The layer's qualified name in its model (the ``name`` argument), used in errors; None when unknown.
+        self.name = name
         #: (the buffers, hal's weight over their numpy views): eager CPU calls reuse it (:meth:`_host_gemm`).
         self._host_weight: tuple[tuple[Any, ...], QuantizedWeight] | None = None
         in_features, out_features = as_int("in_features", in_features), as_int("out_features", out_features)
@@ -125,11 +141,12 @@ class QuantLinear(torch.nn.Module):
 
     @classmethod
     def from_weight(cls, weight: QuantizedWeight, bias: torch.Tensor | None = None, *,
-                    device: torch.device | str | None = None) -> QuantLinear:
+                    device: torch.device | str | None = None, name: str | None = None) -> QuantLinear:
         """The layer holding ``weight`` (its arrays viewed, not copied, when they stay on the host).
 
         ``bias`` (``[out_features]``, any float dtype) is kept as given;
-        ``device`` moves everything there (default: where the arrays are).
+        ``device`` moves everything there (default: where the arrays are);
+        ``name`` is the layer's qualified name in its model, for errors.
         """
         if not isinstance(weight, QuantizedWeight):
             raise TypeError(f"argument 'weight': expected a hal_core.quant.QuantizedWeight, "
@@ -143,22 +160,23 @@ class QuantLinear(torch.nn.Module):
         scales = tensors["scales"]
         layer = cls(k, n, bias is not None, bits=weight.bits, group_size=weight.group_size,
                     symmetric=weight.zeros is None, act_order=weight.g_idx is not None,
-                    scale_dtype=scales.dtype, device="meta")
-        for name, tensor in tensors.items():
-            layer._buffers[name] = tensor
+                    scale_dtype=scales.dtype, device="meta", name=name)
+        for field, tensor in tensors.items():
+            layer._buffers[field] = tensor
         if bias is not None:
             layer.bias = torch.nn.Parameter(bias.detach().to(scales.device), requires_grad=False)
         return layer
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, *, bits: int = 4, group_size: int = 128, symmetric: bool = True,
-                    scale_dtype: torch.dtype = torch.float16) -> QuantLinear:
+                    scale_dtype: torch.dtype = torch.float16, name: str | None = None) -> QuantLinear:
         """Quantize ``linear`` with :func:`hal_core.quant.quantize` (on the host) into a new layer.
 
         The layer is on ``linear``'s device, its bias a copy of ``linear``'s;
-        ``linear`` is left as it was. ``group_size=-1`` makes one group of
-        all ``in_features`` rows. The float weight is read once (its float64
-        copy on the host is the only transient, one layer's worth).
+        ``linear`` is left as it was; ``name`` as in :meth:`from_weight`.
+        ``group_size=-1`` makes one group of all ``in_features`` rows. The
+        float weight is read once (its float64 copy on the host is the only
+        transient, one layer's worth).
         """
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"argument 'linear': expected a torch.nn.Linear, got {type(linear).__name__}")
@@ -172,7 +190,7 @@ class QuantLinear(torch.nn.Module):
         weight = quantize(linear.weight.detach().T, bits=bits, group_size=group_size, symmetric=symmetric,
                           scale_dtype=_SCALE_DTYPES[scale_dtype])
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls.from_weight(weight, bias, device=linear.weight.device)
+        return cls.from_weight(weight, bias, device=linear.weight.device, name=name)
 
     # -- using it ---------------------------------------------------------------
 
@@ -181,9 +199,17 @@ class QuantLinear(torch.nn.Module):
         return _weight(self.qweight, self.scales, self.zeros, self.g_idx, self.bits, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in_features]`` (fp16/bf16/fp32, on the weight's device) -> ``[..., out_features]``.
+
+        Without grad (``torch.no_grad()``, ``inference_mode``, or no input requiring it) a CPU call
+        goes straight to hal; otherwise the call is ``torch.ops.hal.quantized_gemm``, whose backward
+        gives ``x`` its gradient (the weight is frozen) and the bias its own when it requires grad.
+        """
+        self._check_input(x)
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features).contiguous()
-        if rows.device.type == "cpu" and not torch.compiler.is_compiling():
+        if (rows.device.type == "cpu" and not torch.compiler.is_compiling()
+                and not (rows.requires_grad and torch.is_grad_enabled())):
             y = self._host_gemm(rows)
         else:
             y = torch.ops.hal.quantized_gemm(rows, self.qweight, self.scales, self.zeros, self.g_idx, self.bits,
@@ -192,6 +218,27 @@ class QuantLinear(torch.nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
+
+    def _describe(self) -> str:
+        """How errors name this layer: its qualified name when known, else its shape."""
+        shape = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"QuantLinear {self.name!r} ({shape})" if self.name else f"QuantLinear({shape})"
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        """ArgumentError / ArgumentTypeError naming ``x`` and this layer, before any work."""
+        if not isinstance(x, torch.Tensor):
+            raise ArgumentTypeError(f"argument 'x' of {self._describe()}: expected a torch.Tensor, "
+                                    f"got {type(x).__name__}")
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ArgumentError(f"argument 'x' of {self._describe()}: expected shape [..., {self.in_features}], "
+                                f"got {tuple(x.shape)}")
+        if x.dtype not in _ACTIVATION_DTYPES:
+            raise ArgumentTypeError(f"argument 'x' of {self._describe()}: expected dtype torch.float16, "
+                                    f"torch.bfloat16 or torch.float32, got {x.dtype} (hal's quantized_gemm "
+                                    f"has no such path; cast it, e.g. x.float())")
+        if x.device != self.qweight.device:
+            raise ArgumentError(f"argument 'x' of {self._describe()}: is on {x.device}, the layer's weight on "
+                                f"{self.qweight.device}; move one of them with .to()")
 
     def _host_gemm(self, rows: torch.Tensor) -> torch.Tensor:
         """Eager CPU calls go straight to hal's front door with the weight's numpy views built once.
@@ -231,12 +278,33 @@ class QuantLinear(torch.nn.Module):
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool,
                               missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
-        for name in _BUFFERS:
-            mine, given = self._buffers.get(name), state_dict.get(prefix + name)
-            if mine is not None and isinstance(given, torch.Tensor) and given.dtype != mine.dtype:
-                error_msgs.append(f"QuantLinear {prefix + name!r}: the checkpoint holds {given.dtype}, this layer "
-                                  f"{mine.dtype}; hal's format is not cast (build the layer with the saved "
-                                  f"bits / scale_dtype)")
-                return
+        """Load nothing of this layer unless every tensor given fits its format (dtype, shape, zeros / g_idx)."""
+        problems = self._state_dict_problems(state_dict, prefix)
+        if problems:
+            error_msgs.extend(problems)
+            return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+
+    def _state_dict_problems(self, state_dict: Any, prefix: str) -> list[str]:
+        """What keeps ``state_dict``'s tensors for this layer from loading, each naming its key."""
+        problems = []
+        holds_weight = isinstance(state_dict.get(prefix + "qweight"), torch.Tensor)
+        for name in (*_BUFFERS, "bias"):
+            key, mine, given = prefix + name, getattr(self, name), state_dict.get(prefix + name)
+            if mine is None and holds_weight and isinstance(given, torch.Tensor):
+                what = "zero points" if name == "zeros" else "act-order g_idx" if name == "g_idx" else "a bias"
+                problems.append(f"QuantLinear {key!r}: the checkpoint holds {what}, this layer has none; build "
+                                f"the layer with the saved format (symmetric=False / act_order=True / bias=True)")
+            elif mine is not None and holds_weight and given is None and name in ("zeros", "g_idx"):
+                problems.append(f"QuantLinear {key!r}: this layer has {name} but the checkpoint does not; build "
+                                f"the layer with the saved format (symmetric / act_order)")
+            if mine is None or not isinstance(given, torch.Tensor):
+                continue
+            if name != "bias" and given.dtype != mine.dtype:
+                problems.append(f"QuantLinear {key!r}: the checkpoint holds {given.dtype}, this layer {mine.dtype}; "
+                                f"hal's format is not cast (build the layer with the saved bits / scale_dtype)")
+            elif given.shape != mine.shape:
+                problems.append(f"QuantLinear {key!r}: the checkpoint holds shape {tuple(given.shape)}, this layer "
+                                f"({self.extra_repr()}) expects {tuple(mine.shape)}")
+        return problems

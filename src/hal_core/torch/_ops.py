@@ -29,9 +29,11 @@ from typing import Any
 
 import torch
 
+from .._errors import ArgumentError
 from ..interop import host_view
 from ..ops import OPS, OpSpec
 from ..ops._validate import check_shapes
+from ._autograd import refuse_grad_into_out, register_autograd
 from ._convert import to_tensor
 from ._routing import backend_for, on_torch_stream
 from ._schema import WEIGHT_FIELDS, TorchOp, torch_ops
@@ -87,6 +89,8 @@ def _real(op: TorchOp) -> Callable[..., Any]:
 
     def run(*values: Any) -> Any:
         given = dict(zip(names, values, strict=False))  # defaults are not passed
+        if op.writes_out:
+            refuse_grad_into_out(spec.name, given)
         lead = _lead(spec, given)
         backend = backend_for(lead)
         if lead.device.type == "cpu":
@@ -115,7 +119,9 @@ def _fake(op: TorchOp) -> Callable[..., Any]:
     spec, names = op.spec, op.params
 
     def fake(*values: Any) -> Any:
-        args = _op_args(spec, dict(zip(names, values, strict=False)), fake=True)
+        given = dict(zip(names, values, strict=False))
+        _one_device(given)
+        args = _op_args(spec, given, fake=True)
         check_shapes(spec, args)
         if not op.returns_tensor:
             return None
@@ -124,6 +130,19 @@ def _fake(op: TorchOp) -> Callable[..., Any]:
 
     fake.__name__ = f"{op.name}_fake"
     return fake
+
+
+def _one_device(values: Mapping[str, Any]) -> None:
+    """ArgumentError naming the first tensor on another device than the first one given.
+
+    The fake implementation also serves torch's meta device: without this, host tensors mixed with
+    meta ones would get an uninitialised host result.
+    """
+    tensors = [(name, value) for name, value in values.items() if isinstance(value, torch.Tensor)]
+    for name, value in tensors[1:]:
+        if value.device != tensors[0][1].device:
+            raise ArgumentError(f"argument {name!r}: is on {value.device}, argument {tensors[0][0]!r} on "
+                                f"{tensors[0][1].device}; hal moves nothing, put every tensor on one device")
 
 
 def register_torch_ops(spec: OpSpec) -> None:
@@ -135,6 +154,8 @@ def register_torch_ops(spec: OpSpec) -> None:
             _LIBRARY.define(f"{op.name}{op.schema}")
             _LIBRARY.impl(op.name, _real(op), "CompositeExplicitAutograd")
             torch.library.register_fake(f"hal::{op.name}", _fake(op), lib=_LIBRARY)
+            if not op.writes_out:
+                register_autograd(op.name, _LIBRARY)
         _registered[spec.name] = spec
 
 
