@@ -155,6 +155,43 @@ def test_saved_model_loads_back_bit_for_bit(case: str, tmp_path) -> None:
         assert torch.equal(loaded.generate(ids, **kwargs), model.generate(ids, **kwargs))
 
 
+@pytest.mark.parametrize("skip", ["inner-layers-float", "lm-head-quantized"])
+def test_which_layers_stayed_float_is_in_the_config(skip: str, tmp_path) -> None:
+    """The config names the float layers (modules_to_not_convert, modules_in_block_to_quantize, lm_head)."""
+    model = _llama(9)
+    patterns = ("lm_head", "*.mlp.down_proj") if skip == "inner-layers-float" else None
+    report = quantize_model(model, bits=4, group_size=32, skip=patterns)
+    save_quantized(model, tmp_path / "ckpt")
+    quant = json.loads((tmp_path / "ckpt" / "config.json").read_text())["quantization_config"]
+    if skip == "inner-layers-float":
+        assert quant["lm_head"] is False
+        assert sorted(quant["modules_to_not_convert"]) == ["lm_head", "model.layers.0.mlp.down_proj",
+                                                           "model.layers.1.mlp.down_proj"]
+        assert [sorted(names) for names in quant["modules_in_block_to_quantize"]] == [sorted(report.quantized)]
+    else:
+        assert quant["lm_head"] is True and "lm_head" in report.quantized
+        assert "modules_to_not_convert" not in quant and "modules_in_block_to_quantize" not in quant
+    loaded = load_quantized(tmp_path / "ckpt", attn_implementation="eager")
+    assert sorted(_quant_layers(loaded)) == sorted(report.quantized)
+    ids = torch.tensor(np.random.default_rng(9).integers(0, 160, (2, 6)))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_exact_bfloat16_scales_are_saved_as_float16(tmp_path) -> None:
+    """bfloat16 scales exact in float16 come back float16 with the same values; the config says the model's dtype."""
+    model = _llama(10).to(torch.bfloat16)
+    quantize_model(model, bits=4, group_size=32, scale_dtype=torch.bfloat16)
+    save_quantized(model, tmp_path / "ckpt")
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded = load_quantized(tmp_path / "ckpt", attn_implementation="eager")
+    assert loaded.dtype == torch.bfloat16
+    for name, layer in _quant_layers(model).items():
+        scales = _quant_layers(loaded)[name].scales
+        assert scales.dtype == torch.float16 and torch.equal(scales.double(), layer.scales.double())
+        assert torch.equal(_quant_layers(loaded)[name].qweight, layer.qweight)
+
+
 def test_the_file_holds_gptqs_layout(tmp_path) -> None:
     """Names, dtypes and shapes readers allocate; codes and zero points unpacked here give hal's weights."""
     model = _llama(3)
