@@ -182,12 +182,12 @@ def _linear_layers(model: torch.nn.Module) -> tuple[dict[str, QuantLinear], list
 def _host_weight(layer: QuantLinear, *, codes: bool = True) -> QuantizedWeight:
     """The layer's weight over host views of its buffers (copied one at a time from another device).
 
-    ``codes=False`` leaves ``qweight`` where it is: the checks read only its shape.
+    ``codes=False`` stands a meta tensor in for ``qweight``: the checks read only its shape.
     """
     def host(tensor: torch.Tensor | None, name: str) -> Any:
         return None if tensor is None else host_view(tensor.detach().cpu(), name)
 
-    qweight = host(layer.qweight, "qweight") if codes else layer.qweight.detach()
+    qweight = host(layer.qweight, "qweight") if codes else torch.empty_like(layer.qweight, device="meta")
     return _weight(qweight, host(layer.scales, "scales"), host(layer.zeros, "zeros"), host(layer.g_idx, "g_idx"),
                    layer.bits, layer.group_size)
 
