@@ -6,6 +6,7 @@ See :class:`QuantizedWeight` for the storage layout; :func:`from_gptq` and
 
 from __future__ import annotations
 
+from ._gptq_export import to_gptq
 from ._quantize import quantize, quantize_activations
 from ._weight import QuantizedWeight, pack_int4, unpack_int4
 from .awq import from_awq
@@ -18,6 +19,7 @@ __all__ = [
     "pack_int4",
     "quantize",
     "quantize_activations",
+    "to_gptq",
     "unpack_int4",
 ]
 

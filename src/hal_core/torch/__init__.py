@@ -35,6 +35,7 @@ from ._modules import QuantLinear
 from ._ops import paged_attention, quantized_gemm, write_kv_cache
 from ._quantize_model import DEFAULT_SKIP, QuantizeReport, quantize_model
 from ._routing import backend_for
+from ._save import save_quantized
 from ._weights import weight_from_tensors, weight_to_tensors
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "paged_attention",
     "quantize_model",
     "quantized_gemm",
+    "save_quantized",
     "to_tensor",
     "weight_from_tensors",
     "weight_to_tensors",
