@@ -8,7 +8,11 @@ the implementation to run → its result checked (shape, dtype, device) →
 ``out`` written from that complete result. Where no implementation
 supports the call, or the chosen one fails or returns a bad result, the
 call runs on the fallback path (logged once per op and reason;
-:class:`FallbackError` under ``HAL_STRICT=1``).
+:class:`FallbackError` under ``HAL_STRICT=1``). Errors the caller must fix
+are never answered with the fallback path: bad arguments, an exhausted
+device memory, and a :class:`~hal_core.ConfigurationError` (a ``HAL_*``
+variable an implementation or its ``supports()`` read and refused) reach
+the caller as raised.
 
 An :class:`Ops` is built when its backend is bound, with what it needs
 injected: the fallback backend (a host backend, chosen by the runtime)
@@ -30,7 +34,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _env, interop
-from .._errors import ArgumentError, ArgumentTypeError, FallbackError, ImplementationError, KernelCompileError
+from .._errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    FallbackError,
+    ImplementationError,
+    KernelCompileError,
+    configuration_error,
+)
 from ..arrays import device_of, dtype_name
 from ..tuning import ordered as tuned_order
 from ._catalog import OPS
@@ -242,12 +253,17 @@ class Ops:
         the candidates (a persisted measurement, say) belongs here.
         """
         reasons: dict[str, str] = {}
+        setting = None
         for impl in tuned_order(call, self.registry.implementations(call.op)):
             try:
                 verdict = impl.supports(call)
             except Exception as exc:  # a plugin bug must not cost the caller a correct result
-                log.debug("hal: %s supports() raised", impl.name, exc_info=exc)
-                verdict = f"supports() raised {type(exc).__name__}: {exc}"
+                setting = configuration_error(exc)
+                if setting is None:
+                    log.debug("hal: %s supports() raised", impl.name, exc_info=exc)
+                    verdict = f"supports() raised {type(exc).__name__}: {exc}"
+            if setting is not None:
+                raise setting  # the user's setting is wrong: no other implementation would make it right
             if verdict is True:
                 return impl, reasons
             reasons[impl.name] = verdict if isinstance(verdict, str) and verdict else "unsupported"
@@ -285,15 +301,19 @@ class Ops:
         except (ArgumentError, ArgumentTypeError, MemoryError):
             raise  # the caller's input or the device's memory: falling back would not help
         except Exception as exc:
-            if _env.strict():
-                raise ImplementationError(f"implementation {impl.name!r} of {call.op} raised "
-                                          f"{type(exc).__name__}: {exc}") from exc
-            log.debug("hal: %s raised", impl.name, exc_info=exc)
-            return None, f"raised {type(exc).__name__}: {exc}"
-        problem = self._check_result(call, result)
-        if problem and _env.strict():
-            raise ImplementationError(f"implementation {impl.name!r} of {call.op} {problem}")
-        return result, problem
+            setting = configuration_error(exc)
+            if setting is None:
+                if _env.strict():
+                    raise ImplementationError(f"implementation {impl.name!r} of {call.op} raised "
+                                              f"{type(exc).__name__}: {exc}") from exc
+                log.debug("hal: %s raised", impl.name, exc_info=exc)
+                return None, f"raised {type(exc).__name__}: {exc}"
+        else:
+            problem = self._check_result(call, result)
+            if problem and _env.strict():
+                raise ImplementationError(f"implementation {impl.name!r} of {call.op} {problem}")
+            return result, problem
+        raise setting  # the user's setting is wrong: a fallback would only hide it behind a slower path
 
     def _check_result(self, call: OpCall, result: Any) -> str | None:
         """Why ``result`` is not the op's declared result for ``call`` (shape, dtype, device), or None."""
