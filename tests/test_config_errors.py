@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -203,3 +204,138 @@ def _only_cpu_env() -> dict[str, str]:
         env["HAL_DISABLE_PLUGINS"] = ",".join(others)
     env.pop("HAL_CPU_THREADS", None)
     return env
+
+
+#: A backend whose probe, or constructor, reads HAL_FAKE_DEVICES: a setting of the user's.
+PROBE_READS_A_SETTING = '''
+from hal_core import API_VERSION, Availability, env, hookimpl
+from halfakes import HostBackend, touch
+
+
+class ProbingBackend(HostBackend):
+    name = "probing"
+    priority = {priority}
+
+    @classmethod
+    def availability(cls):
+        touch("{marker}", "p")
+        if env.flag("HAL_FAKE_IN_PROBE", True):
+            env.integer("HAL_FAKE_DEVICES", 1, minimum=1)
+        return Availability(True)
+
+    def __init__(self):
+        touch("{marker}", "i")
+        env.integer("HAL_FAKE_DEVICES", 1, minimum=1)
+
+
+@hookimpl
+def hal_api_version():
+    return API_VERSION
+
+
+@hookimpl
+def hal_backends():
+    return [ProbingBackend]
+'''
+
+
+@pytest.mark.parametrize("where", ["probe", "constructor"])
+def test_a_bad_setting_in_a_probe_or_binding_is_raised_not_passed_over(make_plugin, only_cpu_real, cpu,
+                                                                       monkeypatch, where) -> None:
+    """Automatic and named selection raise the setting's error rather than pass over to another backend."""
+    make_plugin("probing", PROBE_READS_A_SETTING.replace("{priority}", str(TOP)))
+    only_cpu_real()
+    monkeypatch.setenv("HAL_FAKE_IN_PROBE", "1" if where == "probe" else "0")
+    monkeypatch.setenv("HAL_FAKE_DEVICES", "two")
+    for name in (None, "probing"):
+        with pytest.raises(EnvironmentVariableError, match="HAL_FAKE_DEVICES='two'"):
+            hal_core.get_backend(name)
+    monkeypatch.setenv("HAL_FAKE_DEVICES", "2")  # fixed: probed or bound again, no reset needed
+    assert hal_core.get_backend().name == "probing"
+
+
+def test_list_backends_reports_a_probes_bad_setting(make_plugin, monkeypatch) -> None:
+    """list_backends() (and so `hal info`) shows the setting's error as the reason instead of raising."""
+    make_plugin("probing", PROBE_READS_A_SETTING.replace("{priority}", "5"))
+    monkeypatch.setenv("HAL_FAKE_DEVICES", "0")
+    info = next(b for b in hal_core.list_backends() if b.name == "probing")
+    assert not info.available
+    assert info.reason.startswith("configuration error:") and "HAL_FAKE_DEVICES='0'" in info.reason
+
+
+#: A plugin that reads HAL_FAKE_LEVEL when imported.
+IMPORT_READS_A_SETTING = '''
+from hal_core import API_VERSION, env, hookimpl
+from halfakes import HostBackend
+
+LEVEL = env.choice("HAL_FAKE_LEVEL", "low", ("low", "high"))
+
+
+class LevelBackend(HostBackend):
+    name = "level"
+    priority = 10**6
+
+
+@hookimpl
+def hal_api_version():
+    return API_VERSION
+
+
+@hookimpl
+def hal_backends():
+    return [LevelBackend]
+'''
+
+
+def test_a_bad_setting_read_at_import_rejects_the_plugin_and_selection_raises(make_plugin, monkeypatch) -> None:
+    """The plugin is rejected with the setting named; get_backend() raises the setting's error, by name too."""
+    make_plugin("level", IMPORT_READS_A_SETTING)
+    make_plugin("other", priority=1)
+    monkeypatch.setenv("HAL_FAKE_LEVEL", "medium")
+    record = next(p for p in hal_core.list_plugins() if p.name == "level")
+    assert record.status == "rejected" and "HAL_FAKE_LEVEL='medium'" in record.reason
+    for name in (None, "level"):
+        with pytest.raises(EnvironmentVariableError, match="HAL_FAKE_LEVEL='medium'") as info:
+            hal_core.get_backend(name)
+        assert isinstance(info.value.__cause__, EnvironmentVariableError)  # the plugin's own traceback
+    assert hal_core.get_backend("other").name == "other"  # the others still load
+
+
+@pytest.mark.parametrize("variable", ["HAL_DISABLE_PLUGINS", "HAL_ALLOW_OVERRIDE"])
+@pytest.mark.parametrize("value", ["a;b", "a b", "hal-x/y"])
+def test_a_bad_name_list_raises_before_any_plugin_is_imported(make_plugin, monkeypatch, variable, value) -> None:
+    """A name list with another separator than ',' raises, naming the variable, before any plugin code runs."""
+    plugin = make_plugin("watched", "from halfakes import touch\ntouch('{marker}')\n")
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(EnvironmentVariableError) as info:
+        hal_core.list_plugins()
+    assert info.value.name == variable and "comma-separated list of names" in str(info.value)
+    with pytest.raises(EnvironmentVariableError, match=variable):
+        hal_core.get_backend()
+    assert plugin.ran() == 0
+
+
+def test_hal_info_reports_a_bad_plugin_list_instead_of_a_traceback(make_plugin, monkeypatch, capsys) -> None:
+    """`hal info` with a HAL_DISABLE_PLUGINS it cannot read prints the error naming it and exits 2."""
+    from hal_core.cli import main
+
+    make_plugin("extra")
+    monkeypatch.setenv("HAL_DISABLE_PLUGINS", "cuda;rocm")
+    assert main(["info", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "HAL_DISABLE_PLUGINS='cuda;rocm'" in captured.err
+
+
+def test_hal_info_shows_a_bad_probe_timeout_as_the_selection_error(make_plugin, monkeypatch, capsys) -> None:
+    """A HAL_PROBE_TIMEOUT_S that is no number: get_backend() raises it, and `hal info` says so per backend."""
+    from hal_core.cli import main
+
+    make_plugin("extra")
+    monkeypatch.setenv("HAL_PROBE_TIMEOUT_S", "soon")
+    with pytest.raises(EnvironmentVariableError, match="HAL_PROBE_TIMEOUT_S='soon'"):
+        hal_core.get_backend()
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["selected"]["error"]["type"] == "EnvironmentVariableError"
+    extra = next(b for b in info["backends"] if b["name"] == "extra")
+    assert not extra["available"] and "HAL_PROBE_TIMEOUT_S='soon'" in extra["reason"]
