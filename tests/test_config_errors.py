@@ -339,3 +339,36 @@ def test_hal_info_shows_a_bad_probe_timeout_as_the_selection_error(make_plugin, 
     assert info["selected"]["error"]["type"] == "EnvironmentVariableError"
     extra = next(b for b in info["backends"] if b["name"] == "extra")
     assert not extra["available"] and "HAL_PROBE_TIMEOUT_S='soon'" in extra["reason"]
+
+
+#: A plugin whose hal_extra_ops hook reads HAL_FAKE_EXTRA while a backend is bound.
+EXTRA_OPS_READ_A_SETTING = '''
+from hal_core import API_VERSION, env, hookimpl
+
+
+@hookimpl
+def hal_api_version():
+    return API_VERSION
+
+
+@hookimpl
+def hal_backends():
+    return []
+
+
+@hookimpl
+def hal_extra_ops(backend):
+    env.flag("HAL_FAKE_EXTRA", False)
+    return []
+'''
+
+
+def test_a_bad_setting_read_by_hal_extra_ops_is_raised_when_binding(make_plugin, monkeypatch) -> None:
+    """Binding raises the setting's error rather than binding the backend without the plugin's extras."""
+    make_plugin("extras", EXTRA_OPS_READ_A_SETTING)
+    make_plugin("target", priority=3)
+    monkeypatch.setenv("HAL_FAKE_EXTRA", "sometimes")
+    with pytest.raises(EnvironmentVariableError, match="HAL_FAKE_EXTRA='sometimes'"):
+        hal_core.get_backend("target")
+    monkeypatch.setenv("HAL_FAKE_EXTRA", "no")
+    assert hal_core.get_backend("target").name == "target"
