@@ -138,7 +138,7 @@ def name_list(name: str) -> frozenset[str]:
     items = frozenset(part.strip() for part in raw.split(",") if part.strip())
     if not all(_NAME.fullmatch(item) for item in items):
         raise EnvironmentVariableError(name, raw.strip(),
-                                       f"a comma-separated list of names made of {NAME_CHARACTERS} (e.g. cuda,rocm)")
+                                       f"a comma-separated list of names made of {NAME_CHARACTERS} (e.g. a,b-c)")
     return items
 
 
