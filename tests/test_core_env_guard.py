@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import hal_core
-from hal_core import _env
+from hal_core import _env, _env_guard
 from hal_core._env_guard import watch
 from hal_core.cli import collect_info
 from hal_core.testing.inputs import paged_attention_inputs
@@ -179,7 +179,9 @@ def test_watch_puts_back_only_what_its_own_thread_changed(monkeypatch) -> None:
     def other_thread() -> None:
         os.environ["HAL_FAKE_OTHER"] = "theirs"
 
+    already_open = _env_guard._open_watches  # e.g. a hanging probe of an earlier test, still watched
     with watch() as changes:
+        assert type(os.environ) is not os._Environ  # recording while a watch is open
         os.environ.update({"HAL_TUNE": "0", "NOT_HAL": "b"})
         os.environ.setdefault("HAL_FAKE_SAME", "tmp")
         del os.environ["HAL_FAKE_SAME"]  # set and unset again: no change in the end
@@ -191,7 +193,8 @@ def test_watch_puts_back_only_what_its_own_thread_changed(monkeypatch) -> None:
     assert os.environ["HAL_TUNE"] == "1" and os.environ["NOT_HAL"] == "b"
     assert os.environ["HAL_FAKE_OTHER"] == "theirs" and os.environ["HAL_FAKE_KEEP"] == "x"
     monkeypatch.delenv("HAL_FAKE_OTHER")
-    assert type(os.environ) is os._Environ  # the recording class is gone once no watch is open
+    assert _env_guard._open_watches == already_open
+    assert (type(os.environ) is os._Environ) == (already_open == 0)  # its own class again once none is open
 
 
 def test_nested_watches_report_each_its_own_writes(monkeypatch) -> None:
