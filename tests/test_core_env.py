@@ -116,8 +116,22 @@ def test_name_list_and_text(monkeypatch: pytest.MonkeyPatch) -> None:
     """Comma lists drop blanks; text is stripped and None when empty."""
     monkeypatch.setenv("HAL_DISABLE_PLUGINS", " cuda, ,rocm ")
     assert env.name_list("HAL_DISABLE_PLUGINS") == {"cuda", "rocm"}
+    monkeypatch.setenv("HAL_ALLOW_OVERRIDE", "hal-my_cpu.x,")
+    assert env.name_list("HAL_ALLOW_OVERRIDE") == {"hal-my_cpu.x"}
+    monkeypatch.setenv("HAL_ALLOW_OVERRIDE", "")
+    assert env.name_list("HAL_ALLOW_OVERRIDE") == frozenset()
     monkeypatch.setenv("HAL_BACKEND", "  ")
     assert env.text("HAL_BACKEND") is None
+
+
+@pytest.mark.parametrize("raw", ["cuda;rocm", "cuda rocm", "cuda/rocm", "hal-x[gpu]", "cpu,cüda"])
+def test_name_list_with_another_separator_is_an_error(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    """A list that is not comma-separated names (it would match no plugin and disable nothing) raises."""
+    monkeypatch.setenv("HAL_DISABLE_PLUGINS", raw)
+    with pytest.raises(EnvironmentVariableError) as info:
+        env.name_list("HAL_DISABLE_PLUGINS")
+    assert (info.value.name, info.value.value) == ("HAL_DISABLE_PLUGINS", raw)
+    assert "comma-separated list of names" in str(info.value) and env.NAME_CHARACTERS in str(info.value)
 
 
 @pytest.mark.parametrize("raw", ["0", "-1", "inf", "nan", "soon"])

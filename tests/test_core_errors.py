@@ -17,6 +17,7 @@ HIERARCHY = [
     ("ArgumentError", ValueError),
     ("ArgumentTypeError", TypeError),
     ("LaunchConfigError", ValueError),
+    ("ConfigurationError", ValueError),
     ("EnvironmentVariableError", ValueError),
     ("CheckpointError", ValueError),
     ("KernelCompileError", RuntimeError),

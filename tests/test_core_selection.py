@@ -189,3 +189,36 @@ print(len(infos))
     done = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), timeout=120,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_disabled_cpu_plugin_is_named_with_how_to_re_enable_it(make_plugin, cpu, monkeypatch) -> None:
+    """HAL_DISABLE_PLUGINS=cpu: the error says the plugin was disabled and how to re-enable it, not to install it."""
+    from importlib import metadata
+
+    make_plugin("absent", UNAVAILABLE.replace("{priority}", "5"))
+    real = sorted(ep.name for ep in metadata.entry_points(group="hal") if ep.name != "absent")
+    monkeypatch.setenv("HAL_DISABLE_PLUGINS", ",".join(real))
+    hal_core.reset()
+    with pytest.raises(BackendUnavailableError) as info:
+        hal_core.get_backend()
+    assert "plugin 'cpu' (hal-cpu) is disabled by HAL_DISABLE_PLUGINS" in info.value.reason
+    assert "absent: no Absent device found" in info.value.reason
+    assert f"HAL_DISABLE_PLUGINS (now {','.join(real)!r}) or unsetting it" in info.value.remedy
+    assert "'cpu'" in info.value.remedy and "pip install" not in info.value.remedy
+    with pytest.raises(BackendUnavailableError) as named:
+        hal_core.get_backend("cpu")
+    assert "disabled by HAL_DISABLE_PLUGINS" in named.value.reason
+    assert "remove 'cpu' from HAL_DISABLE_PLUGINS" in named.value.remedy
+    monkeypatch.delenv("HAL_DISABLE_PLUGINS")
+    hal_core.reset()  # re-enabled: discovery runs again
+    assert hal_core.get_backend("cpu").name == "cpu"
+
+
+def test_nothing_disabled_and_nothing_available_advises_installing_the_fallback() -> None:
+    """With no plugin disabled, the remedy is to install (or repair) hal-cpu; a disabled one is named first."""
+    from hal_core import _selection
+
+    assert "pip install hal-cpu" in _selection._nothing_available_remedy([])
+    other = hal_core.PluginRecord("gpu", "x:y", "hal-gpu", "1.0", "disabled")
+    remedy = _selection._nothing_available_remedy([other])
+    assert remedy.index("re-enable 'gpu'") < remedy.index("pip install hal-cpu")

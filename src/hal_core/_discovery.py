@@ -6,6 +6,13 @@ full, and either kept whole or rejected with its reason; one broken
 plugin never stops the others, and nothing a plugin raises (``SystemExit``
 included; only ``KeyboardInterrupt`` passes) ends the host program.
 
+Plugin code may not change the user's ``HAL_*`` settings: a plugin whose
+import or hooks set or unset one is refused with the variables named, and
+the user's values are put back (:mod:`hal_core._env_guard`). A plugin whose
+code raises a :class:`~hal_core.ConfigurationError` (it read a setting of
+the user's and refused it) is rejected too, and :attr:`Discovery.setting_errors`
+keeps the error for selection to raise.
+
 A backend name belongs to one distribution: the one named
 ``hal-<backend name>`` when several offer it. Another distribution may
 replace that backend, or add implementations to it through
@@ -29,6 +36,8 @@ import pluggy
 from . import _env, _hookspecs
 from ._backend import Backend
 from ._entry_points import FoundEntryPoint, entry_points
+from ._env_guard import describe, watch
+from ._errors import ConfigurationError, configuration_error
 from ._version import API_VERSION
 
 __all__ = ["BackendEntry", "Discovery", "PluginRecord", "discover_plugins", "extra_op_impls", "guarded",
@@ -73,11 +82,25 @@ class Discovery:
     manager: pluggy.PluginManager
     plugins: list[PluginRecord]
     backends: list[BackendEntry]
+    #: Plugin name -> the configuration error its import or hooks raised (the plugin is rejected).
+    setting_errors: dict[str, ConfigurationError] = field(default_factory=dict)
 
     def record(self, plugin_name: str) -> PluginRecord | None:
         """The record of the entry point registered with pluggy as ``plugin_name``."""
         name = plugin_name.removeprefix("hal-plugin:")
         return next((p for p in self.plugins if p.name == name and p.status == "loaded"), None)
+
+    def reject(self, plugin: str, reason: str) -> None:
+        """Reject the loaded plugin ``plugin`` after discovery: its record says why, its backends and hooks go."""
+        record = self.record(plugin)
+        if record is None:
+            return
+        record.status, record.reason = "rejected", reason
+        self.backends = [e for e in self.backends if e.plugin != plugin]
+        registered = self.manager.get_plugin(f"hal-plugin:{plugin}")
+        if registered is not None:
+            self.manager.unregister(registered)
+        log.warning("hal: plugin %r rejected: %s", plugin, reason)
 
 
 def guarded(what: str, fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, BaseException | None]:
@@ -135,49 +158,30 @@ def _check_backend_class(cls: Any) -> str:
     return ""
 
 
-def _load_plugin(manager: pluggy.PluginManager, ep: FoundEntryPoint) -> tuple[PluginRecord, list[BackendEntry]]:
+def _load_plugin(manager: pluggy.PluginManager, ep: FoundEntryPoint,
+                 disabled: frozenset[str]) -> tuple[PluginRecord, list[BackendEntry], BaseException | None]:
+    """Import and check one entry point: its record, its backends, and the error that rejected it (if any)."""
     record = PluginRecord(name=ep.name, value=ep.value, distribution=ep.distribution, version=ep.version,
                           status="rejected")
-
-    def reject(reason: str, exc: BaseException | None = None) -> tuple[PluginRecord, list[BackendEntry]]:
-        record.reason = reason
-        log.info("hal: plugin %r rejected: %s", ep.name, reason)
+    if ep.name in disabled:
+        record.status = "disabled"
+        record.reason = (f"disabled by HAL_DISABLE_PLUGINS={','.join(sorted(disabled))!r}; to load it, remove "
+                         f"{ep.name!r} from that list (or unset it)")
+        return record, [], None
+    with watch() as changes:
+        classes, problem, exc = _import_and_check(manager, ep)
+    if changes:
+        tampered = describe(changes, "importing it or calling its hooks")
+        problem = f"{problem}; and {tampered}" if problem else tampered
+        registered = manager.get_plugin(f"hal-plugin:{ep.name}")
+        if registered is not None:
+            manager.unregister(registered)
+    if problem:
+        record.reason = problem
+        log.log(logging.WARNING if changes else logging.INFO, "hal: plugin %r rejected: %s", ep.name, problem)
         if exc is not None:
             log.debug("hal: plugin %r traceback", ep.name, exc_info=exc)
-        return record, []
-
-    if ep.name in _env.disabled_plugins():
-        record.status, record.reason = "disabled", "disabled by HAL_DISABLE_PLUGINS"
-        return record, []
-    module, exc = guarded(f"importing plugin {ep.name!r}", ep.load)
-    if exc is not None:
-        return reject(f"importing {ep.value!r} failed: {_describe(exc)}", exc)
-    _, exc = guarded(f"registering plugin {ep.name!r}", manager.register, module, name=f"hal-plugin:{ep.name}")
-    if exc is not None:
-        return reject(f"invalid hook implementations: {_describe(exc)}", exc)
-
-    def unregister_and_reject(reason: str, exc: BaseException | None = None):
-        manager.unregister(module)
-        return reject(reason, exc)
-
-    version_hook = _own_impl(manager.hook.hal_api_version, module)
-    if version_hook is None:
-        return unregister_and_reject("declares no hal_api_version hook")
-    version, exc = guarded(f"{ep.name} hal_api_version", version_hook)
-    if exc is not None:
-        return unregister_and_reject(f"hal_api_version raised {_describe(exc)}", exc)
-    problem = _compatible(version)
-    if problem:
-        warnings.warn(f"hal: plugin {ep.name!r} {problem}", RuntimeWarning, stacklevel=2)
-        return unregister_and_reject(problem)
-    backends_hook = _own_impl(manager.hook.hal_backends, module)
-    classes, exc = guarded(f"{ep.name} hal_backends", lambda: list(backends_hook()) if backends_hook else [])
-    if exc is not None:
-        return unregister_and_reject(f"hal_backends raised {_describe(exc)}", exc)
-    for cls in classes:
-        problem = _check_backend_class(cls)
-        if problem:
-            return unregister_and_reject(problem)
+        return record, [], exc
     record.status = "loaded"
     record.backends = [cls.name for cls in classes]
     entries = [
@@ -185,7 +189,42 @@ def _load_plugin(manager: pluggy.PluginManager, ep: FoundEntryPoint) -> tuple[Pl
                      distribution=record.distribution, version=record.version)
         for cls in classes
     ]
-    return record, entries
+    return record, entries, None
+
+
+def _import_and_check(manager: pluggy.PluginManager,
+                      ep: FoundEntryPoint) -> tuple[list[type[Backend]], str, BaseException | None]:
+    """Import ``ep``, register it and call its hooks: (backend classes, "", None) or ([], why not, error)."""
+    module, exc = guarded(f"importing plugin {ep.name!r}", ep.load)
+    if exc is not None:
+        return [], f"importing {ep.value!r} failed: {_describe(exc)}", exc
+    _, exc = guarded(f"registering plugin {ep.name!r}", manager.register, module, name=f"hal-plugin:{ep.name}")
+    if exc is not None:
+        return [], f"invalid hook implementations: {_describe(exc)}", exc
+
+    def refuse(reason: str, exc: BaseException | None = None) -> tuple[list[type[Backend]], str, BaseException | None]:
+        manager.unregister(module)
+        return [], reason, exc
+
+    version_hook = _own_impl(manager.hook.hal_api_version, module)
+    if version_hook is None:
+        return refuse("declares no hal_api_version hook")
+    version, exc = guarded(f"{ep.name} hal_api_version", version_hook)
+    if exc is not None:
+        return refuse(f"hal_api_version raised {_describe(exc)}", exc)
+    problem = _compatible(version)
+    if problem:
+        warnings.warn(f"hal: plugin {ep.name!r} {problem}", RuntimeWarning, stacklevel=3)
+        return refuse(problem)
+    backends_hook = _own_impl(manager.hook.hal_backends, module)
+    classes, exc = guarded(f"{ep.name} hal_backends", lambda: list(backends_hook()) if backends_hook else [])
+    if exc is not None:
+        return refuse(f"hal_backends raised {_describe(exc)}", exc)
+    for cls in classes:
+        problem = _check_backend_class(cls)
+        if problem:
+            return refuse(problem)
+    return classes, "", None
 
 
 def owner_distribution(backend_name: str) -> str:
@@ -258,11 +297,18 @@ def _resolve_names(entries: list[BackendEntry]) -> None:
 
 
 def discover_plugins() -> Discovery:
-    """Import and check every entry point of the ``hal`` group (``HAL_DISABLE_PLUGINS`` ones excepted)."""
+    """Import and check every entry point of the ``hal`` group (``HAL_DISABLE_PLUGINS`` ones excepted).
+
+    Raises :class:`~hal_core.EnvironmentVariableError` before importing anything when
+    ``HAL_DISABLE_PLUGINS`` or ``HAL_ALLOW_OVERRIDE`` is not a comma-separated list of names.
+    """
+    disabled = _env.disabled_plugins()
+    _env.allowed_overrides()
     manager = pluggy.PluginManager(_hookspecs.PROJECT_NAME)
     manager.add_hookspecs(_hookspecs)
     plugins: list[PluginRecord] = []
     backends: list[BackendEntry] = []
+    setting_errors: dict[str, ConfigurationError] = {}
     seen: set[tuple[str, str]] = set()
     for ep in sorted(entry_points(_hookspecs.PROJECT_NAME), key=lambda e: e.name):
         if (ep.name, ep.value) in seen:  # the same distribution visible twice on sys.path
@@ -276,12 +322,15 @@ def discover_plugins() -> Discovery:
                         f"({clash.distribution}); uninstall one, or disable it with HAL_DISABLE_PLUGINS"),
             ))
             continue
-        record, entries = _load_plugin(manager, ep)
+        record, entries, exc = _load_plugin(manager, ep, disabled)
         plugins.append(record)
         backends.extend(entries)
+        setting = configuration_error(exc)
+        if setting is not None:
+            setting_errors[ep.name] = setting
     backends = _resolve_ownership(manager, plugins, backends)
     _resolve_names(backends)
-    return Discovery(manager=manager, plugins=plugins, backends=backends)
+    return Discovery(manager=manager, plugins=plugins, backends=backends, setting_errors=setting_errors)
 
 
 def extra_op_impls(discovery: Discovery, entry: BackendEntry, backend: Backend) -> list[Any]:
@@ -297,8 +346,16 @@ def extra_op_impls(discovery: Discovery, entry: BackendEntry, backend: Backend) 
     impls: list[Any] = []
     for hookimpl in discovery.manager.hook.hal_extra_ops.get_hookimpls():
         record = discovery.record(hookimpl.plugin_name)
-        offered, exc = guarded(f"{hookimpl.plugin_name} hal_extra_ops",
-                               lambda f=hookimpl.function: list(f(backend=backend) or ()))
+        with watch() as changes:
+            offered, exc = guarded(f"{hookimpl.plugin_name} hal_extra_ops",
+                                   lambda f=hookimpl.function: list(f(backend=backend) or ()))
+        if changes:
+            discovery.reject(hookimpl.plugin_name.removeprefix("hal-plugin:"),
+                             describe(changes, f"its hal_extra_ops hook (for backend {backend.name!r})"))
+            continue
+        setting = configuration_error(exc)
+        if setting is not None:
+            raise setting  # the user's setting is wrong: binding the backend without these ops would hide it
         if exc is None:
             bad = [item for item in offered if not (isinstance(item, OpImpl) and item.op in OPS)]
             if bad:

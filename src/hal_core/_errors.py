@@ -10,7 +10,8 @@ naturally catch, so ``except ValueError`` keeps working::
     ├── ArgumentError ............... ValueError    bad shape, value or layout of an op argument
     ├── ArgumentTypeError ........... TypeError     bad dtype or type of an op argument
     ├── LaunchConfigError ........... ValueError    a launch config exceeds a device limit
-    ├── EnvironmentVariableError .... ValueError    a ``HAL_*`` variable holds a value it does not accept
+    ├── ConfigurationError .......... ValueError    a setting of the user's is wrong: never a fallback
+    │   └── EnvironmentVariableError  ValueError    a ``HAL_*`` variable holds a value it does not accept
     ├── CheckpointError ............. ValueError    a quantized checkpoint hal cannot load (names the config key)
     ├── KernelCompileError .......... RuntimeError  a kernel failed to compile (carries the log)
     ├── FallbackError ............... RuntimeError  a fallback happened under ``HAL_STRICT=1``
@@ -19,6 +20,12 @@ naturally catch, so ``except ValueError`` keeps working::
     └── OutOfBlocksError ............ MemoryError   a paged KV cache has no free blocks left
 
 Messages say what happened and what to do next.
+
+A :class:`ConfigurationError` is the user's to fix, so hal never answers it
+with a slower path: the ops front door, backend probes and binding let it
+through to the caller (:func:`configuration_error` finds one behind a
+plugin's own exception), where other failures of plugin code fall back or
+make the backend unavailable.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ __all__ = [
     "BackendNotFoundError",
     "BackendUnavailableError",
     "CheckpointError",
+    "ConfigurationError",
     "DeviceOutOfMemoryError",
     "EnvironmentVariableError",
     "FallbackError",
@@ -94,7 +102,31 @@ class LaunchConfigError(HalError, ValueError):
     """A launch configuration exceeds a limit of the device it targets."""
 
 
-class EnvironmentVariableError(HalError, ValueError):
+class ConfigurationError(HalError, ValueError):
+    """A setting the user chose (an environment variable, a configuration value) is wrong.
+
+    Never turned into a fallback or an unavailable backend: the call that
+    reads the setting raises it. Plugins raise it (or a subclass) for their
+    own settings.
+    """
+
+
+def configuration_error(exc: BaseException | None) -> ConfigurationError | None:
+    """The :class:`ConfigurationError` ``exc`` is, or was raised from or while handling; None if none.
+
+    Follows ``__cause__`` and ``__context__``, so a plugin that wraps the
+    error of a bad setting in its own exception still reports the setting.
+    """
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, ConfigurationError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+class EnvironmentVariableError(ConfigurationError):
     """A ``HAL_*`` environment variable holds a value it does not accept.
 
     Carries ``name``, ``value`` and ``expected`` (the accepted values, in words).

@@ -10,6 +10,14 @@ Locks guard only hal's own bookkeeping and binding. ``availability()``
 runs outside every lock, once per backend, in a daemon thread that the
 caller waits for at most ``HAL_PROBE_TIMEOUT_S`` seconds: a probe that
 hangs makes its backend unavailable and delays nobody else.
+
+Probes and binding run plugin code under :func:`hal_core._env_guard.watch`:
+a plugin that changes a ``HAL_*`` variable there is rejected whole (its
+backends leave the discovery, its record says why) and the user's value is
+put back. A :class:`~hal_core.ConfigurationError` raised by a probe or by
+binding reaches the caller instead of making the backend unavailable, and
+nothing of it is remembered: once the setting is fixed, the next call
+probes or binds again.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from typing import Any
 from . import _env
 from ._backend import Availability, Backend
 from ._discovery import BackendEntry, Discovery, discover_plugins, extra_op_impls, guarded
+from ._env_guard import describe, watch
+from ._errors import BackendUnavailableError, ConfigurationError, configuration_error
 
 __all__ = ["Runtime", "current", "reset"]
 
@@ -45,12 +55,21 @@ class _Probe:
         self._done = threading.Event()
         self._result: Availability | None = None
         self._interrupt: BaseException | None = None
+        #: Why the plugin is refused: its availability() changed a HAL_* variable (put back since); "" if not.
+        self.tampered = ""
+        #: The configuration error availability() raised, if any (for the caller to raise).
+        self.setting: ConfigurationError | None = None
         threading.Thread(target=self._run, name=f"hal-probe-{entry.name}", daemon=True).start()
 
     def _run(self) -> None:
         try:
-            result, exc = guarded(f"{self._entry.name} availability()", self._entry.cls.availability)
-            if exc is not None:
+            with watch() as changes:
+                result, exc = guarded(f"{self._entry.name} availability()", self._entry.cls.availability)
+            self.setting = configuration_error(exc)
+            if changes:
+                self.tampered = describe(changes, "its availability()")
+                self._result = Availability(False, self.tampered, _REFUSED)
+            elif exc is not None:
                 self._result = Availability(False, f"availability() raised {type(exc).__name__}: {exc}")
             else:
                 self._result = validated_availability(result)
@@ -113,11 +132,31 @@ class Runtime:
         return probe
 
     def availability(self, entry: BackendEntry) -> Availability:
-        """``entry``'s availability: probed once, waited for at most ``HAL_PROBE_TIMEOUT_S``."""
+        """``entry``'s availability: probed once, waited for at most ``HAL_PROBE_TIMEOUT_S``.
+
+        Raises the :class:`~hal_core.ConfigurationError` the probe raised (the probe then runs
+        again at the next call); rejects the plugin whose probe changed a ``HAL_*`` variable.
+        """
         failed = self.failed.get(entry.name)
         if failed is not None:
             return Availability(False, failed, "see `hal info` and the debug log for the traceback")
-        return self.start_probe(entry).wait(_env.probe_timeout_s())
+        timeout = _env.probe_timeout_s()
+        probe = self.start_probe(entry)
+        result = probe.wait(timeout)
+        if probe.tampered:
+            self.reject(entry.plugin, probe.tampered)
+            return Availability(False, probe.tampered, _REFUSED)
+        if probe.setting is not None:
+            with self._lock:
+                if self._probes.get(id(entry)) is probe:
+                    del self._probes[id(entry)]
+            raise probe.setting
+        return result
+
+    def reject(self, plugin: str, reason: str) -> None:
+        """Reject the loaded plugin ``plugin`` whole, for ``reason`` (see :meth:`Discovery.reject`)."""
+        with self._lock:
+            self.discovery().reject(plugin, reason)
 
     # -- binding ----------------------------------------------------------
 
@@ -141,8 +180,11 @@ class Runtime:
         return None
 
     def bind(self, entry: BackendEntry) -> Backend:
-        """Instantiate and fully bind ``entry``'s backend once, or record why it failed and raise."""
-        from ._errors import BackendUnavailableError
+        """Instantiate and fully bind ``entry``'s backend once, or record why it failed and raise.
+
+        A :class:`~hal_core.ConfigurationError` is raised as it is and not recorded, so the
+        next call binds again once the setting is fixed.
+        """
         from .ops import Ops
 
         with self._lock:
@@ -172,7 +214,24 @@ class Runtime:
                 Ops.attach(instance, fallback=fallback, extra_impls=extras)
                 return instance
 
-            backend, exc = guarded(f"binding backend {entry.name!r}", build)
+            with watch() as changes:
+                backend, exc = guarded(f"binding backend {entry.name!r}", build)
+            if changes:
+                reason = describe(changes, f"binding its backend {entry.name!r}")
+                if backend is not None:
+                    guarded(f"{entry.name} on_reset()", backend.on_reset)
+                self.failed[entry.name] = reason
+                self.reject(entry.plugin, reason)
+                raise BackendUnavailableError(entry.name, reason, _REFUSED)
+            setting = configuration_error(exc)
+            if setting is not None:
+                raise setting
+            rejected = self._rejection(entry.plugin)
+            if exc is None and rejected:  # e.g. its hal_extra_ops, run while binding another backend
+                if backend is not None:
+                    guarded(f"{entry.name} on_reset()", backend.on_reset)
+                self.failed[entry.name] = f"its plugin was rejected: {rejected}"
+                raise BackendUnavailableError(entry.name, self.failed[entry.name], _REFUSED)
             if exc is not None:
                 reason = f"failed to initialise: {type(exc).__name__}: {exc}"
                 self.failed[entry.name] = reason
@@ -183,6 +242,12 @@ class Runtime:
                 log.info("hal: backend %r bound; its fallback is %r", entry.name, fallback.name)
             return backend
 
+    def _rejection(self, plugin: str) -> str:
+        """Why ``plugin`` was rejected after discovery (it then offers nothing), or "" while it is loaded."""
+        if self.discovery().record(plugin) is not None:
+            return ""
+        return next((p.reason for p in self.discovery().plugins if p.name == plugin), "rejected")
+
     def close(self) -> None:
         """Call every bound backend's ``on_reset`` (errors are logged, never raised)."""
         for backend in self.bound():
@@ -190,6 +255,9 @@ class Runtime:
             if exc is not None:
                 log.warning("hal: backend %r on_reset() raised %s: %s", backend.name, type(exc).__name__, exc)
 
+
+#: The remedy of a plugin refused for changing a HAL_* variable.
+_REFUSED = "fix the plugin so it leaves HAL_* variables alone, or disable it with HAL_DISABLE_PLUGINS"
 
 _current = Runtime()
 _current_lock = threading.Lock()

@@ -1,15 +1,23 @@
-"""Choosing a backend: by name, by ``HAL_BACKEND``, or the best available."""
+"""Choosing a backend: by name, by ``HAL_BACKEND``, or the best available.
+
+A :class:`~hal_core.ConfigurationError` is never a reason to pick another
+backend: when a plugin's import, probe or binding refuses a setting of the
+user's, selection raises it. An error when nothing is available names
+every cause, plugins disabled by ``HAL_DISABLE_PLUGINS`` included.
+"""
 
 from __future__ import annotations
 
+import copy
 import logging
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from . import _env
-from ._backend import Backend
-from ._errors import BackendConflictError, BackendNotFoundError, BackendUnavailableError
+from ._backend import Availability, Backend
+from ._discovery import BackendEntry, Discovery, PluginRecord, _normalise
+from ._errors import BackendConflictError, BackendNotFoundError, BackendUnavailableError, ConfigurationError
 from ._runtime import Runtime, current
 
 __all__ = ["BackendInfo", "check_errors", "get_backend", "list_backends", "stats"]
@@ -41,13 +49,18 @@ def get_backend(name: str | None = None) -> Backend:
     An explicit choice that cannot run raises :class:`BackendNotFoundError`,
     :class:`BackendConflictError` or :class:`BackendUnavailableError` (with
     reason and remedy). Automatic selection never raises while an available
-    host backend (hal-cpu) is installed; it warns once when it passes over
-    an installed backend that failed, and its error names every cause.
+    host backend (hal-cpu) is installed, except for a wrong setting: it warns
+    once when it passes over an installed backend that failed, and its error
+    names every cause. A :class:`~hal_core.ConfigurationError` (a ``HAL_*``
+    variable a plugin read and refused) is raised as it is, never passed over.
     """
     explicit = name or _env.backend_override()
     runtime = current()
     if explicit:
         return _get_named(runtime, explicit)
+    discovery = runtime.discovery()
+    for error in discovery.setting_errors.values():
+        raise _fresh(error) from error
     candidates = runtime.selectable()
     for entry in candidates:  # every probe runs at once; the walk below waits in priority order
         runtime.start_probe(entry)
@@ -66,7 +79,6 @@ def get_backend(name: str | None = None) -> Backend:
         except BackendUnavailableError as exc:
             causes.append(f"{entry.name}: {exc.reason}")
             _warn_passed_over(runtime, entry.name, exc.reason)
-    discovery = runtime.discovery()
     for entry in discovery.backends:
         if entry.shadowed:
             causes.append(f"{entry.name} ({entry.distribution}): {entry.shadowed}")
@@ -74,12 +86,41 @@ def get_backend(name: str | None = None) -> Backend:
         if record.status == "rejected":
             causes.append(f"plugin {record.name!r} ({record.distribution}) rejected: {record.reason}")
             _warn_passed_over(runtime, record.name, f"plugin rejected: {record.reason}")
-    remedy = ("install (or repair) the CPU fallback with `pip install hal-cpu`; "
-              "`hal info` shows every backend and plugin")
+    disabled = [record for record in discovery.plugins if record.status == "disabled"]
+    for record in disabled:
+        causes.append(f"plugin {record.name!r} ({record.distribution}) is disabled by HAL_DISABLE_PLUGINS")
     reason = "no installed backend is available"
     if causes:
         reason += " (" + "; ".join(causes) + ")"
-    raise BackendUnavailableError("auto", reason, remedy)
+    raise BackendUnavailableError("auto", reason, _nothing_available_remedy(disabled))
+
+
+#: The distribution of the host backend every installation is meant to have.
+FALLBACK_DISTRIBUTION = "hal-cpu"
+
+
+def _nothing_available_remedy(disabled: list[PluginRecord]) -> str:
+    """What to do when automatic selection finds nothing: re-enable what was disabled, install the fallback."""
+    steps = []
+    if disabled:
+        names = ", ".join(repr(record.name) for record in disabled)
+        steps.append(f"re-enable {names} by removing {'it' if len(disabled) == 1 else 'them'} from "
+                     f"HAL_DISABLE_PLUGINS (now {_disabled_setting()!r}) or unsetting it")
+    if not any(_normalise(record.distribution) == FALLBACK_DISTRIBUTION for record in disabled):
+        steps.append(f"install (or repair) the CPU fallback with `pip install {FALLBACK_DISTRIBUTION}`")
+    return "; or ".join(steps) + "; `hal info` shows every backend and plugin"
+
+
+def _disabled_setting() -> str:
+    return ",".join(sorted(_env.disabled_plugins()))
+
+
+def _fresh(error: ConfigurationError) -> ConfigurationError:
+    """A new instance of ``error`` to raise again (the stored one, with its traceback, becomes its cause)."""
+    try:
+        return copy.copy(error)
+    except Exception:  # pragma: no cover - a subclass that cannot be rebuilt from its arguments
+        return error
 
 
 def _warn_passed_over(runtime: Runtime, name: str, reason: str) -> None:
@@ -93,11 +134,7 @@ def _get_named(runtime: Runtime, name: str) -> Backend:
     discovery = runtime.discovery()
     entries = [e for e in discovery.backends if e.name == name]
     if not entries:
-        rejected = [p for p in discovery.plugins if p.status != "loaded" and (p.name == name or name in p.backends)]
-        if rejected:
-            raise BackendUnavailableError(name, f"its plugin was {rejected[0].status}: {rejected[0].reason}",
-                                          "fix or reinstall the plugin; `hal info` shows every entry point")
-        raise BackendNotFoundError(name, sorted({e.name for e in discovery.backends}))
+        _raise_not_offered(discovery, name)
     entry = next((e for e in entries if not e.shadowed), None)
     if entry is None:
         raise BackendConflictError(entries[0].shadowed)
@@ -107,6 +144,32 @@ def _get_named(runtime: Runtime, name: str) -> Backend:
     return runtime.bind(entry)
 
 
+def _raise_not_offered(discovery: Discovery, name: str) -> None:
+    """Raise why no loaded plugin offers backend ``name``: a setting, a disabled or rejected plugin, or none."""
+    rejected = [p for p in discovery.plugins if p.status != "loaded" and (p.name == name or name in p.backends)]
+    if not rejected:
+        raise BackendNotFoundError(name, sorted({e.name for e in discovery.backends}))
+    record = rejected[0]
+    error = discovery.setting_errors.get(record.name)
+    if error is not None:
+        raise _fresh(error) from error
+    if record.status == "disabled":
+        raise BackendUnavailableError(
+            name, f"its plugin {record.name!r} ({record.distribution}) is disabled by HAL_DISABLE_PLUGINS",
+            f"remove {record.name!r} from HAL_DISABLE_PLUGINS (now {_disabled_setting()!r}) "
+            f"or unset it, then call hal_core.reset() if this process has looked for plugins already")
+    raise BackendUnavailableError(name, f"its plugin was {record.status}: {record.reason}",
+                                  "fix or reinstall the plugin; `hal info` shows every entry point")
+
+
+def _reported_availability(runtime: Runtime, entry: BackendEntry) -> Availability:
+    """``entry``'s availability for a report: a configuration error becomes its reason instead of raising."""
+    try:
+        return runtime.availability(entry)
+    except ConfigurationError as exc:
+        return Availability(False, f"configuration error: {exc}", "fix the setting it names, or unset it")
+
+
 def list_backends() -> list[BackendInfo]:
     """Every backend offered by a loaded plugin: name, distribution, version, priority, state."""
     runtime = current()
@@ -114,7 +177,10 @@ def list_backends() -> list[BackendInfo]:
     for entry in entries:
         if not entry.shadowed:
             runtime.start_probe(entry)
-    fallback = runtime.fallback_entry()
+    try:
+        fallback = runtime.fallback_entry()
+    except ConfigurationError:  # the host backend's probe refused a setting: shown as its reason below
+        fallback = None
     infos = []
     for entry in entries:
         if entry.shadowed:
@@ -122,7 +188,7 @@ def list_backends() -> list[BackendInfo]:
                                      entry.plugin, loaded=False, available=False, reason=entry.shadowed,
                                      selectable=False))
             continue
-        availability = runtime.availability(entry)
+        availability = _reported_availability(runtime, entry)
         infos.append(BackendInfo(entry.name, entry.distribution, entry.version, entry.priority, entry.plugin,
                                  loaded=runtime.is_bound(entry), available=availability.ok,
                                  reason=availability.reason, remedy=availability.remedy,

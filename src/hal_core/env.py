@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Iterable
 
 from ._errors import EnvironmentVariableError
 
 __all__ = [
+    "NAME_CHARACTERS",
     "OFF_SPELLINGS",
     "ON_SPELLINGS",
     "EnvironmentVariableError",
@@ -121,10 +123,23 @@ def choice(name: str, default: str, choices: Iterable[str]) -> str:
     return value.lower()
 
 
+#: What one item of a :func:`name_list` may hold: an entry point or distribution name.
+NAME_CHARACTERS = "letters, digits, '_', '.' and '-'"
+_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+
+
 def name_list(name: str) -> frozenset[str]:
-    """A comma-separated list of names (``a,b``); empty items are ignored."""
+    """A comma-separated list of names (``a,b``) made of :data:`NAME_CHARACTERS`; empty items are ignored.
+
+    Blanks around an item are ignored; another separator (``a;b``, ``a b``) raises rather than reading as
+    one name that matches nothing.
+    """
     raw = os.environ.get(name, "")
-    return frozenset(part.strip() for part in raw.split(",") if part.strip())
+    items = frozenset(part.strip() for part in raw.split(",") if part.strip())
+    if not all(_NAME.fullmatch(item) for item in items):
+        raise EnvironmentVariableError(name, raw.strip(),
+                                       f"a comma-separated list of names made of {NAME_CHARACTERS} (e.g. a,b-c)")
+    return items
 
 
 def _bounds(kind: str, minimum: float | None, maximum: float | None) -> str:

@@ -39,7 +39,7 @@ def collect_info() -> dict[str, Any]:
     """Everything ``hal info`` reports, as JSON-ready data (the ``--json`` document)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plugins = [asdict(record) for record in hal_core.list_plugins()]
+        hal_core.list_plugins()  # discovery first: a wrong HAL_DISABLE_PLUGINS raises before anything else
         try:
             chosen = hal_core.get_backend()
             selected: dict[str, Any] = {"backend": chosen.name, "error": None}
@@ -61,6 +61,7 @@ def collect_info() -> dict[str, Any]:
             except HalError as exc:
                 device_errors[info.name] = str(exc)
         backends = [asdict(info) for info in hal_core.list_backends()]
+        plugins = [asdict(record) for record in hal_core.list_plugins()]  # after the probes, which may reject one
         tuned = collect_tuning(bound)
     for caps in (c["capabilities"] for ds in devices.values() for c in ds):
         for key in ("dtypes", "features"):
@@ -163,7 +164,11 @@ def _print_tuning(tuned: dict[str, Any], selected: str | None) -> None:
 def _cmd_info(args: argparse.Namespace) -> int:
     from ._explain import explain, parse_shape, print_explain, print_stats, stats_report
 
-    info = collect_info()
+    try:
+        info = collect_info()
+    except hal_core.ConfigurationError as exc:  # e.g. HAL_DISABLE_PLUGINS that is no list of names
+        print(f"hal info: {exc}", file=sys.stderr)
+        return 2
     backend = None
     if args.explain or args.shape:
         try:

@@ -8,7 +8,10 @@ the implementation to run → its result checked (shape, dtype, device) →
 ``out`` written from that complete result. Where no implementation
 supports the call, or the chosen one fails or returns a bad result, the
 call runs on the fallback path (logged once per op and reason;
-:class:`FallbackError` under ``HAL_STRICT=1``).
+:class:`FallbackError` under ``HAL_STRICT=1``). What the caller must fix
+never falls back: bad arguments, ``MemoryError`` and a
+:class:`~hal_core.ConfigurationError` (a ``HAL_*`` value an implementation
+or its ``supports()`` refused) are raised.
 
 An :class:`Ops` is built when its backend is bound, with what it needs
 injected: the fallback backend (a host backend, chosen by the runtime)
@@ -23,18 +26,27 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from types import MethodType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import _env, interop
-from .._errors import ArgumentError, ArgumentTypeError, FallbackError, ImplementationError, KernelCompileError
+from .._errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    FallbackError,
+    ImplementationError,
+    KernelCompileError,
+    configuration_error,
+)
 from ..arrays import device_of, dtype_name
 from ..tuning import ordered as tuned_order
 from ._catalog import OPS
+from ._checks import check_writable
 from ._coverage import OpCoverage
+from ._dispatch_events import DispatchEvent, OpStats
+from ._front_door import method_for
 from ._registry import OpRegistry
 from ._spec import OpCall, OpImpl, OpSpec
 
@@ -44,38 +56,6 @@ if TYPE_CHECKING:
 __all__ = ["DispatchEvent", "OpStats", "Ops"]
 
 log = logging.getLogger("hal")
-
-
-@dataclass(frozen=True)
-class DispatchEvent:
-    """A call that did not run where it was sent: ``kind`` is ``'fallback'`` or ``'fault'``.
-
-    A ``'fault'`` is an implementation that raised or returned a bad result
-    (the call then fell back, or raised under ``HAL_STRICT=1``).
-    """
-
-    kind: str
-    backend: str
-    op: str
-    reason: str
-    call: OpCall
-
-
-@dataclass
-class OpStats:
-    """What one backend's front door did for one op (see :func:`hal_core.stats`)."""
-
-    calls: int = 0
-    #: Implementation name → calls it answered (``'reference'`` for the float64 path).
-    implementations: dict[str, int] = field(default_factory=dict)
-    #: Reason → calls that fell back for it.
-    fallbacks: dict[str, int] = field(default_factory=dict)
-    #: Seconds spent on the fallback path (copies included).
-    fallback_seconds: float = 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"calls": self.calls, "implementations": dict(self.implementations),
-                "fallbacks": dict(self.fallbacks), "fallback_seconds": self.fallback_seconds}
 
 
 class Ops:
@@ -114,10 +94,7 @@ class Ops:
         spec = OPS.get(name) if not name.startswith("_") else None
         if spec is None:
             raise AttributeError(f"{type(self).__name__!r} has no attribute {name!r} (ops: {sorted(OPS)})")
-        made = _METHODS.get(name)
-        if made is None or made[0] is not spec:
-            made = _METHODS[name] = (spec, front_door(spec))
-        return MethodType(made[1], self)
+        return MethodType(method_for(spec), self)
 
     def __dir__(self) -> list[str]:
         return sorted({*super().__dir__(), *OPS})
@@ -242,12 +219,17 @@ class Ops:
         the candidates (a persisted measurement, say) belongs here.
         """
         reasons: dict[str, str] = {}
+        setting = None
         for impl in tuned_order(call, self.registry.implementations(call.op)):
             try:
                 verdict = impl.supports(call)
             except Exception as exc:  # a plugin bug must not cost the caller a correct result
-                log.debug("hal: %s supports() raised", impl.name, exc_info=exc)
-                verdict = f"supports() raised {type(exc).__name__}: {exc}"
+                setting = configuration_error(exc)
+                if setting is None:
+                    log.debug("hal: %s supports() raised", impl.name, exc_info=exc)
+                    verdict = f"supports() raised {type(exc).__name__}: {exc}"
+            if setting is not None:
+                raise setting  # the user's setting is wrong: no other implementation would make it right
             if verdict is True:
                 return impl, reasons
             reasons[impl.name] = verdict if isinstance(verdict, str) and verdict else "unsupported"
@@ -269,10 +251,8 @@ class Ops:
             reasons[impl.name] = fault
         reason = "; ".join(f"{name}: {why}" for name, why in reasons.items()) or "no implementation registered"
         if _env.strict():
-            raise FallbackError(
-                f"{call.op} on backend {self._backend.name!r} would fall back "
-                f"({reason}); unset HAL_STRICT to allow fallbacks"
-            )
+            raise FallbackError(f"{call.op} on backend {self._backend.name!r} would fall back ({reason}); "
+                                "unset HAL_STRICT to allow fallbacks")
         return self._fall_back(call, out, reason, stats)
 
     def _run(self, impl: OpImpl, call: OpCall) -> tuple[Any, str | None]:
@@ -285,15 +265,19 @@ class Ops:
         except (ArgumentError, ArgumentTypeError, MemoryError):
             raise  # the caller's input or the device's memory: falling back would not help
         except Exception as exc:
-            if _env.strict():
-                raise ImplementationError(f"implementation {impl.name!r} of {call.op} raised "
-                                          f"{type(exc).__name__}: {exc}") from exc
-            log.debug("hal: %s raised", impl.name, exc_info=exc)
-            return None, f"raised {type(exc).__name__}: {exc}"
-        problem = self._check_result(call, result)
-        if problem and _env.strict():
-            raise ImplementationError(f"implementation {impl.name!r} of {call.op} {problem}")
-        return result, problem
+            setting = configuration_error(exc)
+            if setting is None:
+                if _env.strict():
+                    raise ImplementationError(f"implementation {impl.name!r} of {call.op} raised "
+                                              f"{type(exc).__name__}: {exc}") from exc
+                log.debug("hal: %s raised", impl.name, exc_info=exc)
+                return None, f"raised {type(exc).__name__}: {exc}"
+        else:
+            problem = self._check_result(call, result)
+            if problem and _env.strict():
+                raise ImplementationError(f"implementation {impl.name!r} of {call.op} {problem}")
+            return result, problem
+        raise setting  # the user's setting is wrong: a fallback would only hide it behind a slower path
 
     def _check_result(self, call: OpCall, result: Any) -> str | None:
         """Why ``result`` is not the op's declared result for ``call`` (shape, dtype, device), or None."""
@@ -397,58 +381,10 @@ class Ops:
         return self._backend.asarray(empty, call.device_index)
 
 
-#: op name -> (the spec, its front door function): rebuilt when another spec takes the name.
-_METHODS: dict[str, tuple[OpSpec, Callable[..., Any]]] = {}
-
-
-def front_door(spec: OpSpec) -> Callable[..., Any]:
-    """The :class:`Ops` method of ``spec``: its declared signature, building the argument dict directly.
-
-    Made once per op as source text (like ``collections.namedtuple``), so a call costs one Python
-    function call and one dict, and ``help()``/``inspect.signature`` show the op's real arguments.
-    """
-    params, items = [], []
-    keyword_only = False
-    for arg in spec.args:
-        if arg.keyword_only and not keyword_only:
-            params.append("*")
-            keyword_only = True
-        params.append(arg.name if arg.required else f"{arg.name}=None")
-        items.append(f"{arg.name!r}: {arg.name}")
-    returns = "return " if spec.output is not None else ""
-    source = (f"def {spec.name}(self, {', '.join(params)}):\n"
-              f"    {returns}self._call({spec.name!r}, {{{', '.join(items)}}})\n")
-    namespace: dict[str, Any] = {}
-    exec(compile(source, f"<hal op {spec.name}>", "exec"), namespace)
-    method = namespace[spec.name]
-    method.__qualname__ = f"Ops.{spec.name}"
-    method.__module__ = __name__
-    method.__doc__ = _method_doc(spec)
-    return method
-
-
-def _method_doc(spec: OpSpec) -> str:
-    summary = (type(spec).__doc__ or spec.name).strip().splitlines()[0]
-    lines = [f"{summary} See :mod:`{type(spec).__module__}`.", ""]
-    for arg in spec.args:
-        what = arg.layout or arg.kind.__name__
-        lines.append(f"- ``{arg.name}`` ({arg.role.value}{', optional' if not arg.required else ''}): {what}"
-                     + (f" — {arg.doc}" if arg.doc else ""))
-    return "\n".join(lines)
-
-
-def _writable(array: Any) -> bool:
-    """Whether ``array`` may be written (numpy's flag; arrays without one count as writable)."""
-    if type(array) is np.ndarray:
-        return bool(array.flags.writeable)
-    flags = getattr(getattr(array, "storage", array), "flags", None)
-    return bool(getattr(flags, "writeable", True))
-
-
 def _check_writable(name: str, value: Any) -> None:
-    """Refuse a read-only ``value`` that the op would write (None: an argument not given)."""
-    if value is not None and not _writable(value):
-        raise ArgumentError(f"argument {name!r} is read-only; pass a writable array")
+    """Refuse a read-only ``value`` the op would write (None: not given; a writable numpy array: at once)."""
+    if value is not None and (type(value) is not np.ndarray or not value.flags.writeable):
+        check_writable(name, value)
 
 
 def _reference_result(call: OpCall) -> Any:
