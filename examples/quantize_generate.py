@@ -1,8 +1,10 @@
 """A Hugging Face Llama quantized to int4 through hal: how far its logits move from float, and its memory.
 
 The float model is a small random Llama built from a config (nothing is
-downloaded), or a float checkpoint directory given with ``--model`` (what
-``save_pretrained`` writes). It generates greedily in float; then
+downloaded; weights of std ``1/sqrt(hidden)`` unless ``--init-std`` says
+otherwise, so a layer neither amplifies nor damps its input), or a float
+checkpoint directory given with ``--model`` (what ``save_pretrained``
+writes). It generates greedily in float; then
 :func:`hal_core.torch.quantize_model` replaces every linear layer by a
 :class:`hal_core.torch.QuantLinear` (W4A16 through
 ``torch.ops.hal.quantized_gemm``, ``--bits 8`` for W8A8; ``lm_head`` at
@@ -24,9 +26,11 @@ nats, top-1 agreement (same most likely token) and top-5 agreement (the
 share of the float model's 5 most likely tokens among the quantized
 model's 5), averaged over the batch; and the greedy tokens of both. A
 greedy run compounds the first flipped token (everything after it has
-other inputs), so on a random model, whose logits are close together,
-token matching says little; the logit-level figures measure every position
-on the same inputs. hal's arithmetic itself is checked against float64
+other inputs), so token matching says little; the logit-level figures
+measure every position on the same inputs. A random model's most likely
+tokens are close together (near ties), so its top-1 agreement is low even
+where the KL is small: a trained checkpoint (``--model``) gives the figures
+that matter. hal's arithmetic itself is checked against float64
 models of the same quantized weights in tests/test_torch_quantize_model.py.
 """
 
@@ -108,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="a float checkpoint directory (default: a random Llama from a config)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--init-std", type=float, help="the random model's weight std (default 1/sqrt(hidden): "
+                        "each layer keeps its input's scale)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--bits", type=int, choices=(4, 8), default=4)
     parser.add_argument("--lm-head-bits", choices=("4", "8", "float"), default="8",
@@ -132,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         config = LlamaConfig(vocab_size=512, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
                              num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
-                             max_position_embeddings=1024, initializer_range=0.1)
+                             max_position_embeddings=1024, initializer_range=args.init_std or args.hidden ** -0.5)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=hal_hf.ATTN_IMPLEMENTATION)
         source = f"a random Llama ({args.layers} layers, hidden {args.hidden}, seed {args.seed})"
     model.eval()
