@@ -136,3 +136,17 @@ def test_tensors_in_a_file_mapping_are_copied_out_keeping_ties_views_and_values(
 
     plain = torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 32))
     assert quantize_model(plain, group_size=32).unmapped_bytes == 0  # nothing mapped: nothing copied
+
+
+def test_a_checkpoint_deleted_since_it_was_mapped_is_released_too(tmp_path: Path) -> None:
+    """The file is gone from the directory but its mapping (listed as deleted) still holds pages: copied out too."""
+    path = tmp_path / "gone.bin"
+    values = np.random.default_rng(9).standard_normal(32 * 32).astype(np.float32)
+    values.tofile(path)
+    norm = torch.nn.LayerNorm(32)
+    norm.weight = torch.nn.Parameter(torch.from_numpy(np.memmap(path, dtype=np.float32, mode="r+"))[:32])
+    path.unlink()
+    assert f"{path} (deleted)" in _mapped_paths()
+    report = quantize_model(torch.nn.Sequential(norm, torch.nn.Linear(32, 32)), group_size=32)
+    assert report.unmapped_bytes == 32 * 4 and f"{path} (deleted)" not in _mapped_paths()
+    assert np.array_equal(norm.weight.detach().numpy(), values[:32])

@@ -11,8 +11,10 @@ one ``Parameter`` stay tied); buffers are replaced by new tensors, so a
 layer that caches views of its buffers (``QuantLinear``) rebuilds them.
 
 The mappings are read from ``/proc/self/maps``; where there is none
-(not Linux) nothing is moved. Shared memory (``/dev/shm``, which torch's
-multiprocessing uses) and deleted files are left alone.
+(not Linux) nothing is moved. A file deleted since it was mapped still
+counts (its pages stay resident just the same); shared memory
+(``/dev/shm``, which torch's multiprocessing uses, memfd and System V
+segments) is left alone.
 
 :func:`return_free_heap` hands the C heap's free pages back to the system
 (glibc's ``malloc_trim``): quantizing frees one float64 transient per
@@ -29,6 +31,9 @@ import torch
 
 __all__ = ["file_mappings", "move_out_of_file_mappings", "return_free_heap"]
 
+#: Mappings that are shared memory, not a file's pages: left alone (torch's multiprocessing tensors live there).
+_SHARED = ("/dev/", "/memfd:", "/SYSV")
+
 
 def file_mappings() -> list[tuple[int, int, str]]:
     """``(start, end, path)`` of every mapping of a regular file into this process, sorted; [] off Linux."""
@@ -42,7 +47,7 @@ def file_mappings() -> list[tuple[int, int, str]]:
         if len(parts) < 6 or parts[4] == "0":  # no inode: anonymous memory, heap, stack
             continue
         path = parts[5]
-        if not path.startswith("/") or path.startswith("/dev/") or path.endswith(" (deleted)"):
+        if not path.startswith("/") or path.startswith(_SHARED):
             continue
         start, end = (int(x, 16) for x in parts[0].split("-"))
         found.append((start, end, path))
