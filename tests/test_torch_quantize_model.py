@@ -1,4 +1,9 @@
-"""quantize_model: every nn.Linear of a model becomes a QuantLinear, in place, freeing each float weight as it goes."""
+"""quantize_model: every nn.Linear of a model becomes a QuantLinear, in place; the float weights go when it returns.
+
+Validation before any change: tests/test_quantize_model_checks.py; shared and tied layers:
+tests/test_quantize_model_sharing.py; lm_head's bits: tests/test_quantize_model_lm_head.py; the mapped
+checkpoint's pages: tests/test_quantize_model_memory.py.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from torch_helpers import torch
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (make test installs it)")
 
 from hal_core.quant import quantize  # noqa: E402
-from hal_core.torch import DEFAULT_SKIP, QuantLinear, quantize_model  # noqa: E402
+from hal_core.torch import QuantLinear, quantize_model  # noqa: E402
 
 
 def _llama(seed: int, layers: int = 2) -> torch.nn.Module:
@@ -40,8 +45,9 @@ def test_quantized_model_matches_the_float64_model_of_hals_quantization(bits: in
         linear = reference.get_submodule(name)
         qw = quantize(linear.weight.detach().T.float(), bits=bits, group_size=32, symmetric=symmetric)
         linear.weight.data = torch.from_numpy(qw.dequantize().T.copy())
-    report = quantize_model(model, bits=bits, group_size=32, symmetric=symmetric)
-    assert report.quantized == tuple(names) and report.skipped == DEFAULT_SKIP
+    report = quantize_model(model, bits=bits, group_size=32, symmetric=symmetric, skip="lm_head")
+    assert report.quantized == tuple(names) and report.skipped == ("lm_head",)
+    assert report.bits == (bits,) * len(names) and report.aliases == report.tied == ()
     assert all(isinstance(model.get_submodule(n), QuantLinear) for n in names)
     assert type(model.lm_head) is torch.nn.Linear
     assert not _linears(model).keys() - {"lm_head"}
@@ -61,24 +67,26 @@ def test_quantized_model_matches_the_float64_model_of_hals_quantization(bits: in
             assert (got - expected).abs().max() <= 2e-4 * expected.abs().max()
 
 
-def test_each_float_weight_is_freed_as_its_layer_is_done() -> None:
-    """At each progress step, the float weights of every layer done so far are gone (only hal's buffers remain)."""
+def test_no_layer_is_replaced_before_all_are_quantized_and_the_float_weights_go_on_return() -> None:
+    """While layers are being quantized the model is untouched; once it returns every float weight is freed."""
     model = _llama(1, layers=3)
-    refs = {n: weakref.ref(m.weight) for n, m in _linears(model).items() if n != "lm_head"}
-    alive_after: list[int] = []
+    refs = {n: weakref.ref(m.weight) for n, m in _linears(model).items()}
+    steps: list[str] = []
 
     def progress(done: int, total: int, name: str) -> None:
-        finished = list(refs)[:done]
-        assert name == finished[-1] and total == len(refs)
-        alive_after.append(sum(refs[n]() is not None for n in finished))
+        assert total == len(refs) and done == len(steps) + 1
+        assert all(type(m) is torch.nn.Linear for m in _linears(model).values()) and len(_linears(model)) == total
+        steps.append(name)
 
-    quantize_model(model, group_size=32, progress=progress)
-    assert alive_after == [0] * len(refs)
+    report = quantize_model(model, group_size=32, progress=progress)
+    assert steps == list(refs) == list(report.quantized)
+    assert [n for n, r in refs.items() if r() is not None] == []  # freed by reference counting, no gc needed
     gc.collect()
-    assert all(r() is None for r in refs.values())
+    assert not _linears(model)
 
 
 def test_skip_patterns_predicates_and_none() -> None:
+    """skip= takes fnmatch patterns on the name or its tail, a predicate, or None; anything else is a TypeError."""
     model = _llama(2)
     report = quantize_model(model, group_size=32, skip=["*.mlp.*", "lm_head"])
     assert all("mlp" not in n for n in report.quantized) and len(report.quantized) == 8
@@ -86,7 +94,7 @@ def test_skip_patterns_predicates_and_none() -> None:
     model = _llama(2)
     report = quantize_model(model, group_size=32, skip=lambda name, linear: linear.out_features == 32)
     assert {n.rsplit(".", 1)[-1] for n in report.skipped} == {"k_proj", "v_proj"}
-    assert isinstance(model.lm_head, QuantLinear)
+    assert isinstance(model.lm_head, QuantLinear) and model.lm_head.bits == 8
     model = _llama(2)
     assert "lm_head" in quantize_model(model, group_size=32, skip=None).quantized
     with pytest.raises(TypeError, match="'skip'"):
@@ -94,8 +102,9 @@ def test_skip_patterns_predicates_and_none() -> None:
 
 
 def test_a_layer_that_cannot_be_quantized_is_named_before_anything_changes() -> None:
+    """A group size that does not divide a layer's in_features is refused naming the layer; nothing changes."""
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 12), torch.nn.Linear(12, 64))
-    with pytest.raises(ValueError, match=r"layer '2' \(12 -> 64\).*group_size.*skip="):
+    with pytest.raises(ValueError, match=r"skip=.*layer '2' \(12 -> 64, int4\).*group_size"):
         quantize_model(model, group_size=32)
     assert all(type(m) is torch.nn.Linear for m in model)
     with pytest.raises(ValueError, match="'bits'"):
@@ -110,7 +119,7 @@ def test_shared_layers_subclasses_and_progress_bar(capsys: pytest.CaptureFixture
     model = torch.nn.ModuleDict({"a": shared, "b": torch.nn.Sequential(shared),
                                  "attn": torch.nn.MultiheadAttention(32, 2)})
     report = quantize_model(model, group_size=32, progress=True)
-    assert report.quantized == ("a",) and report.skipped == ("attn.out_proj",)
+    assert report.quantized == ("a",) and report.skipped == ("attn.out_proj",) and report.aliases == (("b.0", "a"),)
     assert model["a"] is model["b"][0] and isinstance(model["a"], QuantLinear)
     assert "[########################] 1/1" in capsys.readouterr().err
     with pytest.raises(TypeError, match="'progress'"):

@@ -33,12 +33,13 @@ from ._checkpoints import CheckpointFormat, checkpoint_format, load_quantized
 from ._convert import to_tensor
 from ._modules import QuantLinear
 from ._ops import paged_attention, quantized_gemm, write_kv_cache
-from ._quantize_model import DEFAULT_SKIP, QuantizeReport, quantize_model
+from ._quantize_model import DEFAULT_LAYER_BITS, DEFAULT_SKIP, QuantizeReport, quantize_model
 from ._routing import backend_for
 from ._save import save_quantized
 from ._weights import weight_from_tensors, weight_to_tensors
 
 __all__ = [
+    "DEFAULT_LAYER_BITS",
     "DEFAULT_SKIP",
     "CheckpointFormat",
     "QuantLinear",
