@@ -126,3 +126,17 @@ def test_shared_layers_subclasses_and_progress_bar(capsys: pytest.CaptureFixture
         quantize_model(torch.nn.Linear(32, 32), progress="yes")
     with pytest.raises(TypeError, match="'model'"):
         quantize_model(io.BytesIO())
+
+
+def test_quantized_layers_are_named_in_their_input_errors() -> None:
+    """Each QuantLinear quantize_model builds knows its qualified name, and a wrong input shape names it."""
+    from hal_core import ArgumentError
+
+    model = _llama(5, layers=1)
+    quantize_model(model, bits=4, group_size=32)
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            assert module.name == name
+    proj = model.get_submodule("model.layers.0.mlp.down_proj")
+    with pytest.raises(ArgumentError, match=r"model\.layers\.0\.mlp\.down_proj"):
+        proj(torch.zeros(3, proj.in_features + 1))

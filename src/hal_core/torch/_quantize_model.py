@@ -138,7 +138,8 @@ def quantize_model(model: torch.nn.Module, *, bits: int = 4, group_size: int = 1
         for layer in plan.layers:
             try:
                 quantized = QuantLinear.from_linear(layer.linear, bits=layer.bits, group_size=group_size,
-                                                    symmetric=symmetric, scale_dtype=scale_dtype)
+                                                    symmetric=symmetric, scale_dtype=scale_dtype,
+                                                    name=layer.name)
             except ValueError as exc:
                 raise ArgumentError(f"quantize_model: {_describe(layer)} cannot be quantized, nothing was "
                                     f"changed: {exc}") from exc
