@@ -378,3 +378,22 @@ def test_without_a_file_of_the_backend_the_device_key_is_never_built(store: Path
     tuning.forget()
     table = tuning.table_for(backend)
     assert table is not None and table.choices == {"quantized_gemm": {"w4:m1": "y"}}
+
+
+def test_tune_raises_a_configuration_error_from_supports_instead_of_skipping_the_candidate() -> None:
+    """A supports() that reads a malformed HAL_* setting stops hal tune with that error; other raises mean "no"."""
+    from types import SimpleNamespace
+
+    from hal_core import EnvironmentVariableError
+    from hal_core.bench._tuner import _supported
+
+    def bad_setting(call: object) -> bool:
+        raise EnvironmentVariableError("HAL_EXAMPLE", "abc", "an integer")
+
+    def bug(call: object) -> bool:
+        raise RuntimeError("a plugin bug")
+
+    fine = SimpleNamespace(supports=lambda call: True)
+    assert _supported([SimpleNamespace(supports=bug), fine], call=None) == [fine]
+    with pytest.raises(EnvironmentVariableError, match="HAL_EXAMPLE"):
+        _supported([fine, SimpleNamespace(supports=bad_setting)], call=None)

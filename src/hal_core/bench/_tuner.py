@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from .._errors import configuration_error
 from ..ops import OPS, OpCall
 from ..tuning import TuneTable, forget, key_for, load_table, override, save_table
 from ._inputs import build_inputs
@@ -72,7 +73,10 @@ def _supported(impls: Sequence[Any], call: Any) -> list[Any]:
         try:
             if impl.supports(call) is True:
                 ok.append(impl)
-        except Exception:  # a supports() that raises is treated as "no", as the dispatcher does
+        except Exception as exc:  # a supports() that raises is "no", as the dispatcher does...
+            setting = configuration_error(exc)
+            if setting is not None:  # ...unless the user's setting is wrong: that is an error, as there
+                raise setting from exc
             continue
     return ok
 
