@@ -50,6 +50,10 @@ def _variants() -> dict[str, list[str]]:
     wanted = os.environ.get("HAL_CPU_BUILD_VARIANTS")
     if wanted:
         names = {name.strip() for name in wanted.split(",")} | {"baseline"}
+        unknown = sorted(names - set(variants))
+        if unknown:
+            raise SystemExit(f"HAL_CPU_BUILD_VARIANTS={wanted!r}: unknown variant(s) {', '.join(unknown)}; "
+                             f"this architecture builds {', '.join(variants)} (comma-separated)")
         variants = {name: flags for name, flags in variants.items() if name in names}
     return variants
 

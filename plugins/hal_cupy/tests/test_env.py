@@ -58,3 +58,18 @@ def test_allocator_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HAL_CUDA_ALLOCATOR", "pool")
     with pytest.raises(EnvironmentVariableError, match=r"HAL_CUDA_ALLOCATOR='pool'.*caching, async, managed"):
         _env.allocator_policy("cuda")
+
+
+def test_require_compilers_reads_a_boolean_and_refuses_a_misspelling(monkeypatch) -> None:
+    """HAL_REQUIRE_COMPILERS: 1/true/on turn the requirement on, 0/off/unset off, anything else is an error."""
+    from hal_core import EnvironmentVariableError
+    from hal_cupy.testing import compilers_required
+
+    for value, expected in (("1", True), ("true", True), ("ON", True), ("0", False), ("off", False), ("", False)):
+        monkeypatch.setenv("HAL_REQUIRE_COMPILERS", value)
+        assert compilers_required() is expected
+    monkeypatch.delenv("HAL_REQUIRE_COMPILERS")
+    assert compilers_required() is False
+    monkeypatch.setenv("HAL_REQUIRE_COMPILERS", "yes please")
+    with pytest.raises(EnvironmentVariableError, match="HAL_REQUIRE_COMPILERS"):
+        compilers_required()

@@ -7,7 +7,6 @@ developer's machine and fails in CI, where ``HAL_REQUIRE_COMPILERS=1`` (set by
 
 from __future__ import annotations
 
-import os
 from typing import NoReturn
 
 __all__ = ["REQUIRE_COMPILERS", "compilers_required", "missing_compiler"]
@@ -17,8 +16,10 @@ REQUIRE_COMPILERS = "HAL_REQUIRE_COMPILERS"
 
 
 def compilers_required() -> bool:
-    """Whether ``HAL_REQUIRE_COMPILERS=1`` is set (CI)."""
-    return os.environ.get(REQUIRE_COMPILERS, "").strip() == "1"
+    """Whether ``HAL_REQUIRE_COMPILERS`` is on (CI sets ``1``); a value that is no boolean is an error."""
+    from hal_core import env
+
+    return env.flag(REQUIRE_COMPILERS, False)
 
 
 def missing_compiler(reason: str) -> NoReturn:
