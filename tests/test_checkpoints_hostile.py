@@ -38,6 +38,8 @@ SHARD = "model-00002-of-00002.safetensors"
 @pytest.fixture
 def reads(monkeypatch: pytest.MonkeyPatch) -> ReadCounter:
     """Every tensor read by load_quantized in this test, recorded (headers are not reads)."""
+    import safetensors.torch  # imported first, so that it binds the real safe_open, not the counter
+
     counter = ReadCounter(safetensors.safe_open)
     monkeypatch.setattr(safetensors, "safe_open", counter)
     return counter
@@ -95,6 +97,26 @@ def test_a_symlink_out_of_the_folder_is_refused(tmp_path: Path, reads: ReadCount
     shutil.move(folder / file, outside)
     os.symlink(outside, folder / file)
     _refused(folder, reads, str(folder / file), "outside the checkpoint folder", str(outside))
+
+
+def test_a_symlink_loop_or_a_dangling_symlink_is_refused(tmp_path: Path, reads: ReadCounter) -> None:
+    """model.safetensors as a symlink to itself, or to a file that is gone: refused naming it, nothing read."""
+    folder = tmp_path / "ckpt"
+    _write(folder)
+    (folder / "model.safetensors").unlink()
+    os.symlink("model.safetensors", folder / "model.safetensors")
+    _refused(folder, reads, str(folder / "model.safetensors"), "broken or looping symlink")
+    (folder / "model.safetensors").unlink()
+    os.symlink("gone.safetensors", folder / "model.safetensors")
+    _refused(folder, reads, str(folder / "model.safetensors"), "broken or looping symlink")
+
+
+def test_a_dtype_argument_hal_cannot_load_in_is_a_type_error(tmp_path: Path) -> None:
+    """dtype= must be 'auto' or a float dtype a model runs in: an integer or fp8 dtype is refused naming 'dtype'."""
+    _write(tmp_path / "ckpt")
+    for dtype in (torch.int32, torch.float8_e4m3fn, "float16"):
+        with pytest.raises(TypeError, match="argument 'dtype'"):
+            load_quantized(tmp_path / "ckpt", dtype=dtype)
 
 
 def test_symlinks_that_stay_inside_the_folder_load(tmp_path: Path) -> None:
@@ -236,8 +258,10 @@ CONFIG_CASES = {  # name: (change to config.json, or its whole text; what the me
     "format-list": ({"quantization_config": GPTQ | {"checkpoint_format": ["gptq"]}},
                     "quantization_config.checkpoint_format: expected a string"),
     "unknown-model-type": ({"model_type": "no-such-model"}, "transformers cannot read the model config"),
-    "dtype-garbage": ({"dtype": "float99", "torch_dtype": "float99"}, "dtype: expected a floating-point dtype"),
-    "dtype-integer": ({"dtype": "int32", "torch_dtype": "int32"}, "dtype: expected a floating-point dtype"),
+    "dtype-garbage": ({"dtype": "float99", "torch_dtype": "float99"}, "dtype: expected one of ['bfloat16', "),
+    "dtype-integer": ({"dtype": "int32"}, "dtype: expected one of ['bfloat16', 'float16', 'float32', 'float64'], "
+                                          "got 'int32'"),
+    "dtype-fp8": ({"torch_dtype": "float8_e4m3fn"}, "torch_dtype: expected one of"),
     "no-kv-heads": ({"num_key_value_heads": 0}, "cannot build a model from it"),
 }
 

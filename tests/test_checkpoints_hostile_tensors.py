@@ -40,6 +40,8 @@ FIRST = "model.layers.0.self_attn.q_proj"  # K=64 -> N=64, with a bias under lla
 @pytest.fixture
 def reads(monkeypatch: pytest.MonkeyPatch) -> ReadCounter:
     """Every tensor read by load_quantized in this test, recorded (headers are not reads)."""
+    import safetensors.torch  # imported first, so that it binds the real safe_open, not the counter
+
     counter = ReadCounter(safetensors.safe_open)
     monkeypatch.setattr(safetensors, "safe_open", counter)
     return counter
@@ -169,6 +171,8 @@ def test_a_failed_read_of_the_last_tensor_names_the_key_and_file(tmp_path: Path,
     """An I/O error reading the final norm (after every layer is converted) is a CheckpointError naming it."""
     folder = tmp_path / "ckpt"
     ckpt = write_checkpoint(folder, llama_config(), AWQ, seed=28)
+    import safetensors.torch  # imported first, so that it binds the real safe_open, not the counter
+
     monkeypatch.setattr(safetensors, "safe_open",
                         ReadCounter(safetensors.safe_open, fail={"model.norm.weight": OSError(5, "I/O error")}))
     steps: list[str] = []

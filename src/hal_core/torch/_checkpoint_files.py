@@ -77,7 +77,8 @@ class Folder:
         try:
             resolved = (self.root / name).resolve(strict=True)
         except (OSError, RuntimeError) as exc:
-            raise CheckpointError(f"{where}no such file in the checkpoint folder ({exc})") from exc
+            raise CheckpointError(f"{where}no such file in the checkpoint folder, or a broken or looping "
+                                  f"symlink ({exc})") from exc
         if not any(resolved.is_relative_to(root) for root in self.roots):
             inside = " or its Hugging Face cache repository" if len(self.roots) > 1 else ""
             raise CheckpointError(f"{where}it resolves to {str(resolved)!r}, outside the checkpoint folder "

@@ -44,6 +44,9 @@ log = logging.getLogger("hal")
 #: The safetensors dtype of each torch dtype an integer or bool buffer of a model may have.
 _STORED_DTYPES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32",
                   torch.int64: "I64"}
+#: The float dtypes a model loads in (``dtype=``, or config.json's ``dtype`` / ``torch_dtype``).
+_MODEL_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                 "float64": torch.float64}
 #: What building a model from a malformed config.json raises (in transformers or in torch).
 _CONFIG_ERRORS = (ValueError, TypeError, KeyError, AttributeError, IndexError, ArithmeticError, RuntimeError)
 
@@ -101,16 +104,15 @@ def _load_dtype(dtype: Any, document: Mapping[str, Any], source: str) -> torch.d
     """The float dtype to load in: ``dtype``, or with ``"auto"`` config.json's (``source`` names the file)."""
     for key in ("dtype", "torch_dtype"):  # checked even when not used: transformers reads them too
         found = document.get(key)
-        stored = getattr(torch, found.removeprefix("torch."), None) if isinstance(found, str) else None
-        if found is not None and not (isinstance(stored, torch.dtype) and stored.is_floating_point):
-            raise CheckpointError(f"{source}: {key}: expected a floating-point dtype such as 'float16', "
-                                  f"got {found!r}")
-    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        if found is not None and (not isinstance(found, str) or found.removeprefix("torch.") not in _MODEL_DTYPES):
+            raise CheckpointError(f"{source}: {key}: expected one of {sorted(_MODEL_DTYPES)}, got {found!r}")
+    if dtype in _MODEL_DTYPES.values():
         return dtype
     if not isinstance(dtype, str) or dtype != "auto":
-        raise TypeError(f"argument 'dtype': expected a floating-point torch.dtype or 'auto', got {dtype!r}")
+        raise TypeError(f"argument 'dtype': expected 'auto' or one of torch.{', torch.'.join(_MODEL_DTYPES)}, "
+                        f"got {dtype!r}")
     found = document.get("dtype") or document.get("torch_dtype") or "float32"
-    return getattr(torch, found.removeprefix("torch."))
+    return _MODEL_DTYPES[found.removeprefix("torch.")]
 
 
 def load_quantized(path: str | os.PathLike[str], *, dtype: torch.dtype | str = "auto",
@@ -119,7 +121,8 @@ def load_quantized(path: str | os.PathLike[str], *, dtype: torch.dtype | str = "
     """The transformers model of a GPTQ or AWQ checkpoint directory, its quantized layers :class:`QuantLinear`.
 
     ``dtype``: the model's float dtype (activations, embeddings, norms,
-    biases); ``"auto"`` takes the config's (float32 when it has none). The
+    biases): float16, bfloat16, float32 or float64; ``"auto"`` takes the
+    config's (float32 when it has none). The
     scales keep the checkpoint's dtype. ``device``: where every tensor goes
     as it is read. ``attn_implementation``: as for ``from_pretrained``
     (``"hal"`` registers and uses hal's paged attention).
