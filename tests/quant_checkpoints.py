@@ -10,9 +10,12 @@ scales directly, so the float64 model of the same quantized weights
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -212,3 +215,99 @@ def reference_model(ckpt: Checkpoint, *, w8a8: bool = False) -> torch.nn.Module:
         assert model.lm_head.weight is model.model.embed_tokens.weight
     assert all(m.rsplit(".", 1)[0].rsplit(".", 1)[-1] in QUANTIZED or m == "lm_head.weight" for m in missing), missing
     return model
+
+
+# -- hostile and unusual folders --------------------------------------------------------------------
+
+
+def replace_tensors(file: Path, changes: dict[str, torch.Tensor | None]) -> None:
+    """Rewrite the safetensors ``file`` with the tensors of ``changes`` put in (None: taken out).
+
+    Read from bytes, not through ``safe_open``, which a test may have replaced by a :class:`ReadCounter`.
+    """
+    from safetensors.torch import load, save_file
+
+    tensors = load(file.read_bytes())
+    for key, value in changes.items():
+        if value is None:
+            del tensors[key]
+        else:
+            tensors[key] = value
+    save_file(tensors, str(file))
+
+
+def hf_cache_layout(source: Path, hub: Path, repo: str = "models--org--tiny", revision: str = "0123abcd") -> Path:
+    """Lay out the files of ``source`` as the Hugging Face cache does; return the snapshot folder.
+
+    ``hub/<repo>/blobs/<sha256>`` holds each file, ``hub/<repo>/snapshots/<revision>/<name>`` is a relative
+    symlink ``../../blobs/<sha256>`` to it, ``hub/<repo>/refs/main`` names the revision.
+    """
+    root = hub / repo
+    snapshot = root / "snapshots" / revision
+    (root / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(revision)
+    for file in sorted(source.iterdir()):
+        data = file.read_bytes()
+        sha = hashlib.sha256(data).hexdigest()
+        (root / "blobs" / sha).write_bytes(data)
+        os.symlink(f"../../blobs/{sha}", snapshot / file.name)
+    return snapshot
+
+
+class ReadCounter:
+    """Stands in for ``safetensors.safe_open``: records every tensor whose data is read.
+
+    Headers (``keys``, ``get_slice(key).get_shape()`` / ``get_dtype()``) pass
+    through; ``get_tensor`` and slicing append the key to :attr:`reads`.
+    ``fail`` maps a key to an exception its read raises instead.
+    """
+
+    def __init__(self, real: Any, fail: dict[str, BaseException] | None = None) -> None:
+        self.real = real
+        self.reads: list[str] = []
+        self.fail = fail or {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _CountedFile:
+        return _CountedFile(self, self.real(*args, **kwargs))
+
+
+class _CountedFile:
+    def __init__(self, counter: ReadCounter, inner: Any) -> None:
+        self.counter = counter
+        self.inner = inner
+
+    def __enter__(self) -> _CountedFile:
+        self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.inner.__exit__(*exc)
+
+    def keys(self) -> list[str]:
+        return self.inner.keys()
+
+    def get_slice(self, key: str) -> _CountedSlice:
+        return _CountedSlice(self.counter, key, self.inner.get_slice(key))
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        self.counter.reads.append(key)
+        if key in self.counter.fail:
+            raise self.counter.fail[key]
+        return self.inner.get_tensor(key)
+
+
+class _CountedSlice:
+    def __init__(self, counter: ReadCounter, key: str, inner: Any) -> None:
+        self.counter, self.key, self.inner = counter, key, inner
+
+    def get_shape(self) -> list[int]:
+        return self.inner.get_shape()
+
+    def get_dtype(self) -> str:
+        return self.inner.get_dtype()
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        self.counter.reads.append(self.key)
+        return self.inner[index]

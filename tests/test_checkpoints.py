@@ -245,6 +245,76 @@ def test_awq_order_matters(rng: np.random.Generator) -> None:
     assert qw.symmetric  # every zero point 8
 
 
+# -- malformed tensors: each names its argument, before any word is unpacked ---------------------------
+
+
+def _awq_layer() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A valid AWQ layer with K = 8, N = 8 and one group: qweight [8, 1], qzeros [1, 1], scales [1, 8]."""
+    return np.zeros((8, 1), np.int32), np.zeros((1, 1), np.int32), np.ones((1, 8), np.float16)
+
+
+def _meta_qweight() -> object:
+    torch = pytest.importorskip("torch", reason="torch is not installed (make test installs it)")
+    return torch.zeros(8, 16, dtype=torch.int32, device="meta")
+
+
+MALFORMED = {  # name: (importer, {argument: replacement}, keyword arguments, error type, message)
+    "gptq-qweight-1d": (from_gptq, {"qweight": np.zeros(128, np.int32)}, {}, ValueError,
+                        "'qweight': expected 2 dimensions"),
+    "gptq-qweight-no-rows": (from_gptq, {"qweight": np.zeros((0, 16), np.int32)}, {}, ValueError,
+                             "'qweight'.*K=0 .*at least 1"),
+    "gptq-qweight-no-columns": (from_gptq, {"qweight": np.zeros((8, 0), np.int32)}, {}, ValueError,
+                                "'qweight'.*N=0 .*at least 1"),
+    "gptq-qweight-meta": (from_gptq, {"qweight": "META"}, {}, TypeError, "'qweight': a tensor on the meta device"),
+    "gptq-qzeros-float": (from_gptq, {"qzeros": np.zeros((2, 2), np.float32)}, {}, TypeError,
+                          "'qzeros': expected int32"),
+    "gptq-qzeros-3d": (from_gptq, {"qzeros": np.zeros((2, 2, 1), np.int32)}, {}, ValueError,
+                       "'qzeros': expected 2 dimensions"),
+    "gptq-scales-1d": (from_gptq, {"scales": np.ones(16, np.float16)}, {}, ValueError,
+                       r"'scales': expected shape \[K/G, 16\]"),
+    "gptq-scales-int": (from_gptq, {"scales": np.ones((2, 16), np.int32)}, {}, TypeError,
+                        "'scales': expected float16"),
+    "gptq-g_idx-2d": (from_gptq, {"g_idx": np.zeros((64, 1), np.int32)}, {}, ValueError,
+                      r"'g_idx': expected shape \(64,\)"),
+    "gptq-g_idx-list": (from_gptq, {"g_idx": [0] * 64}, {}, TypeError, "'g_idx': expected an array"),
+    "gptq-zero-offset": (from_gptq, {}, {"zero_point_offset": 300}, ValueError,
+                         "'qzeros': the true zero points .* lie in 307..307"),
+    "awq-k-not-multiple-of-8": (from_awq, {"qweight": np.zeros((12, 1), np.int32)}, {}, ValueError,
+                                "'qweight': K=12 rows .*multiple of 8"),
+    "awq-qweight-float": (from_awq, {"qweight": np.zeros((8, 1), np.float32)}, {}, TypeError,
+                          "'qweight': expected int32"),
+    "awq-qweight-no-rows": (from_awq, {"qweight": np.zeros((0, 1), np.int32)}, {}, ValueError,
+                            "'qweight'.*at least 1"),
+    "awq-qzeros-shape": (from_awq, {"qzeros": np.zeros((2, 1), np.int32)}, {}, ValueError,
+                         r"'qzeros': expected shape \(1, 1\)"),
+    "awq-scales-n": (from_awq, {"scales": np.ones((1, 16), np.float16)}, {}, ValueError,
+                     r"'scales': expected shape \[K/G, 8\]"),
+    "awq-scales-groups": (from_awq, {"scales": np.ones((3, 8), np.float16)}, {}, ValueError,
+                          "'scales': 3 groups do not divide K=8"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_tensors_name_the_argument_before_any_unpacking(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Wrong dtype, rank or shape of any tensor: TypeError/ValueError naming it; no word is unpacked first."""
+    import hal_core.quant.awq as awq
+    import hal_core.quant.gptq as gptq
+
+    def unpacked(*args: object, **kwargs: object) -> None:
+        raise AssertionError("packed words were unpacked before every argument was checked")
+
+    importer, replace, kwargs, error, match = MALFORMED[case]
+    names = ["qweight", "qzeros", "scales"]
+    arguments = dict(zip(names, _gptq_layer() if importer is from_gptq else _awq_layer(), strict=True))
+    arguments |= {k: _meta_qweight() if isinstance(v, str) else v for k, v in replace.items()}
+    monkeypatch.setattr(gptq, "unpack_rows", unpacked)
+    if case != "gptq-zero-offset":  # the zero points' range is a check on their unpacked values
+        monkeypatch.setattr(awq, "unpack_cols", unpacked)
+        monkeypatch.setattr(gptq, "unpack_cols", unpacked)
+    with pytest.raises(error, match=match):
+        importer(**arguments, **kwargs)
+
+
 # -- through the op -----------------------------------------------------------------------------
 
 

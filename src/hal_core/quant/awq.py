@@ -24,7 +24,7 @@ import numpy as np
 
 from ._args import as_bool
 from ._weight import QuantizedWeight
-from .gptq import build, group_scales, host_int32, unpack_cols, zero_words
+from .gptq import build, group_scales, host_int32, require_layer, unpack_cols, zero_words
 
 __all__ = ["AWQ_ORDER", "from_awq"]
 
@@ -39,8 +39,14 @@ def from_awq(qweight: Any, qzeros: Any, scales: Any, *, symmetric: bool | None =
     symmetric default); ``True`` requires that; ``False`` keeps them.
     """
     symmetric = as_bool("symmetric", symmetric, allow_none=True)
-    codes = unpack_cols(host_int32("qweight", qweight, ndim=2), 4, AWQ_ORDER)  # [K, N]
-    k, n = codes.shape
+    words = host_int32("qweight", qweight, ndim=2)
+    k, n = words.shape[0], words.shape[1] * 8  # every shape is checked before any word is unpacked
+    require_layer("qweight", k, n, "[K, N/8]")
+    if k % 8:
+        raise ValueError(f"argument 'qweight': K={k} rows ([K, N/8]); hal packs the codes of 8 rows per int32 "
+                         f"word along K, so K must be a multiple of 8")
     scales = group_scales(scales, k, n)
-    zeros = unpack_cols(zero_words(qzeros, scales.shape[0], n, 8), 4, AWQ_ORDER).astype(np.int64)
+    packed_zeros = zero_words(qzeros, scales.shape[0], n, 8)
+    codes = unpack_cols(words, 4, AWQ_ORDER)  # [K, N]
+    zeros = unpack_cols(packed_zeros, 4, AWQ_ORDER).astype(np.int64)
     return build(codes, zeros, scales, None, bits=4, symmetric=symmetric)

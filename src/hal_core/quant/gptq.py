@@ -73,22 +73,34 @@ def from_gptq(
     offset = _OFFSETS[checkpoint_format] if zero_point_offset is None else as_int(
         "zero_point_offset", zero_point_offset)
     symmetric = as_bool("symmetric", symmetric, allow_none=True)
-    words = host_int32("qweight", qweight, ndim=2)
     per_word = 32 // bits
-    codes = unpack_rows(words, bits)  # [K, N]
-    k, n = codes.shape
+    words = host_int32("qweight", qweight, ndim=2)
+    k, n = words.shape[0] * per_word, words.shape[1]  # every shape is checked before any word is unpacked
+    require_layer("qweight", k, n, f"[K/{per_word}, N]")
     if n % per_word:
         raise ValueError(f"argument 'qweight': N={n} output features, but GPTQ packs {per_word} zero points "
                          f"per int32 word along N (qzeros [K/G, N/{per_word}]), so N must be a multiple of "
                          f"{per_word}")
     scales = group_scales(scales, k, n)
     num_groups = scales.shape[0]
-    zeros = unpack_cols(zero_words(qzeros, num_groups, n, per_word), bits).astype(np.int64) + offset
+    packed_zeros = zero_words(qzeros, num_groups, n, per_word)
     groups = None if g_idx is None else host_g_idx(g_idx, k, num_groups)
-    return build(codes, zeros, scales, groups, bits=bits, symmetric=symmetric)
+    zeros = unpack_cols(packed_zeros, bits).astype(np.int64) + offset
+    if zeros.size and (zeros.min() < 0 or zeros.max() > 255):
+        raise ValueError(f"argument 'qzeros': the true zero points (stored + {offset}) lie in "
+                         f"{zeros.min()}..{zeros.max()}, hal stores 0..255; check checkpoint_format and "
+                         f"zero_point_offset")
+    return build(unpack_rows(words, bits), zeros, scales, groups, bits=bits, symmetric=symmetric)
 
 
 # -- shared with awq.py ---------------------------------------------------------
+
+
+def require_layer(name: str, k: int, n: int, layout: str) -> None:
+    """Refuse an empty layer (no input or no output feature), naming the packed argument and its layout."""
+    if k <= 0 or n <= 0:
+        raise ValueError(f"argument {name!r}: a {layout} tensor of a layer with K={k} input and N={n} output "
+                         f"features; both must be at least 1")
 
 
 def group_scales(value: Any, k: int, n: int) -> np.ndarray:
@@ -113,6 +125,10 @@ def host_numpy(name: str, value: Any) -> np.ndarray:
     """A host numpy copy (or view) of ``value``; torch tensors via ``.numpy()`` (bf16 via int16)."""
     module = type(value).__module__
     if module == "torch" or module.startswith("torch."):
+        if not hasattr(value, "detach"):
+            raise TypeError(f"argument {name!r}: expected an array, got {type(value).__name__}")
+        if value.device.type == "meta":
+            raise TypeError(f"argument {name!r}: a tensor on the meta device holds no values")
         tensor = value.detach().cpu()
         if str(tensor.dtype) == "torch.bfloat16":
             import torch

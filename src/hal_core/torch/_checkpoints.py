@@ -9,31 +9,31 @@ stored as ``<name>.qweight``, ``.qzeros``, ``.scales``, optionally
 unquantized ``lm_head``) under its usual name.
 
 :func:`load_quantized` builds the transformers model from the config on
-the ``meta`` device (no float weight is ever allocated), replaces each
-linear layer that has a ``.qweight`` in the checkpoint by a
-:class:`QuantLinear` converted with :func:`~hal_core.quant.from_gptq` /
-:func:`~hal_core.quant.from_awq` (bit-identical), and loads the other
-tensors as they are, reading one tensor at a time with safetensors'
-``safe_open``. Variants hal cannot run exactly are refused before anything
-is read, naming the ``quantization_config`` key.
+the ``meta`` device (no float weight is ever allocated), checks every
+tensor's shape and dtype in the safetensors headers against the layer or
+parameter it is for, then replaces each linear layer that has a ``.qweight``
+in the checkpoint by a :class:`QuantLinear` converted with
+:func:`~hal_core.quant.from_gptq` / :func:`~hal_core.quant.from_awq`
+(bit-identical), and loads the other tensors as they are, reading one
+tensor at a time with safetensors' ``safe_open``. Files are resolved inside
+the checkpoint folder (:mod:`._checkpoint_files`); variants hal cannot run
+exactly are refused before anything is read, naming the
+``quantization_config`` key (:mod:`._checkpoint_format`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from .._errors import CheckpointError
-from ..quant import QuantizedWeight, from_awq, from_gptq
-from ..quant.gptq import _OFFSETS as GPTQ_FORMATS
+from ._checkpoint_files import Folder, Tensors
+from ._checkpoint_format import FLOATS, KEY, CheckpointFormat, TensorSpec, checkpoint_format
 from ._layer_progress import ProgressArg, layer_progress
 from ._modules import QuantLinear
 
@@ -41,140 +41,20 @@ __all__ = ["CheckpointFormat", "checkpoint_format", "load_quantized"]
 
 log = logging.getLogger("hal")
 
-_KEY = "quantization_config"
-#: Keys that choose transformers' kernels or fusions, which hal replaces; they do not change the stored tensors.
-_RUNTIME_KEYS = ("backend", "use_exllama", "exllama_config", "do_fuse", "fuse_max_seq_len",
-                 "disable_exllama", "kernel_switch_threshold")
+#: The safetensors dtype of each torch dtype an integer or bool buffer of a model may have.
+_STORED_DTYPES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32",
+                  torch.int64: "I64"}
+#: The float dtypes a model loads in (``dtype=``, or config.json's ``dtype`` / ``torch_dtype``).
+_MODEL_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                 "float64": torch.float64}
+#: What building a model from a malformed config.json raises (in transformers or in torch).
+_CONFIG_ERRORS = (ValueError, TypeError, KeyError, AttributeError, IndexError, ArithmeticError, RuntimeError)
 
 
-@dataclass(frozen=True)
-class CheckpointFormat:
-    """What ``quantization_config`` says about the stored tensors (see :func:`checkpoint_format`)."""
-
-    method: str            #: ``"gptq"`` or ``"awq"``
-    bits: int              #: 4 or 8 (AWQ: 4)
-    group_size: int        #: rows per group; -1 for one group over all of K
-    desc_act: bool         #: GPTQ act-order: every layer must store ``g_idx``
-    layout: str            #: GPTQ ``"gptq"`` (v1) or ``"gptq_v2"``; AWQ ``"gemm"``
-
-    def convert(self, name: str, tensors: Mapping[str, torch.Tensor]) -> QuantizedWeight:
-        """One layer's tensors (``qweight``, ``qzeros``, ``scales``, ``g_idx``) in hal's format."""
-        try:
-            if self.method == "gptq":
-                weight = from_gptq(tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors.get("g_idx"),
-                                   bits=self.bits, checkpoint_format=self.layout)
-            else:
-                weight = from_awq(tensors["qweight"], tensors["qzeros"], tensors["scales"])
-        except (TypeError, ValueError) as exc:
-            raise CheckpointError(f"layer {name!r}: {exc}") from exc
-        k = weight.shape[0]
-        expected = k if self.group_size == -1 else self.group_size
-        if weight.group_size != expected:
-            raise CheckpointError(f"layer {name!r}: its scales hold {k // weight.group_size} groups of "
-                                  f"{weight.group_size} rows, but {_KEY}.group_size is {self.group_size} "
-                                  f"(K={k}); hal needs groups that divide K")
-        return weight
+# -- the model's layers and the checkpoint's tensors ---------------------------------
 
 
-def _get(config: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
-    for key in keys:
-        if config.get(key) is not None:
-            return config[key]
-    return default
-
-
-def _as_int(value: Any, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise CheckpointError(f"{_KEY}.{key}: expected an integer, got {value!r}")
-    return value
-
-
-def checkpoint_format(config: Mapping[str, Any]) -> CheckpointFormat:
-    """Read a ``quantization_config`` dict; ``CheckpointError`` (a ``ValueError``) names the key hal cannot run.
-
-    GPTQ (``quant_method: "gptq"``): ``bits`` 4 or 8; ``group_size`` (-1:
-    one group); ``desc_act`` (act-order: each layer's ``g_idx`` is then
-    required); ``sym`` either way (zero points are read from ``qzeros``);
-    ``checkpoint_format`` (or ``format``) ``"gptq"`` (v1) or ``"gptq_v2"``;
-    kernel-repacked formats (``marlin``, ``bitblas``, ...) are refused.
-    AWQ (``quant_method: "awq"``): ``version`` (or ``format``) ``"gemm"``
-    only (GEMV, GEMV-fast, Marlin and exllama layouts are refused),
-    ``bits`` (``w_bit``) 4, ``zero_point`` true, ``group_size``
-    (``q_group_size``). Keys that pick transformers' kernels (``backend``,
-    ``use_exllama``, ``exllama_config``, ``do_fuse``, ...) have no meaning
-    here: hal's kernels run the layers.
-    """
-    if not isinstance(config, Mapping):
-        raise CheckpointError(f"{_KEY}: expected a JSON object, got {type(config).__name__}")
-    method = str(config.get("quant_method", "")).lower()
-    if method not in ("gptq", "awq"):
-        raise CheckpointError(f"{_KEY}.quant_method: hal loads 'gptq' and 'awq' checkpoints, "
-                              f"got {config.get('quant_method')!r}")
-    ignored = sorted(k for k in _RUNTIME_KEYS if config.get(k) not in (None, False))
-    if ignored:
-        log.info("hal: %s.%s choose transformers' kernels; hal's kernels run the layers instead",
-                 _KEY, "/".join(ignored))
-    bits = _as_int(_get(config, "bits", "w_bit", default=4), "bits")
-    group_size = _as_int(_get(config, "group_size", "q_group_size", default=128), "group_size")
-    if group_size != -1 and group_size <= 0:
-        raise CheckpointError(f"{_KEY}.group_size: expected a positive size or -1, got {group_size}")
-    if method == "gptq":
-        if bits not in (4, 8):
-            raise CheckpointError(f"{_KEY}.bits: hal runs 4- and 8-bit GPTQ weights, got {bits}")
-        layout = str(_get(config, "checkpoint_format", "format", default="gptq")).lower()
-        if layout not in GPTQ_FORMATS:
-            raise CheckpointError(f"{_KEY}.checkpoint_format: hal reads the GPTQ layouts {sorted(GPTQ_FORMATS)}, "
-                                  f"got {layout!r} (a kernel-specific repacking; convert the checkpoint back to "
-                                  f"'gptq' with the tool that made it)")
-        desc_act = config.get("desc_act", False)
-        if not isinstance(desc_act, bool):
-            raise CheckpointError(f"{_KEY}.desc_act: expected true or false, got {desc_act!r}")
-        return CheckpointFormat("gptq", bits, group_size, desc_act, layout)
-    layout = str(_get(config, "version", "format", default="gemm")).lower()
-    if layout != "gemm":
-        raise CheckpointError(f"{_KEY}.version: hal reads AWQ's 'gemm' layout, got {layout!r} (GEMV, GEMV-fast, "
-                              f"Marlin and exllama layouts pack the words differently)")
-    if bits != 4:
-        raise CheckpointError(f"{_KEY}.bits: AWQ checkpoints hal reads are 4-bit, got {bits}")
-    if config.get("zero_point", True) is not True:
-        raise CheckpointError(f"{_KEY}.zero_point: AWQ's gemm layout stores zero points (zero_point=true), "
-                              f"got {config.get('zero_point')!r}")
-    return CheckpointFormat("awq", 4, group_size, False, "gemm")
-
-
-# -- the tensors ----------------------------------------------------------------
-
-
-class _Tensors:
-    """Every tensor name of the checkpoint, and which open file holds it; read one tensor at a time."""
-
-    def __init__(self, directory: Path, stack: ExitStack) -> None:
-        from safetensors import safe_open
-
-        index = directory / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted({directory / f for f in weight_map.values()})
-        else:
-            files = sorted(directory.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"argument 'path': no *.safetensors file in {directory}")
-        self.where: dict[str, Any] = {}
-        for file in files:
-            handle = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
-            for key in handle.keys():  # noqa: SIM118 - a safetensors handle is not a mapping
-                self.where[key] = handle
-        self.used: set[str] = set()
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.where
-
-    def read(self, key: str) -> torch.Tensor:
-        self.used.add(key)
-        return self.where[key].get_tensor(key)
-
-
-def _quantized_layers(model: torch.nn.Module, tensors: _Tensors) -> dict[str, list[tuple[torch.nn.Module, str]]]:
+def _quantized_layers(model: torch.nn.Module, tensors: Tensors) -> dict[str, list[tuple[torch.nn.Module, str]]]:
     """Linear layers stored quantized (a ``.qweight`` in the checkpoint), with every place each one sits."""
     layers: dict[str, list[tuple[torch.nn.Module, str]]] = {}
     first: dict[int, str] = {}
@@ -198,12 +78,12 @@ def _quantized_layers(model: torch.nn.Module, tensors: _Tensors) -> dict[str, li
 Place = tuple[torch.nn.Module, str, bool]  # module, attribute, is a parameter
 
 
-def _places(model: torch.nn.Module, replaced: set[int]) -> Iterator[tuple[list[str], list[Place], torch.Size]]:
-    """Each parameter and persistent buffer once (outside the ``replaced`` modules): its names, places and shape.
+def _places(model: torch.nn.Module, replaced: set[int]) -> Iterator[tuple[list[str], list[Place], torch.Tensor]]:
+    """Each parameter and persistent buffer once (outside the ``replaced`` modules): its names, places, meta tensor.
 
     Tied weights have several names and places (the embedding and ``lm_head``).
     """
-    groups: dict[int, tuple[list[str], list[Place], torch.Size]] = {}
+    groups: dict[int, tuple[list[str], list[Place], torch.Tensor]] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         if id(module) in replaced:
             continue
@@ -213,22 +93,26 @@ def _places(model: torch.nn.Module, replaced: set[int]) -> Iterator[tuple[list[s
         for attr, tensor, is_param in entries:
             if tensor is None:
                 continue
-            names, where, _ = groups.setdefault(id(tensor), ([], [], tensor.shape))
+            names, where, _ = groups.setdefault(id(tensor), ([], [], tensor))
             if prefix + attr not in names:
                 names.append(prefix + attr)
             where.append((module, attr, is_param))
     yield from groups.values()
 
 
-def _load_dtype(dtype: Any, config: Any) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
+def _load_dtype(dtype: Any, document: Mapping[str, Any], source: str) -> torch.dtype:
+    """The float dtype to load in: ``dtype``, or with ``"auto"`` config.json's (``source`` names the file)."""
+    for key in ("dtype", "torch_dtype"):  # checked even when not used: transformers reads them too
+        found = document.get(key)
+        if found is not None and (not isinstance(found, str) or found.removeprefix("torch.") not in _MODEL_DTYPES):
+            raise CheckpointError(f"{source}: {key}: expected one of {sorted(_MODEL_DTYPES)}, got {found!r}")
+    if dtype in _MODEL_DTYPES.values():
         return dtype
-    if dtype != "auto":
-        raise TypeError(f"argument 'dtype': expected a torch.dtype or 'auto', got {dtype!r}")
-    found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if found is None:
-        return torch.float32
-    return found if isinstance(found, torch.dtype) else getattr(torch, str(found).removeprefix("torch."))
+    if not isinstance(dtype, str) or dtype != "auto":
+        raise TypeError(f"argument 'dtype': expected 'auto' or one of torch.{', torch.'.join(_MODEL_DTYPES)}, "
+                        f"got {dtype!r}")
+    found = document.get("dtype") or document.get("torch_dtype") or "float32"
+    return _MODEL_DTYPES[found.removeprefix("torch.")]
 
 
 def load_quantized(path: str | os.PathLike[str], *, dtype: torch.dtype | str = "auto",
@@ -237,7 +121,8 @@ def load_quantized(path: str | os.PathLike[str], *, dtype: torch.dtype | str = "
     """The transformers model of a GPTQ or AWQ checkpoint directory, its quantized layers :class:`QuantLinear`.
 
     ``dtype``: the model's float dtype (activations, embeddings, norms,
-    biases); ``"auto"`` takes the config's (float32 when it has none). The
+    biases): float16, bfloat16, float32 or float64; ``"auto"`` takes the
+    config's (float32 when it has none). The
     scales keep the checkpoint's dtype. ``device``: where every tensor goes
     as it is read. ``attn_implementation``: as for ``from_pretrained``
     (``"hal"`` registers and uses hal's paged attention).
@@ -248,42 +133,59 @@ def load_quantized(path: str | os.PathLike[str], *, dtype: torch.dtype | str = "
 
     Which layers are quantized is read from the tensors (a ``.qweight``),
     not from ``modules_to_not_convert``; every other float tensor is cast to
-    ``dtype``.
+    ``dtype``. A layer's ``.bias`` is loaded when the model's layer has one.
 
-    Raises :class:`hal_core.CheckpointError` (a ``ValueError``) for an unsupported
-    ``quantization_config`` (naming the key), a quantized layer without its
-    ``qzeros``/``scales`` (or ``g_idx`` under ``desc_act``), or a model
-    tensor the checkpoint lacks, before reading any tensor. Checkpoint
-    tensors the model does not use are logged as a warning on the ``hal``
-    logger. Returns the model in ``eval()`` mode.
+    Raises :class:`hal_core.CheckpointError` (a ``ValueError``), naming the
+    file and the key or layer, for: a file that resolves outside the
+    checkpoint folder, a malformed ``config.json``, index or safetensors
+    file, an unsupported ``quantization_config``, a missing tensor, and a
+    tensor whose stored shape or dtype does not fit its layer or parameter
+    -- all found from the files' headers before any tensor is read. A
+    malformed tensor value (a NaN scale, a ``g_idx`` out of range) is
+    refused as its layer is converted. Nothing is returned after an error.
+    Checkpoint tensors the model does not use are logged as a warning on
+    the ``hal`` logger. Returns the model in ``eval()`` mode.
     """
     import transformers
 
-    directory = Path(path)
-    if not directory.is_dir() or not (directory / "config.json").is_file():
+    folder = Folder(path)
+    config_json = folder.show("config.json")
+    if not folder.has("config.json"):
         raise CheckpointError(f"argument 'path': expected a directory holding config.json and *.safetensors, "
-                              f"got {str(path)!r}")
-    config = transformers.AutoConfig.from_pretrained(str(directory))
-    quant = getattr(config, _KEY, None)
+                              f"{config_json} does not exist")
+    document = folder.read_json("config.json")
+    torch_dtype = _load_dtype(dtype, document, config_json)
+    quant = document.get(KEY)
     if quant is None:
-        raise CheckpointError(f"argument 'path': {directory / 'config.json'} has no {_KEY}; a float checkpoint "
-                              f"loads with from_pretrained (then hal_core.torch.quantize_model)")
-    fmt = checkpoint_format(quant if isinstance(quant, Mapping) else quant.to_dict())
-    torch_dtype = _load_dtype(dtype, config)
+        raise CheckpointError(f"argument 'path': {config_json} has no {KEY}; a float checkpoint loads with "
+                              f"from_pretrained (then hal_core.torch.quantize_model)")
+    try:
+        fmt = checkpoint_format(quant)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{config_json}: {exc}") from None
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(folder.root))
+    except (OSError, *_CONFIG_ERRORS) as exc:
+        raise CheckpointError(f"{config_json}: transformers cannot read the model config "
+                              f"({type(exc).__name__}: {exc})") from exc
     device = torch.device(device)
     if attn_implementation == "hal":
         from . import transformers as _registers_hal_attention  # noqa: F401
     builder = model_class if model_class is not None else transformers.AutoModelForCausalLM
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
-    with torch.device("meta"):
-        model = builder.from_config(config, dtype=torch_dtype, **kwargs)
+    try:
+        with torch.device("meta"):
+            model = builder.from_config(config, dtype=torch_dtype, **kwargs)
+    except _CONFIG_ERRORS as exc:
+        raise CheckpointError(f"{config_json}: {getattr(builder, '__name__', builder)!s} cannot build a model "
+                              f"from it ({type(exc).__name__}: {exc})") from exc
 
     with ExitStack() as stack:
-        tensors = _Tensors(directory, stack)
+        tensors = Tensors(folder, stack)
         layers = _quantized_layers(model, tensors)
-        _check_present(fmt, layers, tensors)
+        _check_layers(fmt, layers, tensors)
         plan = _plan_others(model, tensors, {id(getattr(*places[0])) for places in layers.values()})
-        with layer_progress(progress, len(layers), "loading") as step:
+        with layer_progress(progress, len(layers), "loading") as step:  # from here on, only values can fail
             for name in list(layers):
                 _load_layer(fmt, name, layers.pop(name), tensors, torch_dtype, device)
                 step(name)
@@ -296,53 +198,71 @@ def load_quantized(path: str | os.PathLike[str], *, dtype: torch.dtype | str = "
     return model.eval()
 
 
-def _check_present(fmt: CheckpointFormat, layers: Mapping[str, Any], tensors: _Tensors) -> None:
-    for name in layers:
+def _check_header(tensors: Tensors, key: str, spec: TensorSpec, prefix: str = "") -> None:
+    """Refuse ``key`` if its stored shape or dtype is not ``spec``'s, from its header alone."""
+    shape, dtype = tensors.header(key)
+    if shape != spec.shape:
+        raise CheckpointError(f"{prefix}{tensors.show(key)} has shape {shape}, expected {spec.shape} "
+                              f"({spec.layout})")
+    if dtype not in spec.dtypes:
+        raise CheckpointError(f"{prefix}{tensors.show(key)} has dtype {dtype}, expected "
+                              f"{' or '.join(sorted(spec.dtypes))} ({spec.layout})")
+
+
+def _check_layers(fmt: CheckpointFormat, layers: Mapping[str, list[tuple[torch.nn.Module, str]]],
+                  tensors: Tensors) -> None:
+    """Each quantized layer's stored tensors are all there, each of the shape and dtype its layer needs."""
+    for name, places in layers.items():
+        linear = getattr(*places[0])
         for part in ("qzeros", "scales"):
             if f"{name}.{part}" not in tensors:
                 raise CheckpointError(f"layer {name!r}: the checkpoint has {name}.qweight but no {name}.{part}")
         if fmt.desc_act and f"{name}.g_idx" not in tensors:
-            raise CheckpointError(f"{_KEY}.desc_act is true (act-order), but layer {name!r} has no {name}.g_idx: "
+            raise CheckpointError(f"{KEY}.desc_act is true (act-order), but layer {name!r} has no {name}.g_idx: "
                                   f"its rows' groups are unknown")
+        if linear.bias is not None and f"{name}.bias" not in tensors:
+            raise CheckpointError(f"layer {name!r}: the model's layer has a bias, the checkpoint no {name}.bias")
+        specs = fmt.layer_specs(name, linear.in_features, linear.out_features)
+        parts = (*fmt.parts, "bias") if linear.bias is not None else fmt.parts
+        for part in parts:
+            if f"{name}.{part}" in tensors:
+                _check_header(tensors, f"{name}.{part}", specs[part], f"layer {name!r}: ")
 
 
-def _load_layer(fmt: CheckpointFormat, name: str, places: list[tuple[torch.nn.Module, str]], tensors: _Tensors,
+def _load_layer(fmt: CheckpointFormat, name: str, places: list[tuple[torch.nn.Module, str]], tensors: Tensors,
                 dtype: torch.dtype, device: torch.device) -> None:
-    parts = {part: tensors.read(f"{name}.{part}") for part in ("qweight", "qzeros", "scales", "g_idx")
-             if f"{name}.{part}" in tensors}
+    linear = getattr(*places[0])
+    parts = {part: tensors.read(f"{name}.{part}") for part in fmt.parts if f"{name}.{part}" in tensors}
     weight = fmt.convert(name, parts)
     del parts
-    linear = getattr(*places[0])
-    k, n = weight.shape
-    if (k, n) != (linear.in_features, linear.out_features):
-        raise CheckpointError(f"layer {name!r}: the checkpoint holds a {k} -> {n} layer, the model "
-                              f"{linear.in_features} -> {linear.out_features}")
-    bias = tensors.read(f"{name}.bias").to(dtype) if f"{name}.bias" in tensors else None
+    bias = tensors.read(f"{name}.bias").to(dtype) if linear.bias is not None else None
     layer = QuantLinear.from_weight(weight, bias, device=device)
     for parent, attr in places:
         setattr(parent, attr, layer)
 
 
-def _plan_others(model: torch.nn.Module, tensors: _Tensors,
-                 replaced: set[int]) -> list[tuple[str, list[Place], torch.Size]]:
-    """The checkpoint name each float parameter and persistent buffer is read from; CheckpointError if one has none."""
+def _plan_others(model: torch.nn.Module, tensors: Tensors, replaced: set[int]) -> list[tuple[str, list[Place]]]:
+    """The checkpoint name each float parameter and persistent buffer is read from, its header checked.
+
+    CheckpointError if one has none, or one of another shape (or a dtype of
+    another kind: a float for a float, the same integer type for an integer).
+    """
     plan = []
-    for names, where, shape in _places(model, replaced):
+    for names, where, meta in _places(model, replaced):
         key = next((n for n in names if n in tensors), None)
         if key is None:
             raise CheckpointError(f"the checkpoint has no tensor for {' / '.join(names)}")
-        plan.append((key, where, shape))
+        dtypes = FLOATS if meta.is_floating_point() else frozenset({_STORED_DTYPES.get(meta.dtype, str(meta.dtype))})
+        _check_header(tensors, key, TensorSpec(tuple(meta.shape), dtypes, f"the model's {' / '.join(names)}"))
+        plan.append((key, where))
     return plan
 
 
-def _load_others(plan: list[tuple[str, list[Place], torch.Size]], tensors: _Tensors, dtype: torch.dtype,
+def _load_others(plan: list[tuple[str, list[Place]]], tensors: Tensors, dtype: torch.dtype,
                  device: torch.device) -> None:
     """Read each planned tensor (floats cast to ``dtype``) and put it at every place it belongs."""
-    for key, where, shape in plan:
+    for key, where in plan:
         tensor = tensors.read(key)
-        if tuple(tensor.shape) != tuple(shape):
-            raise CheckpointError(f"{key}: the checkpoint holds shape {tuple(tensor.shape)}, the model "
-                                  f"{tuple(shape)}")
         tensor = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
         value = torch.nn.Parameter(tensor, requires_grad=False)
         for module, attr, is_param in where:
