@@ -90,6 +90,7 @@ def test_loaded_model_matches_the_float64_model_of_its_quantized_weights(case: s
     for name, layer in ckpt.layers.items():
         module = model.get_submodule(name)
         assert isinstance(module, QuantLinear) and module.bits == bits
+        assert module.name == name  # errors about its input name the layer
         assert (module.g_idx is not None) == act_order
         assert (module.bias is not None) == (name in ckpt.biases)
         assert np.array_equal(module.quantized_weight().dequantize(), layer.dequantized())

@@ -144,8 +144,11 @@ class EnvironmentVariableError(ConfigurationError):
 
 
 class CheckpointError(HalError, ValueError):
-    """A quantized checkpoint hal cannot load: an unsupported ``quantization_config`` (the key is named),
-    or a tensor that is missing or does not fit the model."""
+    """A quantized checkpoint hal cannot or will not load; the message names the file and the key or layer.
+
+    An unsupported or malformed ``quantization_config``, ``config.json`` or shard index; a file that
+    resolves outside the checkpoint folder; a truncated or malformed safetensors file; a tensor that is
+    missing, or whose stored shape or dtype does not fit its layer (checked before its data is read)."""
 
 
 class KernelCompileError(HalError, RuntimeError):

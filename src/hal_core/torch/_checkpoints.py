@@ -236,7 +236,7 @@ def _load_layer(fmt: CheckpointFormat, name: str, places: list[tuple[torch.nn.Mo
     weight = fmt.convert(name, parts)
     del parts
     bias = tensors.read(f"{name}.bias").to(dtype) if linear.bias is not None else None
-    layer = QuantLinear.from_weight(weight, bias, device=device)
+    layer = QuantLinear.from_weight(weight, bias, device=device, name=name)
     for parent, attr in places:
         setattr(parent, attr, layer)
 
