@@ -62,7 +62,6 @@ def test_allocator_policy(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_require_compilers_reads_a_boolean_and_refuses_a_misspelling(monkeypatch) -> None:
     """HAL_REQUIRE_COMPILERS: 1/true/on turn the requirement on, 0/off/unset off, anything else is an error."""
-    from hal_core import EnvironmentVariableError
     from hal_cupy.testing import compilers_required
 
     for value, expected in (("1", True), ("true", True), ("ON", True), ("0", False), ("off", False), ("", False)):
