@@ -126,7 +126,7 @@ def test_saved_model_loads_back_bit_for_bit(case: str, tmp_path) -> None:
     seed = 70 + list(MODELS).index(case)
     print(f"seed={seed}")
     model = _llama(seed, bias=bias, tie=tie)
-    quantize_model(model, bits=bits, group_size=group_size, symmetric=symmetric)
+    quantize_model(model, bits=bits, group_size=group_size, symmetric=symmetric, skip="lm_head")
     assert save_quantized(model, tmp_path / "ckpt", checkpoint_format=fmt) == tmp_path / "ckpt"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
@@ -153,6 +153,31 @@ def test_saved_model_loads_back_bit_for_bit(case: str, tmp_path) -> None:
         assert torch.equal(loaded(ids).logits, model(ids).logits)
         kwargs = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
         assert torch.equal(loaded.generate(ids, **kwargs), model.generate(ids, **kwargs))
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_mixed_bits_are_saved_as_dynamic_rules_and_load_back_bit_for_bit(tie: bool, tmp_path) -> None:
+    """quantize_model's default (int4 layers, an 8-bit lm_head) saves the lm_head as a GPTQ dynamic rule."""
+    seed = 90 + tie
+    print(f"seed={seed}")
+    model = _llama(seed, tie=tie)
+    report = quantize_model(model, bits=4, group_size=32)
+    assert "lm_head" in report.quantized and isinstance(model.lm_head, QuantLinear) and model.lm_head.bits == 8
+    save_quantized(model, tmp_path / "ckpt")
+    quant = json.loads((tmp_path / "ckpt" / "config.json").read_text())["quantization_config"]
+    assert quant["bits"] == 4 and quant["group_size"] == 32 and quant["lm_head"] is True
+    assert quant["dynamic"] == {"+:^lm_head$": {"bits": 8, "group_size": 32}}
+    loaded = load_quantized(tmp_path / "ckpt", attn_implementation="eager")
+    original, back = _quant_layers(model), _quant_layers(loaded)
+    assert list(back) == list(original) and back["lm_head"].bits == 8
+    for name, layer in original.items():
+        for part in ("qweight", "scales", "zeros", "g_idx"):
+            mine, theirs = getattr(layer, part), getattr(back[name], part)
+            assert (mine is None) == (theirs is None), (name, part)
+            assert mine is None or torch.equal(mine, theirs), (name, part)
+    ids = torch.tensor(np.random.default_rng(seed).integers(0, 160, (2, 9)))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
 
 
 @pytest.mark.parametrize("skip", ["inner-layers-float", "lm-head-quantized"])
@@ -195,7 +220,7 @@ def test_exact_bfloat16_scales_are_saved_as_float16(tmp_path) -> None:
 def test_the_file_holds_gptqs_layout(tmp_path) -> None:
     """Names, dtypes and shapes readers allocate; codes and zero points unpacked here give hal's weights."""
     model = _llama(3)
-    quantize_model(model, bits=4, group_size=32, symmetric=False)
+    quantize_model(model, bits=4, group_size=32, symmetric=False, skip="lm_head")
     save_quantized(model, tmp_path / "ckpt")
     with safetensors.safe_open(str(tmp_path / "ckpt" / "model.safetensors"), framework="pt") as f:
         assert f.metadata() == {"format": "pt"}
@@ -295,17 +320,25 @@ def _refused(model: torch.nn.Module, folder, match: str, **kwargs) -> None:
     assert not (folder / "ckpt").exists() and _leftovers(folder) == []
 
 
-def test_what_gptq_cannot_express_is_refused_before_writing(tmp_path) -> None:
-    """Mixed bits or group sizes, sizes kernels reject, a v1 zero of 0, inexact scales: named, nothing written."""
+@pytest.mark.parametrize(("bits", "group_size"), [(8, 32), (4, 64), (8, 16)])
+def test_a_layer_of_other_bits_or_group_size_gets_a_dynamic_rule(bits: int, group_size: int, tmp_path) -> None:
+    """One layer unlike the others is saved under an exact-name dynamic rule and loads back bit for bit."""
     model = _llama(6, layers=1)
     quantize_model(model, bits=4, group_size=32, skip=("lm_head", "*.down_proj"))
     float_down = model.model.layers[0].mlp.down_proj
-    model.model.layers[0].mlp.down_proj = QuantLinear.from_linear(float_down, bits=8, group_size=32)
-    _refused(model, tmp_path, r"layer 'model\.layers\.0\.mlp\.down_proj' is int8, layer "
-                              r"'model\.layers\.0\.self_attn\.q_proj' int4")
-    model.model.layers[0].mlp.down_proj = QuantLinear.from_linear(float_down, bits=4, group_size=64)
-    _refused(model, tmp_path, r"layer 'model\.layers\.0\.mlp\.down_proj' has group_size 64")
+    odd = QuantLinear.from_linear(float_down, bits=bits, group_size=group_size)
+    model.model.layers[0].mlp.down_proj = odd
+    save_quantized(model, tmp_path / "ckpt")
+    quant = json.loads((tmp_path / "ckpt" / "config.json").read_text())["quantization_config"]
+    assert (quant["bits"], quant["group_size"]) == (4, 32)
+    assert quant["dynamic"] == {r"+:^model\.layers\.0\.mlp\.down_proj$": {"bits": bits, "group_size": group_size}}
+    back = load_quantized(tmp_path / "ckpt", attn_implementation="eager").model.layers[0].mlp.down_proj
+    assert (back.bits, back.group_size) == (odd.bits, odd.group_size)
+    assert torch.equal(back.qweight, odd.qweight) and torch.equal(back.scales, odd.scales)
 
+
+def test_what_gptq_cannot_express_is_refused_before_writing(tmp_path) -> None:
+    """Sizes kernels reject, a v1 zero of 0, inexact scales: named, nothing written."""
     model = _llama(6, layers=1)
     quantize_model(model, bits=4, group_size=8)
     _refused(model, tmp_path, r"group_size 8; GPTQ kernels take -1 \(one group\) or 16")
@@ -316,7 +349,7 @@ def test_what_gptq_cannot_express_is_refused_before_writing(tmp_path) -> None:
     _refused(model, tmp_path, r"layer 'model\.layers\.0\.mlp\.up_proj': zero point 0 \(group 1, column 5\)")
 
     model = _llama(6, layers=1)
-    quantize_model(model, bits=4, group_size=32, scale_dtype=torch.float32)
+    quantize_model(model, bits=4, group_size=32, scale_dtype=torch.float32, skip="lm_head")
     _refused(model, tmp_path, r"layer 'model\.layers\.0\.self_attn\.q_proj': GPTQ stores float16 scales")
 
     _refused(_llama(6, layers=1), tmp_path, "no QuantLinear layers")
@@ -370,7 +403,8 @@ def test_existing_targets_failures_and_bad_arguments(tmp_path) -> None:
 def test_saving_makes_no_float_copy_of_a_quantized_weight(bits: int, tmp_path, monkeypatch) -> None:
     """No dequantization, no float tensor of a layer's shape; host allocations stay below one fp32 layer."""
     model = _llama(8, hidden=256, intermediate=512, layers=1)
-    quantize_model(model, bits=bits, group_size=32)
+    # lm_head stays float: the embedding, saved as it is, has its [vocab, hidden] shape
+    quantize_model(model, bits=bits, group_size=32, skip="lm_head")
     save_quantized(model, tmp_path / "warm")  # first-call imports are not the point
 
     def refuse(*args, **kwargs):

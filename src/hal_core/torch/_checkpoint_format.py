@@ -12,8 +12,9 @@ the layer.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -56,6 +57,19 @@ class CheckpointFormat:
     group_size: int        #: rows per group; -1 for one group over all of K
     desc_act: bool         #: GPTQ act-order: every layer must store ``g_idx``
     layout: str            #: GPTQ ``"gptq"`` (v1) or ``"gptq_v2"``; AWQ ``"gemm"``
+    #: GPTQ's per-module rules (``dynamic``), in order: (regex, overrides), overrides None for a ``-:`` rule.
+    dynamic: tuple[tuple[str, tuple[tuple[str, Any], ...] | None], ...] = ()
+
+    def for_layer(self, name: str) -> CheckpointFormat:
+        """This format with the first ``dynamic`` rule matching layer ``name`` applied (``re.match``, as GPTQ
+        readers do); ``CheckpointError`` when a ``-:`` rule says the layer is not quantized."""
+        for pattern, overrides in self.dynamic:
+            if re.match(pattern, name):
+                if overrides is None:
+                    raise CheckpointError(f"layer {name!r}: the checkpoint stores {name}.qweight, but "
+                                          f"{KEY}.dynamic rule '-:{pattern}' says the layer is not quantized")
+                return replace(self, dynamic=(), **dict(overrides))
+        return self
 
     @property
     def parts(self) -> tuple[str, ...]:
@@ -135,6 +149,9 @@ def checkpoint_format(config: Mapping[str, Any]) -> CheckpointFormat:
     one group); ``desc_act`` (act-order: each layer's ``g_idx`` is then
     required); ``sym`` either way (zero points are read from ``qzeros``);
     ``checkpoint_format`` (or ``format``) ``"gptq"`` (v1) or ``"gptq_v2"``;
+    ``dynamic``, per-module rules (``"+:regex"``: that layer's ``bits``,
+    ``group_size``, ``desc_act``; ``"-:regex"``: the layer is float), applied
+    by :meth:`CheckpointFormat.for_layer`;
     kernel-repacked formats (``marlin``, ``bitblas``, ...) are refused.
     AWQ (``quant_method: "awq"``): ``version`` (or ``format``) ``"gemm"``
     only (GEMV, GEMV-fast, Marlin and exllama layouts are refused),
@@ -168,14 +185,58 @@ def checkpoint_format(config: Mapping[str, Any]) -> CheckpointFormat:
         desc_act = config.get("desc_act", False)
         if not isinstance(desc_act, bool):
             raise CheckpointError(f"{KEY}.desc_act: expected true or false, got {desc_act!r}")
-        return CheckpointFormat("gptq", bits, group_size, desc_act, layout)
+        return CheckpointFormat("gptq", bits, group_size, desc_act, layout, _dynamic(config.get("dynamic")))
     layout = _as_name(_get(config, "version", "format", default="gemm"), "version")
     if layout != "gemm":
         raise CheckpointError(f"{KEY}.version: hal reads AWQ's 'gemm' layout, got {layout!r} (GEMV, GEMV-fast, "
                               f"Marlin and exllama layouts pack the words differently)")
     if bits != 4:
         raise CheckpointError(f"{KEY}.bits: AWQ checkpoints hal reads are 4-bit, got {bits}")
+    if config.get("dynamic"):
+        raise CheckpointError(f"{KEY}.dynamic: per-module rules are a GPTQ key; AWQ checkpoints have none")
     if config.get("zero_point", True) is not True:
         raise CheckpointError(f"{KEY}.zero_point: AWQ's gemm layout stores zero points (zero_point=true), "
                               f"got {config.get('zero_point')!r}")
     return CheckpointFormat("awq", 4, group_size, False, "gemm")
+
+
+def _dynamic(rules: Any) -> tuple[tuple[str, tuple[tuple[str, Any], ...] | None], ...]:
+    """GPTQ's ``dynamic``: ``{"+:regex" or "regex": {bits, group_size, desc_act, sym}, "-:regex": {}}``, checked."""
+    if rules is None:
+        return ()
+    if not isinstance(rules, Mapping):
+        raise CheckpointError(f"{KEY}.dynamic: expected an object of module-name rules, got {rules!r}")
+    parsed: list[tuple[str, tuple[tuple[str, Any], ...] | None]] = []
+    for key, overrides in rules.items():
+        pattern = key[2:] if key.startswith(("+:", "-:")) else key
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise CheckpointError(f"{KEY}.dynamic[{key!r}]: not a regular expression ({exc})") from None
+        if key.startswith("-:"):
+            parsed.append((pattern, None))
+            continue
+        if not isinstance(overrides, Mapping):
+            raise CheckpointError(f"{KEY}.dynamic[{key!r}]: expected an object of overrides, got {overrides!r}")
+        unknown = sorted(set(overrides) - {"bits", "group_size", "desc_act", "sym"})
+        if unknown:
+            raise CheckpointError(f"{KEY}.dynamic[{key!r}]: hal reads the overrides bits, group_size, desc_act "
+                                  f"and sym, got {', '.join(map(repr, unknown))}")
+        values: dict[str, Any] = {}
+        if "bits" in overrides:
+            values["bits"] = _as_int(overrides["bits"], f"dynamic[{key!r}].bits")
+            if values["bits"] not in (4, 8):
+                raise CheckpointError(f"{KEY}.dynamic[{key!r}].bits: hal runs 4- and 8-bit GPTQ weights, "
+                                      f"got {values['bits']}")
+        if "group_size" in overrides:
+            values["group_size"] = _as_int(overrides["group_size"], f"dynamic[{key!r}].group_size")
+            if values["group_size"] != -1 and values["group_size"] <= 0:
+                raise CheckpointError(f"{KEY}.dynamic[{key!r}].group_size: expected a positive size or -1, "
+                                      f"got {values['group_size']}")
+        if "desc_act" in overrides:
+            if not isinstance(overrides["desc_act"], bool):
+                raise CheckpointError(f"{KEY}.dynamic[{key!r}].desc_act: expected true or false, "
+                                      f"got {overrides['desc_act']!r}")
+            values["desc_act"] = overrides["desc_act"]
+        parsed.append((pattern, tuple(values.items())))  # sym: zero points are read from qzeros either way
+    return tuple(parsed)

@@ -209,11 +209,12 @@ def _check_header(tensors: Tensors, key: str, spec: TensorSpec, prefix: str = ""
                               f"{' or '.join(sorted(spec.dtypes))} ({spec.layout})")
 
 
-def _check_layers(fmt: CheckpointFormat, layers: Mapping[str, list[tuple[torch.nn.Module, str]]],
+def _check_layers(base: CheckpointFormat, layers: Mapping[str, list[tuple[torch.nn.Module, str]]],
                   tensors: Tensors) -> None:
     """Each quantized layer's stored tensors are all there, each of the shape and dtype its layer needs."""
     for name, places in layers.items():
         linear = getattr(*places[0])
+        fmt = base.for_layer(name)
         for part in ("qzeros", "scales"):
             if f"{name}.{part}" not in tensors:
                 raise CheckpointError(f"layer {name!r}: the checkpoint has {name}.qweight but no {name}.{part}")
@@ -232,6 +233,7 @@ def _check_layers(fmt: CheckpointFormat, layers: Mapping[str, list[tuple[torch.n
 def _load_layer(fmt: CheckpointFormat, name: str, places: list[tuple[torch.nn.Module, str]], tensors: Tensors,
                 dtype: torch.dtype, device: torch.device) -> None:
     linear = getattr(*places[0])
+    fmt = fmt.for_layer(name)
     parts = {part: tensors.read(f"{name}.{part}") for part in fmt.parts if f"{name}.{part}" in tensors}
     weight = fmt.convert(name, parts)
     del parts

@@ -192,37 +192,56 @@ def _host_weight(layer: QuantLinear, *, codes: bool = True) -> QuantizedWeight:
                    layer.bits, layer.group_size)
 
 
-def _group_size(layers: dict[str, QuantLinear]) -> int:
-    """The config's ``group_size``: the layers' common one, or -1 when each holds one group over its K."""
-    (first_name, first), *_ = layers.items()
-    if all(layer.group_size == first.group_size for layer in layers.values()) and \
-            first.group_size in GPTQ_GROUP_SIZES:
-        return first.group_size
-    if all(layer.group_size == layer.in_features for layer in layers.values()):
+def _layer_group_size(name: str, layer: QuantLinear) -> int:
+    """The group size GPTQ stores for one layer: its own when GPTQ kernels take it, else -1 (one group over K)."""
+    if layer.group_size in GPTQ_GROUP_SIZES:
+        return layer.group_size
+    if layer.group_size == layer.in_features:
         return -1
-    for name, layer in layers.items():
-        if layer.group_size != first.group_size:
-            raise CheckpointError(f"layer {name!r} has group_size {layer.group_size}, layer {first_name!r} "
-                                  f"{first.group_size}: a GPTQ checkpoint has one group size")
-    raise CheckpointError(f"layer {first_name!r} has group_size {first.group_size}; GPTQ kernels take -1 (one "
+    raise CheckpointError(f"layer {name!r} has group_size {layer.group_size}; GPTQ kernels take -1 (one "
                           f"group) or {', '.join(map(str, GPTQ_GROUP_SIZES))}")
+
+
+def _fits(layer: QuantLinear, bits: int, group_size: int) -> bool:
+    return layer.bits == bits and (layer.group_size == group_size
+                                   or (group_size == -1 and layer.group_size == layer.in_features))
+
+
+def _bits_and_groups(layers: dict[str, QuantLinear]) -> tuple[tuple[int, int], dict[str, dict[str, int]]]:
+    """The config's ``bits`` and ``group_size`` (the most common pair), and ``dynamic`` rules for the others.
+
+    ``group_size`` is -1 when every layer holds one group over its K. A
+    layer whose bits or group size differ from the base (e.g. an 8-bit
+    ``lm_head`` in an int4 model) gets a positive rule of GPTQ's ``dynamic``
+    key matching exactly its name (``"+:^<name>$": {"bits": 8, ...}``),
+    which vLLM, gptqmodel and :func:`load_quantized` read as a per-module
+    override.
+    """
+    pairs = {name: (layer.bits, _layer_group_size(name, layer)) for name, layer in layers.items()}
+    counts: dict[tuple[int, int], int] = {}
+    for pair in pairs.values():
+        counts[pair] = counts.get(pair, 0) + 1
+    base = max(counts, key=lambda pair: counts[pair])  # ties: the first layer's pair (dicts keep order)
+    if all(layer.group_size == layer.in_features for layer in layers.values()):
+        base = (base[0], -1)
+    dynamic = {f"+:^{re.escape(name)}$": {"bits": bits, "group_size": group}
+               for (name, (bits, group)) in pairs.items() if not _fits(layers[name], *base)}
+    return base, dynamic
 
 
 def _quantization_config(model: torch.nn.Module, layers: dict[str, QuantLinear], float_linears: list[str],
                          fmt: str) -> dict[str, Any]:
-    (first_name, first), *_ = layers.items()
-    for name, layer in layers.items():
-        if layer.bits != first.bits:
-            raise CheckpointError(f"layer {name!r} is int{layer.bits}, layer {first_name!r} int{first.bits}: "
-                                  f"a GPTQ checkpoint has one bits for every layer")
+    (bits, group_size), dynamic = _bits_and_groups(layers)
     get_output = getattr(model, "get_output_embeddings", None)
     output = get_output() if callable(get_output) else None
     config: dict[str, Any] = {
-        "quant_method": "gptq", "bits": first.bits, "group_size": _group_size(layers),
+        "quant_method": "gptq", "bits": bits, "group_size": group_size,
         "desc_act": any(layer.g_idx is not None for layer in layers.values()),
         "sym": all(layer.zeros is None for layer in layers.values()),
         "checkpoint_format": fmt, "lm_head": isinstance(output, QuantLinear),
     }
+    if dynamic:
+        config["dynamic"] = dynamic
     if float_linears:
         config["modules_to_not_convert"] = list(float_linears)
     if any(model.get_submodule(name) is not output for name in float_linears):
