@@ -148,6 +148,7 @@ def test_half_precision_prefill_logits_within_tolerance(dtype: str) -> None:
 
 def test_without_a_hal_cache_attention_runs_in_torch(caplog: pytest.LogCaptureFixture,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a HalPagedCache the "hal" attention runs SDPA with eager's tokens, logged once; HAL_STRICT raises."""
     model = _model("llama", 9)
     ids, mask = _prompts(9)
     expected = _generate(model, ids, mask)
@@ -163,6 +164,7 @@ def test_without_a_hal_cache_attention_runs_in_torch(caplog: pytest.LogCaptureFi
 
 
 def test_unsupported_uses_are_refused_by_name() -> None:
+    """Right padding, continuous batching, SDPA-less features without a hal cache and 4D masks with one raise."""
     assert hal_hf.ATTN_IMPLEMENTATION in transformers.AttentionInterface().valid_keys()
     model = _model("llama", 10)
     model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
@@ -172,20 +174,20 @@ def test_unsupported_uses_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="left padding"), torch.no_grad():
         model(ids, attention_mask=right_padded, past_key_values=cache, use_cache=True)
     assert cache.paged.usage().sequences == 0 and cache.paged.usage().used_blocks == 0  # refused before any work
+    assert cache.get_seq_length() == 0
     q = torch.zeros(1, 4, 1, 16)
     with pytest.raises(ValueError, match="continuous batching"):
         hal_hf.hal_attention_forward(model, q, q, q, None, cache=object())
     for feature in ({"sliding_window": 4}, {"softcap": 50.0}, {"s_aux": torch.zeros(4)}):  # SDPA has none
         with pytest.raises(ValueError, match="sliding window, logit softcap or attention sinks"):
             hal_hf.hal_attention_forward(model, q, q, q, None, **feature)
-    with pytest.raises(NotImplementedError, match="beam search"):
-        cache.reorder_cache(torch.tensor([0]))
     with pytest.raises(ValueError, match="2D padding mask"), torch.no_grad():
         model(ids, attention_mask=torch.ones(3, 1, 9, 9, dtype=torch.bool),
               past_key_values=hal_hf.HalPagedCache(model.config, num_blocks=8, block_size=8), use_cache=True)
 
 
 def test_a_hal_cache_under_another_attention_implementation_is_refused() -> None:
+    """A HalPagedCache under eager attention raises instead of attending to the new tokens only."""
     model = _model("llama", 12)  # eager attention would see only the new tokens
     ids, mask = _prompts(12)
     cache = hal_hf.HalPagedCache(model.config, num_blocks=8, block_size=8)

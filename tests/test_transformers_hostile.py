@@ -1,0 +1,388 @@
+"""Every way transformers uses a cache, through attn_implementation="hal": eager's tokens, or a clear error.
+
+Each comparison runs the same small random Llama (fp32) twice: eager attention
+with a ``DynamicCache``, and hal with a ``HalPagedCache``; the hal run must be
+served by hal's paged attention (counted in ``hal_core.stats()``), so a silent
+fallback cannot pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+from torch_helpers import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (make test installs it)")
+
+import hal_core  # noqa: E402
+import hal_core.torch.transformers as hal_hf  # noqa: E402
+from hal_core.testing.tolerances import tolerance  # noqa: E402
+
+VOCAB, NEW_TOKENS = 96, 6
+PROMPT_LENS = (9, 5, 2)
+
+
+def _llama(seed: int, **overrides: object) -> torch.nn.Module:
+    """A small random Llama (GQA, two layers) in eager attention; nothing is downloaded."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      initializer_range=0.2, attn_implementation="eager", **overrides)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _prompts(seed: int, lens: tuple[int, ...] = PROMPT_LENS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts of the given lengths, left-padded to the longest, and their mask."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lens)
+    ids = torch.randint(1, VOCAB, (len(lens), width), generator=generator)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lens):
+        mask[row, width - n:] = 1
+    return ids, mask
+
+
+def _calls() -> int:
+    return hal_core.stats().get("cpu", {}).get("paged_attention", {}).get("calls", 0)
+
+
+def _cache(model: torch.nn.Module, num_blocks: int = 32) -> hal_hf.HalPagedCache:
+    return hal_hf.HalPagedCache(model.config, num_blocks=num_blocks, block_size=4, dtype=torch.float32)
+
+
+def _generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None, cache: object, **kwargs):
+    options = dict(max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                   pad_token_id=0)
+    options.update(kwargs)
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, past_key_values=cache, **options)
+
+
+def _both(model: torch.nn.Module, run):
+    """``run(cache)`` under eager with a DynamicCache, then under hal with a HalPagedCache (hal must serve it)."""
+    model.set_attn_implementation("eager")
+    eager_cache = transformers.DynamicCache(config=model.config)
+    expected = run(eager_cache)
+    model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
+    cache = _cache(model)
+    before = _calls()
+    got = run(cache)
+    assert _calls() > before, "hal's paged attention served no call"
+    return expected, got, cache
+
+
+def _assert_same(expected, got) -> None:
+    assert torch.equal(got.sequences, expected.sequences), (got.sequences, expected.sequences)
+    atol, rtol = tolerance("attention", "fp32")
+    for step, (g, e) in enumerate(zip(got.logits, expected.logits, strict=True)):
+        torch.testing.assert_close(g, e, atol=atol * e.abs().max().item(), rtol=rtol, msg=f"logits of step {step}")
+
+
+def test_a_second_chat_turn_continues_the_cache_like_eager() -> None:
+    """The next turn (whole conversation, whole mask) continues the cache: eager's tokens, only new tokens fed."""
+    seed = 21
+    print(f"seed={seed}")
+    model = _llama(seed)
+    ids, mask = _prompts(seed)
+    follow = torch.randint(1, VOCAB, (len(PROMPT_LENS), 3), generator=torch.Generator().manual_seed(seed + 1))
+
+    def run(cache):
+        first = _generate(model, ids, mask, cache)
+        turn = torch.cat([first.sequences, follow], dim=1)
+        turn_mask = torch.cat([mask, torch.ones(len(PROMPT_LENS), NEW_TOKENS + follow.shape[1], dtype=mask.dtype)], 1)
+        return first, _generate(model, turn, turn_mask, cache)
+
+    (first_e, second_e), (first_g, second_g), cache = _both(model, run)
+    _assert_same(first_e, first_g)
+    _assert_same(second_e, second_g)
+    # every real token of both turns is in the cache; the last generated token of each turn is never fed
+    assert cache.paged.usage().tokens == sum(PROMPT_LENS) + len(PROMPT_LENS) * (2 * NEW_TOKENS + 3 - 1)
+
+
+def test_a_reused_cache_without_padding_continues_like_a_dynamic_cache() -> None:
+    """generate() twice on one prompt and one cache: the second call continues the cache exactly as eager's does."""
+    seed = 22
+    print(f"seed={seed}")
+    model = _llama(seed)
+    ids = torch.randint(1, VOCAB, (1, 7), generator=torch.Generator().manual_seed(seed))
+
+    def run(cache):
+        return _generate(model, ids, None, cache), _generate(model, ids, None, cache)
+
+    (a_e, b_e), (a_g, b_g), _ = _both(model, run)
+    _assert_same(a_e, a_g)
+    _assert_same(b_e, b_g)
+    assert not torch.equal(b_e.sequences, a_e.sequences)  # the second call really continued the cache
+
+
+def test_a_reused_cache_with_a_mask_that_does_not_cover_it_is_refused() -> None:
+    """The same padded prompt again on a full cache: a clear error (eager would mask its own new keys), cache kept."""
+    model = _llama(23)
+    model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
+    ids, mask = _prompts(23)
+    cache = _cache(model)
+    _generate(model, ids, mask, cache)
+    usage, length = cache.paged.usage(), cache.get_seq_length()
+    with pytest.raises(hal_core.ArgumentError, match=r"attention_mask has shape .* cache\.reset\(\)"):
+        _generate(model, ids, mask, cache)
+    assert cache.paged.usage() == usage and cache.get_seq_length() == length
+
+
+def test_reset_serves_a_new_prompt_like_a_fresh_cache() -> None:
+    """After cache.reset() the same cache generates a new batch exactly as a new cache does, every block back."""
+    seed = 24
+    print(f"seed={seed}")
+    model = _llama(seed)
+    ids, mask = _prompts(seed)
+    other_ids, other_mask = _prompts(seed + 1, (4, 6))
+    expected = _generate(model, other_ids, other_mask, transformers.DynamicCache(config=model.config))
+    model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
+    cache = _cache(model)
+    _generate(model, ids, mask, cache)
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.paged.usage().used_blocks == 0
+    _assert_same(expected, _generate(model, other_ids, other_mask, cache))
+
+
+def test_a_mask_that_disagrees_with_the_cached_padding_is_refused() -> None:
+    """A mask whose past columns differ from the padding the cache holds, or none on a padded cache, raises."""
+    model = _llama(25)
+    model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
+    ids, mask = _prompts(25)
+    cache = _cache(model)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        usage = cache.paged.usage()
+        step = torch.ones(3, 1, dtype=ids.dtype)
+        with pytest.raises(hal_core.ArgumentError, match="row 1 marks other positions"):
+            model(step, attention_mask=torch.cat([torch.ones_like(mask), step], 1), past_key_values=cache)
+        with pytest.raises(hal_core.ArgumentError, match="no attention_mask"):
+            model(step, past_key_values=cache)
+        with pytest.raises(hal_core.ArgumentError, match="batch 1"):
+            model(step[:1], attention_mask=torch.cat([mask, step], 1)[:1], past_key_values=cache)
+    assert cache.paged.usage() == usage and cache.get_seq_length() == ids.shape[1]
+
+
+@pytest.mark.parametrize("num_return_sequences", [1, 2])
+def test_beam_search_matches_eager(num_return_sequences: int) -> None:
+    """Beam search (reorder_cache every step) on left-padded prompts: eager's beams, through forked hal sequences."""
+    seed = 26
+    print(f"seed={seed}")
+    model = _llama(seed)
+    ids, mask = _prompts(seed)
+    expected, got, cache = _both(model, lambda cache: _generate(
+        model, ids, mask, cache, num_beams=3, num_return_sequences=num_return_sequences, output_logits=False,
+        output_scores=True))
+    assert torch.equal(got.sequences, expected.sequences), (got.sequences, expected.sequences)
+    torch.testing.assert_close(got.sequences_scores, expected.sequences_scores, atol=1e-4, rtol=1e-4)
+    assert cache.paged.usage().sequences == len(PROMPT_LENS) * 3
+    cache.paged.blocks.check()
+
+
+def test_sampling_several_sequences_per_prompt_matches_eager() -> None:
+    """num_return_sequences=3 with sampling (rows expanded before the prefill): eager's samples for one seed."""
+    seed = 27
+    print(f"seed={seed}")
+    model = _llama(seed)
+    ids, mask = _prompts(seed)
+
+    def run(cache):
+        torch.manual_seed(seed)
+        return _generate(model, ids, mask, cache, do_sample=True, num_return_sequences=3, top_k=0)
+
+    expected, got, _ = _both(model, run)
+    _assert_same(expected, got)
+    assert len({tuple(row) for row in expected.sequences[:, ids.shape[1]:].tolist()}) > 3  # the samples differ
+
+
+def test_prompt_lookup_decoding_crops_like_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompt-lookup (assisted) decoding drafts several tokens per forward and crops the rejected ones."""
+    seed = 28
+    print(f"seed={seed}")
+    model = _llama(seed)
+    ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(seed)).repeat(1, 3)
+    crops: list[int] = []
+    real_crop = hal_hf.HalPagedCache.crop
+    monkeypatch.setattr(hal_hf.HalPagedCache, "crop", lambda self, n: (crops.append(int(n)), real_crop(self, n))[1])
+    expected, got, cache = _both(model, lambda cache: _generate(model, ids, None, cache, prompt_lookup_num_tokens=3,
+                                                                max_new_tokens=12, output_logits=False))
+    assert torch.equal(got.sequences, expected.sequences), (got.sequences, expected.sequences)
+    assert any(n < 0 for n in crops), f"no draft was rejected: crops {crops}"
+    assert cache.paged.usage().tokens == got.sequences.shape[1] - 1
+
+
+def test_chunked_prefill_matches_eager() -> None:
+    """prefill_chunk_size splits left-padded prompts over several forwards (a chunk may be all pads for a row)."""
+    seed = 29
+    print(f"seed={seed}")
+    model = _llama(seed)
+    ids, mask = _prompts(seed)
+    expected, got, _ = _both(model, lambda cache: _generate(model, ids, mask, cache, prefill_chunk_size=3))
+    _assert_same(expected, got)
+
+
+def _row_ops(model: torch.nn.Module, cache: object, ids: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+    """Prefill, then repeat, select, reorder and crop the rows, decoding a token after each: the logits."""
+    out = []
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        steps = [("repeat", 2), ("select", torch.tensor([0, 3, 5, 4])),
+                 ("select", torch.tensor([1, 0, 1, 1], dtype=torch.bool)), ("reorder", torch.tensor([2, 0, 0])),
+                 ("crop", -2), ("crop", 0)]
+        for op, arg in steps:
+            if op == "repeat":
+                cache.batch_repeat_interleave(arg)
+                mask = mask.repeat_interleave(arg, 0)
+            elif op == "select":
+                cache.batch_select_indices(arg)
+                mask = mask[arg]
+            elif op == "reorder":
+                cache.reorder_cache(arg)
+                mask = mask[arg]
+            else:
+                cache.crop(arg)
+                mask = mask[:, :mask.shape[1] + arg] if arg else mask
+            token = torch.arange(1, mask.shape[0] + 1)[:, None] * 7 % VOCAB
+            mask = torch.cat([mask, torch.ones_like(token)], 1)
+            out.append(model(token, attention_mask=mask, past_key_values=cache, use_cache=True).logits)
+    return out
+
+
+def test_row_operations_and_crop_match_a_dynamic_cache() -> None:
+    """batch_repeat_interleave, batch_select_indices (indices and boolean), reorder_cache and crop, then a decode
+    step after each: the logits of a DynamicCache under eager."""
+    seed = 30
+    print(f"seed={seed}")
+    model = _llama(seed)
+    ids, mask = _prompts(seed)
+    expected, got, cache = _both(model, lambda cache: _row_ops(model, cache, ids, mask))
+    atol, rtol = tolerance("attention", "fp32")
+    for step, (g, e) in enumerate(zip(got, expected, strict=True)):
+        torch.testing.assert_close(g, e, atol=atol * e.abs().max().item(), rtol=rtol, msg=f"after operation {step}")
+    cache.paged.blocks.check()
+    assert cache.paged.usage().sequences == 3
+
+
+def test_a_fork_that_runs_out_of_blocks_changes_nothing() -> None:
+    """reorder_cache needing more blocks than are free raises OutOfBlocksError with the cache unchanged."""
+    model = _llama(31)
+    model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
+    ids, mask = _prompts(31, (6, 6, 6))
+    cache = _cache(model, num_blocks=7)  # 2 blocks per row, one free; every fork copies a partial block
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    usage = cache.paged.usage()
+    with pytest.raises(hal_core.OutOfBlocksError):
+        cache.reorder_cache(torch.tensor([0, 0, 0]))
+    assert cache.paged.usage() == usage
+    cache.paged.blocks.check()
+
+
+def test_output_attentions_is_refused_by_name() -> None:
+    """output_attentions=True (argument or config), with or without a hal cache, raises instead of returning ()."""
+    model = _llama(32)
+    model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
+    ids, mask = _prompts(32)
+    with pytest.raises(hal_core.ArgumentError, match=r"output_attentions.*attn_implementation='eager'"):
+        _generate(model, ids, mask, _cache(model), output_attentions=True)
+    with pytest.raises(hal_core.ArgumentError, match="output_attentions"), torch.no_grad():
+        model(ids, attention_mask=mask, output_attentions=True)
+    model.set_attn_implementation("eager")
+    model.config.output_attentions = True  # set under eager (transformers refuses it under "hal"), then switched
+    model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
+    with pytest.raises(hal_core.ArgumentError, match="output_attentions"), torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=_cache(model), use_cache=True)
+
+
+def test_a_custom_4d_mask_without_a_hal_cache_matches_eager_and_sdpa() -> None:
+    """A custom 4D mask (float: additive, like eager; boolean: like sdpa) through the SDPA fallback is honoured."""
+    seed = 33
+    print(f"seed={seed}")
+    model = _llama(seed)
+    ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(seed))
+    allowed = torch.ones(7, 7).tril().bool()
+    allowed[4:, 1:3] = False  # a pattern no 2D mask gives: late queries skip two early keys
+    allowed = allowed[None, None].expand(2, 1, 7, 7)
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        eager = model(ids, attention_mask=additive).logits
+        causal = model(ids).logits
+        model.set_attn_implementation("sdpa")
+        sdpa = model(ids, attention_mask=allowed).logits
+        model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
+        got_float = model(ids, attention_mask=additive).logits
+        got_bool = model(ids, attention_mask=allowed).logits
+    assert not torch.allclose(eager[:, 4:], causal[:, 4:], atol=1e-3)  # the mask matters
+    torch.testing.assert_close(got_float, eager, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_bool, sdpa, atol=1e-4, rtol=1e-4)
+    with pytest.raises(hal_core.ArgumentError, match="4D mask must have shape"), torch.no_grad():
+        model(ids, attention_mask=additive[:, :, :5])
+
+
+def test_mask_patterns_hal_cannot_run_are_refused() -> None:
+    """Non-causal attention, chunked and packed-sequence masks raise instead of running plain causal attention."""
+    from transformers import masking_utils
+
+    with pytest.raises(hal_core.ArgumentError, match="chunked"):
+        hal_hf.hal_attention_mask(1, 4, 4, mask_function=masking_utils.chunked_causal_mask_function(
+            2, torch.zeros(1, dtype=torch.long)))
+    with pytest.raises(hal_core.ArgumentError, match="another pattern"):
+        hal_hf.hal_attention_mask(1, 4, 4, mask_function=masking_utils.or_masks(
+            masking_utils.causal_mask_function, masking_utils.bidirectional_mask_function))
+    for accepted in (masking_utils.causal_mask_function, masking_utils.sliding_window_causal_mask_function(4)):
+        assert hal_hf.hal_attention_mask(1, 4, 4, mask_function=accepted) is None
+    model = _llama(34, is_causal=False)  # a decoder run bidirectionally (embedding models)
+    model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
+    ids, mask = _prompts(34)
+    with pytest.raises(hal_core.ArgumentError, match="pattern"), torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=_cache(model), use_cache=True)
+    model = _llama(35)
+    model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])  # two sequences packed in one row, no cache
+    with pytest.raises(hal_core.ArgumentError, match="pattern"), torch.no_grad():
+        model(torch.ones(1, 7, dtype=torch.long), position_ids=packed, use_cache=False)
+
+
+def test_layer_level_row_operations_point_to_the_cache() -> None:
+    """A layer's own reorder/crop/reset would touch one layer of a shared cache: it raises and names the cache."""
+    model = _llama(36)
+    cache = _cache(model)
+    for call in (lambda layer: layer.reorder_cache(torch.tensor([0])), lambda layer: layer.crop(-1),
+                 lambda layer: layer.batch_repeat_interleave(2), lambda layer: layer.reset()):
+        with pytest.raises(NotImplementedError, match="call it on the cache"):
+            call(cache.layers[0])
+    with pytest.raises(hal_core.ArgumentError, match="tokens_to_remove"):
+        cache.crop(2)
+
+
+def test_crop_into_a_shared_block_copies_it_or_changes_nothing() -> None:
+    """Shortening into a block another sequence shares copies it (a freed block may serve); with none free,
+    OutOfBlocksError and nothing changed (the bookkeeping under HalPagedCache.crop)."""
+    from hal_core.kvcache import BlockTable
+
+    table = BlockTable(num_blocks=3, block_size=4)
+    table.add("a", 4)
+    table.fork("a", "b")  # b shares a's full block
+    table.add("c", 8)  # every block in use
+    before = {s: table.blocks(s) for s in "abc"}
+    with pytest.raises(hal_core.OutOfBlocksError):
+        table.truncate_many({"a": 3})  # a's last block would turn partial while b shares it
+    assert {s: table.blocks(s) for s in "abc"} == before and table.length("a") == 4
+    table.check()
+    copies = table.truncate_many({"c": 4, "a": 3})  # c's second block is freed first, then serves a's copy
+    assert copies == [(before["a"][0], before["c"][1])]
+    assert table.blocks("a") == [before["c"][1]] and table.length("a") == 3 and table.refcount(before["a"][0]) == 1
+    table.check()
+
+
+def test_a_first_forward_out_of_blocks_leaves_the_cache_empty() -> None:
+    """A prompt batch that does not fit raises OutOfBlocksError; the cache holds nothing and serves a smaller one."""
+    model = _llama(37)
+    model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
+    ids, mask = _prompts(37)
+    cache = _cache(model, num_blocks=3)  # the prompts need 3 + 2 + 1 blocks of 4
+    with pytest.raises(hal_core.OutOfBlocksError), torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 0 and cache.paged.usage().sequences == 0
+    with torch.no_grad():
+        model(ids[2:], attention_mask=mask[2:], past_key_values=cache, use_cache=True)
+    assert cache.paged.usage().tokens == PROMPT_LENS[2]
