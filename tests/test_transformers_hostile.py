@@ -386,3 +386,43 @@ def test_a_first_forward_out_of_blocks_leaves_the_cache_empty() -> None:
     with torch.no_grad():
         model(ids[2:], attention_mask=mask[2:], past_key_values=cache, use_cache=True)
     assert cache.paged.usage().tokens == PROMPT_LENS[2]
+
+
+def test_a_row_without_real_tokens_follows_sdpa() -> None:
+    """An empty prompt in a batch (a row of pads only): its attention output is zero, as with "sdpa" (eager averages
+    the pads' values instead, so transformers' own implementations disagree there); the other rows are eager's."""
+    seed = 38
+    print(f"seed={seed}")
+    model = _llama(seed)
+    ids, mask = _prompts(seed, (5, 3, 0))
+    eager = _generate(model, ids, mask, transformers.DynamicCache(config=model.config))
+    model.set_attn_implementation("sdpa")
+    sdpa = _generate(model, ids, mask, transformers.DynamicCache(config=model.config))
+    model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
+    before = _calls()
+    got = _generate(model, ids, mask, _cache(model))
+    assert _calls() > before
+    _assert_same(sdpa, got)
+    assert torch.equal(got.sequences[:2], eager.sequences[:2])
+    assert not torch.allclose(eager.logits[0][2], sdpa.logits[0][2], atol=1e-2)  # the row where they disagree
+
+
+def test_generation_from_embeddings_and_a_closed_cache() -> None:
+    """generate(inputs_embeds=...) through hal gives eager's tokens; a closed cache raises when used again."""
+    seed = 39
+    print(f"seed={seed}")
+    model = _llama(seed)
+    ids, mask = _prompts(seed)
+    embeds = model.get_input_embeddings()(ids).detach()
+
+    def run(cache):
+        with torch.no_grad():
+            return model.generate(inputs_embeds=embeds, attention_mask=mask, past_key_values=cache,
+                                  max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+                                  return_dict_in_generate=True, pad_token_id=0)
+
+    expected, got, cache = _both(model, run)
+    _assert_same(expected, got)
+    cache.close()
+    with pytest.raises(hal_core.ArgumentError, match="closed"):
+        run(cache)

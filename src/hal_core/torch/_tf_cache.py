@@ -156,6 +156,8 @@ class HalPagedCache(Cache):
     # -- called by the layers and the attention function -----------------------
 
     def _enter_layer(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        if not self.key_caches:
+            raise ArgumentError("past_key_values: this HalPagedCache was closed (memory given back); make a new one")
         previous = getattr(_context, "current", None)
         if previous is not None and previous[0] is self:  # the last layer's keys never reached hal
             _context.current = None
