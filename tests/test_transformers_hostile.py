@@ -426,3 +426,48 @@ def test_generation_from_embeddings_and_a_closed_cache() -> None:
     cache.close()
     with pytest.raises(hal_core.ArgumentError, match="closed"):
         run(cache)
+
+
+def test_a_cache_built_for_another_model_is_refused_before_any_change() -> None:
+    """States of another dtype or head count than the cache's raise at the first layer, the cache untouched."""
+    model = _llama(40)
+    model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
+    ids, mask = _prompts(40)
+    cache = _cache(model)
+    with pytest.raises(hal_core.ArgumentError, match=r"layer 0: the model's key states .* torch\.bfloat16"), \
+            torch.no_grad():
+        model.to(torch.bfloat16)(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 0 and cache.paged.usage().used_blocks == 0
+    other = _llama(40, head_dim=32)
+    other.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
+    with pytest.raises(hal_core.ArgumentError, match="32"), torch.no_grad():
+        other(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 0 and cache.paged.usage().used_blocks == 0
+
+
+def test_a_forward_that_broke_off_poisons_the_cache_until_reset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward interrupted after hal counted its tokens (here: layer 1's attention raises) leaves layers unwritten:
+    the next use raises until reset(), after which the cache serves eager's tokens again."""
+    seed = 41
+    print(f"seed={seed}")
+    model = _llama(seed)
+    ids, mask = _prompts(seed)
+    expected = _generate(model, ids, mask, transformers.DynamicCache(config=model.config))
+    model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
+    cache = _cache(model)
+    real = hal_hf._host_attention
+
+    def failing(cache_, layer, *args, **kwargs):
+        if layer == 1:
+            raise KeyboardInterrupt
+        return real(cache_, layer, *args, **kwargs)
+
+    monkeypatch.setattr(hal_hf, "_host_attention", failing)
+    with pytest.raises(KeyboardInterrupt), torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    monkeypatch.setattr(hal_hf, "_host_attention", real)
+    step = torch.ones(3, 1, dtype=ids.dtype)
+    with pytest.raises(hal_core.ArgumentError, match=r"broke off at layer 1.*reset"), torch.no_grad():
+        model(step, attention_mask=torch.cat([mask, step], 1), past_key_values=cache, use_cache=True)
+    cache.reset()
+    _assert_same(expected, _generate(model, ids, mask, cache))

@@ -150,14 +150,32 @@ class HalPagedCache(Cache):
         self._next_id = 0
         self._step = 0
         self._plan: _Plan | None = None
+        self._entered: set[int] = set()  # layers whose keys this step handed over, and those hal wrote
+        self._written: set[int] = set()
+        self._most_written = 0  # the most layers one step wrote: a step that wrote fewer broke off
+        self._broken: str | None = None  # why the cache no longer matches the tokens it counts
         self._layers = [_HalLayer(self, i) for i in range(text.num_hidden_layers)]
         super().__init__(layers=list(self._layers))
 
     # -- called by the layers and the attention function -----------------------
 
     def _enter_layer(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """A layer hands over its new keys and values: checked against the cache before anything changes."""
         if not self.key_caches:
             raise ArgumentError("past_key_values: this HalPagedCache was closed (memory given back); make a new one")
+        config = self.paged.config
+        for name, tensor in (("key", key), ("value", value)):
+            if (tensor.ndim != 4 or tensor.shape[1] != config.num_kv_heads or tensor.shape[3] != config.head_size
+                    or tensor.dtype != self.key_caches[layer].dtype or tensor.device != self.key_caches[layer].device):
+                raise ArgumentError(
+                    f"HalPagedCache layer {layer}: the model's {name} states are {tuple(tensor.shape)} {tensor.dtype} "
+                    f"on {tensor.device}, the cache holds {config.num_kv_heads} kv heads of {config.head_size} "
+                    f"{self.key_caches[layer].dtype} on {self.key_caches[layer].device}: build the cache from this "
+                    f"model's config, dtype and device")
+        if layer == 0:
+            self._end_step()
+        if self._broken is not None:
+            raise ArgumentError(f"HalPagedCache: {self._broken}; call cache.reset() (or use a new cache)")
         previous = getattr(_context, "current", None)
         if previous is not None and previous[0] is self:  # the last layer's keys never reached hal
             _context.current = None
@@ -168,7 +186,22 @@ class HalPagedCache(Cache):
             )
         if layer == 0:
             self._step += 1
+        self._entered.add(layer)
         _context.current = (self, layer, key)
+
+    def _layer_written(self, layer: int) -> None:
+        self._written.add(layer)
+
+    def _end_step(self) -> None:
+        """Between forwards: a forward that broke off after hal planned its step leaves layers unwritten."""
+        if self._plan is not None and self._plan.step == self._step and self._broken is None:
+            missing = sorted(self._entered - self._written)
+            if missing or len(self._written) < self._most_written:
+                first = missing[0] if missing else len(self._written)
+                self._broken = (f"a forward broke off at layer {first} after its tokens were counted, so the cache "
+                                f"no longer matches them")
+        self._most_written = max(self._most_written, len(self._written))
+        self._entered, self._written = set(), set()
 
     def _plan_for(self, layer: int, attention_mask: torch.Tensor | None, batch: int, q_len: int) -> _Plan:
         """The step's plan, made by the first layer's attention call; a refusal leaves the cache as it was."""
@@ -301,6 +334,7 @@ class HalPagedCache(Cache):
         for seq_id in self._seq_ids or ():
             self.paged.free(seq_id)
         self._seq_ids, self._real, self._plan = None, np.zeros((0, 0), dtype=bool), None
+        self._entered, self._written, self._broken = set(), set(), None
         _context.current = None
         for layer in self._layers:
             layer.length = 0
@@ -339,7 +373,6 @@ class HalPagedCache(Cache):
                 self.paged.free(seq_id)
         self._seq_ids = new
         self._real = self._real[list(sources)]
-        self._plan = None
 
     # -- lifetime ----------------------------------------------------------------
 

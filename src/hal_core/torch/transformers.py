@@ -111,6 +111,7 @@ def hal_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
         out = paged_attention(q, key_cache, value_cache, plan.block_tables, plan.seq_lens, scale,
                               query_start_loc=plan.query_start_loc, max_query_len=plan.max_query_len,
                               max_seq_len=plan.max_seq_len, window=window, softcap=softcap, sinks=sinks)
+    cache._layer_written(layer)
     if plan.rows is not None:  # pad rows get zeros (transformers never reads them)
         out = query.new_zeros(batch * q_len, heads, head_size).index_copy_(0, plan.rows, out)
     return out.view(batch, q_len, heads, head_size), None
