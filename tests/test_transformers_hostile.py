@@ -471,3 +471,19 @@ def test_a_forward_that_broke_off_poisons_the_cache_until_reset(monkeypatch: pyt
         model(step, attention_mask=torch.cat([mask, step], 1), past_key_values=cache, use_cache=True)
     cache.reset()
     _assert_same(expected, _generate(model, ids, mask, cache))
+
+
+def test_assisted_decoding_with_an_assistant_model_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An assistant model drafts tokens; the hal model verifies several per forward and crops the rejected ones."""
+    seed = 42
+    print(f"seed={seed}")
+    model, assistant = _llama(seed), _llama(seed + 1)
+    crops: list[int] = []
+    real_crop = hal_hf.HalPagedCache.crop
+    monkeypatch.setattr(hal_hf.HalPagedCache, "crop", lambda self, n: (crops.append(int(n)), real_crop(self, n))[1])
+    ids = torch.randint(1, VOCAB, (1, 8), generator=torch.Generator().manual_seed(seed))
+    expected, got, cache = _both(model, lambda cache: _generate(model, ids, None, cache, assistant_model=assistant,
+                                                                max_new_tokens=10, output_logits=False))
+    assert torch.equal(got.sequences, expected.sequences), (got.sequences, expected.sequences)
+    assert any(n < 0 for n in crops), f"no draft was rejected: crops {crops}"
+    assert cache.paged.usage().tokens == got.sequences.shape[1] - 1
