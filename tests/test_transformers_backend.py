@@ -193,3 +193,35 @@ def test_a_hal_cache_under_another_attention_implementation_is_refused() -> None
     cache = hal_hf.HalPagedCache(model.config, num_blocks=8, block_size=8)
     with pytest.raises(RuntimeError, match="attn_implementation='hal'"), torch.no_grad():
         model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("family", ["qwen2-window", "gemma2", "gpt-oss"])
+def test_a_second_turn_with_windows_softcaps_and_sinks_matches_eager(family: str) -> None:
+    """A chat's next turn on the same cache (whole conversation, whole mask) past the window: eager's tokens and
+    logits, with the model's window, softcap or sinks applied to the continued sequences."""
+    seed = 40 + FAMILIES.index(family)
+    print(f"seed={seed}")
+    model = _model(family, seed)
+    ids, mask = _prompts(seed)
+    follow = torch.randint(1, VOCAB, (len(PROMPT_LENS), 3), generator=torch.Generator().manual_seed(seed + 1))
+
+    def two_turns(cache: object) -> tuple:
+        first = _generate(model, ids, mask, past_key_values=cache)
+        turn = torch.cat([first.sequences, follow], dim=1)
+        turn_mask = torch.cat([mask, torch.ones(len(PROMPT_LENS), NEW_TOKENS + 3, dtype=mask.dtype)], dim=1)
+        return first, _generate(model, turn, turn_mask, past_key_values=cache)
+
+    expected = two_turns(transformers.DynamicCache(config=model.config))
+    model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
+    cache = hal_hf.HalPagedCache(model.config, num_blocks=24, block_size=8, dtype=torch.float32)
+    before = hal_core.stats().get("cpu", {}).get("paged_attention", {}).get("calls", 0)
+    got = two_turns(cache)
+    calls = hal_core.stats()["cpu"]["paged_attention"]["calls"] - before
+    assert calls == model.config.num_hidden_layers * NEW_TOKENS * 2  # the second turn's new tokens are one prefill
+    atol, rtol = tolerance("attention", "fp32")
+    for turn, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert torch.equal(g.sequences, e.sequences), (turn, g.sequences, e.sequences)
+        for step, (gl, el) in enumerate(zip(g.logits, e.logits, strict=True)):
+            torch.testing.assert_close(gl, el, atol=atol * el.abs().max().item(), rtol=rtol,
+                                       msg=f"turn {turn}, step {step}")
+    cache.close()
