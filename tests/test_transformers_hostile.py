@@ -322,10 +322,10 @@ def test_mask_patterns_hal_cannot_run_are_refused() -> None:
     """Non-causal attention, chunked and packed-sequence masks raise instead of running plain causal attention."""
     from transformers import masking_utils
 
-    with pytest.raises(hal_core.ArgumentError, match="chunked"):
+    with pytest.raises(hal_core.ArgumentError, match=r"and_masks\(chunked_overlay, causal_mask_function\)"):
         hal_hf.hal_attention_mask(1, 4, 4, mask_function=masking_utils.chunked_causal_mask_function(
             2, torch.zeros(1, dtype=torch.long)))
-    with pytest.raises(hal_core.ArgumentError, match="another pattern"):
+    with pytest.raises(hal_core.ArgumentError, match=r"or_masks\(causal_mask_function, bidirectional_mask_function"):
         hal_hf.hal_attention_mask(1, 4, 4, mask_function=masking_utils.or_masks(
             masking_utils.causal_mask_function, masking_utils.bidirectional_mask_function))
     for accepted in (masking_utils.causal_mask_function, masking_utils.sliding_window_causal_mask_function(4)):
@@ -340,6 +340,17 @@ def test_mask_patterns_hal_cannot_run_are_refused() -> None:
     packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])  # two sequences packed in one row, no cache
     with pytest.raises(hal_core.ArgumentError, match="pattern"), torch.no_grad():
         model(torch.ones(1, 7, dtype=torch.long), position_ids=packed, use_cache=False)
+    torch.manual_seed(36)  # Llama 4's chunked attention (a chunk of 4 tokens) through generate
+    config = transformers.Llama4TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                           intermediate_size_mlp=128, num_hidden_layers=2, num_attention_heads=4,
+                                           num_key_value_heads=2, head_dim=16, attention_chunk_size=4,
+                                           num_local_experts=2, max_position_embeddings=256)
+    chunked = transformers.AutoModelForCausalLM.from_config(config).eval()
+    chunked.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
+    cache = _cache(chunked)
+    with pytest.raises(hal_core.ArgumentError, match="chunked_overlay"):
+        _generate(chunked, ids, mask, cache)
+    assert cache.get_seq_length() == 0 and cache.paged.usage().used_blocks == 0
 
 
 def test_layer_level_row_operations_point_to_the_cache() -> None:

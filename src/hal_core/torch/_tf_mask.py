@@ -44,11 +44,21 @@ def _causal_window(function: Any) -> bool:
         for p in parts)
 
 
+def _describe(function: Any) -> str:
+    """A mask function as transformers composed it, e.g. ``and_masks(chunked_overlay, causal_mask_function)``."""
+    for combine in ("and_masks", "or_masks"):
+        if _is(function, f"{combine}.<locals>.{combine[:-1]}"):
+            parts = _nonlocals(function).get("mask_functions", ())
+            return f"{combine}({', '.join(_describe(p) for p in parts)})"
+    name = getattr(function, "__qualname__", type(function).__name__)
+    return name.removesuffix(".<locals>.inner_mask")
+
+
 def check_mask_function(mask_function: Any) -> None:
     """Raise :class:`~hal_core.ArgumentError` unless ``mask_function`` is causal (optionally windowed)."""
     if mask_function is None or _causal_window(mask_function):
         return
-    name = getattr(mask_function, "__qualname__", type(mask_function).__name__)
+    name = _describe(mask_function)
     raise ArgumentError(
         f"attn_implementation='hal' runs causal attention (with the layer's sliding window); this model's mask "
         f"function ({name}) adds another pattern (chunked or bidirectional attention, packed sequences, "
