@@ -122,7 +122,7 @@ def test_a_reused_cache_with_a_mask_that_does_not_cover_it_is_refused() -> None:
     cache = _cache(model)
     _generate(model, ids, mask, cache)
     usage, length = cache.paged.usage(), cache.get_seq_length()
-    with pytest.raises(hal_core.ArgumentError, match=r"attention_mask has shape .* cache\.reset\(\)"):
+    with pytest.raises(hal_core.ArgumentError, match=r"has 9 positions, but the cache has seen .* cache\.reset\(\)"):
         _generate(model, ids, mask, cache)
     assert cache.paged.usage() == usage and cache.get_seq_length() == length
 
@@ -498,3 +498,20 @@ def test_assisted_decoding_with_an_assistant_model_matches_eager(monkeypatch: py
     assert torch.equal(got.sequences, expected.sequences), (got.sequences, expected.sequences)
     assert any(n < 0 for n in crops), f"no draft was rejected: crops {crops}"
     assert cache.paged.usage().tokens == got.sequences.shape[1] - 1
+
+
+@pytest.mark.parametrize("lens", [(9,), PROMPT_LENS], ids=["unpadded", "left-padded"])
+def test_a_static_cache_in_the_sdpa_fallback_matches_eager(lens: tuple[int, ...]) -> None:
+    """cache_implementation="static" (keys longer than the positions seen, empty slots included) without a
+    HalPagedCache: the fallback places its queries at the positions seen, as eager does."""
+    seed = 43
+    print(f"seed={seed}")
+    model = _llama(seed)
+    ids, mask = _prompts(seed, lens)
+    options = dict(max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                   pad_token_id=0, cache_implementation="static")
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=mask, **options)
+        model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
+        got = model.generate(ids, attention_mask=mask, **options)
+    _assert_same(expected, got)

@@ -377,6 +377,7 @@ class HalPagedCache(Cache):
     # -- lifetime ----------------------------------------------------------------
 
     def close(self) -> None:
-        """Give the hal cache's memory back; the cache is unusable afterwards."""
+        """Give the hal cache's memory back; the cache is empty and unusable afterwards."""
+        self.reset()
         self.key_caches, self.value_caches = [], []
         self.paged.close()

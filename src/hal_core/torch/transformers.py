@@ -69,13 +69,28 @@ _warned: set[str] = set()
 def hal_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                        mask_function: Any = None, attention_mask: torch.Tensor | None = None,
                        **kwargs: Any) -> torch.Tensor | None:
-    """The mask ``"hal"`` attention reads: the 2D padding mask as given (None when there is none).
+    """The mask ``"hal"`` attention reads: the 2D padding mask ``[batch, positions seen]``, or None.
 
     The mask function must be transformers' causal one, or causal with a
     sliding window: anything else is a pattern the paged kernel would ignore,
-    so it raises :class:`~hal_core.ArgumentError`.
+    so it raises :class:`~hal_core.ArgumentError`. The mask must cover the
+    positions seen (the cache's and this forward's) exactly; without one, a
+    cache longer than what it has seen (a ``StaticCache``) gets an all-ones
+    mask of the positions seen, so the attention knows where its queries are.
     """
     check_mask_function(mask_function)
+    if kv_offset:  # a sliding layer that dropped old keys: only the SDPA fallback meets it, and refuses windows
+        return attention_mask
+    seen = int(q_offset) + q_length
+    if attention_mask is None:
+        if seen == kv_length:
+            return None
+        return torch.ones(batch_size, seen, dtype=torch.bool, device=kwargs.get("device"))
+    if attention_mask.ndim == 2 and attention_mask.shape[-1] != seen:
+        raise ArgumentError(
+            f"attention_mask has {attention_mask.shape[-1]} positions, but the cache has seen {seen - q_length} and "
+            f"this forward adds {q_length}: pass the mask of the whole sequence ({seen} positions; generate() feeds "
+            f"only the positions a cache lacks); for a new prompt call cache.reset() or use a new cache")
     return attention_mask
 
 
@@ -180,10 +195,9 @@ def _torch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      sinks: torch.Tensor | None) -> tuple[torch.Tensor, None]:
     """The fallback without a HalPagedCache: SDPA over what transformers passed (nothing through hal).
 
-    A 2D padding mask is read as transformers' own masks read it (its first
-    ``kv_len`` columns, missing ones padding) under a causal mask whose
-    queries are the last ``q_len`` positions; a custom 4D mask is the whole
-    mask (boolean: True attends; float: added to the scores), as with
+    A 2D padding mask covers the positions seen; the queries are its last
+    ``q_len`` (keys past it, a ``StaticCache``'s empty slots, are masked),
+    under a causal mask; a custom 4D mask is the whole mask (boolean: True attends; float: added to the scores), as with
     ``attn_implementation="sdpa"``.
     """
     if window is not None or softcap is not None or sinks is not None:
@@ -209,13 +223,15 @@ def _torch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         mask = attention_mask.to(query.device)
         if mask.dtype != torch.bool:
             mask = mask.to(query.dtype)
-    else:
+    else:  # the queries are the last of the positions seen: the mask's length, else every key (a DynamicCache)
+        seen = kv_len if attention_mask is None else attention_mask.shape[1]
+        if not q_len <= seen <= kv_len:
+            raise ArgumentError(f"attention_mask has {seen} positions for {q_len} queries and {kv_len} keys; it must "
+                                f"cover the positions seen (at least the queries, at most the keys)")
         positions = torch.arange(kv_len, device=query.device)
-        mask = (positions[None, :] <= positions[kv_len - q_len:, None])[None, None]  # causal, queries are the last Q
-        if attention_mask is not None:
-            padding = attention_mask.to(query.device, torch.bool)[:, :kv_len]
-            if padding.shape[1] < kv_len:  # transformers reads missing columns as padding
-                padding = torch.nn.functional.pad(padding, (0, kv_len - padding.shape[1]))
+        mask = (positions[None, :] <= positions[seen - q_len:seen, None])[None, None]  # causal
+        if attention_mask is not None:  # keys past the positions seen (a StaticCache's empty slots) are padding
+            padding = torch.nn.functional.pad(attention_mask.to(query.device, torch.bool), (0, kv_len - seen))
             mask = mask & padding[:, None, None, :]
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
                                                            enable_gqa=key.shape[1] != query.shape[1])
