@@ -361,6 +361,8 @@ def test_layer_level_row_operations_point_to_the_cache() -> None:
                  lambda layer: layer.batch_repeat_interleave(2), lambda layer: layer.reset()):
         with pytest.raises(NotImplementedError, match="call it on the cache"):
             call(cache.layers[0])
+    with pytest.raises(NotImplementedError, match="does not offload"):
+        cache.layers[0].offload()
     with pytest.raises(hal_core.ArgumentError, match="tokens_to_remove"):
         cache.crop(2)
 
@@ -515,3 +517,18 @@ def test_a_static_cache_in_the_sdpa_fallback_matches_eager(lens: tuple[int, ...]
         model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
         got = model.generate(ids, attention_mask=mask, **options)
     _assert_same(expected, got)
+
+
+def test_attention_options_hal_would_ignore_are_refused() -> None:
+    """is_causal=False, a position bias and dropout in training raise in the attention function itself."""
+    model = _llama(44)
+    layer = model.model.layers[0].self_attn
+    q = torch.zeros(1, 4, 3, 16)
+    kv = torch.zeros(1, 2, 3, 16)
+    with pytest.raises(hal_core.ArgumentError, match="is_causal=False"):
+        hal_hf.hal_attention_forward(layer, q, kv, kv, None, is_causal=False)
+    with pytest.raises(hal_core.ArgumentError, match="position_bias"):
+        hal_hf.hal_attention_forward(layer, q, kv, kv, None, position_bias=torch.zeros(1, 4, 3, 3))
+    model.train()
+    with pytest.raises(hal_core.ArgumentError, match="dropout"):
+        hal_hf.hal_attention_forward(layer, q, kv, kv, None, dropout=0.1)
