@@ -278,12 +278,17 @@ def test_a_fork_that_runs_out_of_blocks_changes_nothing() -> None:
 
 
 def test_output_attentions_is_refused_by_name() -> None:
-    """output_attentions=True (argument or config), with or without a hal cache, raises instead of returning ()."""
+    """output_attentions=True (argument or config), with or without a hal cache, raises instead of returning ();
+    the refused cache then serves eager's tokens."""
     model = _llama(32)
-    model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
     ids, mask = _prompts(32)
+    expected = _generate(model, ids, mask, transformers.DynamicCache(config=model.config))
+    model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
+    cache = _cache(model)
     with pytest.raises(hal_core.ArgumentError, match=r"output_attentions.*attn_implementation='eager'"):
-        _generate(model, ids, mask, _cache(model), output_attentions=True)
+        _generate(model, ids, mask, cache, output_attentions=True)
+    assert cache.get_seq_length() == 0 and cache.paged.usage().used_blocks == 0
+    _assert_same(expected, _generate(model, ids, mask, cache))
     with pytest.raises(hal_core.ArgumentError, match="output_attentions"), torch.no_grad():
         model(ids, attention_mask=mask, output_attentions=True)
     model.set_attn_implementation("eager")

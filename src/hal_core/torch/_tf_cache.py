@@ -189,6 +189,12 @@ class HalPagedCache(Cache):
         self._entered.add(layer)
         _context.current = (self, layer, key)
 
+    def _undo_enter(self, layer: int, q_len: int) -> None:
+        """A refusal right after ``layer`` handed over its keys: as if the forward had not happened."""
+        self._layers[layer].length -= q_len
+        self._entered.discard(layer)
+        _context.current = None
+
     def _layer_written(self, layer: int) -> None:
         self._written.add(layer)
 
@@ -210,7 +216,7 @@ class HalPagedCache(Cache):
         try:
             real = self._new_real(attention_mask, batch, q_len)
         except BaseException:
-            self._layers[layer].length -= q_len  # the refused forward never happened
+            self._undo_enter(layer, q_len)  # the refused forward never happened
             raise
         first = self._seq_ids is None
         seq_ids = [self._new_id() for _ in range(batch)] if self._seq_ids is None else self._seq_ids
@@ -224,7 +230,7 @@ class HalPagedCache(Cache):
                 for seq_id in seq_ids:
                     if seq_id in self.paged:
                         self.paged.free(seq_id)
-            self._layers[layer].length -= q_len
+            self._undo_enter(layer, q_len)
             raise
         if first:
             self._seq_ids, self._real = seq_ids, np.zeros((batch, 0), dtype=bool)

@@ -101,12 +101,19 @@ def hal_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
 
     Returns ``(attn_output [B, Q, H, D], None)`` (no attention weights).
     """
-    _check_options(module, dropout, kwargs)
     batch, heads, q_len, head_size = query.shape
-    scale = float(scaling) if scaling is not None else head_size ** -0.5
-    window, softcap, sinks = _variants(module, kwargs)
     current = getattr(_context, "current", None)
-    if current is None or current[2] is not key:
+    if current is not None and current[2] is not key:
+        current = None
+    try:
+        _check_options(module, dropout, kwargs)
+        window, softcap, sinks = _variants(module, kwargs)
+    except BaseException:
+        if current is not None:  # the layer's keys were handed over: the refused forward never happened
+            current[0]._undo_enter(current[1], q_len)
+        raise
+    scale = float(scaling) if scaling is not None else head_size ** -0.5
+    if current is None:
         return _torch_attention(query, key, value, attention_mask, scale, window, softcap, sinks)
     cache, layer, _ = current
     _context.current = None
