@@ -13,87 +13,41 @@ from torch_helpers import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (make test installs it)")
 
+from transformers_helpers import (  # noqa: E402
+    NEW_TOKENS,
+    PROMPT_LENS,
+    VOCAB,
+    assert_same,
+    both,
+    generate,
+    hal_cache,
+    hal_calls,
+    llama,
+    prompts,
+)
+
 import hal_core  # noqa: E402
 import hal_core.torch.transformers as hal_hf  # noqa: E402
 from hal_core.testing.tolerances import tolerance  # noqa: E402
-
-VOCAB, NEW_TOKENS = 96, 6
-PROMPT_LENS = (9, 5, 2)
-
-
-def _llama(seed: int, **overrides: object) -> torch.nn.Module:
-    """A small random Llama (GQA, two layers) in eager attention; nothing is downloaded."""
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      initializer_range=0.2, attn_implementation="eager", **overrides)
-    return transformers.LlamaForCausalLM(config).eval()
-
-
-def _prompts(seed: int, lens: tuple[int, ...] = PROMPT_LENS) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random prompts of the given lengths, left-padded to the longest, and their mask."""
-    generator = torch.Generator().manual_seed(seed)
-    width = max(lens)
-    ids = torch.randint(1, VOCAB, (len(lens), width), generator=generator)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lens):
-        mask[row, width - n:] = 1
-    return ids, mask
-
-
-def _calls() -> int:
-    return hal_core.stats().get("cpu", {}).get("paged_attention", {}).get("calls", 0)
-
-
-def _cache(model: torch.nn.Module, num_blocks: int = 32) -> hal_hf.HalPagedCache:
-    return hal_hf.HalPagedCache(model.config, num_blocks=num_blocks, block_size=4, dtype=torch.float32)
-
-
-def _generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None, cache: object, **kwargs):
-    options = dict(max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True,
-                   pad_token_id=0)
-    options.update(kwargs)
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, past_key_values=cache, **options)
-
-
-def _both(model: torch.nn.Module, run):
-    """``run(cache)`` under eager with a DynamicCache, then under hal with a HalPagedCache (hal must serve it)."""
-    model.set_attn_implementation("eager")
-    eager_cache = transformers.DynamicCache(config=model.config)
-    expected = run(eager_cache)
-    model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
-    cache = _cache(model)
-    before = _calls()
-    got = run(cache)
-    assert _calls() > before, "hal's paged attention served no call"
-    return expected, got, cache
-
-
-def _assert_same(expected, got) -> None:
-    assert torch.equal(got.sequences, expected.sequences), (got.sequences, expected.sequences)
-    atol, rtol = tolerance("attention", "fp32")
-    for step, (g, e) in enumerate(zip(got.logits, expected.logits, strict=True)):
-        torch.testing.assert_close(g, e, atol=atol * e.abs().max().item(), rtol=rtol, msg=f"logits of step {step}")
 
 
 def test_a_second_chat_turn_continues_the_cache_like_eager() -> None:
     """The next turn (whole conversation, whole mask) continues the cache: eager's tokens, only new tokens fed."""
     seed = 21
     print(f"seed={seed}")
-    model = _llama(seed)
-    ids, mask = _prompts(seed)
+    model = llama(seed)
+    ids, mask = prompts(seed)
     follow = torch.randint(1, VOCAB, (len(PROMPT_LENS), 3), generator=torch.Generator().manual_seed(seed + 1))
 
     def run(cache):
-        first = _generate(model, ids, mask, cache)
+        first = generate(model, ids, mask, cache)
         turn = torch.cat([first.sequences, follow], dim=1)
         turn_mask = torch.cat([mask, torch.ones(len(PROMPT_LENS), NEW_TOKENS + follow.shape[1], dtype=mask.dtype)], 1)
-        return first, _generate(model, turn, turn_mask, cache)
+        return first, generate(model, turn, turn_mask, cache)
 
-    (first_e, second_e), (first_g, second_g), cache = _both(model, run)
-    _assert_same(first_e, first_g)
-    _assert_same(second_e, second_g)
+    (first_e, second_e), (first_g, second_g), cache = both(model, run)
+    assert_same(first_e, first_g)
+    assert_same(second_e, second_g)
     # every real token of both turns is in the cache; the last generated token of each turn is never fed
     assert cache.paged.usage().tokens == sum(PROMPT_LENS) + len(PROMPT_LENS) * (2 * NEW_TOKENS + 3 - 1)
 
@@ -102,28 +56,28 @@ def test_a_reused_cache_without_padding_continues_like_a_dynamic_cache() -> None
     """generate() twice on one prompt and one cache: the second call continues the cache exactly as eager's does."""
     seed = 22
     print(f"seed={seed}")
-    model = _llama(seed)
+    model = llama(seed)
     ids = torch.randint(1, VOCAB, (1, 7), generator=torch.Generator().manual_seed(seed))
 
     def run(cache):
-        return _generate(model, ids, None, cache), _generate(model, ids, None, cache)
+        return generate(model, ids, None, cache), generate(model, ids, None, cache)
 
-    (a_e, b_e), (a_g, b_g), _ = _both(model, run)
-    _assert_same(a_e, a_g)
-    _assert_same(b_e, b_g)
+    (a_e, b_e), (a_g, b_g), _ = both(model, run)
+    assert_same(a_e, a_g)
+    assert_same(b_e, b_g)
     assert not torch.equal(b_e.sequences, a_e.sequences)  # the second call really continued the cache
 
 
 def test_a_reused_cache_with_a_mask_that_does_not_cover_it_is_refused() -> None:
     """The same padded prompt again on a full cache: a clear error (eager would mask its own new keys), cache kept."""
-    model = _llama(23)
+    model = llama(23)
     model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
-    ids, mask = _prompts(23)
-    cache = _cache(model)
-    _generate(model, ids, mask, cache)
+    ids, mask = prompts(23)
+    cache = hal_cache(model)
+    generate(model, ids, mask, cache)
     usage, length = cache.paged.usage(), cache.get_seq_length()
     with pytest.raises(hal_core.ArgumentError, match=r"has 9 positions, but the cache has seen .* cache\.reset\(\)"):
-        _generate(model, ids, mask, cache)
+        generate(model, ids, mask, cache)
     assert cache.paged.usage() == usage and cache.get_seq_length() == length
 
 
@@ -131,24 +85,24 @@ def test_reset_serves_a_new_prompt_like_a_fresh_cache() -> None:
     """After cache.reset() the same cache generates a new batch exactly as a new cache does, every block back."""
     seed = 24
     print(f"seed={seed}")
-    model = _llama(seed)
-    ids, mask = _prompts(seed)
-    other_ids, other_mask = _prompts(seed + 1, (4, 6))
-    expected = _generate(model, other_ids, other_mask, transformers.DynamicCache(config=model.config))
+    model = llama(seed)
+    ids, mask = prompts(seed)
+    other_ids, other_mask = prompts(seed + 1, (4, 6))
+    expected = generate(model, other_ids, other_mask, transformers.DynamicCache(config=model.config))
     model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
-    cache = _cache(model)
-    _generate(model, ids, mask, cache)
+    cache = hal_cache(model)
+    generate(model, ids, mask, cache)
     cache.reset()
     assert cache.get_seq_length() == 0 and cache.paged.usage().used_blocks == 0
-    _assert_same(expected, _generate(model, other_ids, other_mask, cache))
+    assert_same(expected, generate(model, other_ids, other_mask, cache))
 
 
 def test_a_mask_that_disagrees_with_the_cached_padding_is_refused() -> None:
     """A mask whose past columns differ from the padding the cache holds, or none on a padded cache, raises."""
-    model = _llama(25)
+    model = llama(25)
     model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
-    ids, mask = _prompts(25)
-    cache = _cache(model)
+    ids, mask = prompts(25)
+    cache = hal_cache(model)
     with torch.no_grad():
         model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
         usage = cache.paged.usage()
@@ -167,9 +121,9 @@ def test_beam_search_matches_eager(num_return_sequences: int) -> None:
     """Beam search (reorder_cache every step) on left-padded prompts: eager's beams, through forked hal sequences."""
     seed = 26
     print(f"seed={seed}")
-    model = _llama(seed)
-    ids, mask = _prompts(seed)
-    expected, got, cache = _both(model, lambda cache: _generate(
+    model = llama(seed)
+    ids, mask = prompts(seed)
+    expected, got, cache = both(model, lambda cache: generate(
         model, ids, mask, cache, num_beams=3, num_return_sequences=num_return_sequences, output_logits=False,
         output_scores=True))
     assert torch.equal(got.sequences, expected.sequences), (got.sequences, expected.sequences)
@@ -182,15 +136,15 @@ def test_sampling_several_sequences_per_prompt_matches_eager() -> None:
     """num_return_sequences=3 with sampling (rows expanded before the prefill): eager's samples for one seed."""
     seed = 27
     print(f"seed={seed}")
-    model = _llama(seed)
-    ids, mask = _prompts(seed)
+    model = llama(seed)
+    ids, mask = prompts(seed)
 
     def run(cache):
         torch.manual_seed(seed)
-        return _generate(model, ids, mask, cache, do_sample=True, num_return_sequences=3, top_k=0)
+        return generate(model, ids, mask, cache, do_sample=True, num_return_sequences=3, top_k=0)
 
-    expected, got, _ = _both(model, run)
-    _assert_same(expected, got)
+    expected, got, _ = both(model, run)
+    assert_same(expected, got)
     assert len({tuple(row) for row in expected.sequences[:, ids.shape[1]:].tolist()}) > 3  # the samples differ
 
 
@@ -198,12 +152,12 @@ def test_prompt_lookup_decoding_crops_like_eager(monkeypatch: pytest.MonkeyPatch
     """Prompt-lookup (assisted) decoding drafts several tokens per forward and crops the rejected ones."""
     seed = 28
     print(f"seed={seed}")
-    model = _llama(seed)
+    model = llama(seed)
     ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(seed)).repeat(1, 3)
     crops: list[int] = []
     real_crop = hal_hf.HalPagedCache.crop
     monkeypatch.setattr(hal_hf.HalPagedCache, "crop", lambda self, n: (crops.append(int(n)), real_crop(self, n))[1])
-    expected, got, cache = _both(model, lambda cache: _generate(model, ids, None, cache, prompt_lookup_num_tokens=3,
+    expected, got, cache = both(model, lambda cache: generate(model, ids, None, cache, prompt_lookup_num_tokens=3,
                                                                 max_new_tokens=12, output_logits=False))
     assert torch.equal(got.sequences, expected.sequences), (got.sequences, expected.sequences)
     assert any(n < 0 for n in crops), f"no draft was rejected: crops {crops}"
@@ -214,10 +168,10 @@ def test_chunked_prefill_matches_eager() -> None:
     """prefill_chunk_size splits left-padded prompts over several forwards (a chunk may be all pads for a row)."""
     seed = 29
     print(f"seed={seed}")
-    model = _llama(seed)
-    ids, mask = _prompts(seed)
-    expected, got, _ = _both(model, lambda cache: _generate(model, ids, mask, cache, prefill_chunk_size=3))
-    _assert_same(expected, got)
+    model = llama(seed)
+    ids, mask = prompts(seed)
+    expected, got, _ = both(model, lambda cache: generate(model, ids, mask, cache, prefill_chunk_size=3))
+    assert_same(expected, got)
 
 
 def _row_ops(model: torch.nn.Module, cache: object, ids: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
@@ -252,9 +206,9 @@ def test_row_operations_and_crop_match_a_dynamic_cache() -> None:
     step after each: the logits of a DynamicCache under eager."""
     seed = 30
     print(f"seed={seed}")
-    model = _llama(seed)
-    ids, mask = _prompts(seed)
-    expected, got, cache = _both(model, lambda cache: _row_ops(model, cache, ids, mask))
+    model = llama(seed)
+    ids, mask = prompts(seed)
+    expected, got, cache = both(model, lambda cache: _row_ops(model, cache, ids, mask))
     atol, rtol = tolerance("attention", "fp32")
     for step, (g, e) in enumerate(zip(got, expected, strict=True)):
         torch.testing.assert_close(g, e, atol=atol * e.abs().max().item(), rtol=rtol, msg=f"after operation {step}")
@@ -264,10 +218,10 @@ def test_row_operations_and_crop_match_a_dynamic_cache() -> None:
 
 def test_a_fork_that_runs_out_of_blocks_changes_nothing() -> None:
     """reorder_cache needing more blocks than are free raises OutOfBlocksError with the cache unchanged."""
-    model = _llama(31)
+    model = llama(31)
     model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
-    ids, mask = _prompts(31, (6, 6, 6))
-    cache = _cache(model, num_blocks=7)  # 2 blocks per row, one free; every fork copies a partial block
+    ids, mask = prompts(31, (6, 6, 6))
+    cache = hal_cache(model, num_blocks=7)  # 2 blocks per row, one free; every fork copies a partial block
     with torch.no_grad():
         model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
     usage = cache.paged.usage()
@@ -277,91 +231,10 @@ def test_a_fork_that_runs_out_of_blocks_changes_nothing() -> None:
     cache.paged.blocks.check()
 
 
-def test_output_attentions_is_refused_by_name() -> None:
-    """output_attentions=True (argument or config), with or without a hal cache, raises instead of returning ();
-    the refused cache then serves eager's tokens."""
-    model = _llama(32)
-    ids, mask = _prompts(32)
-    expected = _generate(model, ids, mask, transformers.DynamicCache(config=model.config))
-    model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
-    cache = _cache(model)
-    with pytest.raises(hal_core.ArgumentError, match=r"output_attentions.*attn_implementation='eager'"):
-        _generate(model, ids, mask, cache, output_attentions=True)
-    assert cache.get_seq_length() == 0 and cache.paged.usage().used_blocks == 0
-    _assert_same(expected, _generate(model, ids, mask, cache))
-    with pytest.raises(hal_core.ArgumentError, match="output_attentions"), torch.no_grad():
-        model(ids, attention_mask=mask, output_attentions=True)
-    model.set_attn_implementation("eager")
-    model.config.output_attentions = True  # set under eager (transformers refuses it under "hal"), then switched
-    model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
-    with pytest.raises(hal_core.ArgumentError, match="output_attentions"), torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=_cache(model), use_cache=True)
-
-
-def test_a_custom_4d_mask_without_a_hal_cache_matches_eager_and_sdpa() -> None:
-    """A custom 4D mask (float: additive, like eager; boolean: like sdpa) through the SDPA fallback is honoured."""
-    seed = 33
-    print(f"seed={seed}")
-    model = _llama(seed)
-    ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(seed))
-    allowed = torch.ones(7, 7).tril().bool()
-    allowed[4:, 1:3] = False  # a pattern no 2D mask gives: late queries skip two early keys
-    allowed = allowed[None, None].expand(2, 1, 7, 7)
-    additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
-    with torch.no_grad():
-        eager = model(ids, attention_mask=additive).logits
-        causal = model(ids).logits
-        model.set_attn_implementation("sdpa")
-        sdpa = model(ids, attention_mask=allowed).logits
-        model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
-        got_float = model(ids, attention_mask=additive).logits
-        got_bool = model(ids, attention_mask=allowed).logits
-    assert not torch.allclose(eager[:, 4:], causal[:, 4:], atol=1e-3)  # the mask matters
-    torch.testing.assert_close(got_float, eager, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(got_bool, sdpa, atol=1e-4, rtol=1e-4)
-    with pytest.raises(hal_core.ArgumentError, match="4D mask must have shape"), torch.no_grad():
-        model(ids, attention_mask=additive[:, :, :5])
-
-
-def test_mask_patterns_hal_cannot_run_are_refused() -> None:
-    """Non-causal attention, chunked and packed-sequence masks raise instead of running plain causal attention."""
-    from transformers import masking_utils
-
-    with pytest.raises(hal_core.ArgumentError, match=r"and_masks\(chunked_overlay, causal_mask_function\)"):
-        hal_hf.hal_attention_mask(1, 4, 4, mask_function=masking_utils.chunked_causal_mask_function(
-            2, torch.zeros(1, dtype=torch.long)))
-    with pytest.raises(hal_core.ArgumentError, match=r"or_masks\(causal_mask_function, bidirectional_mask_function"):
-        hal_hf.hal_attention_mask(1, 4, 4, mask_function=masking_utils.or_masks(
-            masking_utils.causal_mask_function, masking_utils.bidirectional_mask_function))
-    for accepted in (masking_utils.causal_mask_function, masking_utils.sliding_window_causal_mask_function(4)):
-        assert hal_hf.hal_attention_mask(1, 4, 4, mask_function=accepted) is None
-    model = _llama(34, is_causal=False)  # a decoder run bidirectionally (embedding models)
-    model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
-    ids, mask = _prompts(34)
-    with pytest.raises(hal_core.ArgumentError, match="pattern"), torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=_cache(model), use_cache=True)
-    model = _llama(35)
-    model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
-    packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])  # two sequences packed in one row, no cache
-    with pytest.raises(hal_core.ArgumentError, match="pattern"), torch.no_grad():
-        model(torch.ones(1, 7, dtype=torch.long), position_ids=packed, use_cache=False)
-    torch.manual_seed(36)  # Llama 4's chunked attention (a chunk of 4 tokens) through generate
-    config = transformers.Llama4TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                           intermediate_size_mlp=128, num_hidden_layers=2, num_attention_heads=4,
-                                           num_key_value_heads=2, head_dim=16, attention_chunk_size=4,
-                                           num_local_experts=2, max_position_embeddings=256)
-    chunked = transformers.AutoModelForCausalLM.from_config(config).eval()
-    chunked.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
-    cache = _cache(chunked)
-    with pytest.raises(hal_core.ArgumentError, match="chunked_overlay"):
-        _generate(chunked, ids, mask, cache)
-    assert cache.get_seq_length() == 0 and cache.paged.usage().used_blocks == 0
-
-
 def test_layer_level_row_operations_point_to_the_cache() -> None:
     """A layer's own reorder/crop/reset would touch one layer of a shared cache: it raises and names the cache."""
-    model = _llama(36)
-    cache = _cache(model)
+    model = llama(36)
+    cache = hal_cache(model)
     for call in (lambda layer: layer.reorder_cache(torch.tensor([0])), lambda layer: layer.crop(-1),
                  lambda layer: layer.batch_repeat_interleave(2), lambda layer: layer.reset()):
         with pytest.raises(NotImplementedError, match="call it on the cache"):
@@ -394,10 +267,10 @@ def test_crop_into_a_shared_block_copies_it_or_changes_nothing() -> None:
 
 def test_a_first_forward_out_of_blocks_leaves_the_cache_empty() -> None:
     """A prompt batch that does not fit raises OutOfBlocksError; the cache holds nothing and serves a smaller one."""
-    model = _llama(37)
+    model = llama(37)
     model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
-    ids, mask = _prompts(37)
-    cache = _cache(model, num_blocks=3)  # the prompts need 3 + 2 + 1 blocks of 4
+    ids, mask = prompts(37)
+    cache = hal_cache(model, num_blocks=3)  # the prompts need 3 + 2 + 1 blocks of 4
     with pytest.raises(hal_core.OutOfBlocksError), torch.no_grad():
         model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
     assert cache.get_seq_length() == 0 and cache.paged.usage().sequences == 0
@@ -411,16 +284,16 @@ def test_a_row_without_real_tokens_follows_sdpa() -> None:
     the pads' values instead, so transformers' own implementations disagree there); the other rows are eager's."""
     seed = 38
     print(f"seed={seed}")
-    model = _llama(seed)
-    ids, mask = _prompts(seed, (5, 3, 0))
-    eager = _generate(model, ids, mask, transformers.DynamicCache(config=model.config))
+    model = llama(seed)
+    ids, mask = prompts(seed, (5, 3, 0))
+    eager = generate(model, ids, mask, transformers.DynamicCache(config=model.config))
     model.set_attn_implementation("sdpa")
-    sdpa = _generate(model, ids, mask, transformers.DynamicCache(config=model.config))
+    sdpa = generate(model, ids, mask, transformers.DynamicCache(config=model.config))
     model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
-    before = _calls()
-    got = _generate(model, ids, mask, _cache(model))
-    assert _calls() > before
-    _assert_same(sdpa, got)
+    before = hal_calls()
+    got = generate(model, ids, mask, hal_cache(model))
+    assert hal_calls() > before
+    assert_same(sdpa, got)
     assert torch.equal(got.sequences[:2], eager.sequences[:2])
     assert not torch.allclose(eager.logits[0][2], sdpa.logits[0][2], atol=1e-2)  # the row where they disagree
 
@@ -429,8 +302,8 @@ def test_generation_from_embeddings_and_a_closed_cache() -> None:
     """generate(inputs_embeds=...) through hal gives eager's tokens; a closed cache raises when used again."""
     seed = 39
     print(f"seed={seed}")
-    model = _llama(seed)
-    ids, mask = _prompts(seed)
+    model = llama(seed)
+    ids, mask = prompts(seed)
     embeds = model.get_input_embeddings()(ids).detach()
 
     def run(cache):
@@ -439,8 +312,8 @@ def test_generation_from_embeddings_and_a_closed_cache() -> None:
                                   max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
                                   return_dict_in_generate=True, pad_token_id=0)
 
-    expected, got, cache = _both(model, run)
-    _assert_same(expected, got)
+    expected, got, cache = both(model, run)
+    assert_same(expected, got)
     cache.close()
     with pytest.raises(hal_core.ArgumentError, match="closed"):
         run(cache)
@@ -448,15 +321,15 @@ def test_generation_from_embeddings_and_a_closed_cache() -> None:
 
 def test_a_cache_built_for_another_model_is_refused_before_any_change() -> None:
     """States of another dtype or head count than the cache's raise at the first layer, the cache untouched."""
-    model = _llama(40)
+    model = llama(40)
     model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
-    ids, mask = _prompts(40)
-    cache = _cache(model)
+    ids, mask = prompts(40)
+    cache = hal_cache(model)
     with pytest.raises(hal_core.ArgumentError, match=r"layer 0: the model's key states .* torch\.bfloat16"), \
             torch.no_grad():
         model.to(torch.bfloat16)(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
     assert cache.get_seq_length() == 0 and cache.paged.usage().used_blocks == 0
-    other = _llama(40, head_dim=32)
+    other = llama(40, head_dim=32)
     other.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
     with pytest.raises(hal_core.ArgumentError, match="32"), torch.no_grad():
         other(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
@@ -468,11 +341,11 @@ def test_a_forward_that_broke_off_poisons_the_cache_until_reset(monkeypatch: pyt
     the next use raises until reset(), after which the cache serves eager's tokens again."""
     seed = 41
     print(f"seed={seed}")
-    model = _llama(seed)
-    ids, mask = _prompts(seed)
-    expected = _generate(model, ids, mask, transformers.DynamicCache(config=model.config))
+    model = llama(seed)
+    ids, mask = prompts(seed)
+    expected = generate(model, ids, mask, transformers.DynamicCache(config=model.config))
     model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
-    cache = _cache(model)
+    cache = hal_cache(model)
     real = hal_hf._host_attention
 
     def failing(cache_, layer, *args, **kwargs):
@@ -488,19 +361,19 @@ def test_a_forward_that_broke_off_poisons_the_cache_until_reset(monkeypatch: pyt
     with pytest.raises(hal_core.ArgumentError, match=r"broke off at layer 1.*reset"), torch.no_grad():
         model(step, attention_mask=torch.cat([mask, step], 1), past_key_values=cache, use_cache=True)
     cache.reset()
-    _assert_same(expected, _generate(model, ids, mask, cache))
+    assert_same(expected, generate(model, ids, mask, cache))
 
 
 def test_assisted_decoding_with_an_assistant_model_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     """An assistant model drafts tokens; the hal model verifies several per forward and crops the rejected ones."""
     seed = 42
     print(f"seed={seed}")
-    model, assistant = _llama(seed), _llama(seed + 1)
+    model, assistant = llama(seed), llama(seed + 1)
     crops: list[int] = []
     real_crop = hal_hf.HalPagedCache.crop
     monkeypatch.setattr(hal_hf.HalPagedCache, "crop", lambda self, n: (crops.append(int(n)), real_crop(self, n))[1])
     ids = torch.randint(1, VOCAB, (1, 8), generator=torch.Generator().manual_seed(seed))
-    expected, got, cache = _both(model, lambda cache: _generate(model, ids, None, cache, assistant_model=assistant,
+    expected, got, cache = both(model, lambda cache: generate(model, ids, None, cache, assistant_model=assistant,
                                                                 max_new_tokens=10, output_logits=False))
     assert torch.equal(got.sequences, expected.sequences), (got.sequences, expected.sequences)
     assert any(n < 0 for n in crops), f"no draft was rejected: crops {crops}"
@@ -513,27 +386,12 @@ def test_a_static_cache_in_the_sdpa_fallback_matches_eager(lens: tuple[int, ...]
     HalPagedCache: the fallback places its queries at the positions seen, as eager does."""
     seed = 43
     print(f"seed={seed}")
-    model = _llama(seed)
-    ids, mask = _prompts(seed, lens)
+    model = llama(seed)
+    ids, mask = prompts(seed, lens)
     options = dict(max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True,
                    pad_token_id=0, cache_implementation="static")
     with torch.no_grad():
         expected = model.generate(ids, attention_mask=mask, **options)
         model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
         got = model.generate(ids, attention_mask=mask, **options)
-    _assert_same(expected, got)
-
-
-def test_attention_options_hal_would_ignore_are_refused() -> None:
-    """is_causal=False, a position bias and dropout in training raise in the attention function itself."""
-    model = _llama(44)
-    layer = model.model.layers[0].self_attn
-    q = torch.zeros(1, 4, 3, 16)
-    kv = torch.zeros(1, 2, 3, 16)
-    with pytest.raises(hal_core.ArgumentError, match="is_causal=False"):
-        hal_hf.hal_attention_forward(layer, q, kv, kv, None, is_causal=False)
-    with pytest.raises(hal_core.ArgumentError, match="position_bias"):
-        hal_hf.hal_attention_forward(layer, q, kv, kv, None, position_bias=torch.zeros(1, 4, 3, 3))
-    model.train()
-    with pytest.raises(hal_core.ArgumentError, match="dropout"):
-        hal_hf.hal_attention_forward(layer, q, kv, kv, None, dropout=0.1)
+    assert_same(expected, got)
