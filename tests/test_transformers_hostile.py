@@ -334,6 +334,11 @@ def test_a_cache_built_for_another_model_is_refused_before_any_change() -> None:
     with pytest.raises(hal_core.ArgumentError, match="32"), torch.no_grad():
         other(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
     assert cache.get_seq_length() == 0 and cache.paged.usage().used_blocks == 0
+    deeper = llama(40, num_hidden_layers=3)
+    deeper.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
+    with pytest.raises(hal_core.ArgumentError, match="2 layers, the model 3"), torch.no_grad():
+        deeper(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 0 and cache.paged.usage().used_blocks == 0
 
 
 def test_a_forward_that_broke_off_poisons_the_cache_until_reset(monkeypatch: pytest.MonkeyPatch) -> None:

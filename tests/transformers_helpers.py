@@ -14,11 +14,12 @@ PROMPT_LENS = (9, 5, 2)
 
 
 def llama(seed: int, **overrides: object) -> torch.nn.Module:
-    """A small random Llama (GQA, two layers) in eager attention; nothing is downloaded."""
+    """A small random Llama (GQA, two layers unless ``overrides`` say otherwise) in eager attention."""
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      initializer_range=0.2, attn_implementation="eager", **overrides)
+    fields: dict[str, object] = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                     initializer_range=0.2, attn_implementation="eager")
+    config = transformers.LlamaConfig(**{**fields, **overrides})
     return transformers.LlamaForCausalLM(config).eval()
 
 

@@ -117,6 +117,11 @@ def hal_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
         return _torch_attention(query, key, value, attention_mask, scale, window, softcap, sinks)
     cache, layer, _ = current
     _context.current = None
+    model_layers = getattr(getattr(module, "config", None), "num_hidden_layers", None)
+    if layer == 0 and model_layers is not None and model_layers != len(cache.layers):
+        cache._undo_enter(layer, q_len)
+        raise ArgumentError(f"past_key_values: the HalPagedCache has {len(cache.layers)} layers, the model "
+                            f"{model_layers}: build the cache from this model's config")
     plan = cache._plan_for(layer, attention_mask, batch, q_len)
     kv_heads = key.shape[1]
     q = query.transpose(1, 2).reshape(batch * q_len, heads, head_size)
