@@ -9,6 +9,8 @@ from torch_helpers import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (make test installs it)")
 
+import transformers_helpers as th  # noqa: E402
+
 import hal_core  # noqa: E402
 import hal_core.torch.transformers as hal_hf  # noqa: E402
 from hal_core.testing.tolerances import tolerance  # noqa: E402
@@ -148,6 +150,7 @@ def test_half_precision_prefill_logits_within_tolerance(dtype: str) -> None:
 
 def test_without_a_hal_cache_attention_runs_in_torch(caplog: pytest.LogCaptureFixture,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a HalPagedCache the "hal" attention runs SDPA with eager's tokens, logged once; HAL_STRICT raises."""
     model = _model("llama", 9)
     ids, mask = _prompts(9)
     expected = _generate(model, ids, mask)
@@ -163,6 +166,7 @@ def test_without_a_hal_cache_attention_runs_in_torch(caplog: pytest.LogCaptureFi
 
 
 def test_unsupported_uses_are_refused_by_name() -> None:
+    """Right padding, continuous batching, SDPA-less features without a hal cache and 4D masks with one raise."""
     assert hal_hf.ATTN_IMPLEMENTATION in transformers.AttentionInterface().valid_keys()
     model = _model("llama", 10)
     model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
@@ -172,22 +176,150 @@ def test_unsupported_uses_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="left padding"), torch.no_grad():
         model(ids, attention_mask=right_padded, past_key_values=cache, use_cache=True)
     assert cache.paged.usage().sequences == 0 and cache.paged.usage().used_blocks == 0  # refused before any work
+    assert cache.get_seq_length() == 0
     q = torch.zeros(1, 4, 1, 16)
     with pytest.raises(ValueError, match="continuous batching"):
         hal_hf.hal_attention_forward(model, q, q, q, None, cache=object())
     for feature in ({"sliding_window": 4}, {"softcap": 50.0}, {"s_aux": torch.zeros(4)}):  # SDPA has none
         with pytest.raises(ValueError, match="sliding window, logit softcap or attention sinks"):
             hal_hf.hal_attention_forward(model, q, q, q, None, **feature)
-    with pytest.raises(NotImplementedError, match="beam search"):
-        cache.reorder_cache(torch.tensor([0]))
     with pytest.raises(ValueError, match="2D padding mask"), torch.no_grad():
         model(ids, attention_mask=torch.ones(3, 1, 9, 9, dtype=torch.bool),
               past_key_values=hal_hf.HalPagedCache(model.config, num_blocks=8, block_size=8), use_cache=True)
 
 
 def test_a_hal_cache_under_another_attention_implementation_is_refused() -> None:
+    """A HalPagedCache under eager attention raises instead of attending to the new tokens only."""
     model = _model("llama", 12)  # eager attention would see only the new tokens
     ids, mask = _prompts(12)
     cache = hal_hf.HalPagedCache(model.config, num_blocks=8, block_size=8)
     with pytest.raises(RuntimeError, match="attn_implementation='hal'"), torch.no_grad():
         model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("family", ["qwen2-window", "gemma2", "gpt-oss"])
+def test_a_second_turn_with_windows_softcaps_and_sinks_matches_eager(family: str) -> None:
+    """A chat's next turn on the same cache (whole conversation, whole mask) past the window: eager's tokens and
+    logits, with the model's window, softcap or sinks applied to the continued sequences."""
+    seed = 40 + FAMILIES.index(family)
+    print(f"seed={seed}")
+    model = _model(family, seed)
+    ids, mask = _prompts(seed)
+    follow = torch.randint(1, VOCAB, (len(PROMPT_LENS), 3), generator=torch.Generator().manual_seed(seed + 1))
+
+    def two_turns(cache: object) -> tuple:
+        first = _generate(model, ids, mask, past_key_values=cache)
+        turn = torch.cat([first.sequences, follow], dim=1)
+        turn_mask = torch.cat([mask, torch.ones(len(PROMPT_LENS), NEW_TOKENS + 3, dtype=mask.dtype)], dim=1)
+        return first, _generate(model, turn, turn_mask, past_key_values=cache)
+
+    expected = two_turns(transformers.DynamicCache(config=model.config))
+    model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
+    cache = hal_hf.HalPagedCache(model.config, num_blocks=24, block_size=8, dtype=torch.float32)
+    before = hal_core.stats().get("cpu", {}).get("paged_attention", {}).get("calls", 0)
+    got = two_turns(cache)
+    calls = hal_core.stats()["cpu"]["paged_attention"]["calls"] - before
+    assert calls == model.config.num_hidden_layers * NEW_TOKENS * 2  # the second turn's new tokens are one prefill
+    atol, rtol = tolerance("attention", "fp32")
+    for turn, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert torch.equal(g.sequences, e.sequences), (turn, g.sequences, e.sequences)
+        for step, (gl, el) in enumerate(zip(g.logits, e.logits, strict=True)):
+            torch.testing.assert_close(gl, el, atol=atol * el.abs().max().item(), rtol=rtol,
+                                       msg=f"turn {turn}, step {step}")
+    cache.close()
+
+
+def test_output_attentions_is_refused_by_name() -> None:
+    """output_attentions=True (argument or config), with or without a hal cache, raises instead of returning ();
+    the refused cache then serves eager's tokens."""
+    model = th.llama(32)
+    ids, mask = th.prompts(32)
+    expected = th.generate(model, ids, mask, transformers.DynamicCache(config=model.config))
+    model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
+    cache = th.hal_cache(model)
+    with pytest.raises(hal_core.ArgumentError, match=r"output_attentions.*attn_implementation='eager'"):
+        th.generate(model, ids, mask, cache, output_attentions=True)
+    assert cache.get_seq_length() == 0 and cache.paged.usage().used_blocks == 0
+    th.assert_same(expected, th.generate(model, ids, mask, cache))
+    with pytest.raises(hal_core.ArgumentError, match="output_attentions"), torch.no_grad():
+        model(ids, attention_mask=mask, output_attentions=True)
+    model.set_attn_implementation("eager")
+    model.config.output_attentions = True  # set under eager (transformers refuses it under "hal"), then switched
+    model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
+    with pytest.raises(hal_core.ArgumentError, match="output_attentions"), torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=th.hal_cache(model), use_cache=True)
+
+
+def test_mask_patterns_hal_cannot_run_are_refused() -> None:
+    """Non-causal attention, chunked and packed-sequence masks raise instead of running plain causal attention."""
+    from transformers import masking_utils
+
+    with pytest.raises(hal_core.ArgumentError, match=r"and_masks\(chunked_overlay, causal_mask_function\)"):
+        hal_hf.hal_attention_mask(1, 4, 4, mask_function=masking_utils.chunked_causal_mask_function(
+            2, torch.zeros(1, dtype=torch.long)))
+    with pytest.raises(hal_core.ArgumentError, match=r"or_masks\(causal_mask_function, bidirectional_mask_function"):
+        hal_hf.hal_attention_mask(1, 4, 4, mask_function=masking_utils.or_masks(
+            masking_utils.causal_mask_function, masking_utils.bidirectional_mask_function))
+    for accepted in (masking_utils.causal_mask_function, masking_utils.sliding_window_causal_mask_function(4)):
+        assert hal_hf.hal_attention_mask(1, 4, 4, mask_function=accepted) is None
+    model = th.llama(34, is_causal=False)  # a decoder run bidirectionally (embedding models)
+    model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
+    ids, mask = th.prompts(34)
+    with pytest.raises(hal_core.ArgumentError, match="pattern"), torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=th.hal_cache(model), use_cache=True)
+    model = th.llama(35)
+    model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])  # two sequences packed in one row, no cache
+    with pytest.raises(hal_core.ArgumentError, match="pattern"), torch.no_grad():
+        model(torch.ones(1, 7, dtype=torch.long), position_ids=packed, use_cache=False)
+    torch.manual_seed(36)  # Llama 4's chunked attention (a chunk of 4 tokens) through generate
+    config = transformers.Llama4TextConfig(vocab_size=th.VOCAB, hidden_size=64, intermediate_size=128,
+                                           intermediate_size_mlp=128, num_hidden_layers=2, num_attention_heads=4,
+                                           num_key_value_heads=2, head_dim=16, attention_chunk_size=4,
+                                           num_local_experts=2, max_position_embeddings=256)
+    chunked = transformers.AutoModelForCausalLM.from_config(config).eval()
+    chunked.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
+    cache = th.hal_cache(chunked)
+    with pytest.raises(hal_core.ArgumentError, match="chunked_overlay"):
+        th.generate(chunked, ids, mask, cache)
+    assert cache.get_seq_length() == 0 and cache.paged.usage().used_blocks == 0
+
+
+def test_attention_options_hal_would_ignore_are_refused() -> None:
+    """is_causal=False, a position bias and dropout in training raise in the attention function itself."""
+    model = th.llama(44)
+    layer = model.model.layers[0].self_attn
+    q = torch.zeros(1, 4, 3, 16)
+    kv = torch.zeros(1, 2, 3, 16)
+    with pytest.raises(hal_core.ArgumentError, match="is_causal=False"):
+        hal_hf.hal_attention_forward(layer, q, kv, kv, None, is_causal=False)
+    with pytest.raises(hal_core.ArgumentError, match="position_bias"):
+        hal_hf.hal_attention_forward(layer, q, kv, kv, None, position_bias=torch.zeros(1, 4, 3, 3))
+    model.train()
+    with pytest.raises(hal_core.ArgumentError, match="dropout"):
+        hal_hf.hal_attention_forward(layer, q, kv, kv, None, dropout=0.1)
+
+
+def test_a_custom_4d_mask_without_a_hal_cache_matches_eager_and_sdpa() -> None:
+    """A custom 4D mask (float: additive, like eager; boolean: like sdpa) through the SDPA fallback is honoured."""
+    seed = 33
+    print(f"seed={seed}")
+    model = th.llama(seed)
+    ids = torch.randint(1, th.VOCAB, (2, 7), generator=torch.Generator().manual_seed(seed))
+    allowed = torch.ones(7, 7).tril().bool()
+    allowed[4:, 1:3] = False  # a pattern no 2D mask gives: late queries skip two early keys
+    allowed = allowed[None, None].expand(2, 1, 7, 7)
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        eager = model(ids, attention_mask=additive).logits
+        causal = model(ids).logits
+        model.set_attn_implementation("sdpa")
+        sdpa = model(ids, attention_mask=allowed).logits
+        model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
+        got_float = model(ids, attention_mask=additive).logits
+        got_bool = model(ids, attention_mask=allowed).logits
+    assert not torch.allclose(eager[:, 4:], causal[:, 4:], atol=1e-3)  # the mask matters
+    torch.testing.assert_close(got_float, eager, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_bool, sdpa, atol=1e-4, rtol=1e-4)
+    with pytest.raises(hal_core.ArgumentError, match="4D mask must have shape"), torch.no_grad():
+        model(ids, attention_mask=additive[:, :, :5])

@@ -178,13 +178,48 @@ class BlockTable:
         self._seqs[child] = _Seq(shared, seq.length)
         return copy
 
+    def truncate_many(self, lengths: Mapping[Hashable, int]) -> list[ForkCopy]:
+        """Shorten sequences to ``lengths`` tokens, all or nothing; blocks nobody holds any more are freed.
+
+        A kept last block that becomes partial while another sequence shares it
+        is replaced by a fresh block (so a shared block stays full): the
+        returned copies say whose content the caller copies.
+        """
+        refs, free, needed = list(self._refs), len(self._free), 0  # a dry run, in the order of the real one
+        for seq_id, n in lengths.items():
+            seq = self._get(seq_id)
+            _check_count(n)
+            if n > seq.length:
+                raise ValueError(f"cannot truncate sequence {seq_id!r} of {seq.length} tokens to {n}")
+            keep = _ceil_div(n, self.block_size)
+            for block in seq.blocks[keep:]:
+                refs[block] -= 1
+                free += refs[block] == 0
+            if n % self.block_size and refs[seq.blocks[keep - 1]] > 1:
+                needed, free = needed + 1, free - 1
+                refs[seq.blocks[keep - 1]] -= 1
+                if free < 0:
+                    raise OutOfBlocksError(needed, needed + free)
+        copies = []
+        for seq_id, n in lengths.items():
+            seq = self._seqs[seq_id]
+            keep = _ceil_div(n, self.block_size)
+            for block in reversed(seq.blocks[keep:]):
+                self._release(block)
+            del seq.blocks[keep:]
+            seq.length = n
+            if n % self.block_size and self._refs[seq.blocks[-1]] > 1:
+                (fresh,) = self._take(1)
+                copies.append(ForkCopy(seq.blocks[-1], fresh))
+                self._release(seq.blocks[-1])
+                seq.blocks[-1] = fresh
+        return copies
+
     def free(self, seq_id: Hashable) -> None:
         """End ``seq_id``; blocks nobody else holds go back to the free list."""
         seq = self._seqs.pop(self._key(seq_id))
         for block in reversed(seq.blocks):
-            self._refs[block] -= 1
-            if self._refs[block] == 0:
-                self._free.append(block)
+            self._release(block)
 
     # -- checks -----------------------------------------------------------
 
@@ -218,6 +253,11 @@ class BlockTable:
     def _reserve(self, needed: int) -> None:
         if needed > len(self._free):
             raise OutOfBlocksError(needed, len(self._free))
+
+    def _release(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            self._free.append(block)
 
     def _take(self, count: int) -> list[int]:
         taken = [self._free.pop() for _ in range(count)]

@@ -205,6 +205,14 @@ class PagedKVCache:
                     cache[copy.dst] = cache[copy.src]
         return copy
 
+    def truncate_many(self, lengths: Mapping[Hashable, int]) -> None:
+        """Shorten sequences to ``lengths`` tokens, all or nothing (a shared block that would turn partial is
+        copied first, on the device)."""
+        for copy in self.blocks.truncate_many(lengths):
+            for caches in (self.key_caches, self.value_caches):
+                for cache in caches:
+                    cache[copy.dst] = cache[copy.src]
+
     def free(self, seq_id: Hashable) -> None:
         """End a sequence; its unshared blocks return to the free list."""
         self.blocks.free(seq_id)

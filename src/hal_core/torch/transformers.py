@@ -5,7 +5,8 @@ Importing this module registers, through transformers' public interfaces:
 - ``AttentionInterface.register("hal", hal_attention_forward)``: the attention function;
 - ``AttentionMaskInterface.register("hal", hal_attention_mask)``: the mask it wants
   (the 2D padding mask as given, like FlashAttention's: causality is the paged
-  kernel's, so no 4D mask is ever built).
+  kernel's, so no 4D mask is ever built). A mask pattern the kernel cannot
+  run (chunked, bidirectional, packed sequences, image-token blocks) is refused.
 
 A model generates through hal when it uses the backend *and* a
 :class:`HalPagedCache`::
@@ -32,207 +33,65 @@ What falls back: without a :class:`HalPagedCache` (a ``DynamicCache``, or no
 cache) the ``"hal"`` attention runs torch's scaled-dot-product attention on the
 keys and values transformers passes (logged once; ``HAL_STRICT=1`` raises
 instead; it refuses what SDPA cannot honour: windows, softcaps, sinks).
-Transformers' continuous batching (``generate_batch``, whose cache transformers
-owns in its own layout), beam search and cache cropping raise a clear error.
+What is refused, by name: ``output_attentions`` (hal returns no weights),
+non-causal attention, transformers' continuous batching (``generate_batch``,
+whose cache transformers owns in its own layout). docs/engine-guide.md has the
+table of every cache use.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Hashable
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
-from transformers import AttentionInterface, AttentionMaskInterface, Cache
-from transformers.cache_utils import CacheLayerMixin
+from transformers import AttentionInterface, AttentionMaskInterface
 
 from .. import _env
-from .._errors import FallbackError
+from .._errors import ArgumentError, FallbackError
 from ..interop import host_view
-from ..kvcache import CacheConfig, PagedKVCache
-from ._convert import to_tensor
 from ._ops import paged_attention, write_kv_cache
-from ._routing import backend_for
+from ._tf_cache import HalPagedCache, _context, _Plan
+from ._tf_mask import check_mask_function
 
 __all__ = ["ATTN_IMPLEMENTATION", "HalPagedCache", "hal_attention_forward", "hal_attention_mask", "register"]
+
+HalPagedCache.__module__ = __name__  # documented here
 
 log = logging.getLogger("hal")
 
 #: The name to pass as ``attn_implementation``.
 ATTN_IMPLEMENTATION = "hal"
 
-_HAL_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-_context = threading.local()
 _warned: set[str] = set()
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """One forward's index tensors and hints, shared by every layer."""
-
-    step: int
-    rows: torch.Tensor | None  #: flat ``b * q_len + i`` of each real new token (None: every token is real)
-    slot_mapping: torch.Tensor
-    query_start_loc: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    max_query_len: int
-    max_seq_len: int
-    #: The step's index arrays as the cache's own arrays (numpy on a host backend), for eager calls.
-    native: dict[str, Any]
-
-
-class _HalLayer(CacheLayerMixin):
-    """One layer of a :class:`HalPagedCache`: counts its tokens; the keys and values live in hal's cache."""
-
-    is_compileable = False
-    is_croppable = False
-    supports_early_init = False
-
-    def __init__(self, owner: HalPagedCache, index: int) -> None:
-        super().__init__()
-        self.owner, self.index = owner, index
-        self.length = 0  # positions seen, pads included (what transformers counts)
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        self.owner._enter_layer(self.index, key_states, value_states)
-        self.is_initialized = True
-        self.length += key_states.shape[-2]
-        return key_states, value_states
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        self.length = 0
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("HalPagedCache does not reorder sequences (beam search); use greedy or sampling")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("HalPagedCache cannot drop tokens (assisted decoding)")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("HalPagedCache cannot repeat sequences; pass num_return_sequences=1")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("HalPagedCache cannot select sequences")
-
-
-class HalPagedCache(Cache):
-    """A transformers ``Cache`` whose keys and values live in a :class:`hal_core.kvcache.PagedKVCache`.
-
-    ``config`` is the model's config (its text config for multimodal
-    models); ``num_blocks`` blocks of ``block_size`` tokens per layer are
-    allocated on ``device`` by the hal backend that owns it, in ``dtype``
-    (the model's). Batch row ``b`` is hal sequence ``b``; left padding is
-    skipped (pads are never written, so they are never read). One cache
-    serves one ``generate`` call; :meth:`close` frees its memory.
-    """
-
-    def __init__(self, config: Any, *, num_blocks: int, block_size: int = 16,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = text.num_attention_heads
-        kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        head_size = getattr(text, "head_dim", None) or text.hidden_size // heads
-        if dtype not in _HAL_DTYPES:
-            raise TypeError(f"HalPagedCache: dtype must be one of {sorted(map(str, _HAL_DTYPES))}, got {dtype}")
-        device = torch.device(device)
-        backend = backend_for(torch.empty(0, device=device))
-        index = device.index if device.index is not None else (
-            0 if device.type == "cpu" else torch.get_device_module(device).current_device())
-        hal_config = CacheConfig(num_layers=text.num_hidden_layers, num_kv_heads=kv_heads, head_size=head_size,
-                                 block_size=block_size, dtype=_HAL_DTYPES[dtype])
-        self.paged = PagedKVCache(backend, hal_config, num_blocks=num_blocks, device=index)
-        self.key_caches = [to_tensor(a) for a in self.paged.key_caches]
-        self.value_caches = [to_tensor(a) for a in self.paged.value_caches]
-        self.device = device
-        self._batch: int | None = None
-        self._step = 0
-        self._plan: _Plan | None = None
-        super().__init__(layers=[_HalLayer(self, i) for i in range(text.num_hidden_layers)])
-
-    # -- called by the layers and the attention function -----------------------
-
-    def _enter_layer(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        previous = getattr(_context, "current", None)
-        if previous is not None and previous[0] is self:  # the last layer's keys never reached hal
-            _context.current = None
-            raise RuntimeError(
-                f"HalPagedCache: layer {previous[1]}'s keys and values were not consumed by the 'hal' attention "
-                f"function; load the model with attn_implementation='hal' (another attention implementation "
-                f"would see only the new tokens)"
-            )
-        if layer == 0:
-            self._step += 1
-        _context.current = (self, layer, key)
-
-    def _plan_for(self, attention_mask: torch.Tensor | None, batch: int, q_len: int) -> _Plan:
-        if self._plan is not None and self._plan.step == self._step:
-            return self._plan
-        if self._batch is not None and batch != self._batch:
-            raise ValueError(f"HalPagedCache holds {self._batch} sequences, but this forward has batch {batch}; "
-                             f"use a new cache per generate call")
-        if attention_mask is None:
-            real = np.ones((batch, q_len), dtype=bool)
-        elif attention_mask.ndim != 2:
-            raise ValueError(f"attn_implementation='hal' takes the 2D padding mask [batch, length], got a mask of "
-                             f"shape {tuple(attention_mask.shape)}")
-        else:
-            real = attention_mask[:, -q_len:].to("cpu", torch.bool).numpy()
-        counts = real.sum(axis=1)
-        for b in range(batch):  # pads may only precede a sequence's first token (left padding)
-            expected = np.arange(q_len) >= q_len - counts[b]
-            held = self.paged.blocks.length(b) if self._batch is not None else 0
-            if not np.array_equal(real[b], expected) or (held and counts[b] != q_len):
-                raise ValueError(f"HalPagedCache supports left padding only: row {b} of the attention mask has a "
-                                 f"pad after a real token")
-        if self._batch is None:  # the first forward: one hal sequence per batch row
-            for b in range(batch):
-                self.paged.add(b)
-            self._batch = batch
-        new_tokens: dict[Hashable, int] = {b: int(counts[b]) for b in range(batch)}
-        step = self.paged.prepare_step(new_tokens)
-        rows = None
-        if not real.all():
-            rows = torch.from_numpy(np.flatnonzero(real.reshape(-1))).to(self.device)
-        self._plan = _Plan(self._step, rows, to_tensor(step.slot_mapping), to_tensor(step.query_start_loc),
-                           to_tensor(step.block_tables), to_tensor(step.seq_lens), step.max_query_len,
-                           step.max_seq_len, {"slot_mapping": step.slot_mapping, **step.attention_args()})
-        return self._plan
-
-    # -- lifetime ----------------------------------------------------------------
-
-    def close(self) -> None:
-        """Give the hal cache's memory back; the cache is unusable afterwards."""
-        self.key_caches, self.value_caches = [], []
-        self.paged.close()
-
-    def reset(self) -> None:
-        raise NotImplementedError("HalPagedCache serves one generate call; make a new one")
 
 
 def hal_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                        mask_function: Any = None, attention_mask: torch.Tensor | None = None,
                        **kwargs: Any) -> torch.Tensor | None:
-    """The mask ``"hal"`` attention reads: the 2D padding mask ``[batch, kv_length]`` (None when there is none)."""
+    """The mask ``"hal"`` attention reads: the 2D padding mask ``[batch, positions seen]``, or None.
+
+    The mask function must be transformers' causal one, or causal with a
+    sliding window: anything else is a pattern the paged kernel would ignore,
+    so it raises :class:`~hal_core.ArgumentError`. The mask must cover the
+    positions seen (the cache's and this forward's) exactly; without one, a
+    cache longer than what it has seen (a ``StaticCache``) gets an all-ones
+    mask of the positions seen, so the attention knows where its queries are.
+    """
+    check_mask_function(mask_function)
+    if kv_offset:  # a sliding layer that dropped old keys: only the SDPA fallback meets it, and refuses windows
+        return attention_mask
+    seen = int(q_offset) + q_length
     if attention_mask is None:
-        return None
-    return attention_mask[:, -kv_length:]
+        if seen == kv_length:
+            return None
+        return torch.ones(batch_size, seen, dtype=torch.bool, device=kwargs.get("device"))
+    if attention_mask.ndim == 2 and attention_mask.shape[-1] != seen:
+        raise ArgumentError(
+            f"attention_mask has {attention_mask.shape[-1]} positions, but the cache has seen {seen - q_length} and "
+            f"this forward adds {q_length}: pass the mask of the whole sequence ({seen} positions; generate() feeds "
+            f"only the positions a cache lacks); for a new prompt call cache.reset() or use a new cache")
+    return attention_mask
 
 
 def hal_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -242,21 +101,28 @@ def hal_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
 
     Returns ``(attn_output [B, Q, H, D], None)`` (no attention weights).
     """
-    if kwargs.get("cache") is not None:
-        raise ValueError("attn_implementation='hal' does not run transformers' continuous batching "
-                         "(generate_batch): its paged cache has transformers' own layout; use generate() with "
-                         "past_key_values=HalPagedCache(...)")
-    if dropout and module.training:
-        raise ValueError("attn_implementation='hal' is for inference: dropout is not supported")
     batch, heads, q_len, head_size = query.shape
-    scale = float(scaling) if scaling is not None else head_size ** -0.5
-    window, softcap, sinks = _variants(module, kwargs)
     current = getattr(_context, "current", None)
-    if current is None or current[2] is not key:
+    if current is not None and current[2] is not key:
+        current = None
+    try:
+        _check_options(module, dropout, kwargs)
+        window, softcap, sinks = _variants(module, kwargs)
+    except BaseException:
+        if current is not None:  # the layer's keys were handed over: the refused forward never happened
+            current[0]._undo_enter(current[1], q_len)
+        raise
+    scale = float(scaling) if scaling is not None else head_size ** -0.5
+    if current is None:
         return _torch_attention(query, key, value, attention_mask, scale, window, softcap, sinks)
     cache, layer, _ = current
     _context.current = None
-    plan = cache._plan_for(attention_mask, batch, q_len)
+    model_layers = getattr(getattr(module, "config", None), "num_hidden_layers", None)
+    if layer == 0 and model_layers is not None and model_layers != len(cache.layers):
+        cache._undo_enter(layer, q_len)
+        raise ArgumentError(f"past_key_values: the HalPagedCache has {len(cache.layers)} layers, the model "
+                            f"{model_layers}: build the cache from this model's config")
+    plan = cache._plan_for(layer, attention_mask, batch, q_len)
     kv_heads = key.shape[1]
     q = query.transpose(1, 2).reshape(batch * q_len, heads, head_size)
     k = key.transpose(1, 2).reshape(batch * q_len, kv_heads, head_size)
@@ -272,9 +138,37 @@ def hal_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
         out = paged_attention(q, key_cache, value_cache, plan.block_tables, plan.seq_lens, scale,
                               query_start_loc=plan.query_start_loc, max_query_len=plan.max_query_len,
                               max_seq_len=plan.max_seq_len, window=window, softcap=softcap, sinks=sinks)
+    cache._layer_written(layer)
     if plan.rows is not None:  # pad rows get zeros (transformers never reads them)
         out = query.new_zeros(batch * q_len, heads, head_size).index_copy_(0, plan.rows, out)
     return out.view(batch, q_len, heads, head_size), None
+
+
+def _check_options(module: torch.nn.Module, dropout: float, kwargs: dict[str, Any]) -> None:
+    """Refuse, before any work, what hal's attention would otherwise ignore."""
+    if kwargs.get("cache") is not None:
+        raise ArgumentError("attn_implementation='hal' does not run transformers' continuous batching "
+                            "(generate_batch): its paged cache has transformers' own layout; use generate() with "
+                            "past_key_values=HalPagedCache(...)")
+    if dropout and module.training:
+        raise ArgumentError("attn_implementation='hal' is for inference: dropout is not supported (model.eval(), "
+                            "or attn_implementation='sdpa' for training)")
+    config = getattr(module, "config", None)
+    wanted = kwargs["output_attentions"] if "output_attentions" in kwargs else getattr(
+        config, "output_attentions", False)
+    if wanted:
+        raise ArgumentError("output_attentions=True: attn_implementation='hal' computes no attention weights; load "
+                            "the model with attn_implementation='eager' (or model.set_attn_implementation('eager')) "
+                            "to get them")
+    causal = kwargs.get("is_causal")
+    if causal is None:
+        causal = getattr(module, "is_causal", True)
+    if not causal:
+        raise ArgumentError("attn_implementation='hal' runs causal attention only; this layer is not causal "
+                            "(is_causal=False): use attn_implementation='sdpa' or 'eager'")
+    if kwargs.get("position_bias") is not None:
+        raise ArgumentError("attn_implementation='hal' has no additive position bias (position_bias); use "
+                            "attn_implementation='sdpa' or 'eager'")
 
 
 def _host_attention(cache: HalPagedCache, layer: int, plan: _Plan, q: torch.Tensor, k: torch.Tensor,
@@ -311,22 +205,46 @@ def _variants(module: torch.nn.Module, kwargs: dict[str, Any]) -> tuple[int | No
 def _torch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scale: float, window: int | None, softcap: float | None,
                      sinks: torch.Tensor | None) -> tuple[torch.Tensor, None]:
-    """The fallback without a HalPagedCache: causal SDPA over what transformers passed (nothing through hal)."""
+    """The fallback without a HalPagedCache: SDPA over what transformers passed (nothing through hal).
+
+    A 2D padding mask covers the positions seen; the queries are its last
+    ``q_len`` (keys past it, a ``StaticCache``'s empty slots, are masked),
+    under a causal mask; a custom 4D mask is the whole mask (boolean: True attends; float: added to the scores), as with
+    ``attn_implementation="sdpa"``.
+    """
     if window is not None or softcap is not None or sinks is not None:
-        raise ValueError("attn_implementation='hal' needs past_key_values=HalPagedCache(...) for a model with a "
-                         "sliding window, logit softcap or attention sinks (torch SDPA, the fallback, has none)")
+        raise ArgumentError("attn_implementation='hal' needs past_key_values=HalPagedCache(...) for a model with a "
+                            "sliding window, logit softcap or attention sinks (torch SDPA, the fallback, has none)")
+    batch, heads, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    if attention_mask is not None and attention_mask.ndim == 4:
+        shape = tuple(attention_mask.shape)
+        if shape[0] not in (1, batch) or shape[1] not in (1, heads) or shape[2:] != (q_len, kv_len):
+            raise ArgumentError(f"attention_mask: a 4D mask must have shape ({batch} or 1, {heads} or 1, {q_len}, "
+                                f"{kv_len}) (batch, heads, queries, keys), got {shape}")
+    elif attention_mask is not None and attention_mask.ndim != 2:
+        raise ArgumentError(f"attention_mask must be 2D [batch, length] or 4D [batch, heads, queries, keys], got "
+                            f"shape {tuple(attention_mask.shape)}")
     reason = "no HalPagedCache in use (pass past_key_values=HalPagedCache(...)); attention runs in torch SDPA"
     if _env.strict():
         raise FallbackError(f"attn_implementation='hal': {reason}; unset HAL_STRICT to allow it")
     if reason not in _warned:
         _warned.add(reason)
         log.warning("hal: %s", reason)
-    q_len, kv_len = query.shape[2], key.shape[2]
-    positions = torch.arange(kv_len, device=query.device)
-    mask = positions[None, :] <= (positions[kv_len - q_len:, None])  # [Q, KV] causal, queries are the last Q
-    mask = mask[None, None]
-    if attention_mask is not None:
-        mask = mask & attention_mask[:, None, None, -kv_len:].to(torch.bool)
+    if attention_mask is not None and attention_mask.ndim == 4:
+        mask = attention_mask.to(query.device)
+        if mask.dtype != torch.bool:
+            mask = mask.to(query.dtype)
+    else:  # the queries are the last of the positions seen: the mask's length, else every key (a DynamicCache)
+        seen = kv_len if attention_mask is None else attention_mask.shape[1]
+        if not q_len <= seen <= kv_len:
+            raise ArgumentError(f"attention_mask has {seen} positions for {q_len} queries and {kv_len} keys; it must "
+                                f"cover the positions seen (at least the queries, at most the keys)")
+        positions = torch.arange(kv_len, device=query.device)
+        mask = (positions[None, :] <= positions[seen - q_len:seen, None])[None, None]  # causal
+        if attention_mask is not None:  # keys past the positions seen (a StaticCache's empty slots) are padding
+            padding = torch.nn.functional.pad(attention_mask.to(query.device, torch.bool), (0, kv_len - seen))
+            mask = mask & padding[:, None, None, :]
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
                                                            enable_gqa=key.shape[1] != query.shape[1])
     return out.transpose(1, 2).contiguous(), None

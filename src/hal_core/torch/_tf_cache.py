@@ -1,0 +1,389 @@
+""":class:`HalPagedCache`: a transformers ``Cache`` whose keys and values live in a hal paged KV cache.
+
+Batch row ``b`` is one hal sequence; the cache records, for every position
+transformers has seen, whether it was a real token or a pad, so a later
+forward's attention mask can be checked against what the cache holds. The
+row operations transformers' decoding strategies call (``reorder_cache``,
+``batch_repeat_interleave``, ``batch_select_indices``) fork hal sequences
+(full blocks shared, a partial last block copied), and ``crop`` shortens
+them: each leaves the cache exactly as a ``DynamicCache`` would be, or raises
+before changing anything.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import Cache
+from transformers.cache_utils import CacheLayerMixin
+
+from .._errors import ArgumentError, OutOfBlocksError
+from ..kvcache import CacheConfig, PagedKVCache
+from ._convert import to_tensor
+from ._routing import backend_for
+
+__all__ = ["HalPagedCache"]
+
+_HAL_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+#: The layer whose new keys and values the next ``"hal"`` attention call consumes: ``(cache, layer, key)``.
+_context = threading.local()
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """One forward's index tensors and hints, shared by every layer."""
+
+    step: int
+    rows: torch.Tensor | None  #: flat ``b * q_len + i`` of each real new token (None: every token is real)
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    #: The step's index arrays as the cache's own arrays (numpy on a host backend), for eager calls.
+    native: dict[str, Any]
+
+
+class _HalLayer(CacheLayerMixin):
+    """One layer of a :class:`HalPagedCache`: counts its positions; the keys and values live in hal's cache.
+
+    The row operations act on every layer at once, so they live on the cache; a layer refuses them.
+    """
+
+    is_compileable = False
+    is_croppable = True
+    supports_early_init = False
+
+    def __init__(self, owner: HalPagedCache, index: int) -> None:
+        super().__init__()
+        self.owner, self.index = owner, index
+        self.length = 0  # positions seen, pads included (what transformers counts)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self.owner._enter_layer(self.index, key_states, value_states)
+        self.is_initialized = True
+        self.length += key_states.shape[-2]
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def offload(self) -> None:
+        raise NotImplementedError("HalPagedCache keeps its keys and values in hal's cache; it does not offload")
+
+    def prefetch(self) -> None:
+        raise NotImplementedError("HalPagedCache keeps its keys and values in hal's cache; it does not offload")
+
+    def _whole_cache(self, name: str) -> None:
+        raise NotImplementedError(f"HalPagedCache.{name} acts on every layer at once: call it on the cache, "
+                                  f"not on layer {self.index}")
+
+    def reset(self) -> None:
+        self._whole_cache("reset")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._whole_cache("reorder_cache")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._whole_cache("crop")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._whole_cache("batch_repeat_interleave")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._whole_cache("batch_select_indices")
+
+
+class HalPagedCache(Cache):
+    """A transformers ``Cache`` whose keys and values live in a :class:`hal_core.kvcache.PagedKVCache`.
+
+    ``config`` is the model's config (its text config for multimodal
+    models); ``num_blocks`` blocks of ``block_size`` tokens per layer are
+    allocated on ``device`` by the hal backend that owns it, in ``dtype``
+    (the model's). Batch row ``b`` is one hal sequence; left padding is
+    skipped (pads are never written, so they are never read).
+
+    Like a ``DynamicCache``, a cache that holds tokens is *continued* by the
+    next forward or ``generate`` call (a chat's next turn: pass the whole
+    conversation and its whole attention mask); :meth:`reset` empties it for
+    a new prompt. The row operations of beam search and the ``crop`` of
+    assisted decoding are exact. :meth:`close` frees its memory.
+    """
+
+    def __init__(self, config: Any, *, num_blocks: int, block_size: int = 16,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_size = getattr(text, "head_dim", None) or text.hidden_size // heads
+        if dtype not in _HAL_DTYPES:
+            raise TypeError(f"HalPagedCache: dtype must be one of {sorted(map(str, _HAL_DTYPES))}, got {dtype}")
+        device = torch.device(device)
+        backend = backend_for(torch.empty(0, device=device))
+        index = device.index if device.index is not None else (
+            0 if device.type == "cpu" else torch.get_device_module(device).current_device())
+        hal_config = CacheConfig(num_layers=text.num_hidden_layers, num_kv_heads=kv_heads, head_size=head_size,
+                                 block_size=block_size, dtype=_HAL_DTYPES[dtype])
+        self.paged = PagedKVCache(backend, hal_config, num_blocks=num_blocks, device=index)
+        self.key_caches = [to_tensor(a) for a in self.paged.key_caches]
+        self.value_caches = [to_tensor(a) for a in self.paged.value_caches]
+        self.device = device
+        self._seq_ids: list[Hashable] | None = None  # hal sequence of each batch row; None: no forward yet
+        self._real = np.zeros((0, 0), dtype=bool)  # [batch, positions]: which positions seen were real tokens
+        self._next_id = 0
+        self._step = 0
+        self._plan: _Plan | None = None
+        self._entered: set[int] = set()  # layers whose keys this step handed over, and those hal wrote
+        self._written: set[int] = set()
+        self._most_written = 0  # the most layers one step wrote: a step that wrote fewer broke off
+        self._broken: str | None = None  # why the cache no longer matches the tokens it counts
+        self._layers = [_HalLayer(self, i) for i in range(text.num_hidden_layers)]
+        super().__init__(layers=list(self._layers))
+
+    # -- called by the layers and the attention function -----------------------
+
+    def _enter_layer(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """A layer hands over its new keys and values: checked against the cache before anything changes."""
+        if not self.key_caches:
+            raise ArgumentError("past_key_values: this HalPagedCache was closed (memory given back); make a new one")
+        config = self.paged.config
+        for name, tensor in (("key", key), ("value", value)):
+            if (tensor.ndim != 4 or tensor.shape[1] != config.num_kv_heads or tensor.shape[3] != config.head_size
+                    or tensor.dtype != self.key_caches[layer].dtype or tensor.device != self.key_caches[layer].device):
+                raise ArgumentError(
+                    f"HalPagedCache layer {layer}: the model's {name} states are {tuple(tensor.shape)} {tensor.dtype} "
+                    f"on {tensor.device}, the cache holds {config.num_kv_heads} kv heads of {config.head_size} "
+                    f"{self.key_caches[layer].dtype} on {self.key_caches[layer].device}: build the cache from this "
+                    f"model's config, dtype and device")
+        if layer == 0:
+            self._end_step()
+        if self._broken is not None:
+            raise ArgumentError(f"HalPagedCache: {self._broken}; call cache.reset() (or use a new cache)")
+        previous = getattr(_context, "current", None)
+        if previous is not None and previous[0] is self:  # the last layer's keys never reached hal
+            _context.current = None
+            raise RuntimeError(
+                f"HalPagedCache: layer {previous[1]}'s keys and values were not consumed by the 'hal' attention "
+                f"function; load the model with attn_implementation='hal' (another attention implementation "
+                f"would see only the new tokens)"
+            )
+        if layer == 0:
+            self._step += 1
+        self._entered.add(layer)
+        _context.current = (self, layer, key)
+
+    def _undo_enter(self, layer: int, q_len: int) -> None:
+        """A refusal right after ``layer`` handed over its keys: as if the forward had not happened."""
+        self._layers[layer].length -= q_len
+        self._entered.discard(layer)
+        _context.current = None
+
+    def _layer_written(self, layer: int) -> None:
+        self._written.add(layer)
+
+    def _end_step(self) -> None:
+        """Between forwards: a forward that broke off after hal planned its step leaves layers unwritten."""
+        if self._plan is not None and self._plan.step == self._step and self._broken is None:
+            missing = sorted(self._entered - self._written)
+            if missing or len(self._written) < self._most_written:
+                first = missing[0] if missing else len(self._written)
+                self._broken = (f"a forward broke off at layer {first} after its tokens were counted, so the cache "
+                                f"no longer matches them")
+        self._most_written = max(self._most_written, len(self._written))
+        self._entered, self._written = set(), set()
+
+    def _plan_for(self, layer: int, attention_mask: torch.Tensor | None, batch: int, q_len: int) -> _Plan:
+        """The step's plan, made by the first layer's attention call; a refusal leaves the cache as it was."""
+        if self._plan is not None and self._plan.step == self._step:
+            return self._plan
+        try:
+            real = self._new_real(attention_mask, batch, q_len)
+        except BaseException:
+            self._undo_enter(layer, q_len)  # the refused forward never happened
+            raise
+        first = self._seq_ids is None
+        seq_ids = [self._new_id() for _ in range(batch)] if self._seq_ids is None else self._seq_ids
+        try:
+            if first:  # the first forward: one hal sequence per batch row
+                for seq_id in seq_ids:
+                    self.paged.add(seq_id)
+            step = self.paged.prepare_step({s: int(c) for s, c in zip(seq_ids, real.sum(axis=1), strict=True)})
+        except BaseException:  # out of blocks: nothing changed
+            if first:
+                for seq_id in seq_ids:
+                    if seq_id in self.paged:
+                        self.paged.free(seq_id)
+            self._undo_enter(layer, q_len)
+            raise
+        if first:
+            self._seq_ids, self._real = seq_ids, np.zeros((batch, 0), dtype=bool)
+        self._real = np.concatenate([self._real, real], axis=1)
+        rows = None
+        if not real.all():
+            rows = torch.from_numpy(np.flatnonzero(real.reshape(-1))).to(self.device)
+        self._plan = _Plan(self._step, rows, to_tensor(step.slot_mapping), to_tensor(step.query_start_loc),
+                           to_tensor(step.block_tables), to_tensor(step.seq_lens), step.max_query_len,
+                           step.max_seq_len, {"slot_mapping": step.slot_mapping, **step.attention_args()})
+        return self._plan
+
+    def _new_real(self, attention_mask: torch.Tensor | None, batch: int, q_len: int) -> np.ndarray:
+        """Which of this forward's ``q_len`` positions are real tokens, after checking the mask against the cache."""
+        past = self._real.shape[1]
+        if self._seq_ids is not None and batch != len(self._seq_ids):
+            raise ArgumentError(
+                f"HalPagedCache holds {len(self._seq_ids)} sequences, but this forward has batch {batch}; a cache "
+                f"that holds tokens is continued (as a DynamicCache is): call cache.reset() or use a new cache for "
+                f"another batch")
+        if attention_mask is None:
+            if not self._real.all():
+                raise ArgumentError(
+                    "HalPagedCache holds padded rows, but this forward has no attention_mask: pass the 2D mask of "
+                    f"the whole sequence ({past} positions held + {q_len} new), as generate() does")
+            return np.ones((batch, q_len), dtype=bool)
+        if attention_mask.ndim != 2:
+            raise ArgumentError(
+                f"attn_implementation='hal' with a HalPagedCache takes the 2D padding mask [batch, length], got an "
+                f"attention_mask of shape {tuple(attention_mask.shape)}; a custom 4D mask needs "
+                f"attn_implementation='eager' or 'sdpa' (or 'hal' without a HalPagedCache, which runs torch SDPA)")
+        if tuple(attention_mask.shape) != (batch, past + q_len):
+            raise ArgumentError(
+                f"attention_mask has shape {tuple(attention_mask.shape)}, but the HalPagedCache holds {past} "
+                f"positions and this forward adds {q_len}: pass the mask of the whole sequence, shape "
+                f"({batch}, {past + q_len}) (to continue the cached text, give the whole text: generate() feeds "
+                f"only the positions the cache lacks); for a new prompt call cache.reset() or use a new cache")
+        mask = attention_mask.to("cpu", torch.bool).numpy()
+        if past and not np.array_equal(mask[:, :past], self._real):
+            row = int(np.flatnonzero((mask[:, :past] != self._real).any(axis=1))[0])
+            raise ArgumentError(
+                f"attention_mask row {row} marks other positions as padding than the HalPagedCache holds for its "
+                f"first {past} positions; pass the mask the cached tokens were given (extended for the new ones)")
+        real = mask[:, past:]
+        for b in range(batch):  # pads may only precede a sequence's first token (left padding)
+            count = int(real[b].sum())
+            expected = np.arange(q_len) >= q_len - count
+            if not np.array_equal(real[b], expected) or (past and self._real[b].any() and count != q_len):
+                raise ArgumentError(
+                    f"HalPagedCache supports left padding only: row {b} of the attention mask has a pad after a "
+                    f"real token")
+        return real
+
+    def _new_id(self) -> Hashable:
+        self._next_id += 1
+        return self._next_id - 1
+
+    # -- row operations (beam search, contrastive search) and crop (assisted decoding) ---------------
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Row ``i`` becomes a copy of row ``beam_idx[i]`` (beam search), as ``DynamicCache.reorder_cache``."""
+        self._take_rows(self._row_list(beam_idx, "beam_idx"))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row repeated ``repeats`` times in place (``[a, b]`` → ``[a, a, b, b]`` for 2)."""
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ArgumentError(f"batch_repeat_interleave: repeats must be an int >= 1, got {repeats!r}")
+        if self._seq_ids is not None:
+            self._take_rows([b for b in range(len(self._seq_ids)) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows ``indices`` selects (integer indices, or a boolean mask over the rows)."""
+        if self._seq_ids is None:
+            return
+        index = torch.as_tensor(indices)
+        if index.dtype == torch.bool:
+            if index.shape != (len(self._seq_ids),):
+                raise ArgumentError(f"batch_select_indices: a boolean indices needs shape ({len(self._seq_ids)},), "
+                                    f"got {tuple(index.shape)}")
+            index = index.nonzero().flatten()
+        self._take_rows(self._row_list(index, "indices"))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` positions of every row (``DynamicCache.crop``'s convention)."""
+        try:  # an int, or a 0-d integer tensor (assisted decoding passes one)
+            count = None if isinstance(tokens_to_remove, bool) else operator.index(tokens_to_remove)
+        except TypeError:
+            count = None
+        if count is None or count > 0:
+            raise ArgumentError(f"crop: tokens_to_remove must be an int <= 0 (minus the positions to drop), got "
+                                f"{tokens_to_remove!r}")
+        drop = -count
+        if drop == 0 or self._seq_ids is None:
+            return
+        past = self._real.shape[1]
+        if any(layer.length != past for layer in self._layers):
+            raise RuntimeError("HalPagedCache.crop inside a forward: crop between forwards")
+        keep = max(past - drop, 0)
+        lengths = {s: int(self._real[b, :keep].sum()) for b, s in enumerate(self._seq_ids)}
+        self.paged.truncate_many(lengths)
+        self._real = self._real[:, :keep]
+        for layer in self._layers:
+            layer.length = keep
+
+    def reset(self) -> None:
+        """Empty the cache (every sequence freed) for a new prompt or batch; the memory stays allocated."""
+        for seq_id in self._seq_ids or ():
+            self.paged.free(seq_id)
+        self._seq_ids, self._real, self._plan = None, np.zeros((0, 0), dtype=bool), None
+        self._entered, self._written, self._broken = set(), set(), None
+        _context.current = None
+        for layer in self._layers:
+            layer.length = 0
+
+    def _row_list(self, index: Any, name: str) -> list[int]:
+        rows = torch.as_tensor(index).to("cpu").flatten().tolist()
+        count = len(self._seq_ids) if self._seq_ids is not None else 0
+        if self._seq_ids is not None and any(not 0 <= r < count for r in rows):
+            raise ArgumentError(f"{name} holds a row outside 0..{count - 1}: {rows}")
+        return rows
+
+    def _take_rows(self, sources: Sequence[int]) -> None:
+        """Row ``i`` becomes a copy of row ``sources[i]``: the first copy keeps the sequence, others fork it."""
+        if self._seq_ids is None:
+            return
+        old = self._seq_ids
+        new: list[Hashable] = []
+        forked: list[Hashable] = []
+        used: set[int] = set()
+        try:
+            for src in sources:
+                if src in used:
+                    child = self._new_id()
+                    self.paged.fork(old[src], child)
+                    forked.append(child)
+                    new.append(child)
+                else:
+                    used.add(src)
+                    new.append(old[src])
+        except OutOfBlocksError:
+            for child in forked:  # all or nothing: the forks made so far are undone
+                self.paged.free(child)
+            raise
+        for b, seq_id in enumerate(old):
+            if b not in used:
+                self.paged.free(seq_id)
+        self._seq_ids = new
+        self._real = self._real[list(sources)]
+
+    # -- lifetime ----------------------------------------------------------------
+
+    def close(self) -> None:
+        """Give the hal cache's memory back; the cache is empty and unusable afterwards."""
+        self.reset()
+        self.key_caches, self.value_caches = [], []
+        self.paged.close()
