@@ -5,11 +5,13 @@ block, join a job only while the caller is still taking tasks, and a call made
 while another is using the pool runs on its own thread. Each way of running a
 job must give the serial result: these tests run the same conversion serially
 and in parallel, back to back, after pauses (blocked workers), with polling off
-and on, and from several Python threads at once.
+and on, and from several Python threads at once. A worker that loses its core
+makes the next jobs run serially, for a bounded time only.
 """
 
 from __future__ import annotations
 
+import ast
 import ctypes
 import os
 import subprocess
@@ -102,3 +104,48 @@ def test_concurrent_callers_match_serial_results(native: _native.Native, spin: i
         t.join(timeout=120)
     assert not any(t.is_alive() for t in callers), "a caller never returned"
     assert not failures, failures[:5]
+
+
+_BACKOFF = """
+import ctypes, os, time, numpy as np
+from hal_cpu import _abi, _native
+from hal_cpu._pool import pool_stats
+from hal_cpu.ops._native_args import dtype_code
+native = _native.load()
+x = np.random.default_rng(0).standard_normal((64, 50_000)).astype(np.float16)
+want = x.astype(np.float32)
+def convert():
+    out = np.full(x.shape, np.nan, dtype=np.float32)
+    args = _abi.ToFloat32Args(x=_native.pointer(x), x_stride=x.shape[1], m=x.shape[0], k=x.shape[1],
+                              out=_native.pointer(out), dtype=dtype_code(x), threads=2)
+    assert native.lib.hal_cpu_to_float32(ctypes.byref(args)) == 0
+    assert np.array_equal(out, want)
+def pin(cpus):
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), cpus)
+cores = os.sched_getaffinity(0)
+convert()  # the pool is made with a worker per extra core
+pin({min(cores)})  # the caller and its worker now share one core: the worker is starved
+for _ in range(400):
+    convert()
+    if pool_stats()["starved_jobs"] and pool_stats()["serial_jobs"]:
+        break
+starved = pool_stats()
+pin(cores)
+time.sleep(0.07)  # past the longest back-off
+convert()
+print(starved)
+print(pool_stats())
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to starve a worker and recover")
+def test_the_back_off_ends_once_the_competition_is_gone() -> None:
+    """A worker sharing its core is starved and later jobs run serially; once it has a core again, the first job
+    after the longest back-off time runs on the pool."""
+    result = _python(_BACKOFF, HAL_CPU_HOST_POOL="0")
+    assert result.returncode == 0, result.stderr
+    starved, after = (ast.literal_eval(line) for line in result.stdout.splitlines())
+    assert starved["starved_jobs"] > 0 and starved["serial_jobs"] > 0, starved
+    assert after["serial_jobs"] == starved["serial_jobs"], "the back-off outlived its longest time"
+    assert after["own_pool_jobs"] == starved["own_pool_jobs"] + 1, (starved, after)
