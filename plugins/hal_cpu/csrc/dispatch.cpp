@@ -40,10 +40,12 @@ namespace {
 // anything: at each parallel job the count of libraries loaded so far (dl_iterate_phdr's adds counter) is
 // compared with the one last scanned, and only a change scans the loaded libraries again; the first OpenMP
 // runtime in load order is then kept for the life of the process (dlopen RTLD_NOLOAD holds it). So jobs
-// move to the host pool at the first parallel job after the runtime was loaded. Inside an active OpenMP
-// parallel region a job runs on the caller alone (never nested). A forked child never uses the runtime
-// (libgomp's team does not survive fork): it makes its own pool. hal_cpu_set_host_pool(0)
-// (HAL_CPU_HOST_POOL=0) keeps every job on the own pool, for diagnosis.
+// move to the host pool at the first parallel job after the runtime was loaded. The team is the calling
+// thread's (the runtime keeps one per thread that starts regions): torch's when torch and hal are called from
+// the same thread. Inside an active OpenMP parallel region a job runs on the caller alone (never nested). A
+// child forked after the library loaded never uses the runtime (libgomp's team does not survive fork): it
+// makes its own pool. hal_cpu_set_host_pool(0) (HAL_CPU_HOST_POOL=0) keeps every job on the own pool, for
+// diagnosis.
 //
 // The own pool: threads-1 of its cores-1 workers help the caller. Waking a blocked worker costs 20-50 us
 // on a virtual machine (a futex wake and an IPI to a halted vCPU), as much as a whole small op. So:
@@ -204,6 +206,23 @@ class Pool {
     std::atomic<bool> starved_{false};  // a worker of the current job lost its core
 };
 
+// ---- fork: a child abandons the parent's pool and never uses the parent's OpenMP runtime -------------------
+struct Jobs;
+std::mutex setup_mu;                // guards making `jobs`; held across fork (pthread_atfork)
+std::atomic<Jobs *> jobs{nullptr};  // made on the first parallel job; abandoned (not joined) in a forked child
+std::atomic<bool> forked_child{false};  // this process was forked after the library loaded
+
+void before_fork() { setup_mu.lock(); }
+void after_fork_in_parent() { setup_mu.unlock(); }
+void after_fork_in_child() {
+    setup_mu.unlock();
+    jobs.store(nullptr);  // the parent's workers do not exist here, and its `submit` may be held
+    forked_child.store(true);
+}
+
+// Registered when the library loads, so that every child forked after that is one.
+const int fork_watched = pthread_atfork(before_fork, after_fork_in_parent, after_fork_in_child);
+
 // ---- the host pool: an OpenMP runtime the process has loaded --------------------------------------------
 using GompParallel = void (*)(void (*)(void *), void *, unsigned, unsigned);
 using OmpInParallel = int (*)();
@@ -277,7 +296,6 @@ int collect_runtimes(dl_phdr_info *info, size_t, void *data) {
 std::atomic<int> host_allowed{1};               // hal_cpu_set_host_pool
 std::atomic<const HostRuntime *> host{nullptr};  // found, kept for the life of the process
 std::atomic<unsigned long long> scanned_adds{0};  // the loaded-library count last scanned (0: never)
-std::atomic<bool> forked_child{false};          // this process was forked after the library loaded
 std::mutex scan_mu;
 
 // The host runtime jobs run on, or nullptr (none loaded, turned off, or a forked child). Cheap when nothing
@@ -323,27 +341,22 @@ struct Jobs {
     Pool *pool = nullptr;               // under submit: the own pool, made on its first job
 };
 
-std::mutex setup_mu;               // guards making `jobs`; held across fork (pthread_atfork)
-std::atomic<Jobs *> jobs{nullptr};  // made on the first parallel job; abandoned (not joined) in a forked child
-
-void before_fork() { setup_mu.lock(); }
-void after_fork_in_parent() { setup_mu.unlock(); }
-void after_fork_in_child() {
-    setup_mu.unlock();
-    jobs.store(nullptr);  // the parent's workers do not exist here, and `submit` may be held
-    forked_child.store(true);
-}
-
 Jobs &get_jobs() {
     if (Jobs *j = jobs.load(std::memory_order_acquire)) return *j;
     std::lock_guard<std::mutex> lock(setup_mu);
-    static bool registered = false;
-    if (!registered) {
-        pthread_atfork(before_fork, after_fork_in_parent, after_fork_in_child);
-        registered = true;
-    }
     if (!jobs.load(std::memory_order_relaxed)) jobs.store(new Jobs, std::memory_order_release);
     return *jobs.load(std::memory_order_relaxed);
+}
+
+// The back-off after a parallel job (under j.submit): a starved one starts or doubles it, another ends it.
+void after_job(Jobs &j, bool starved) {
+    if (starved) {
+        count(kStarved);
+        j.backoff_us = j.backoff_us == 0 ? kFirstBackoffUs : std::min(kMaxBackoffUs, 2 * j.backoff_us);
+        j.serial_until = Clock::now() + std::chrono::microseconds(j.backoff_us);
+    } else {
+        j.backoff_us = 0;
+    }
 }
 
 // Runs the job on up to `threads` threads (2 <= threads <= n); false when it must run on the caller alone
@@ -363,8 +376,10 @@ bool run_parallel(int64_t n, int threads, Task fn, void *ctx) {
     }
     bool starved;
     if (h) {
+        const int team = std::min(threads, j.cores);
+        if (team < 2) return false;
         count(kHost);
-        starved = run_on_host(*h, n, std::min(threads, j.cores), fn, ctx);
+        starved = run_on_host(*h, n, team, fn, ctx);
     } else {
         if (!j.pool) j.pool = new Pool(j.cores - 1);
         const int helpers = std::min(threads - 1, j.pool->size());
@@ -372,13 +387,7 @@ bool run_parallel(int64_t n, int threads, Task fn, void *ctx) {
         count(kOwn);
         starved = j.pool->run(n, helpers, fn, ctx);
     }
-    if (starved) {
-        count(kStarved);
-        j.backoff_us = j.backoff_us == 0 ? kFirstBackoffUs : std::min(kMaxBackoffUs, 2 * j.backoff_us);
-        j.serial_until = Clock::now() + std::chrono::microseconds(j.backoff_us);
-    } else {
-        j.backoff_us = 0;
-    }
+    after_job(j, starved);
     return true;
 }
 
@@ -477,6 +486,12 @@ const char *hal_cpu_host_runtime(void) {
 }
 
 int hal_cpu_set_host_pool(int enabled) { return host_allowed.exchange(enabled != 0 ? 1 : 0); }
+
+void hal_cpu_pool_note_starved(void) {
+    Jobs &j = get_jobs();
+    std::lock_guard<std::mutex> lock(j.submit);
+    after_job(j, true);
+}
 
 int64_t hal_cpu_set_spin_us(int64_t us) { return spin_us.exchange(std::max<int64_t>(0, us)); }
 

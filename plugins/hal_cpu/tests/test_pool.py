@@ -11,7 +11,6 @@ makes the next jobs run serially, for a bounded time only.
 
 from __future__ import annotations
 
-import ast
 import ctypes
 import os
 import subprocess
@@ -23,6 +22,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from hal_cpu import _abi, _native
+from hal_cpu._pool import pool_stats as _stats
 from hal_cpu.ops._native_args import dtype_code
 
 
@@ -106,46 +106,21 @@ def test_concurrent_callers_match_serial_results(native: _native.Native, spin: i
     assert not failures, failures[:5]
 
 
-_BACKOFF = """
-import ctypes, os, time, numpy as np
-from hal_cpu import _abi, _native
-from hal_cpu._pool import pool_stats
-from hal_cpu.ops._native_args import dtype_code
-native = _native.load()
-x = np.random.default_rng(0).standard_normal((64, 50_000)).astype(np.float16)
-want = x.astype(np.float32)
-def convert():
-    out = np.full(x.shape, np.nan, dtype=np.float32)
-    args = _abi.ToFloat32Args(x=_native.pointer(x), x_stride=x.shape[1], m=x.shape[0], k=x.shape[1],
-                              out=_native.pointer(out), dtype=dtype_code(x), threads=2)
-    assert native.lib.hal_cpu_to_float32(ctypes.byref(args)) == 0
-    assert np.array_equal(out, want)
-def pin(cpus):
-    for tid in os.listdir("/proc/self/task"):
-        os.sched_setaffinity(int(tid), cpus)
-cores = os.sched_getaffinity(0)
-convert()  # the pool is made with a worker per extra core
-pin({min(cores)})  # the caller and its worker now share one core: the worker is starved
-for _ in range(400):
-    convert()
-    if pool_stats()["starved_jobs"] and pool_stats()["serial_jobs"]:
-        break
-starved = pool_stats()
-pin(cores)
-time.sleep(0.07)  # past the longest back-off
-convert()
-print(starved)
-print(pool_stats())
-"""
 
-
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to starve a worker and recover")
-def test_the_back_off_ends_once_the_competition_is_gone() -> None:
-    """A worker sharing its core is starved and later jobs run serially; once it has a core again, the first job
-    after the longest back-off time runs on the pool."""
-    result = _python(_BACKOFF, HAL_CPU_HOST_POOL="0")
-    assert result.returncode == 0, result.stderr
-    starved, after = (ast.literal_eval(line) for line in result.stdout.splitlines())
-    assert starved["starved_jobs"] > 0 and starved["serial_jobs"] > 0, starved
-    assert after["serial_jobs"] == starved["serial_jobs"], "the back-off outlived its longest time"
-    assert after["own_pool_jobs"] == starved["own_pool_jobs"] + 1, (starved, after)
+def test_the_back_off_runs_jobs_serially_and_ends_within_its_longest_time(native: _native.Native,
+                                                                          rng: np.random.Generator) -> None:
+    """After starved jobs the next job runs on the caller alone; the first job after the longest back-off time
+    (64 ms, reached after six starved jobs in a row) runs on a pool again. Results stay exact throughout."""
+    x = rng.standard_normal((8, 4096)).astype(np.float16)
+    for _ in range(6):
+        native.lib.hal_cpu_pool_note_starved()  # 2, 4, ..., 64 ms: doubling up to the longest
+    before = _stats()
+    np.testing.assert_array_equal(_convert(native, x, 2), x.astype(np.float32))
+    during = _stats()
+    assert during["serial_jobs"] == before["serial_jobs"] + 1, (before, during)
+    assert during["own_pool_jobs"] + during["host_pool_jobs"] == before["own_pool_jobs"] + before["host_pool_jobs"]
+    time.sleep(0.07)
+    np.testing.assert_array_equal(_convert(native, x, 2), x.astype(np.float32))
+    after = _stats()
+    assert after["serial_jobs"] == during["serial_jobs"], "the back-off outlived its longest time"
+    assert after["own_pool_jobs"] + after["host_pool_jobs"] == during["own_pool_jobs"] + during["host_pool_jobs"] + 1
