@@ -62,12 +62,14 @@ namespace {
 // than kStarvedShare of a core while it ran its tasks (its thread CPU time against the wall clock, judged
 // on tasks of kStarvedMinUs or more), or a host team thread that joined more than kLateUs after the region
 // began and found no task left (the caller waits for every team thread at the region's end), was
-// descheduled by another process: the job was starved. Jobs then run on the caller alone for a back-off
-// time: kFirstBackoffUs after the first starved job, twice as long after each further one up to
-// kMaxBackoffUs. The first job after it runs in parallel again (a probe); a probe whose helpers kept their
-// cores ends the back-off (the next starved job starts again at kFirstBackoffUs). So a loaded machine costs
-// about the one-thread time plus one starved probe per back-off time, never a scheduler time slice per op
-// call, and parallel jobs come back at most kMaxBackoffUs (and one probe) after the competition is gone.
+// descheduled by another process: the job was starved. After a starved job the next jobs go one step
+// down for a back-off time -- from the host pool to the own pool (whose workers are never waited for),
+// from the own pool to the caller alone -- kFirstBackoffUs after the first starved job, twice as long
+// after each further one up to kMaxBackoffUs. The first job after it runs on the pool again (a probe); a
+// probe whose helpers kept their cores ends that back-off (the next starved job starts again at
+// kFirstBackoffUs). So a loaded machine costs about the one-thread time plus one starved probe per
+// back-off time, never a scheduler time slice per op call, and jobs are back on their pool at most
+// kMaxBackoffUs (and a probe or two) after the competition is gone.
 // ---------------------------------------------------------------------------------------------
 using Clock = std::chrono::steady_clock;
 using Task = void (*)(void *, int64_t);
@@ -333,12 +335,30 @@ int cpu_count() {
     return std::max(1u, std::thread::hardware_concurrency());
 }
 
+// A back-off (under Jobs::submit): after a starved job, `until` is kFirstBackoffUs later, doubling per further
+// starved job up to kMaxBackoffUs; a job that was not starved ends it.
+struct Backoff {
+    int64_t us = 0;  // 0: none
+    Clock::time_point until{};
+
+    bool active(Clock::time_point now) const { return us > 0 && now < until; }
+    void after(bool starved) {
+        if (!starved) {
+            us = 0;
+            return;
+        }
+        count(kStarved);
+        us = us == 0 ? kFirstBackoffUs : std::min(kMaxBackoffUs, 2 * us);
+        until = Clock::now() + std::chrono::microseconds(us);
+    }
+};
+
 struct Jobs {
-    const int cores = cpu_count();      // the most threads a job runs on
-    std::mutex submit;                  // held by the caller of the running job
-    int64_t backoff_us = 0;             // under submit: the current back-off (0: none)
-    Clock::time_point serial_until{};   // under submit: jobs before it run on the caller alone
-    Pool *pool = nullptr;               // under submit: the own pool, made on its first job
+    const int cores = cpu_count();  // the most threads a job runs on
+    std::mutex submit;              // held by the caller of the running job
+    Backoff serial;                 // under submit: jobs run on the caller alone (after a starved own-pool job)
+    Backoff own;                    // under submit: jobs run on the own pool (after a starved host-pool job)
+    Pool *pool = nullptr;           // under submit: the own pool, made on its first job
 };
 
 Jobs &get_jobs() {
@@ -346,17 +366,6 @@ Jobs &get_jobs() {
     std::lock_guard<std::mutex> lock(setup_mu);
     if (!jobs.load(std::memory_order_relaxed)) jobs.store(new Jobs, std::memory_order_release);
     return *jobs.load(std::memory_order_relaxed);
-}
-
-// The back-off after a parallel job (under j.submit): a starved one starts or doubles it, another ends it.
-void after_job(Jobs &j, bool starved) {
-    if (starved) {
-        count(kStarved);
-        j.backoff_us = j.backoff_us == 0 ? kFirstBackoffUs : std::min(kMaxBackoffUs, 2 * j.backoff_us);
-        j.serial_until = Clock::now() + std::chrono::microseconds(j.backoff_us);
-    } else {
-        j.backoff_us = 0;
-    }
 }
 
 // Runs the job on up to `threads` threads (2 <= threads <= n); false when it must run on the caller alone
@@ -370,24 +379,23 @@ bool run_parallel(int64_t n, int threads, Task fn, void *ctx) {
     Jobs &j = get_jobs();
     std::unique_lock<std::mutex> busy(j.submit, std::try_to_lock);
     if (!busy.owns_lock()) return false;
-    if (j.backoff_us > 0 && Clock::now() < j.serial_until) {
+    const Clock::time_point now = Clock::now();
+    if (j.serial.active(now)) {
         count(kSerial);
         return false;
     }
-    bool starved;
-    if (h) {
-        const int team = std::min(threads, j.cores);
-        if (team < 2) return false;
+    const int team = std::min(threads, j.cores);
+    if (team < 2) return false;
+    if (h && !j.own.active(now)) {
         count(kHost);
-        starved = run_on_host(*h, n, team, fn, ctx);
-    } else {
-        if (!j.pool) j.pool = new Pool(j.cores - 1);
-        const int helpers = std::min(threads - 1, j.pool->size());
-        if (helpers <= 0) return false;
-        count(kOwn);
-        starved = j.pool->run(n, helpers, fn, ctx);
+        j.own.after(run_on_host(*h, n, team, fn, ctx));
+        return true;
     }
-    after_job(j, starved);
+    if (!j.pool) j.pool = new Pool(j.cores - 1);
+    const int helpers = std::min(team - 1, j.pool->size());
+    if (helpers <= 0) return false;
+    count(kOwn);
+    j.serial.after(j.pool->run(n, helpers, fn, ctx));
     return true;
 }
 
@@ -487,10 +495,10 @@ const char *hal_cpu_host_runtime(void) {
 
 int hal_cpu_set_host_pool(int enabled) { return host_allowed.exchange(enabled != 0 ? 1 : 0); }
 
-void hal_cpu_pool_note_starved(void) {
+void hal_cpu_pool_note_starved(int host) {
     Jobs &j = get_jobs();
     std::lock_guard<std::mutex> lock(j.submit);
-    after_job(j, true);
+    (host ? j.own : j.serial).after(true);
 }
 
 int64_t hal_cpu_set_spin_us(int64_t us) { return spin_us.exchange(std::max<int64_t>(0, us)); }

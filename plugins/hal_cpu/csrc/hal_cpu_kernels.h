@@ -38,8 +38,9 @@ const char *hal_cpu_host_runtime(void);
 /* Allows (1, the default) or forbids (0) running parallel jobs on a loaded OpenMP runtime; returns the previous
    setting. */
 int hal_cpu_set_host_pool(int enabled);
-/* Testing: applies the back-off of a starved job (counted as one), as if a helper of the last job had lost its core. */
-void hal_cpu_pool_note_starved(void);
+/* Testing: applies the back-off of a starved job (counted as one), as if a helper of the last job had lost its core:
+   of a host-pool job (host = 1: the next jobs run on the own pool) or an own-pool job (0: on the caller alone). */
+void hal_cpu_pool_note_starved(int host);
 
 /* Every kernel takes one pointer to its argument struct. Each struct's fields are listed once, in an X-macro
  * (HAL_CPU_<KERNEL>_FIELDS(F): F(type, name) per field), which declares the struct below and lets

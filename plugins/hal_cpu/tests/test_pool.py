@@ -113,7 +113,7 @@ def test_the_back_off_runs_jobs_serially_and_ends_within_its_longest_time(native
     (64 ms, reached after six starved jobs in a row) runs on a pool again. Results stay exact throughout."""
     x = rng.standard_normal((8, 4096)).astype(np.float16)
     for _ in range(6):
-        native.lib.hal_cpu_pool_note_starved()  # 2, 4, ..., 64 ms: doubling up to the longest
+        native.lib.hal_cpu_pool_note_starved(0)  # an own-pool job: 2, 4, ..., 64 ms, doubling up to the longest
     before = _stats()
     np.testing.assert_array_equal(_convert(native, x, 2), x.astype(np.float32))
     during = _stats()

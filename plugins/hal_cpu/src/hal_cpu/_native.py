@@ -49,7 +49,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "hal_cpu_pool_stats": (None, [ctypes.POINTER(_i64), ctypes.c_int32]),
     "hal_cpu_host_runtime": (ctypes.c_char_p, []),
     "hal_cpu_set_host_pool": (ctypes.c_int, [ctypes.c_int]),
-    "hal_cpu_pool_note_starved": (None, []),
+    "hal_cpu_pool_note_starved": (None, [ctypes.c_int]),
     "hal_cpu_abi": (ctypes.c_char_p, [ctypes.c_char_p]),
     "hal_cpu_paged_attention": (ctypes.c_int, [ctypes.POINTER(_abi.AttentionArgs)]),
     "hal_cpu_attention_amx": (ctypes.c_int, []),
