@@ -88,8 +88,8 @@ class BuildKernels(build_ext):
                                     extra_postargs=COMMON, depends=ext.depends)
         target = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        compiler.link_shared_object(objects, target, extra_postargs=["-pthread", "-static-libstdc++", "-static-libgcc"],
-                                    target_lang="c++")
+        compiler.link_shared_object(objects, target, target_lang="c++",
+                                    extra_postargs=["-pthread", "-ldl", "-static-libstdc++", "-static-libgcc"])
 
 
     def _compiles(self, name: str, flags: list[str]) -> bool:

@@ -27,9 +27,20 @@ int hal_cpu_default_threads(void);
 /* Sets the microseconds a pool worker polls for the next job before it blocks (0: block at once);
    returns the previous setting. */
 int64_t hal_cpu_set_spin_us(int64_t us);
-/* The pool's counters since it was made: jobs in which a worker lost its core to another process (starved), and
-   jobs run on the calling thread alone in the back-off that follows (serial). */
-void hal_cpu_pool_stats(int64_t *starved_jobs, int64_t *serial_jobs);
+/* The counters of parallel jobs since the library loaded, in this order: jobs in which a helper thread lost its
+   core to another process (starved); jobs run on the calling thread alone in the back-off that follows (serial);
+   jobs run on hal's own pool (own) and on the host's OpenMP runtime (host); jobs run on the calling thread alone
+   because it was inside an OpenMP parallel region (nested). Writes the first min(n, HAL_CPU_POOL_COUNTERS). */
+enum { HAL_CPU_POOL_COUNTERS = 5 };
+void hal_cpu_pool_stats(int64_t *counts, int32_t n);
+/* The path of the OpenMP runtime the parallel jobs run on (one the process had loaded), or NULL: hal's own pool. */
+const char *hal_cpu_host_runtime(void);
+/* Allows (1, the default) or forbids (0) running parallel jobs on a loaded OpenMP runtime; returns the previous
+   setting. */
+int hal_cpu_set_host_pool(int enabled);
+/* Testing: applies the back-off of a starved job (counted as one), as if a helper of the last job had lost its core:
+   of a host-pool job (host = 1: the next jobs run on the own pool) or an own-pool job (0: on the caller alone). */
+void hal_cpu_pool_note_starved(int host);
 
 /* Every kernel takes one pointer to its argument struct. Each struct's fields are listed once, in an X-macro
  * (HAL_CPU_<KERNEL>_FIELDS(F): F(type, name) per field), which declares the struct below and lets

@@ -5,7 +5,8 @@ block, join a job only while the caller is still taking tasks, and a call made
 while another is using the pool runs on its own thread. Each way of running a
 job must give the serial result: these tests run the same conversion serially
 and in parallel, back to back, after pauses (blocked workers), with polling off
-and on, and from several Python threads at once.
+and on, and from several Python threads at once. A worker that loses its core
+makes the next jobs run serially, for a bounded time only.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from hal_cpu import _abi, _native
+from hal_cpu._pool import pool_stats as _stats
 from hal_cpu.ops._native_args import dtype_code
 
 
@@ -102,3 +104,23 @@ def test_concurrent_callers_match_serial_results(native: _native.Native, spin: i
         t.join(timeout=120)
     assert not any(t.is_alive() for t in callers), "a caller never returned"
     assert not failures, failures[:5]
+
+
+
+def test_the_back_off_runs_jobs_serially_and_ends_within_its_longest_time(native: _native.Native,
+                                                                          rng: np.random.Generator) -> None:
+    """After starved jobs the next job runs on the caller alone; the first job after the longest back-off time
+    (64 ms, reached after six starved jobs in a row) runs on a pool again. Results stay exact throughout."""
+    x = rng.standard_normal((8, 4096)).astype(np.float16)
+    for _ in range(6):
+        native.lib.hal_cpu_pool_note_starved(0)  # an own-pool job: 2, 4, ..., 64 ms, doubling up to the longest
+    before = _stats()
+    np.testing.assert_array_equal(_convert(native, x, 2), x.astype(np.float32))
+    during = _stats()
+    assert during["serial_jobs"] == before["serial_jobs"] + 1, (before, during)
+    assert during["own_pool_jobs"] + during["host_pool_jobs"] == before["own_pool_jobs"] + before["host_pool_jobs"]
+    time.sleep(0.07)
+    np.testing.assert_array_equal(_convert(native, x, 2), x.astype(np.float32))
+    after = _stats()
+    assert after["serial_jobs"] == during["serial_jobs"], "the back-off outlived its longest time"
+    assert after["own_pool_jobs"] + after["host_pool_jobs"] == during["own_pool_jobs"] + during["host_pool_jobs"] + 1

@@ -82,6 +82,15 @@ print(before, len(os.listdir("/proc/self/task")))
 """
 
 
+_FIRST_OP = """
+import numpy as np
+from hal_core.quant import quantize
+from hal_cpu.ops import quantized_gemm
+w = quantize(np.ones((256, 256), np.float32), bits=4, group_size=128)
+quantized_gemm.gemm(np.ones((1, 256), np.float32), w)
+"""
+
+
 def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if k != _threads.THREADS_ENV}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -101,7 +110,47 @@ def test_one_thread_from_the_environment_never_starts_the_pool() -> None:
         assert after == before + _threads.available() - 1, "every core should add one pool worker per extra core"
 
 
-def test_a_bad_environment_value_names_the_variable() -> None:
-    bad = _run("from hal_cpu import _threads; _threads.current()", HAL_CPU_THREADS="two")
-    assert bad.returncode != 0 and "HAL_CPU_THREADS" in bad.stderr
+@pytest.mark.parametrize("value", ["two", "abc", "-1", "0", "1.5", "nan", "0x2", "1,2", "inf"])
+def test_a_bad_environment_value_names_the_variable(value: str) -> None:
+    """Anything but an integer from 1 raises EnvironmentVariableError naming HAL_CPU_THREADS at the first op
+    (the plugin's own op entry; the dispatcher's handling of configuration errors is tested with hal-core)."""
+    bad = _run(_FIRST_OP, HAL_CPU_THREADS=value)
+    assert bad.returncode != 0 and "HAL_CPU_THREADS" in bad.stderr, bad.stderr
     assert EnvironmentVariableError.__name__ in bad.stderr
+
+
+def test_a_bad_environment_value_is_not_cached(monkeypatch: pytest.MonkeyPatch) -> None:
+    """current() raises on every call while the value is bad, and reads the fixed value afterwards."""
+    monkeypatch.setattr(_threads, "_chosen", None)
+    monkeypatch.setenv(_threads.THREADS_ENV, "-1")
+    for _ in range(2):
+        with pytest.raises(EnvironmentVariableError, match=_threads.THREADS_ENV):
+            _threads.current()
+    monkeypatch.setenv(_threads.THREADS_ENV, "1")
+    assert _threads.current() == 1
+
+
+def test_empty_means_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty or blank HAL_CPU_THREADS is the default, every core."""
+    for value in ("", "  "):
+        monkeypatch.setattr(_threads, "_chosen", None)
+        monkeypatch.setenv(_threads.THREADS_ENV, value)
+        assert _threads.current() == _threads.available()
+
+
+_CLAMP = """
+import hal_cpu
+from hal_cpu import _threads
+print(_threads.current(), _threads.current())
+hal_cpu.set_threads(_threads.available() + 9)
+print(_threads.current())
+"""
+
+
+def test_a_count_above_the_cores_is_clamped_with_one_warning() -> None:
+    """HAL_CPU_THREADS above the cores gives the cores, with one warning for the process (set_threads too)."""
+    cores = _threads.available()
+    result = _run(_CLAMP, HAL_CPU_THREADS=str(cores + 5))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(cores)] * 3
+    assert result.stderr.count("asks for") == 1 and f"{cores + 5} threads" in result.stderr, result.stderr

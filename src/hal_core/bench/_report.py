@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ._interference import format_interference
 from ._overhead import format_overhead
 
 __all__ = ["format_table", "plot_report", "write_report"]
@@ -56,6 +57,8 @@ def format_table(report: dict[str, Any]) -> str:
             lines.append(_row(name, peer) + note)
     if report.get("overhead"):
         lines += ["", format_overhead(report["overhead"])]
+    if report.get("interference"):
+        lines += ["", format_interference(report["interference"])]
     lines.append("")
     lines.append(f"{len(report['cases'])} case(s) in {report['seconds']:.0f} s")
     lines.append("xcopy: effective bandwidth / copy bandwidth; xBLAS: FLOP/s / BLAS rate; "

@@ -14,6 +14,7 @@ import numpy as np
 from ..ops import OPS
 from ._cases import Case, case_summary
 from ._inputs import build_inputs
+from ._interference import measure_interference
 from ._limits import array_module, last_level_cache_bytes, measure_blas, measure_copy
 from ._machine import git_commit, machine_info, utc_now, versions
 from ._overhead import measure_overhead
@@ -55,7 +56,8 @@ class BenchSettings:
     copy_bytes: int | None = None
     blas_n: int | None = None
     rounds: int = 1
-    #: Also measure what a call costs above its kernel (front door, torch.ops.hal; host backends only).
+    #: Also measure what a call costs above its kernel (front door, torch.ops.hal) and beside torch's ops
+    #: (the interference rows); host backends only.
     overhead: bool = False
 
     def __post_init__(self) -> None:
@@ -252,6 +254,7 @@ def run_bench(
             gc.collect()
     results = [_merge_rounds(done) for done in rounds]
     overhead = measure_overhead(backend) if settings.overhead and host else None
+    interference = measure_interference(backend) if settings.overhead and host else None
     bar.step("machine limits again")
     limits = _best_limits(before, _limits(backend, settings, sync, llc, host))
     _add_ratios(results, limits)
@@ -275,6 +278,7 @@ def run_bench(
                      "overhead": settings.overhead},
         "limits": limits,
         "overhead": overhead,
+        "interference": interference,
         "seconds": time.monotonic() - started,
         "cases": results,
     }

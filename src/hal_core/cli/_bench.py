@@ -32,7 +32,8 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
                        help="measure every case N times, round-robin over the cases, and pool the samples "
                             "(robust to bursts of load on a shared machine; default 1)")
     bench.add_argument("--no-overhead", action="store_true",
-                       help="skip the rows of what a call costs above its kernel (front door, torch.ops.hal)")
+                       help="skip the rows of what a call costs above its kernel (front door, torch.ops.hal) "
+                            "and beside torch's ops (interference)")
     bench.add_argument("--json", metavar="PATH", help="write the full report as JSON (schema in docs/benchmarks.md)")
     bench.add_argument("--plot", metavar="PATH", help="draw ratio against size (needs: pip install 'hal-core[bench]')")
     add_model_options(bench)

@@ -12,8 +12,9 @@ from ._backend import CpuBackend
 from ._device import CpuDevice, host_capabilities
 from ._launcher import BlockContext, CpuKernel, CpuLauncher
 from ._memory import CpuAllocator, CpuBuffer
+from ._pool import host_runtime, pool_stats
 from ._stream import CpuEvent, CpuStream
-from ._threads import pool_stats, set_threads
+from ._threads import set_threads
 from ._version import __version__
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "CpuStream",
     "__version__",
     "host_capabilities",
+    "host_runtime",
     "pool_stats",
     "set_threads",
 ]

@@ -22,7 +22,7 @@ import numpy as np
 
 from hal_core import env
 
-from . import _abi, _threads
+from . import _abi, _pool, _threads
 
 __all__ = ["Native", "NativeUnavailable", "check_abi", "load", "pointer", "try_load"]
 
@@ -46,7 +46,10 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "hal_cpu_available_isas": (ctypes.c_char_p, []),
     "hal_cpu_default_threads": (ctypes.c_int, []),
     "hal_cpu_set_spin_us": (_i64, [_i64]),
-    "hal_cpu_pool_stats": (None, [ctypes.POINTER(_i64), ctypes.POINTER(_i64)]),
+    "hal_cpu_pool_stats": (None, [ctypes.POINTER(_i64), ctypes.c_int32]),
+    "hal_cpu_host_runtime": (ctypes.c_char_p, []),
+    "hal_cpu_set_host_pool": (ctypes.c_int, [ctypes.c_int]),
+    "hal_cpu_pool_note_starved": (None, [ctypes.c_int]),
     "hal_cpu_abi": (ctypes.c_char_p, [ctypes.c_char_p]),
     "hal_cpu_paged_attention": (ctypes.c_int, [ctypes.POINTER(_abi.AttentionArgs)]),
     "hal_cpu_attention_amx": (ctypes.c_int, []),
@@ -113,6 +116,7 @@ def _open() -> Native:
         chosen = lib.hal_cpu_select_isa(b"")
     lib.hal_cpu_set_spin_us(env.integer(SPIN_ENV, DEFAULT_SPIN_US, minimum=0, maximum=1_000_000))
     lib.hal_cpu_set_attention_amx(int(env.flag(AMX_ENV, True)))
+    _pool.configure(lib)
     _threads.current()  # a bad HAL_CPU_THREADS is reported when the library loads
     return Native(lib=lib, isa=chosen.decode(), available=available)
 

@@ -1,38 +1,40 @@
 """How many threads hal-cpu's compiled kernels may use: ``HAL_CPU_THREADS`` and :func:`set_threads`.
 
 The default is every core this process may run on (``sched_getaffinity``).
-``HAL_CPU_THREADS=N`` lowers it for the process (read once, on the first op);
-:func:`set_threads` changes it at run time, for example when an engine runs
-several workers on one machine, and ``set_threads(None)`` returns to the
-default. A count above the cores is clamped to them (the pool has one worker
-per core besides the caller: more threads would only take turns), with one
-warning. Small ops run on one thread whatever the setting
-(:func:`hal_cpu.ops._rules.threads_for`).
+``HAL_CPU_THREADS=N`` (an integer from 1; unset or empty means the default)
+lowers it for the process, read on the first op; any other value (``0``,
+``-1``, ``1.5``, ``abc``) raises ``EnvironmentVariableError`` naming the
+variable, at that op and at every later one until it is fixed (nothing is
+cached from a bad value). :func:`set_threads` changes it at run time, for
+example when an engine runs several workers on one machine, and
+``set_threads(None)`` returns to the default. A count above the cores is
+clamped to them (the pool has one worker per core besides the caller: more
+threads would only take turns), with one warning per process. Small ops run
+on one thread whatever the setting (:func:`hal_cpu.ops._rules.threads_for`).
 
-On a machine shared with other processes the pool backs off by itself: a job
-in which a worker lost its core makes the next jobs run on the calling thread
-alone (csrc/dispatch.cpp, Thread pool); :func:`pool_stats` counts both.
+Which pool runs the threads, and its back-off on a shared machine:
+:mod:`hal_cpu._pool`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import threading
 
 from hal_core import env
 
-__all__ = ["THREADS_ENV", "available", "current", "pool_stats", "set_threads"]
+__all__ = ["THREADS_ENV", "available", "current", "set_threads"]
 
 _log = logging.getLogger("hal")
 
-#: Environment variable: the default thread count of the compiled kernels (1 to the cores available).
+#: Environment variable: the default thread count of the compiled kernels (from 1; above the cores: clamped).
 THREADS_ENV = "HAL_CPU_THREADS"
 
 _lock = threading.Lock()
 _chosen: int | None = None  # the effective count, once resolved
 _warned = False
+_MAX_THREADS = 65536
 
 
 def available() -> int:
@@ -56,13 +58,17 @@ def _clamp(count: int, source: str) -> int:
 
 
 def current() -> int:
-    """The thread count the kernels use now (:func:`set_threads`, else ``HAL_CPU_THREADS``, else every core)."""
+    """The thread count the kernels use now (:func:`set_threads`, else ``HAL_CPU_THREADS``, else every core).
+
+    Raises ``EnvironmentVariableError`` naming ``HAL_CPU_THREADS`` when it holds anything but an integer
+    from 1; nothing is cached then, so every later call checks the variable again.
+    """
     global _chosen
     chosen = _chosen
     if chosen is None:
         with _lock:
             if _chosen is None:
-                wanted = env.integer(THREADS_ENV, 0, minimum=0, maximum=65536)
+                wanted = env.integer(THREADS_ENV, 0, minimum=1, maximum=_MAX_THREADS)  # 0: unset
                 _chosen = _clamp(wanted, THREADS_ENV) if wanted else available()
             chosen = _chosen
     return chosen
@@ -81,19 +87,3 @@ def set_threads(count: int | None) -> int:
     with _lock:
         _chosen = None if count is None else _clamp(count, "set_threads")
     return previous
-
-
-def pool_stats() -> dict[str, int]:
-    """The kernels' thread pool since it was made: ``starved_jobs`` (a worker lost its core to another
-    process while it ran its tasks) and ``serial_jobs`` (jobs then run on the calling thread alone).
-
-    Both are 0 when the compiled kernels are not loaded or never ran a job on more than one thread.
-    """
-    from . import _native
-
-    native = _native.try_load()
-    if native is None:
-        return {"starved_jobs": 0, "serial_jobs": 0}
-    starved, serial = ctypes.c_int64(0), ctypes.c_int64(0)
-    native.lib.hal_cpu_pool_stats(ctypes.byref(starved), ctypes.byref(serial))
-    return {"starved_jobs": int(starved.value), "serial_jobs": int(serial.value)}
