@@ -40,11 +40,25 @@ def test_import_loads_no_library() -> None:
 
 
 def test_forcing_the_baseline_by_environment() -> None:
-    """HAL_CPU_ISA=baseline selects the portable variant; an unknown name falls back to the best, logged."""
+    """HAL_CPU_ISA=baseline selects the portable variant; a name no build has is an error naming the variable."""
     code = "from hal_cpu import _native; print(_native.load().isa)"
     assert _python(code, HAL_CPU_ISA="baseline") == "baseline"
-    best = _python(code)
-    assert _python(code, HAL_CPU_ISA="no-such-isa") == best
+    assert _python(code, HAL_CPU_ISA=" Baseline ") == "baseline"  # case and surrounding blanks ignored
+    refused = ("from hal_core import EnvironmentVariableError\nfrom hal_cpu import _native\n"
+               "try:\n    _native.load()\nexcept EnvironmentVariableError as exc:\n    print('refused', exc)\n")
+    for typo in ("no-such-isa", "avx-512", "avx512f"):
+        out = _python(refused, HAL_CPU_ISA=typo)
+        assert out.startswith("refused") and "HAL_CPU_ISA" in out and typo in out, out
+
+
+def test_a_known_variant_this_cpu_cannot_run_falls_back_to_the_best() -> None:
+    """A variant name every build knows but this CPU lacks is logged and the best variant runs (not an error)."""
+    code = "from hal_cpu import _native; n = _native.load(); print(n.isa, ','.join(n.available))"
+    best, available = _python(code).split()
+    missing = [name for name in _native.ISA_NAMES if name not in available.split(",")]
+    if not missing:
+        pytest.skip(f"this CPU runs every variant ({available}): none to force that it cannot run")
+    assert _python(code, HAL_CPU_ISA=missing[0]).split()[0] == best
 
 
 def test_every_variant_gives_the_same_attention(native: _native.Native, rng: np.random.Generator) -> None:

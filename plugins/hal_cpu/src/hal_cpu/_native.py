@@ -30,6 +30,8 @@ _log = logging.getLogger("hal")
 _LIBRARY = Path(__file__).with_name("_kernels.so")
 #: Environment variable forcing an instruction-set variant (testing and diagnosis only).
 ISA_ENV = "HAL_CPU_ISA"
+#: Every kernel variant name a build of hal-cpu can have (``setup.py``); which of them run here varies.
+ISA_NAMES = ("avx512vnni", "avx512", "avx2", "baseline")
 #: Environment variable: microseconds a pool worker polls for the next job before it blocks.
 SPIN_ENV = "HAL_CPU_SPIN_US"
 #: Its default: long enough to bridge the Python between back-to-back op calls (waking a blocked
@@ -107,7 +109,7 @@ def _open() -> Native:
         fn.restype, fn.argtypes = restype, argtypes
     check_abi(lib)
     available = tuple(lib.hal_cpu_available_isas().decode().split(","))
-    forced = (env.text(ISA_ENV) or "").strip().lower()
+    forced = env.choice(ISA_ENV, "", ISA_NAMES)  # a name no build has is a typo: an error, not the default
     chosen = lib.hal_cpu_select_isa(forced.encode()) if forced else None
     if forced and chosen is None:
         _log.warning("hal-cpu: %s=%r is not one of the variants this CPU runs (%s); using the best one",
