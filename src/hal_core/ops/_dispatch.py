@@ -47,6 +47,7 @@ from ._checks import check_writable
 from ._coverage import OpCoverage
 from ._dispatch_events import DispatchEvent, OpStats
 from ._front_door import method_for
+from ._plans import all_numpy
 from ._registry import OpRegistry
 from ._spec import OpCall, OpImpl, OpSpec
 
@@ -177,7 +178,7 @@ class Ops:
     def _prepare(self, spec: OpSpec, args: dict[str, Any]) -> tuple[OpCall, Any]:
         """The validated call (without ``out``, which implementations never see) and the caller's ``out``."""
         backend = self._backend
-        host = all(type(value) is np.ndarray for _, value in spec.iter_arrays(args))
+        host = all_numpy(spec, args)
         device = ("cpu", 0)
         if not host:
             arrays = list(spec.iter_arrays(args))

@@ -201,4 +201,4 @@ def output_shape(spec: OpSpec, args: Mapping[str, Any]) -> tuple[int, ...] | Non
     """The declared output's shape, read from the arguments that name its dimensions (None: no output)."""
     if spec.output is None:
         return None
-    return tuple(args[name].shape[axis] + delta for name, axis, delta in spec.output_plan)
+    return tuple([args[name].shape[axis] + delta for name, axis, delta in spec.output_plan])
