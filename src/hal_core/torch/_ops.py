@@ -67,8 +67,15 @@ def _op_args(spec: OpSpec, values: Mapping[str, Any], *, fake: bool) -> dict[str
 
 def _host_args(spec: OpSpec, values: Mapping[str, Any]) -> dict[str, Any]:
     """The op's arguments from an operator's CPU parameters, as numpy views (a weight's cached)."""
-    args = {name: host_view(value, name) if isinstance(value, torch.Tensor) else value
-            for name, value in values.items() if value is not None and name not in WEIGHT_FIELDS}
+    args: dict[str, Any] = {}
+    for name in spec.array_names:  # a Tensor (or None) by the schema
+        value = values.get(name)
+        if value is not None:
+            args[name] = host_view(value, name)
+    for arg in spec.number_args:
+        value = values.get(arg.name)
+        if value is not None:
+            args[arg.name] = value
     for name in spec.weight_names:
         args[name] = host_weight(values["qweight"], values["scales"], values["zeros"], values["g_idx"],
                                  values["bits"], values["group_size"])
@@ -93,7 +100,7 @@ def _real(op: TorchOp) -> Callable[..., Any]:
             refuse_grad_into_out(spec.name, given)
         lead = _lead(spec, given)
         backend = backend_for(lead)
-        if lead.device.type == "cpu":
+        if lead.is_cpu:
             # numpy views of every tensor (a weight's built once per set of tensors): the front door then
             # converts nothing; hal's own result array is handed to torch as a view (no output copy)
             result = backend.ops._call(spec.name, _host_args(spec, given))
