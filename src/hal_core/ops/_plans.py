@@ -28,7 +28,7 @@ from ._validate import check_declared, check_output, host_number
 if TYPE_CHECKING:
     from ._spec import OpSpec
 
-__all__ = ["MAX_PLANS", "all_numpy", "clear_plans", "host_signature", "plan_count", "validate"]
+__all__ = ["MAX_PLANS", "all_numpy", "clear_plans", "host_signature", "plan_count", "signature_and_host", "validate"]
 
 #: Signatures kept over all ops (a serving process sees a few per op: one per batch shape).
 MAX_PLANS = 512
@@ -81,14 +81,20 @@ def all_numpy(spec: OpSpec, args: Mapping[str, Any]) -> bool:
     return True
 
 
-def validate(spec: OpSpec, args: dict[str, Any]) -> None:
+def signature_and_host(spec: OpSpec, args: Mapping[str, Any]) -> tuple[tuple[Any, ...] | None, bool]:
+    """:func:`host_signature` of ``args``, and whether every array given is a numpy array (:func:`all_numpy`)."""
+    key = host_signature(spec, args)
+    return key, key is not None or all_numpy(spec, args)
+
+
+def validate(spec: OpSpec, args: dict[str, Any], key: tuple[Any, ...] | None) -> None:
     """:meth:`OpSpec.validate`: the declared checks, then the op's own, then ``out``'s; host arguments take
     the declared checks' outcome from their signature's plan when one is kept.
 
     Raises what the full checks raise, in the same order: a call whose signature has a plan passed every
-    declared array check before, so only its numbers and the op's own checks can fail.
+    declared array check before, so only its numbers and the op's own checks can fail. ``key`` is
+    :func:`host_signature` of ``args``.
     """
-    key = host_signature(spec, args)
     sizes = None if key is None else _PLANS.get(key)
     if sizes is None:
         bound = check_declared(spec, args)

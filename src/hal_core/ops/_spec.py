@@ -13,6 +13,7 @@ import numpy as np
 
 from ..arrays import dtype_name, numpy_dtype
 from ._declare import Arg, BenchCases, Feature, Output, Role
+from ._plans import host_signature
 from ._plans import validate as validate_planned
 from ._validate import Step, output_shape, plan
 
@@ -149,7 +150,7 @@ class OpSpec(ABC):
         run on every call.
         ``to_numpy`` copies small index arrays to the host for value checks.
         """
-        validate_planned(self, args)
+        validate_planned(self, args, host_signature(self, args))
 
     def check(self, args: dict[str, Any], sizes: Mapping[str, int]) -> None:
         """What the declaration cannot say (relations between sizes, index values); ``sizes`` as bound.

@@ -46,6 +46,9 @@ def _integer(value: Any) -> int | None:
 def host_number(arg: Arg, value: Any) -> int | float:
     """A SCALAR or HINT argument checked and normalised (Python int / float), or an error naming it."""
     number: int | float | None
+    if type(value) is float and arg.kind is float and arg.minimum is None and arg.role is Role.SCALAR \
+            and math.isfinite(value):
+        return value  # the common case (a softmax scale), decided in a few reads
     if arg.role is Role.HINT:
         number = _integer(value)
         if number is None or number < 1:
