@@ -260,8 +260,8 @@ class QuantLinear(torch.nn.Module):
             qweight, scales, zeros, g_idx = (None if t is None else host_view(t, name)
                                              for name, t in zip(_BUFFERS, buffers, strict=True))
             cached = self._host_weight = (buffers, _weight(qweight, scales, zeros, g_idx, self.bits, self.group_size))
-        return to_tensor(backend_for(rows).ops._call("quantized_gemm", {"x": host_view(rows, "x"),
-                                                                        "qweight": cached[1]}))
+        result = backend_for(rows).ops._call("quantized_gemm", {"x": host_view(rows, "x"), "qweight": cached[1]})
+        return to_tensor(result) if rows.dtype is torch.bfloat16 else torch.from_numpy(result)
 
     def extra_repr(self) -> str:
         kind = "symmetric" if self.zeros is None else "zero points"
