@@ -146,3 +146,18 @@ def test_probe_timeout_must_be_positive_and_finite(monkeypatch: pytest.MonkeyPat
     assert _env.probe_timeout_s() == 0.25
     monkeypatch.delenv("HAL_PROBE_TIMEOUT_S")
     assert _env.probe_timeout_s() == _env.PROBE_TIMEOUT_DEFAULT_S
+
+
+def test_text_follows_every_write_and_a_replaced_environ(monkeypatch: pytest.MonkeyPatch) -> None:
+    """env.text sees each set and unset through os.environ, and reads a mapping put in place of os.environ."""
+    import os
+
+    assert env.text("HAL_STRICT") is None
+    monkeypatch.setenv("HAL_STRICT", "  on ")
+    assert env.text("HAL_STRICT") == "on"
+    os.environ["HAL_STRICT"] = "off"
+    assert env.text("HAL_STRICT") == "off"
+    del os.environ["HAL_STRICT"]
+    assert env.text("HAL_STRICT") is None
+    monkeypatch.setattr(os, "environ", {"HAL_STRICT": "yes"})
+    assert env.text("HAL_STRICT") == "yes" and env.flag("HAL_STRICT", default=False) is True

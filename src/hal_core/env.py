@@ -19,6 +19,7 @@ import math
 import os
 import re
 from collections.abc import Iterable
+from typing import Any
 
 from ._errors import EnvironmentVariableError
 
@@ -41,10 +42,33 @@ ON_SPELLINGS = ("1", "true", "yes", "on")
 OFF_SPELLINGS = ("0", "false", "no", "off")
 
 
+#: CPython's ``os.environ`` keeps the process environment in an encoded dict that every write through it
+#: updates: reading that dict costs a look-up, where ``os.environ.get`` of an unset name raises and catches a
+#: KeyError in Python (hal reads a few switches on every op call). Used only while ``os.environ`` is still
+#: this object; anything else (another mapping put in its place) is read through ``os.environ.get``.
+_ENVIRON: Any = os.environ
+_ENCODED: dict[Any, Any] | None = getattr(_ENVIRON, "_data", None)
+_KEYS: dict[str, Any] = {}
+
+
+def _raw(name: str) -> str | None:
+    """The value of ``name`` in ``os.environ`` as it is now (None when unset)."""
+    environ = os.environ
+    if environ is not _ENVIRON or _ENCODED is None:
+        return environ.get(name)
+    key = _KEYS.get(name)
+    if key is None:
+        key = _KEYS[name] = _ENVIRON.encodekey(name)
+    found = _ENCODED.get(key)
+    return None if found is None else str(_ENVIRON.decodevalue(found))
+
+
 def text(name: str) -> str | None:
     """The stripped value of ``name``, or None when it is unset or empty."""
-    value = os.environ.get(name, "").strip()
-    return value or None
+    value = _raw(name)
+    if value is None:
+        return None
+    return value.strip() or None
 
 
 def flag(name: str, default: bool) -> bool:

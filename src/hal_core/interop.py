@@ -156,16 +156,28 @@ def _host_from_dlpack(value: Any) -> np.ndarray:
 
 def host_view(tensor: Any, name: str = "array") -> np.ndarray:
     """A numpy view of a CPU torch tensor (bf16 as ml_dtypes' bfloat16); ArgumentTypeError naming ``name``."""
-    import torch
-
     if tensor.requires_grad:
         tensor = tensor.detach()  # a view: autograd is not hal's business
-    bf16 = tensor.dtype == torch.bfloat16
+    bf16, int16 = _TORCH_DTYPES or _torch_dtypes()
+    is_bf16 = tensor.dtype is bf16
     try:  # Tensor.numpy() is always a view of the tensor's memory (torch refuses where it cannot be one)
-        array = (tensor.view(torch.int16) if bf16 else tensor).numpy()
+        array = (tensor.view(int16) if is_bf16 else tensor).numpy()
     except (TypeError, RuntimeError) as exc:
         raise ArgumentTypeError(f"argument {name!r}: torch dtype {tensor.dtype} has no numpy view ({exc})") from exc
-    return array.view(BFLOAT16) if bf16 else array
+    return array.view(BFLOAT16) if is_bf16 else array
+
+
+#: ``(torch.bfloat16, torch.int16)`` once a caller has handed hal a tensor (hal never imports torch itself).
+_TORCH_DTYPES: tuple[Any, Any] | None = None
+
+
+def _torch_dtypes() -> tuple[Any, Any]:
+    """``(torch.bfloat16, torch.int16)``, looked up once: :func:`host_view` compares a dtype on every call."""
+    global _TORCH_DTYPES
+    import torch
+
+    _TORCH_DTYPES = (torch.bfloat16, torch.int16)
+    return _TORCH_DTYPES
 
 
 def _from_torch(tensor: Any, backend: Backend, name: str) -> Any:

@@ -47,6 +47,7 @@ from ._checks import check_writable
 from ._coverage import OpCoverage
 from ._dispatch_events import DispatchEvent, OpStats
 from ._front_door import method_for
+from ._plans import signature_and_host, validate
 from ._registry import OpRegistry
 from ._spec import OpCall, OpImpl, OpSpec
 
@@ -177,7 +178,7 @@ class Ops:
     def _prepare(self, spec: OpSpec, args: dict[str, Any]) -> tuple[OpCall, Any]:
         """The validated call (without ``out``, which implementations never see) and the caller's ``out``."""
         backend = self._backend
-        host = all(type(value) is np.ndarray for _, value in spec.iter_arrays(args))
+        signature, host = signature_and_host(spec, args)
         device = ("cpu", 0)
         if not host:
             arrays = list(spec.iter_arrays(args))
@@ -200,7 +201,7 @@ class Ops:
                     f"does not own; use the backend of that device or move the array with backend.asarray"
                 )
             device = next(iter(kinds)) if kinds else device
-        spec.validate(args, self._to_numpy)
+        validate(spec, args, signature)  # what OpSpec.validate does, the signature taken once
         for name in spec.inplace_args:
             _check_writable(name, args.get(name))
         out = args.pop("out", None)

@@ -13,7 +13,9 @@ import numpy as np
 
 from ..arrays import dtype_name, numpy_dtype
 from ._declare import Arg, BenchCases, Feature, Output, Role
-from ._validate import Step, check_declared, check_output, output_shape, plan
+from ._plans import host_signature
+from ._plans import validate as validate_planned
+from ._validate import Step, output_shape, plan
 
 if TYPE_CHECKING:
     from .._backend import Backend
@@ -65,6 +67,8 @@ class OpSpec(ABC):
     #: Names of the array arguments, and of the quantized-weight arguments.
     array_names: ClassVar[tuple[str, ...]]
     weight_names: ClassVar[tuple[str, ...]]
+    #: The host-number arguments (scalars and hints), in check order.
+    number_args: ClassVar[tuple[Arg, ...]]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -94,6 +98,7 @@ class OpSpec(ABC):
         cls.output_check = plan([a for a in cls.check_order if a.role is Role.OUTPUT])
         cls.array_names = tuple(a.name for a in args if a.is_array)
         cls.weight_names = tuple(a.name for a in args if a.is_weight)
+        cls.number_args = tuple(a for a in cls.check_order if a.role in (Role.SCALAR, Role.HINT))
 
     @classmethod
     def _complete_out(cls, arg: Arg) -> Arg:
@@ -140,12 +145,12 @@ class OpSpec(ABC):
         """Raise ``ArgumentError``/``ArgumentTypeError`` naming the bad argument (host numbers normalised in place).
 
         The declared checks run first (:func:`~hal_core.ops._validate.check_declared`), then :meth:`check`,
-        then the ``out`` argument's.
+        then the ``out`` argument's. Host (numpy) arguments whose signature passed the declared checks
+        before reuse what they bound (:mod:`hal_core.ops._plans`); their numbers and :meth:`check` still
+        run on every call.
         ``to_numpy`` copies small index arrays to the host for value checks.
         """
-        bound = check_declared(self, args)
-        self.check(args, bound.sizes)
-        check_output(self, args, bound)
+        validate_planned(self, args, host_signature(self, args))
 
     def check(self, args: dict[str, Any], sizes: Mapping[str, int]) -> None:
         """What the declaration cannot say (relations between sizes, index values); ``sizes`` as bound.

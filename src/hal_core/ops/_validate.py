@@ -46,6 +46,9 @@ def _integer(value: Any) -> int | None:
 def host_number(arg: Arg, value: Any) -> int | float:
     """A SCALAR or HINT argument checked and normalised (Python int / float), or an error naming it."""
     number: int | float | None
+    if type(value) is float and arg.kind is float and arg.minimum is None and arg.role is Role.SCALAR \
+            and math.isfinite(value):
+        return value  # the common case (a softmax scale), decided in a few reads
     if arg.role is Role.HINT:
         number = _integer(value)
         if number is None or number < 1:
@@ -201,4 +204,4 @@ def output_shape(spec: OpSpec, args: Mapping[str, Any]) -> tuple[int, ...] | Non
     """The declared output's shape, read from the arguments that name its dimensions (None: no output)."""
     if spec.output is None:
         return None
-    return tuple(args[name].shape[axis] + delta for name, axis, delta in spec.output_plan)
+    return tuple([args[name].shape[axis] + delta for name, axis, delta in spec.output_plan])

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import ArgumentTypeError
-from ..arrays import dtype_name, is_c_contiguous, numpy_dtype
+from ..arrays import DTYPE_NAMES, dtype_name, is_c_contiguous, numpy_dtype
 from ..quant import QuantizedWeight, quantize, quantize_activations
 from ..tuning._buckets import pow2
 from ._catalog import register_op
@@ -53,16 +53,8 @@ class QuantizedGemm(OpSpec):
 
     def check(self, args: dict[str, Any], sizes: Mapping[str, int]) -> None:
         qw: QuantizedWeight = args["qweight"]
-        expected = {"qweight": "uint32" if qw.bits == 4 else "uint8", "zeros": "uint8", "g_idx": "int32"}
-        for name, value in qw.arrays().items():
-            want = expected.get(name)
-            if want and dtype_name(value) != want:
-                raise ArgumentTypeError(f"argument 'qweight.{name}': expected dtype {want}, got {dtype_name(value)}")
-            if not is_c_contiguous(value):
-                raise fail(f"qweight.{name}", "a C-contiguous array", f"strides {getattr(value, 'strides', '?')}")
-        if dtype_name(qw.scales) not in ("fp16", "fp32", "bf16"):
-            raise ArgumentTypeError(f"argument 'qweight.scales': expected dtype fp16, bf16 or fp32, "
-                                    f"got {dtype_name(qw.scales)}")
+        if not _host_arrays_fit(qw):  # the checks below name what does not fit
+            _check_weight_arrays(qw)
         if qw.g_idx is not None and sizes["K"] and host_index_checks(qw.g_idx):
             self.check_index_values(args)
 
@@ -107,6 +99,34 @@ class QuantizedGemm(OpSpec):
             return sx.astype(np.float64)[:, None] * (xq.astype(np.float64) @ w)
         with np.errstate(invalid="ignore", over="ignore"):  # IEEE arithmetic: inf * 0 is NaN
             return x.astype(np.float64) @ w
+
+
+def _host_arrays_fit(qw: QuantizedWeight) -> bool:
+    """Whether every array of ``qw`` is a C-contiguous numpy array of the dtype its field takes (the common case)."""
+    for value, want in ((qw.qweight, "uint32" if qw.bits == 4 else "uint8"), (qw.scales, None),
+                        (qw.zeros, "uint8"), (qw.g_idx, "int32")):
+        if value is None:
+            continue
+        if type(value) is not np.ndarray or not value.flags.c_contiguous:
+            return False
+        name = DTYPE_NAMES.get(value.dtype)
+        if name not in ((want,) if want is not None else ("fp16", "fp32", "bf16")):
+            return False
+    return True
+
+
+def _check_weight_arrays(qw: QuantizedWeight) -> None:
+    """ArgumentTypeError / ArgumentError naming the first array of ``qw`` of the wrong dtype or layout."""
+    expected = {"qweight": "uint32" if qw.bits == 4 else "uint8", "zeros": "uint8", "g_idx": "int32"}
+    for name, value in qw.arrays().items():
+        want = expected.get(name)
+        if want and dtype_name(value) != want:
+            raise ArgumentTypeError(f"argument 'qweight.{name}': expected dtype {want}, got {dtype_name(value)}")
+        if not is_c_contiguous(value):
+            raise fail(f"qweight.{name}", "a C-contiguous array", f"strides {getattr(value, 'strides', '?')}")
+    if dtype_name(qw.scales) not in ("fp16", "fp32", "bf16"):
+        raise ArgumentTypeError(f"argument 'qweight.scales': expected dtype fp16, bf16 or fp32, "
+                                f"got {dtype_name(qw.scales)}")
 
 
 def quantized_gemm_inputs(

@@ -27,6 +27,7 @@ dtype (hal's format), and the output has the input's dtype.
 
 from __future__ import annotations
 
+from operator import is_not
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,7 @@ from ..arrays import BFLOAT16
 from ..interop import host_view
 from ..quant import QuantizedWeight, quantize
 from ..quant._args import as_bool, as_int
+from ._convert import to_tensor
 from ._routing import backend_for
 from ._weights import _weight, weight_to_tensors
 
@@ -206,15 +208,16 @@ class QuantLinear(torch.nn.Module):
         gives ``x`` its gradient (the weight is frozen) and the bias its own when it requires grad.
         """
         self._check_input(x)
-        lead = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features).contiguous()
+        flat = x.dim() == 2  # already [M, K]: no reshape in, no view out
+        rows = x.contiguous() if flat else x.reshape(-1, self.in_features).contiguous()
         if (rows.device.type == "cpu" and not torch.compiler.is_compiling()
                 and not (rows.requires_grad and torch.is_grad_enabled())):
             y = self._host_gemm(rows)
         else:
             y = torch.ops.hal.quantized_gemm(rows, self.qweight, self.scales, self.zeros, self.g_idx, self.bits,
                                              self.group_size)
-        y = y.view(*lead, self.out_features)
+        if not flat:
+            y = y.view(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
@@ -236,9 +239,10 @@ class QuantLinear(torch.nn.Module):
             raise ArgumentTypeError(f"argument 'x' of {self._describe()}: expected dtype torch.float16, "
                                     f"torch.bfloat16 or torch.float32, got {x.dtype} (hal's quantized_gemm "
                                     f"has no such path; cast it, e.g. x.float())")
-        if x.device != self.qweight.device:
+        qweight: torch.Tensor = self._buffers["qweight"]  # type: ignore[assignment]  # never None
+        if x.device != qweight.device:
             raise ArgumentError(f"argument 'x' of {self._describe()}: is on {x.device}, the layer's weight on "
-                                f"{self.qweight.device}; move one of them with .to()")
+                                f"{qweight.device}; move one of them with .to()")
 
     def _host_gemm(self, rows: torch.Tensor) -> torch.Tensor:
         """Eager CPU calls go straight to hal's front door with the weight's numpy views built once.
@@ -246,18 +250,18 @@ class QuantLinear(torch.nn.Module):
         The result is what ``torch.ops.hal.quantized_gemm`` computes (the same front door, validation and
         kernels) without its per-call dispatch and weight assembly, which cost more than a decode-sized
         kernel. The views are rebuilt whenever a buffer is replaced (``.to()``, ``load_state_dict`` with
-        ``assign``); in-place changes to a buffer reach them, being views.
+        ``assign``); in-place changes to a buffer reach them, being views. hal's result is a new array the
+        kernel just wrote, handed to torch as a view (no output tensor, no copy).
         """
-        buffers = (self.qweight, self.scales, self.zeros, self.g_idx)
+        found = self._buffers
+        buffers = (found["qweight"], found["scales"], found.get("zeros"), found.get("g_idx"))
         cached = self._host_weight
-        if cached is None or any(a is not b for a, b in zip(cached[0], buffers, strict=True)):
+        if cached is None or any(map(is_not, cached[0], buffers)):
             qweight, scales, zeros, g_idx = (None if t is None else host_view(t, name)
                                              for name, t in zip(_BUFFERS, buffers, strict=True))
             cached = self._host_weight = (buffers, _weight(qweight, scales, zeros, g_idx, self.bits, self.group_size))
-        out = torch.empty((rows.shape[0], self.out_features), dtype=rows.dtype)
-        backend_for(rows).ops._call("quantized_gemm", {"x": host_view(rows, "x"), "qweight": cached[1],
-                                                       "out": host_view(out, "out")})
-        return out
+        result = backend_for(rows).ops._call("quantized_gemm", {"x": host_view(rows, "x"), "qweight": cached[1]})
+        return to_tensor(result) if rows.dtype is torch.bfloat16 else torch.from_numpy(result)
 
     def extra_repr(self) -> str:
         kind = "symmetric" if self.zeros is None else "zero points"

@@ -65,14 +65,30 @@ def _op_args(spec: OpSpec, values: Mapping[str, Any], *, fake: bool) -> dict[str
     return args
 
 
-def _host_args(spec: OpSpec, values: Mapping[str, Any]) -> dict[str, Any]:
-    """The op's arguments from an operator's CPU parameters, as numpy views (a weight's cached)."""
-    args = {name: host_view(value, name) if isinstance(value, torch.Tensor) else value
-            for name, value in values.items() if value is not None and name not in WEIGHT_FIELDS}
-    for name in spec.weight_names:
-        args[name] = host_weight(values["qweight"], values["scales"], values["zeros"], values["g_idx"],
-                                 values["bits"], values["group_size"])
-    return args
+def _host_reader(spec: OpSpec, names: tuple[str, ...]) -> Callable[[tuple[Any, ...]], dict[str, Any]]:
+    """A function from an operator's CPU parameters (in ``names`` order) to the op's arguments as numpy views.
+
+    The positions of the arrays, numbers and weight fields are found once per operator; a weight's views
+    are built once per set of tensors (:func:`~hal_core.torch._weights.host_weight`).
+    """
+    arrays = tuple((names.index(name), name) for name in spec.array_names if name in names)
+    numbers = tuple((names.index(arg.name), arg.name) for arg in spec.number_args if arg.name in names)
+    weight = tuple(names.index(field) for field in WEIGHT_FIELDS) if spec.weight_names else ()
+
+    def read(values: tuple[Any, ...]) -> dict[str, Any]:
+        count = len(values)  # trailing defaults are not passed
+        args: dict[str, Any] = {}
+        for index, name in arrays:
+            if index < count and values[index] is not None:
+                args[name] = host_view(values[index], name)
+        for index, name in numbers:
+            if index < count and values[index] is not None:
+                args[name] = values[index]
+        if weight:
+            args[spec.weight_names[0]] = host_weight(*(values[index] for index in weight))
+        return args
+
+    return read
 
 
 def _lead(spec: OpSpec, args: Mapping[str, Any]) -> torch.Tensor:
@@ -86,18 +102,21 @@ def _lead(spec: OpSpec, args: Mapping[str, Any]) -> torch.Tensor:
 
 def _real(op: TorchOp) -> Callable[..., Any]:
     spec, names = op.spec, op.params
+    host_args = _host_reader(spec, names)
+    # where the lead tensor is: the first array argument given, else the weight's qweight
+    leads = tuple(names.index(name) for name in (*spec.array_names, "qweight") if name in names)
 
     def run(*values: Any) -> Any:
-        given = dict(zip(names, values, strict=False))  # defaults are not passed
         if op.writes_out:
-            refuse_grad_into_out(spec.name, given)
-        lead = _lead(spec, given)
+            refuse_grad_into_out(spec.name, dict(zip(names, values, strict=False)))
+        lead = next(values[i] for i in leads if i < len(values) and values[i] is not None)
         backend = backend_for(lead)
-        if lead.device.type == "cpu":
+        if lead.is_cpu:
             # numpy views of every tensor (a weight's built once per set of tensors): the front door then
             # converts nothing; hal's own result array is handed to torch as a view (no output copy)
-            result = backend.ops._call(spec.name, _host_args(spec, given))
+            result = backend.ops._call(spec.name, host_args(values))
             return to_tensor(result) if op.returns_tensor else None
+        given = dict(zip(names, values, strict=False))  # defaults are not passed
         args = _op_args(spec, given, fake=False)
         out = None
         if op.returns_tensor:
