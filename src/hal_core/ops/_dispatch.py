@@ -219,6 +219,9 @@ class Ops:
         the candidates (a persisted measurement, say) belongs here.
         """
         reasons: dict[str, str] = {}
+        undeclared = self._undeclared_opt_in(call)
+        if undeclared is not None:
+            return None, {"coverage": undeclared}
         setting = None
         for impl in tuned_order(call, self.registry.implementations(call.op)):
             try:
@@ -234,6 +237,18 @@ class Ops:
                 return impl, reasons
             reasons[impl.name] = verdict if isinstance(verdict, str) and verdict else "unsupported"
         return None, reasons
+
+    def _undeclared_opt_in(self, call: OpCall) -> str | None:
+        """Why the call's value of an opt-in feature (:attr:`Feature.opt_in`) keeps it off this backend, or None."""
+        for feature in call.spec.features:
+            if not feature.opt_in:
+                continue
+            value = feature.get(call.args)
+            if value in feature.opt_in and value not in (self.registry.coverage(call.op).allowed.get(feature.field)
+                                                          or ()):
+                return (f"{feature.name.replace('_', ' ')} {value!r} is not declared by backend "
+                        f"{self._backend.name!r} ({feature.field}=... in its OpCoverage)")
+        return None
 
     def _execute(self, call: OpCall, out: Any = None) -> Any:
         stats = self._op_stats(call.op)
