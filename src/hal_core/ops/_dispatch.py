@@ -214,14 +214,12 @@ class Ops:
     def choose(self, call: OpCall) -> tuple[OpImpl | None, dict[str, str]]:
         """The implementation to run for ``call`` (None: the fallback path) and why others were passed over.
 
-        The highest-priority implementation whose ``supports(call)`` is True
-        wins. This is the one place that decides; anything that reorders
-        the candidates (a persisted measurement, say) belongs here.
+        The highest-priority implementation whose ``supports(call)`` is True wins (none for an undeclared opt-in
+        value: :meth:`OpCoverage.undeclared_opt_in`). The one place that decides; what reorders candidates goes here.
         """
+        if (undeclared := self.registry.coverage(call.op).undeclared_opt_in(call.spec, call.args)) is not None:
+            return None, {"coverage": f"{undeclared} by backend {self._backend.name!r}"}
         reasons: dict[str, str] = {}
-        undeclared = self._undeclared_opt_in(call)
-        if undeclared is not None:
-            return None, {"coverage": undeclared}
         setting = None
         for impl in tuned_order(call, self.registry.implementations(call.op)):
             try:
@@ -237,18 +235,6 @@ class Ops:
                 return impl, reasons
             reasons[impl.name] = verdict if isinstance(verdict, str) and verdict else "unsupported"
         return None, reasons
-
-    def _undeclared_opt_in(self, call: OpCall) -> str | None:
-        """Why the call's value of an opt-in feature (:attr:`Feature.opt_in`) keeps it off this backend, or None."""
-        for feature in call.spec.features:
-            if not feature.opt_in:
-                continue
-            value = feature.get(call.args)
-            if value in feature.opt_in and value not in (self.registry.coverage(call.op).allowed.get(feature.field)
-                                                          or ()):
-                return (f"{feature.name.replace('_', ' ')} {value!r} is not declared by backend "
-                        f"{self._backend.name!r} ({feature.field}=... in its OpCoverage)")
-        return None
 
     def _execute(self, call: OpCall, out: Any = None) -> Any:
         stats = self._op_stats(call.op)
