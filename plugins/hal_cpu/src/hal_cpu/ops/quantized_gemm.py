@@ -23,6 +23,10 @@
   csrc/w8a8_vnni.inl), elsewhere exact float sums; both give the same bits. A
   row of ``x`` holding NaN or Inf gives a row of NaN.
 
+- W4A8 (int4 weights, ``activations='int8'``): :mod:`hal_cpu.ops._w4a8`, the
+  W8A8 quantisation with int4 codes summed exactly in int32 per group
+  (``vpdpbusd`` on AVX512_VNNI), the same bits on every variant.
+
 What each kernel allocates per call (all freed when it returns; never a float
 copy of the weight):
 
@@ -46,7 +50,8 @@ copy of the weight):
   with K in parts); M > 4: one packing workspace per running thread, at most
   320 KiB (weight-derived codes of one group of K for the task's columns);
 - W8A8 (other variants): ``M * K`` floats (quantised activations) and
-  ``M * segments`` floats.
+  ``M * segments`` floats;
+- W4A8: see :mod:`hal_cpu.ops._w4a8`.
 
 No weight-derived array outlives a call.
 """
