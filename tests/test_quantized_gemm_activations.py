@@ -8,8 +8,8 @@ from torch_helpers import host, tensor, torch
 
 import hal_core
 import hal_core.torch as hal_torch
-from hal_core import ArgumentError, ArgumentTypeError, FallbackError
-from hal_core.ops import OPS, OpCoverage
+from hal_core import ArgumentError, ArgumentTypeError, FallbackError, bench
+from hal_core.ops import OPS, Arg, OpCoverage
 from hal_core.testing.inputs import quantized_gemm_inputs
 
 SPEC = OPS["quantized_gemm"]
@@ -70,6 +70,16 @@ def test_a_bad_setting_is_refused_naming_the_argument(value: object, error: type
     assert (out == 7.0).all()
 
 
+def test_arg_choice_declares_an_optional_keyword_setting() -> None:
+    """Arg.choice: optional, keyword-only, a str with its choices; a declaration without string choices is refused."""
+    arg = next(a for a in SPEC.args if a.name == "activations")
+    assert (arg.kind, arg.required, arg.keyword_only, arg.choices) == (str, False, True, ("float", "int8"))
+    assert SPEC.signature().parameters["activations"].default is None
+    for bad in ((), ("a", 1)):
+        with pytest.raises(ValueError, match=r"Arg\.choice"):
+            Arg.choice("mode", bad)  # type: ignore[arg-type]
+
+
 def test_scheme_feature_and_coverage() -> None:
     """The 'scheme' feature names W4A16 / W4A8 / W8A8; a backend declaring only W4A16 and W8A8 does not cover W4A8."""
     w4, w8 = _args(14), _args(15, bits=8)
@@ -80,6 +90,11 @@ def test_scheme_feature_and_coverage() -> None:
     assert coverage.covers_call(SPEC, w4) is True and coverage.covers_call(SPEC, w8) is True
     verdict = coverage.covers_call(SPEC, {**w4, "activations": "int8"})
     assert isinstance(verdict, str) and "'w4a8' is not declared" in verdict
+    # opt-in: undeclared (or left out: "any") is not enough for W4A8, naming it is
+    assert "'w4a8'" in (OpCoverage().undeclared_opt_in(SPEC, {**w4, "activations": "int8"}) or "")
+    assert coverage.undeclared_opt_in(SPEC, {**w4, "activations": "int8"}) is not None
+    assert OpCoverage(schemes=("w4a8",)).undeclared_opt_in(SPEC, {**w4, "activations": "int8"}) is None
+    assert OpCoverage().undeclared_opt_in(SPEC, w4) is None and OpCoverage().undeclared_opt_in(SPEC, w8) is None
 
 
 NO_W4A8 = '''
@@ -146,11 +161,11 @@ def test_torch_operator_takes_the_setting() -> None:
 
 def test_bench_w4a8_preset_pairs_each_case_with_w4a16() -> None:
     """The 'w4a8' preset holds W4A16 and W4A8 at M = 1..64 on 4096x4096 and 4096x11008; W4A8 inputs ask for int8."""
-    cases = hal_core.bench.preset_cases("w4a8")
+    cases = bench.preset_cases("w4a8")
     for k, n in ((4096, 4096), (4096, 11008)):
         for m in (1, 2, 4, 8, 16, 32, 64):
             for abits in (16, 8):
-                assert hal_core.bench.make_case("quantized_gemm", m=m, k=k, n=n, bits=4, abits=abits) in cases
-    case = hal_core.bench.make_case("quantized_gemm", m=2, k=64, n=16, bits=4, abits=8, group=32)
+                assert bench.make_case("quantized_gemm", m=m, k=k, n=n, bits=4, abits=abits) in cases
+    case = bench.make_case("quantized_gemm", m=2, k=64, n=16, bits=4, abits=8, group=32)
     inputs = SPEC.bench.inputs(np.random.default_rng(0), case.params)
     assert inputs["activations"] == "int8" and SPEC.features_of(inputs)["scheme"] == "w4a8"

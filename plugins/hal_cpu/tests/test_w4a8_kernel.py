@@ -178,3 +178,14 @@ def test_numpy_fallback_computes_w4a8(rng: np.random.Generator) -> None:
     error = np.abs(got - REFERENCE({**args, "activations": "int8"}))
     assert (error <= _float_bound(args["x"], args["qweight"])).all()
     assert not np.allclose(got, _fallback_gemm.gemm(args["x"], args["qweight"]), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_rows_with_a_stride_are_read_in_place(rng: np.random.Generator, dtype: str) -> None:
+    """x as a view of wider rows (row stride > K) gives the bits of its contiguous copy."""
+    args = quantized_gemm_inputs(rng, m=9, k=128, n=48, bits=4, group_size=64, symmetric=False, dtype=dtype)
+    wide = np.zeros((9, 200), dtype=args["x"].dtype)
+    wide[:, 40:168] = args["x"]
+    view = wide[:, 40:168]
+    assert not view.flags.c_contiguous
+    np.testing.assert_array_equal(_run(view, args["qweight"]), _run(np.ascontiguousarray(view), args["qweight"]))
