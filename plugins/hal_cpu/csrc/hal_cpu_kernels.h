@@ -222,6 +222,27 @@ typedef struct hal_cpu_w4a16_blocked_args {
     HAL_CPU_W4A16_BLOCKED_FIELDS(HAL_CPU_DECLARE_FIELD)
 } hal_cpu_w4a16_blocked_args;
 
+/* W4A8: int4 weights (no act-order, group_size a multiple of 8, at most 32768) times activations quantised per
+ * token to int8 inside the kernel, bit for bit as hal_core.quant.quantize_activations; integer sums exact per
+ * group, y [M, N] fp32 = sx * sum over groups of scale * (sum(q * code) - zero * sum(q)), every variant and thread
+ * count giving the same bits. A row of x holding NaN or Inf gives a row of NaN. */
+#define HAL_CPU_W4A8_GEMM_FIELDS(F)                                                                            \
+    F(const void *, x)                  /* [M, K], row stride x_stride elements */                             \
+    F(int64_t, x_stride)                                                                                       \
+    F(int64_t, m)                                                                                              \
+    F(int64_t, k)                                                                                              \
+    F(int64_t, n)                                                                                              \
+    F(const uint32_t *, qweight)        /* [K / 8, N] */                                                       \
+    F(const void *, scales)             /* [K / group_size, N] in s_dtype */                                   \
+    F(const uint8_t *, zeros)           /* [K / group_size, N], or NULL: default_zero everywhere */            \
+    F(int64_t, group_size)                                                                                     \
+    F(float *, y)                       /* [M, N] float32, contiguous */                                       \
+    F(int32_t, x_dtype)                                                                                        \
+    F(int32_t, s_dtype)                                                                                        \
+    F(int32_t, default_zero)                                                                                   \
+    F(int32_t, threads)
+typedef struct hal_cpu_w4a8_gemm_args { HAL_CPU_W4A8_GEMM_FIELDS(HAL_CPU_DECLARE_FIELD) } hal_cpu_w4a8_gemm_args;
+
 /* The names hal_cpu_abi knows, with their field lists: X(name, struct, FIELDS) per argument struct. */
 #define HAL_CPU_ABI_STRUCTS(X)                                                                                 \
     X(attention, hal_cpu_attention_args, HAL_CPU_ATTENTION_FIELDS)                                             \
@@ -230,7 +251,8 @@ typedef struct hal_cpu_w4a16_blocked_args {
     X(w4a16_gemv, hal_cpu_w4a16_gemv_args, HAL_CPU_W4A16_GEMV_FIELDS)                                          \
     X(dequant_tile, hal_cpu_dequant_tile_args, HAL_CPU_DEQUANT_TILE_FIELDS)                                    \
     X(w8a8_gemm, hal_cpu_w8a8_gemm_args, HAL_CPU_W8A8_GEMM_FIELDS)                                             \
-    X(w4a16_blocked, hal_cpu_w4a16_blocked_args, HAL_CPU_W4A16_BLOCKED_FIELDS)
+    X(w4a16_blocked, hal_cpu_w4a16_blocked_args, HAL_CPU_W4A16_BLOCKED_FIELDS)                                 \
+    X(w4a8_gemm, hal_cpu_w4a8_gemm_args, HAL_CPU_W4A8_GEMM_FIELDS)
 
 /* "size=N;field=offset:size;..." for an argument struct of this ABI (the names of HAL_CPU_ABI_STRUCTS), NULL
  * for an unknown name: hal_cpu._abi compares it with its ctypes mirror when the library loads. */
@@ -251,6 +273,7 @@ int hal_cpu_w4a16_gemv(const hal_cpu_w4a16_gemv_args *args);
 int hal_cpu_dequant_tile(const hal_cpu_dequant_tile_args *args);
 int hal_cpu_w8a8_gemm(const hal_cpu_w8a8_gemm_args *args);
 int hal_cpu_w4a16_blocked(const hal_cpu_w4a16_blocked_args *args);
+int hal_cpu_w4a8_gemm(const hal_cpu_w4a8_gemm_args *args);
 
 /* 1 when hal_cpu_w4a16_gemv runs fp16/bf16 activations through AVX512_BF16 dot products on this CPU, else 0. */
 int hal_cpu_w4a16_half_dot(void);

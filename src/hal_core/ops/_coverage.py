@@ -11,7 +11,9 @@ The keywords are the op's declared features (:attr:`OpSpec.features`: ``dtypes``
 ``bits`` for ``quantized_gemm``, ...). A call outside the declaration may fall back (to the host
 backend) as designed; a call inside it must not, and the contract suite fails a test in which one
 did. An op with no declaration is claimed whole: every valid call must run on the backend's own
-implementations. ``OpCoverage.none()`` declares an op the backend leaves to the fallback.
+implementations. ``OpCoverage.none()`` declares an op the backend leaves to the fallback. A feature
+value marked opt-in (:attr:`Feature.opt_in`) is the exception: a call using one reaches a backend's
+implementations only where its declaration names the value, else it falls back.
 """
 
 from __future__ import annotations
@@ -84,6 +86,17 @@ class OpCoverage:
         if unknown:
             raise ValueError(f"OpCoverage for {spec.name}: unknown feature(s) {unknown}; "
                              f"{spec.name} declares {sorted(known)}")
+
+    def undeclared_opt_in(self, spec: OpSpec, args: Mapping[str, Any]) -> str | None:
+        """Why a validated call stays off this backend's implementations, or None: it uses an opt-in value
+        (:attr:`Feature.opt_in`, a setting older implementations would silently ignore) not declared here."""
+        for feature in spec.features:
+            if feature.opt_in:
+                value = feature.get(args)
+                if value in feature.opt_in and value not in self.allowed.get(feature.field, ()):
+                    return (f"{feature.name.replace('_', ' ')} {value!r} is not declared "
+                            f"({feature.field}=... in the OpCoverage)")
+        return None
 
     def covers_call(self, spec: OpSpec, args: Mapping[str, Any]) -> bool | str:
         """True when a validated call of ``spec`` is declared, else why not."""

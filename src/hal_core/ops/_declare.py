@@ -42,7 +42,7 @@ class Role(enum.Enum):
     INDEX = "index"
     #: A :class:`~hal_core.quant.QuantizedWeight`: its arrays travel with the call as one argument.
     WEIGHT = "weight"
-    #: A host number that changes the result (a scale, a window).
+    #: A host number that changes the result (a scale, a window), or one of a few named settings (:meth:`Arg.choice`).
     SCALAR = "scalar"
     #: A host int the caller knows without reading device memory (an upper bound), used to plan work.
     HINT = "hint"
@@ -100,12 +100,14 @@ class Arg:
     keyword_only: bool = False
     #: Written in place by the op (the caches of ``write_kv_cache``).
     mutated: bool = False
-    #: Scalars and hints: ``float`` or ``int``.
+    #: Scalars and hints: ``float``, ``int``, or ``str`` (a setting, one of ``choices``).
     kind: type = float
     #: Scalars and hints: the smallest allowed value, and whether it is excluded (``softcap > 0``).
     minimum: float | None = None
     exclusive: bool = False
     doc: str = ""
+    #: ``str`` scalars: the accepted values.
+    choices: tuple[str, ...] = ()
     dims: tuple[Dim, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -141,6 +143,13 @@ class Arg:
         """A host number: ``float`` (finite) or ``int``; keyword-only; ``minimum`` bounds it."""
         return cls(name, Role.SCALAR, required=required, keyword_only=True, kind=kind, minimum=minimum,
                    exclusive=exclusive, doc=doc)
+
+    @classmethod
+    def choice(cls, name: str, choices: Sequence[str], *, doc: str = "") -> Arg:
+        """An optional keyword-only host setting, one of ``choices`` (None: the op's documented default)."""
+        if not choices or any(not isinstance(c, str) for c in choices):
+            raise ValueError(f"Arg.choice({name!r}): expected a non-empty sequence of strings")
+        return cls(name, Role.SCALAR, required=False, keyword_only=True, kind=str, choices=tuple(choices), doc=doc)
 
     @classmethod
     def hint(cls, name: str, *, doc: str = "") -> Arg:
@@ -190,7 +199,8 @@ class Feature:
 
     ``field`` is the ``OpCoverage`` keyword (``head_sizes``); ``get(args)`` the call's value (``128``),
     or, with ``many=True``, a set of values that must all be declared (the attention variants a call
-    uses: ``{"prefill", "window"}``).
+    uses: ``{"prefill", "window"}``). A call whose value is one of ``opt_in`` goes to a backend's own
+    implementations only when that backend declares the value (``quantized_gemm``'s ``'w4a8'``).
     """
 
     name: str
@@ -198,6 +208,10 @@ class Feature:
     get: Callable[[Mapping[str, Any]], Any]
     many: bool = False
     doc: str = ""
+    #: Values a backend's implementations are given only where its coverage declares them: a setting an
+    #: implementation written before it would not know of (and so silently ignore); elsewhere the call
+    #: falls back.
+    opt_in: tuple[Hashable, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -213,12 +213,12 @@ class Ops:
         return array if type(array) is np.ndarray else self._backend.to_numpy(array)
 
     def choose(self, call: OpCall) -> tuple[OpImpl | None, dict[str, str]]:
-        """The implementation to run for ``call`` (None: the fallback path) and why others were passed over.
-
-        The highest-priority implementation whose ``supports(call)`` is True
-        wins. This is the one place that decides; anything that reorders
-        the candidates (a persisted measurement, say) belongs here.
+        """The implementation to run for ``call`` (None: the fallback path) and why others were passed over: the
+        highest-priority one whose ``supports(call)`` is True, none for an opt-in value the backend's coverage does
+        not name (:meth:`OpCoverage.undeclared_opt_in`). The one place that decides; what reorders candidates goes here.
         """
+        if (undeclared := self.registry.coverage(call.op).undeclared_opt_in(call.spec, call.args)) is not None:
+            return None, {"coverage": f"{undeclared} by backend {self._backend.name!r}"}
         reasons: dict[str, str] = {}
         setting = None
         for impl in tuned_order(call, self.registry.implementations(call.op)):

@@ -43,12 +43,20 @@ def _integer(value: Any) -> int | None:
     return int(value)
 
 
-def host_number(arg: Arg, value: Any) -> int | float:
-    """A SCALAR or HINT argument checked and normalised (Python int / float), or an error naming it."""
+def host_number(arg: Arg, value: Any) -> int | float | str:
+    """A SCALAR or HINT argument checked and normalised (Python int / float / str), or an error naming it."""
     number: int | float | None
     if type(value) is float and arg.kind is float and arg.minimum is None and arg.role is Role.SCALAR \
             and math.isfinite(value):
         return value  # the common case (a softmax scale), decided in a few reads
+    if arg.kind is str:
+        if not isinstance(value, str):
+            raise ArgumentTypeError(f"argument {arg.name!r}: expected one of {list(arg.choices)} (or None), "
+                                    f"got {value!r}")
+        if value not in arg.choices:
+            raise ArgumentError(f"argument {arg.name!r}: expected one of {list(arg.choices)} (or None), "
+                                f"got {value!r}")
+        return value
     if arg.role is Role.HINT:
         number = _integer(value)
         if number is None or number < 1:

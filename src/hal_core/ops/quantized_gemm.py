@@ -1,13 +1,16 @@
 """``quantized_gemm``: activations ``x [M, K]`` times a :class:`~hal_core.quant.QuantizedWeight` ``[K, N]``.
 
-- ``bits=4`` (W4A16): ``y = x @ dequantize(w)``, activations kept in float.
-- ``bits=8`` (W8A8): activations are quantised per token first
-  (:func:`~hal_core.quant.quantize_activations`, in float32), then
-  ``y[m, n] = sx[m] * sum_k xq[m, k] * w[k, n]``.
+- ``bits=4``, ``activations`` None or ``'float'`` (W4A16): ``y = x @ dequantize(w)``,
+  activations kept in float.
+- ``bits=4``, ``activations='int8'`` (W4A8) and ``bits=8`` whatever ``activations``
+  says (W8A8): activations are quantised per token first
+  (:func:`~hal_core.quant.quantize_activations`, in float32: ``sx = amax / 127``,
+  ``xq = rint(x / sx)`` rounded half to even, clipped to [-127, 127]), then
+  ``y[m, n] = sx[m] * sum_k xq[m, k] * w[k, n]`` with ``w`` the dequantised weight.
 
-Non-finite activations (docs/quantization.md): in W8A8 a row of ``x``
-holding any NaN or infinity gives an all-NaN output row (its scale is NaN);
-in W4A16 IEEE arithmetic decides, as in :meth:`QuantizedGemm.reference`.
+Non-finite activations (docs/quantization.md): with int8 activations a row
+of ``x`` holding any NaN or infinity gives an all-NaN output row (its scale
+is NaN); in W4A16 IEEE arithmetic decides, as in :meth:`QuantizedGemm.reference`.
 
 The output has ``x``'s dtype; accumulation is at least fp32.
 """
@@ -29,10 +32,24 @@ from ._declare import Arg, BenchCases, Feature, Output
 from ._inputs import uniform
 from ._spec import OpSpec
 
-__all__ = ["QuantizedGemm", "gemm_dtypes", "quantized_gemm_inputs", "random_weight"]
+__all__ = ["ACTIVATIONS", "QuantizedGemm", "gemm_dtypes", "int8_activations", "quantized_gemm_inputs",
+           "random_weight", "scheme"]
 
 #: dtypes quantized_gemm accepts for activations.
 gemm_dtypes = ("fp16", "bf16", "fp32")
+#: The ``activations`` settings: int4 weights times float activations (W4A16) or per-token int8 ones (W4A8).
+ACTIVATIONS = ("float", "int8")
+
+
+def int8_activations(args: Mapping[str, Any]) -> bool:
+    """Whether a validated call quantises its activations to int8 (W8A8, or W4A8 by ``activations='int8'``)."""
+    return int(args["qweight"].bits) == 8 or args.get("activations") == "int8"
+
+
+def scheme(args: Mapping[str, Any]) -> str:
+    """The call's arithmetic: ``'w4a16'``, ``'w4a8'`` or ``'w8a8'`` (the ``scheme`` coverage feature)."""
+    bits = int(args["qweight"].bits)
+    return f"w{bits}a8" if int8_activations(args) else f"w{bits}a16"
 
 
 class QuantizedGemm(OpSpec):
@@ -43,12 +60,17 @@ class QuantizedGemm(OpSpec):
         Arg.array("x", "[M, K]", dtypes=gemm_dtypes),
         Arg.weight("qweight", "[K, N]", doc="from hal_core.quant.quantize (or a GPTQ/AWQ import)"),
         Arg.out(),
+        Arg.choice("activations", ACTIVATIONS,
+                   doc="int4 weights: 'float' (W4A16, the default) or 'int8' (W4A8: x quantised per token); "
+                       "int8 weights always run W8A8"),
     )
     output = Output("[M, N]", dtype_of="x")
     features = (
         Feature("dtype", "dtypes", lambda args: dtype_name(args["x"])),
         Feature("group_size", "group_sizes", lambda args: int(args["qweight"].group_size)),
         Feature("bits", "bits", lambda args: int(args["qweight"].bits)),
+        Feature("scheme", "schemes", scheme, opt_in=("w4a8",),
+                doc="'w4a16', 'w4a8' or 'w8a8'; W4A8 runs only on a backend that declares it (else it falls back)"),
     )
 
     def check(self, args: dict[str, Any], sizes: Mapping[str, int]) -> None:
@@ -76,8 +98,9 @@ class QuantizedGemm(OpSpec):
                        f"g_idx[{i}] = {int(groups[i])}")
 
     def bucket(self, args: Mapping[str, Any]) -> str:
-        """``w<bits>:m<pow2 M>``."""
-        return f"w{args['qweight'].bits}:m{pow2(args['x'].shape[0])}"
+        """``w<bits>:m<pow2 M>`` (``w4a8:m<pow2 M>`` with int4 weights and int8 activations)."""
+        kind = "w4a8" if scheme(args) == "w4a8" else f"w{args['qweight'].bits}"
+        return f"{kind}:m{pow2(args['x'].shape[0])}"
 
     def flops(self, args: Mapping[str, Any]) -> int:
         m = args["x"].shape[0]
@@ -94,7 +117,7 @@ class QuantizedGemm(OpSpec):
         qw: QuantizedWeight = args["qweight"]
         w = qw.dequantize(np.float64)
         x = np.asarray(args["x"])
-        if qw.bits == 8:  # rows holding NaN or inf have a NaN scale: NaN rows (quantize_activations)
+        if int8_activations(args):  # rows holding NaN or inf have a NaN scale: NaN rows (quantize_activations)
             xq, sx = quantize_activations(x)
             return sx.astype(np.float64)[:, None] * (xq.astype(np.float64) @ w)
         with np.errstate(invalid="ignore", over="ignore"):  # IEEE arithmetic: inf * 0 is NaN
@@ -165,18 +188,26 @@ def random_weight(rng: np.random.Generator, k: int, n: int, bits: int, group: in
 def _check_case(p: Mapping[str, Any]) -> str | None:
     if p["bits"] not in (4, 8):
         return f"bits must be 4 or 8, got {p['bits']}"
+    if p["abits"] not in (8, 16):
+        return f"abits (activation bits, 16: float, 8: int8; bits=8 always runs W8A8) must be 16 or 8, got {p['abits']}"
     if p["k"] % p["group"] or (p["bits"] == 4 and p["k"] % 8):
         return f"K={p['k']} must be a multiple of group={p['group']} (and of 8 for bits=4)"
     return None
 
 
 def _label(p: Mapping[str, Any]) -> str:
-    kind = "W4A16" if p["bits"] == 4 else "W8A8"
+    kind = "W8A8" if p["bits"] == 8 else f"W4A{p['abits']}"
     return f"{kind} G{p['group']} M={p['m']} {p['k']}x{p['n']} {p['dtype']}"
 
 
-def _gemm(m: int, k: int, n: int, bits: int, dtype: str = "fp16") -> dict[str, Any]:
-    return {"m": m, "k": k, "n": n, "bits": bits, "group": 128, "dtype": dtype}
+def _gemm(m: int, k: int, n: int, bits: int, dtype: str = "fp16", abits: int = 16) -> dict[str, Any]:
+    return {"m": m, "k": k, "n": n, "bits": bits, "abits": abits, "group": 128, "dtype": dtype}
+
+
+def _bench_inputs(rng: np.random.Generator, p: Mapping[str, Any]) -> dict[str, Any]:
+    args = {"x": uniform(rng, (p["m"], p["k"]), p["dtype"]),
+            "qweight": random_weight(rng, p["k"], p["n"], p["bits"], p["group"])}
+    return {**args, "activations": "int8"} if p["bits"] == 4 and p["abits"] == 8 else args
 
 
 #: The ``gemm`` preset's batch sizes: decode (M = 1), batched decode (2..64, still bound by the weight bytes at
@@ -191,14 +222,20 @@ def _gemm_cases() -> list[dict[str, Any]]:
     return cases + [_gemm(m, k, n, 4, "bf16") for k, n in shapes for m in (1, 16)]
 
 
+def _w4a8_cases() -> list[dict[str, Any]]:
+    """W4A16 beside W4A8 at M = 1 .. 64 for 4096 x 4096 and 4096 x 11008 (where integer dot products may pay)."""
+    shapes = ((4096, 4096), (4096, 11008))
+    return [_gemm(m, k, n, 4, abits=abits) for k, n in shapes for m in (1, 2, 4, 8, 16, 32, 64) for abits in (16, 8)]
+
+
 QuantizedGemm.bench = BenchCases(
-    params={"m": 1, "k": 4096, "n": 11008, "bits": 4, "group": 128, "dtype": "fp16"},
+    params={"m": 1, "k": 4096, "n": 11008, "bits": 4, "abits": 16, "group": 128, "dtype": "fp16"},
     aliases={"group_size": "group"},
     label=_label,
     check=_check_case,
-    inputs=lambda rng, p: {"x": uniform(rng, (p["m"], p["k"]), p["dtype"]),
-                           "qweight": random_weight(rng, p["k"], p["n"], p["bits"], p["group"])},
-    presets={"prefill": lambda: [_gemm(512, 4096, 4096, bits) for bits in (4, 8)], "gemm": _gemm_cases},
+    inputs=_bench_inputs,
+    presets={"prefill": lambda: [_gemm(512, 4096, 4096, bits) for bits in (4, 8)], "gemm": _gemm_cases,
+             "w4a8": _w4a8_cases},
     explain=({"dtype": "fp16", "m": 1, "k": 4096, "n": 4096, "bits": 4, "group": 128},
              {"dtype": "bf16", "m": 256, "k": 1024, "n": 1024, "bits": 4, "group": 64},
              {"dtype": "fp16", "m": 16, "k": 1024, "n": 1024, "bits": 8, "group": 128}),

@@ -7,7 +7,7 @@ Importing this module registers, with :mod:`torch.library`, the operators of eve
   and ``hal::paged_attention_out(..., scale, out, ...) -> ()`` (mutates ``out``);
 - ``hal::write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> ()``
   (mutates both caches);
-- ``hal::quantized_gemm(x, qweight, scales, zeros, g_idx, bits, group_size) -> Tensor`` and
+- ``hal::quantized_gemm(x, qweight, scales, zeros, g_idx, bits, group_size, activations=None) -> Tensor`` and
   ``hal::quantized_gemm_out(..., out) -> ()``.
 
 The Python functions of the same names are thin wrappers with each op's signature

@@ -8,8 +8,9 @@ dtype.
 
 The weight tensors have no gradient: they are hal's frozen quantized format (integer codes and their
 scales), and a weight tensor that requires grad is refused rather than silently given none. For
-W8A8 (``bits=8``) the per-token quantization of the activations is treated as the identity in the
-backward (the straight-through estimator): its rounding has zero derivative almost everywhere.
+W8A8 (``bits=8``) and W4A8 (``activations="int8"``) the per-token quantization of the activations is
+treated as the identity in the backward (the straight-through estimator): its rounding has zero derivative
+almost everywhere.
 
 The ``_out`` operator records no gradient (torch does not differentiate ``out=`` variants);
 :func:`refuse_grad_into_out` makes it an error instead of a silent detach.
@@ -71,13 +72,13 @@ def grad_input(grad: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-    _, qweight, scales, zeros, g_idx, bits, group_size = inputs
+    _, qweight, scales, zeros, g_idx, bits, group_size, *settings = inputs  # settings: activations
     for name, tensor in zip(_WEIGHT_TENSORS, (qweight, scales, zeros, g_idx), strict=True):
         if tensor is not None and tensor.requires_grad:
             raise ArgumentError(f"argument {name!r} requires grad: hal's quantized weight is frozen, "
                                 f"quantized_gemm gives gradients for 'x' only; pass {name}.detach()")
     ctx.save_for_backward(qweight, scales, zeros, g_idx)
-    ctx.bits, ctx.group_size = bits, group_size
+    ctx.bits, ctx.group_size, ctx.settings = bits, group_size, len(settings)
 
 
 def _backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -85,7 +86,7 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     grad_x = None
     if ctx.needs_input_grad[0]:
         grad_x = grad_input(grad, qweight, scales, zeros, g_idx, ctx.bits, ctx.group_size)
-    return grad_x, None, None, None, None, None, None
+    return (grad_x, None, None, None, None, None, None) + (None,) * ctx.settings
 
 
 #: The ops with a gradient formula: op name -> (backward, setup_context).

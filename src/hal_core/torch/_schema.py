@@ -10,7 +10,7 @@ then ``out`` (``_out`` only), then the optional arguments with default None.
 role            torch type
 ==============  =========================================
 array, index    ``Tensor`` (``Tensor?`` when optional; ``Tensor(a!)`` when mutated)
-scalar          ``float`` / ``int`` (``float?`` / ``int?`` when optional)
+scalar          ``float`` / ``int`` / ``str`` (``float?`` / ``int?`` / ``str?`` when optional)
 hint            ``SymInt?``
 weight          ``Tensor, Tensor, Tensor?, Tensor?, int, int``
 ==============  =========================================
@@ -52,7 +52,7 @@ def _param(arg: Arg, alias: str | None) -> str:
             return f"Tensor({alias}!) {arg.name}"
         return f"Tensor {arg.name}" if arg.required else f"Tensor? {arg.name}=None"
     # a hint may come from traced sizes (a symbolic int under torch.compile), never specialised
-    kind = "SymInt" if arg.role is Role.HINT else "int" if arg.kind is int else "float"
+    kind = "SymInt" if arg.role is Role.HINT else {int: "int", str: "str"}.get(arg.kind, "float")
     return f"{kind} {arg.name}" if arg.required else f"{kind}? {arg.name}=None"
 
 

@@ -95,6 +95,16 @@ class W4a16BlockedArgs(ctypes.Structure):
     ]
 
 
+class W4a8GemmArgs(ctypes.Structure):
+    """``hal_cpu_w4a8_gemm_args``: W4A8, int4 codes times per-token int8 activations summed exactly per group."""
+
+    _fields_ = [
+        ("x", _p), ("x_stride", _i64), ("m", _i64), ("k", _i64), ("n", _i64),
+        ("qweight", _p), ("scales", _p), ("zeros", _p), ("group_size", _i64), ("y", _p),
+        ("x_dtype", _i32), ("s_dtype", _i32), ("default_zero", _i32), ("threads", _i32),
+    ]
+
+
 #: ABI name (as ``hal_cpu_abi`` knows it) -> mirror.
 STRUCTS: dict[str, type[ctypes.Structure]] = {
     "attention": AttentionArgs,
@@ -104,6 +114,7 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "dequant_tile": DequantTileArgs,
     "w8a8_gemm": W8a8GemmArgs,
     "w4a16_blocked": W4a16BlockedArgs,
+    "w4a8_gemm": W4a8GemmArgs,
 }
 
 

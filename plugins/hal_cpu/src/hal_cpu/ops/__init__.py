@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from hal_core.ops import OpCoverage
+
 from . import _knobs, paged_attention, quantized_gemm, write_kv_cache
 
 if TYPE_CHECKING:
@@ -27,3 +29,4 @@ def register_ops(registry: OpRegistry) -> None:
     registry.register("write_kv_cache", write_kv_cache.write_kv_cache, name="cpu.write_kv_cache")
     registry.register("quantized_gemm", quantized_gemm.quantized_gemm, name="cpu.quantized_gemm",
                       knobs=(_knobs.GEMM_KERNEL,))
+    registry.declare("quantized_gemm", OpCoverage(schemes=("w4a16", "w4a8", "w8a8")))

@@ -1,7 +1,7 @@
 """The numpy fallback of ``quantized_gemm``, used only where the compiled kernels failed to load.
 
 Columns are dequantised in bounded tiles (never the whole weight) and
-multiplied with BLAS; W8A8 quantises the activations with
+multiplied with BLAS; W8A8 and W4A8 quantise the activations with
 :func:`~hal_core.quant.quantize_activations` and sums each group's integer
 products exactly in float64.
 """
@@ -31,12 +31,13 @@ def _tile(qweight: QuantizedWeight, n0: int, n1: int, dtype: type) -> tuple[np.n
     return codes - zeros, scales
 
 
-def gemm(x: np.ndarray, qweight: QuantizedWeight) -> np.ndarray:
-    """``x @ W`` as float32 ``[M, N]``; NaN rows of x give NaN rows for W8A8, as the compiled kernel does."""
+def gemm(x: np.ndarray, qweight: QuantizedWeight, *, int8_activations: bool = False) -> np.ndarray:
+    """``x @ W`` as float32 ``[M, N]``; with int8 activations (W8A8, or W4A8 by ``int8_activations``) rows of x
+    holding NaN or inf give NaN rows, as the compiled kernels do."""
     m = x.shape[0]
     n = qweight.shape[1]
     y = np.empty((m, n), dtype=np.float32)
-    if qweight.bits == 8:
+    if qweight.bits == 8 or int8_activations:
         x32 = to_float32(np.ascontiguousarray(x))
         bad = ~np.isfinite(x32).all(axis=1)
         xq, sx = quantize_activations(np.where(bad[:, None], np.float32(0), x32))  # bad rows become NaN below

@@ -23,6 +23,10 @@
   csrc/w8a8_vnni.inl), elsewhere exact float sums; both give the same bits. A
   row of ``x`` holding NaN or Inf gives a row of NaN.
 
+- W4A8 (int4 weights, ``activations='int8'``): :mod:`hal_cpu.ops._w4a8`, the
+  W8A8 quantisation with int4 codes summed exactly in int32 per group
+  (``vpdpbusd`` on AVX512_VNNI), the same bits on every variant.
+
 What each kernel allocates per call (all freed when it returns; never a float
 copy of the weight):
 
@@ -46,7 +50,8 @@ copy of the weight):
   with K in parts); M > 4: one packing workspace per running thread, at most
   320 KiB (weight-derived codes of one group of K for the task's columns);
 - W8A8 (other variants): ``M * K`` floats (quantised activations) and
-  ``M * segments`` floats.
+  ``M * segments`` floats;
+- W4A8: see :mod:`hal_cpu.ops._w4a8`.
 
 No weight-derived array outlives a call.
 """
@@ -58,10 +63,11 @@ import ctypes
 import numpy as np
 
 from hal_core.ops import OpCall
+from hal_core.ops.quantized_gemm import int8_activations
 from hal_core.quant import QuantizedWeight
 
 from .. import _abi, _native
-from . import _fallback_gemm, _knobs, _rules
+from . import _fallback_gemm, _knobs, _rules, _tiles, _w4a8
 from ._common import finish
 from ._native_args import dtype_code
 
@@ -74,8 +80,10 @@ W8A8_SMALL_M_MAX = 4
 
 
 def quantized_gemm(call: OpCall) -> np.ndarray:
-    """The registered implementation for int4 (W4A16) and int8 (W8A8) weights; W4A16's kernel is a knob."""
+    """The registered implementation for int4 (W4A16, W4A8) and int8 (W8A8) weights; W4A16's kernel is a knob."""
     qweight = call["qweight"]
+    if int8_activations(call.args):
+        return finish(call, gemm(np.asarray(call["x"]), qweight, activations="int8"))
     kernel = str(_knobs.GEMM_KERNEL.value(call))
     if kernel == "registers" and qweight.bits == 4 and (qweight.g_idx is not None or qweight.group_size % 8):
         kernel = "blocked"  # a stored choice the in-register kernel cannot serve for this weight
@@ -91,8 +99,12 @@ def gemm(
     k_parts: int | None = None,
     tile_bytes: int | None = None,
     threads: int | None = None,
+    activations: str = "float",
 ) -> np.ndarray:
     """``x [M, K]`` times the quantised weight, as float32 ``[M, N]`` (validated numpy inputs).
+
+    ``activations='int8'`` with an int4 weight runs W4A8 (:mod:`hal_cpu.ops._w4a8`; ``kernel``, ``n_tile``,
+    ``k_parts`` and ``tile_bytes`` do not apply); int8 weights run W8A8 whatever it says.
 
     ``kernel`` (``'registers'``, ``'blocked'`` or ``'tiles'``), ``n_tile`` (columns per task
     of the in-register kernels), ``k_parts`` (parts of K of the small-M in-register
@@ -104,11 +116,14 @@ def gemm(
     n = qweight.shape[1]
     if m == 0 or n == 0 or k == 0:
         return np.zeros((m, n), dtype=np.float32)
+    w4a8 = qweight.bits == 4 and activations == "int8"
     native = _native.try_load()
     if native is None:
-        return _fallback_gemm.gemm(x, qweight)
+        return _fallback_gemm.gemm(x, qweight, int8_activations=w4a8)
     if x.strides[-1] != x.itemsize or x.strides[0] % x.itemsize:
         x = np.ascontiguousarray(x)
+    if w4a8:
+        return _w4a8.gemm(native, x, qweight, threads)
     qw, scales = np.asarray(qweight.qweight), np.asarray(qweight.scales)
     zeros = None if qweight.zeros is None else np.asarray(qweight.zeros)
     g_idx = None if qweight.g_idx is None else np.ascontiguousarray(qweight.g_idx, dtype=np.int32)
@@ -149,7 +164,7 @@ def gemm(
         blocked = _abi.W4a16BlockedArgs(**common, g_idx=ptr(g_idx), group_size=qweight.group_size)
         rc = native.lib.hal_cpu_w4a16_blocked(ctypes.byref(blocked))
     elif kernel == "tiles":
-        rc = _tiles(native, x, xs, qweight, qw, scales, zeros, g_idx, y, tile_bytes, threads)
+        rc = _tiles.tiles(native, x, xs, qweight, qw, scales, zeros, g_idx, y, tile_bytes, threads)
     else:
         raise ValueError(f"argument 'kernel': expected 'registers', 'blocked' or 'tiles', got {kernel!r}")
     if rc:
@@ -187,34 +202,6 @@ def _redo_non_finite_rows(native: _native.Native, x: np.ndarray, qweight: Quanti
     if rc:
         raise MemoryError("quantized_gemm: the CPU kernel could not allocate its activation workspace")
     y[bad] = redo
-
-
-def _tiles(native: _native.Native, x: np.ndarray, xs: int, qweight: QuantizedWeight, qw: np.ndarray,
-           scales: np.ndarray, zeros: np.ndarray | None, g_idx: np.ndarray | None, y: np.ndarray,
-           tile_bytes: int | None, threads: int) -> int:
-    """Dequantise ``[K, columns]`` tiles one at a time and multiply each with BLAS into ``y``."""
-    m, k = x.shape
-    n = y.shape[1]
-    ptr = _native.pointer
-    x32 = x if x.dtype == np.float32 and x.flags.c_contiguous else np.empty((m, k), dtype=np.float32)
-    if x32 is not x:
-        widen = _abi.ToFloat32Args(x=ptr(x), x_stride=xs, m=m, k=k, out=ptr(x32), dtype=dtype_code(x), threads=threads)
-        native.lib.hal_cpu_to_float32(ctypes.byref(widen))
-    columns = _rules.dequant_tile_columns(k, n, tile_bytes or _rules.DEQUANT_TILE_BYTES)
-    tile = np.empty((k, columns), dtype=np.float32)
-    part = np.empty((m, columns), dtype=np.float32)
-    for n0 in range(0, n, columns):
-        width = min(columns, n - n0)
-        t = tile[:, :width] if width == columns else np.empty((k, width), dtype=np.float32)
-        tile_args = _abi.DequantTileArgs(
-            qweight=ptr(qw), scales=ptr(scales), zeros=ptr(zeros), g_idx=ptr(g_idx), group_size=qweight.group_size,
-            k=k, n=n, n0=n0, n1=n0 + width, out=ptr(t), ld=width, bits=qweight.bits, s_dtype=dtype_code(scales),
-            default_zero=qweight.default_zero, threads=threads)
-        native.lib.hal_cpu_dequant_tile(ctypes.byref(tile_args))
-        out = part if width == columns else np.empty((m, width), dtype=np.float32)
-        np.matmul(x32, t, out=out)
-        y[:, n0:n0 + width] = out
-    return 0
 
 
 def w8a8_column_tile(n: int, threads: int, m: int = 1, k_parts: int = 1) -> int:

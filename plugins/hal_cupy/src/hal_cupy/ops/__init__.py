@@ -26,13 +26,15 @@ def register_ops(registry: OpRegistry, backend: str) -> None:
     """Register every implementation for ``backend`` (named ``<backend>.<op>``, priority 100).
 
     Attention is declared for its kernels' head sizes and block sizes with every variant (prefill and mixed
-    batches, sliding window, softcap, sinks, ALiBi, strided cache views).
+    batches, sliding window, softcap, sinks, ALiBi, strided cache views). ``quantized_gemm`` is declared for
+    W4A16 and W8A8: there is no GPU W4A8 kernel, so int4 weights with ``activations='int8'`` fall back.
     """
     for op in OPS:
         registry.register(op.impl(backend))
     registry.declare("paged_attention", OpCoverage(
         head_sizes=PA_HEAD_SIZES, block_sizes=PA_BLOCK_SIZES,
         variants=("prefill", "window", "softcap", "sinks", "alibi", "strided_cache")))
+    registry.declare("quantized_gemm", OpCoverage(schemes=("w4a16", "w8a8")))
 
 
 def all_specializations(warp_size: int = 32) -> list[Specialization]:

@@ -1,0 +1,200 @@
+// w4a8.inl: included by kernels.cpp inside namespace hal::<variant>; not a standalone header.
+// ---------------------------------------------------------------------------------------------
+// W4A8: int4 codes times activations quantised per token to int8, summed exactly in int32
+// ---------------------------------------------------------------------------------------------
+//
+// Each row of x is quantised once per call, bit for bit as hal_core.quant.quantize_activations
+// (float32: s = max(amax / 127, smallest subnormal), 1 for a zero row; q = rint(x / s) half to even,
+// clipped to [-127, 127]). Within a group of K rows the products of q and the unsigned codes are
+// summed in int32, and so is q itself: |sum(q * code) - z * sum(q)| <= 127 * G * (15 + 255) < 2**31
+// for G <= 32768 (the wrapper's bound), so the group's integer d = sum(q * code) - z * sum(q) is exact.
+// Then, group after group in order, y = fma(scale, float(d), y) from y = 0, and y *= s last. Every
+// variant and thread count performs exactly these operations, so all give the same bits.
+//
+// A code word packs rows 8r .. 8r + 7 of one column, row 8r + t in nibble t. Its bytes masked with 0x0F
+// hold the even rows (byte b: row 2b), shifted right by 4 first the odd rows (byte b: row 2b + 1), so
+// each 8-row step of q is stored as (q0, q2, q4, q6, q1, q3, q5, q7): four bytes of q against the low
+// nibbles, four against the high ones, without moving any code byte.
+//   avx512vnni: vpdpbusd (4 unsigned code bytes x 4 signed q bytes summed into an int32 lane) over
+//     register tiles of up to kW4a8TileRows rows x 64 columns (16 words of a code row per vector), one
+//     group at a time; columns past the last full vector of 16 run the plain loop below.
+//   other variants: the same integer sums in plain C++ (the compiler vectorises the column loop).
+// Tasks own kW4a8Cols columns of every row: one group of their codes (G / 8 rows of 256 bytes) is read
+// once per row tile from L1.
+
+constexpr int64_t kW4a8Cols = 64;
+constexpr int kW4a8TileRows = 4;
+
+struct W4a8Panel {
+    std::vector<int8_t> q;     // [m, k], each 8-row step in the order (q0, q2, q4, q6, q1, q3, q5, q7)
+    std::vector<int32_t> sum;  // [m, groups] sum of q over each group
+    std::vector<float> sx;     // [m] the token scale; NaN for a row holding NaN or Inf (q and sums stay 0)
+};
+
+inline void w4a8_quantise(const hal_cpu_w4a8_gemm_args &a, W4a8Panel &p) {
+    const int64_t m = a.m, k = a.k, group = a.group_size, groups = k / group;
+    p.q.assign(size_t(m) * k, 0);
+    p.sum.assign(size_t(m) * groups, 0);
+    p.sx.assign(size_t(m), 0.0f);
+    std::vector<float> rows(size_t(m) * k);
+    parallel_for(m, a.threads, [&](int64_t r) {
+        float *row = rows.data() + r * k;
+        any_row_to_f32(row_ptr(a.x, a.x_dtype, r, a.x_stride), a.x_dtype, k, row);
+        float amax = 0.0f;
+        bool finite = true;
+        for (int64_t i = 0; i < k; ++i) {
+            finite &= std::isfinite(row[i]);
+            amax = std::max(amax, std::fabs(row[i]));
+        }
+        if (!finite) {
+            p.sx[r] = kNaN;
+            return;
+        }
+        const float s = amax > 0.0f ? std::max(amax / 127.0f, std::numeric_limits<float>::denorm_min()) : 1.0f;
+        p.sx[r] = s;
+        int8_t *dst = p.q.data() + r * k;
+        int32_t *sums = p.sum.data() + r * groups;
+        for (int64_t i = 0; i < k; ++i) {
+            const int8_t v = int8_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(row[i] / s))));
+            const int64_t t = i & 7;
+            dst[(i & ~int64_t(7)) + (t >> 1) + (t & 1) * 4] = v;
+            sums[i / group] += v;
+        }
+    });
+}
+
+// Rows [r0, r1) x columns [c0, c1) (at most kW4a8Cols) over every group in order: y = fma(scale, float(d), y)
+// from the zeros the task wrote.
+template <class SS>
+inline void w4a8_plain(const hal_cpu_w4a8_gemm_args &a, const W4a8Panel &p, int64_t r0, int64_t r1, int64_t c0,
+                       int64_t c1) {
+    const int64_t k = a.k, n = a.n, group = a.group_size, groups = k / group, width = c1 - c0;
+    const auto *scales = static_cast<const typename SS::T *>(a.scales);
+    for (int64_t r = r0; r < r1; ++r) {
+        float *yr = a.y + r * n + c0;
+        const int8_t *xq = p.q.data() + r * k;
+        for (int64_t g = 0; g < groups; ++g) {
+            int32_t acc[kW4a8Cols] = {};
+            for (int64_t w = g * group / 8; w < (g + 1) * group / 8; ++w) {
+                const uint32_t *codes = a.qweight + w * n + c0;
+                const int8_t *q = xq + 8 * w;
+                for (int64_t c = 0; c < width; ++c) {
+                    const uint32_t v = codes[c];
+                    int32_t t = 0;
+                    for (int b = 0; b < 4; ++b)
+                        t += int32_t(q[b]) * int32_t((v >> (8 * b)) & 15u) +
+                             int32_t(q[4 + b]) * int32_t((v >> (8 * b + 4)) & 15u);
+                    acc[c] += t;
+                }
+            }
+            const int32_t qs = p.sum[r * groups + g];
+            for (int64_t c = 0; c < width; ++c) {
+                const int64_t col = g * n + c0 + c;
+                const int32_t z = a.zeros ? int32_t(a.zeros[col]) : a.default_zero;
+                yr[c] = std::fma(SS::scalar(scales + col), float(acc[c] - z * qs), yr[c]);
+            }
+        }
+    }
+}
+
+#if defined(HAL_ISA_VNNI)
+// Rows [r0, r0 + MR) x columns [c0, c0 + 16 NV) of group g: y = fma(scale, float(d), y).
+template <class SS, int MR, int NV>
+inline void w4a8_tile(const hal_cpu_w4a8_gemm_args &a, const W4a8Panel &p, int64_t g, int64_t r0, int64_t c0) {
+    const int64_t k = a.k, n = a.n, group = a.group_size, groups = k / group;
+    VI::i acc[MR][NV];
+    for (int r = 0; r < MR; ++r)
+        for (int v = 0; v < NV; ++v) acc[r][v] = VI::zero();
+    const VI::i nibbles = _mm512_set1_epi32(0x0F0F0F0F);
+    const int8_t *xq = p.q.data() + r0 * k;
+    for (int64_t w = g * group / 8; w < (g + 1) * group / 8; ++w) {
+        const uint32_t *codes = a.qweight + w * n + c0;
+        for (int v = 0; v < NV; ++v) {
+            const VI::i word = _mm512_loadu_si512(codes + 16 * v);
+            const VI::i lo = _mm512_and_si512(word, nibbles);
+            const VI::i hi = _mm512_and_si512(_mm512_srli_epi32(word, 4), nibbles);
+            for (int r = 0; r < MR; ++r) {
+                acc[r][v] = VI::dot(acc[r][v], lo, VI::bcast4(xq + r * k + 8 * w));
+                acc[r][v] = VI::dot(acc[r][v], hi, VI::bcast4(xq + r * k + 8 * w + 4));
+            }
+        }
+    }
+    const auto *scales = static_cast<const typename SS::T *>(a.scales);
+    for (int v = 0; v < NV; ++v) {
+        const int64_t col = g * n + c0 + 16 * v;
+        const V::f s = vload<SS>(scales + col);
+        const auto *zp = reinterpret_cast<const __m128i *>(a.zeros + col);
+        const VI::i z = a.zeros ? _mm512_cvtepu8_epi32(_mm_loadu_si128(zp)) : _mm512_set1_epi32(a.default_zero);
+        for (int r = 0; r < MR; ++r) {
+            const VI::i qs = _mm512_set1_epi32(p.sum[(r0 + r) * groups + g]);
+            const VI::i d = _mm512_sub_epi32(acc[r][v], _mm512_mullo_epi32(z, qs));
+            float *out = a.y + (r0 + r) * n + c0 + 16 * v;
+            V::store(out, _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(d), V::load(out)));
+        }
+    }
+}
+
+template <class SS, int MR>
+inline void w4a8_tile_cols(const hal_cpu_w4a8_gemm_args &a, const W4a8Panel &p, int64_t g, int64_t r0, int64_t c0,
+                           int64_t vectors) {
+    switch (vectors) {
+        case 4: w4a8_tile<SS, MR, 4>(a, p, g, r0, c0); break;
+        case 3: w4a8_tile<SS, MR, 3>(a, p, g, r0, c0); break;
+        case 2: w4a8_tile<SS, MR, 2>(a, p, g, r0, c0); break;
+        default: w4a8_tile<SS, MR, 1>(a, p, g, r0, c0); break;
+    }
+}
+
+// Every row x columns [c0, c0 + 16 vectors), group after group.
+template <class SS>
+inline void w4a8_vnni_block(const hal_cpu_w4a8_gemm_args &a, const W4a8Panel &p, int64_t c0, int64_t vectors) {
+    const int64_t m = a.m, groups = a.k / a.group_size;
+    for (int64_t g = 0; g < groups; ++g) {
+        int64_t r = 0;
+        for (; r + kW4a8TileRows <= m; r += kW4a8TileRows)
+            w4a8_tile_cols<SS, kW4a8TileRows>(a, p, g, r, c0, vectors);
+        switch (m - r) {
+            case 3: w4a8_tile_cols<SS, 3>(a, p, g, r, c0, vectors); break;
+            case 2: w4a8_tile_cols<SS, 2>(a, p, g, r, c0, vectors); break;
+            case 1: w4a8_tile_cols<SS, 1>(a, p, g, r, c0, vectors); break;
+            default: break;
+        }
+    }
+}
+#endif
+
+template <class SS>
+int w4a8_t(const hal_cpu_w4a8_gemm_args &a) {
+    const int64_t m = a.m, n = a.n;
+    W4a8Panel p;
+    w4a8_quantise(a, p);
+    const int64_t blocks = (n + kW4a8Cols - 1) / kW4a8Cols;
+    parallel_for(blocks, a.threads, [&](int64_t b) {
+        const int64_t c0 = b * kW4a8Cols, c1 = std::min(n, c0 + kW4a8Cols);
+        for (int64_t r = 0; r < m; ++r) std::fill(a.y + r * n + c0, a.y + r * n + c1, 0.0f);
+        int64_t done = c0;
+#if defined(HAL_ISA_VNNI)
+        const int64_t vectors = (c1 - c0) / 16;
+        if (vectors) w4a8_vnni_block<SS>(a, p, c0, vectors);
+        done = c0 + 16 * vectors;
+#endif
+        if (done < c1) w4a8_plain<SS>(a, p, 0, m, done, c1);
+    });
+    parallel_for(m, a.threads, [&](int64_t r) {
+        float *yr = a.y + r * n;
+        const float s = p.sx[r];
+        for (int64_t i = 0; i < n; ++i) yr[i] *= s;
+    });
+    return HAL_OK;
+}
+
+int w4a8_gemm(const hal_cpu_w4a8_gemm_args *args) {
+    try {
+        const hal_cpu_w4a8_gemm_args &a = *args;
+        if (a.s_dtype == HAL_F16) return w4a8_t<F16>(a);
+        if (a.s_dtype == HAL_BF16) return w4a8_t<BF16>(a);
+        return w4a8_t<F32>(a);
+    } catch (const std::bad_alloc &) {
+        return HAL_ENOMEM;
+    }
+}
