@@ -261,7 +261,8 @@ class PagedKVCache:
         mapping = np.concatenate([slots[s] for s in seq_ids]) if seq_ids else np.zeros(0, np.int64)
         seq_lens = np.asarray(lengths, dtype=np.int32)
         block_tables = self._device(tables)
-        self._last = LastStep(self.blocks.version, seq_ids, seq_lens, tables, block_tables, max_blocks)
+        self._last = LastStep(self.blocks.version, seq_ids, seq_lens, max(lengths, default=0), tables, block_tables,
+                              max_blocks)
         return StepInputs(
             seq_ids=seq_ids,
             slot_mapping=self._device(mapping.astype(np.int64)),

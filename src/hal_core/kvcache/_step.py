@@ -30,6 +30,7 @@ class LastStep:
     version: int  #: the block table's version right after the step
     seq_ids: tuple[Hashable, ...]
     lengths: np.ndarray  #: int32 [num_seqs], host
+    longest: int  #: the largest of ``lengths`` (0 without sequences)
     tables: np.ndarray  #: int32 [num_seqs, width], host
     tables_device: Any
     max_blocks: int | None
@@ -50,9 +51,12 @@ def decode_step(last: LastStep | None, blocks: BlockTable, new_tokens: Mapping[H
     if last is None or last.version != blocks.version or last.max_blocks != max_blocks:
         return None
     seq_ids = tuple(new_tokens)
-    if seq_ids != last.seq_ids or any(type(n) is not int or n != 1 for n in new_tokens.values()):
+    if seq_ids != last.seq_ids:
         return None
-    longest = int(last.lengths.max(initial=0))
+    for n in new_tokens.values():
+        if n != 1 or type(n) is not int:
+            return None
+    longest = last.longest
     if max_blocks is not None and longest // blocks.block_size + 1 > max_blocks:
         return None
     slots, fresh = blocks.append_one(seq_ids)
@@ -68,7 +72,7 @@ def decode_step(last: LastStep | None, blocks: BlockTable, new_tokens: Mapping[H
     packing = last.decode_packing
     if packing is None:
         packing = (device(np.arange(len(seq_ids) + 1, dtype=np.int32)), np.arange(len(seq_ids), dtype=np.int64))
-    state = LastStep(blocks.version, seq_ids, lengths, tables, tables_device, max_blocks, packing)
+    state = LastStep(blocks.version, seq_ids, lengths, longest + 1, tables, tables_device, max_blocks, packing)
     fields = {
         "seq_ids": seq_ids, "slot_mapping": device(np.array(slots, dtype=np.int64)),
         "query_start_loc": packing[0], "block_tables": tables_device, "seq_lens": device(lengths),

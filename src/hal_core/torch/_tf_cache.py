@@ -213,7 +213,8 @@ class HalPagedCache(Cache):
             raise
         first = self._seq_ids is None
         seq_ids = [self._new_id() for _ in range(batch)] if self._seq_ids is None else self._seq_ids
-        counts = dict.fromkeys(seq_ids, q_len) if real.all() else {
+        all_real = bool(real.all())
+        counts = dict.fromkeys(seq_ids, q_len) if all_real else {
             s: int(c) for s, c in zip(seq_ids, real.sum(axis=1), strict=True)}
         try:
             if first:  # the first forward: one hal sequence per batch row
@@ -231,7 +232,7 @@ class HalPagedCache(Cache):
             self._seq_ids = seq_ids
         self._seen.append(real)
         self._mask_seen = mask
-        self._plan = make_plan(self._step, real, step, self.device, plan)
+        self._plan = make_plan(self._step, real, all_real, step, self.device, plan)
         return self._plan
 
     def _new_id(self) -> Hashable:

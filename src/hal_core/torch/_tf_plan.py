@@ -71,9 +71,10 @@ _NUMPY_VIEWS = frozenset({torch.bool, torch.int64, torch.int32, torch.uint8, tor
 _INDEX_NAMES = ("slot_mapping", "query_start_loc", "block_tables", "seq_lens")
 
 
-def make_plan(step_number: int, real: np.ndarray, step: StepInputs, device: torch.device,
+def make_plan(step_number: int, real: np.ndarray, all_real: bool, step: StepInputs, device: torch.device,
               previous: Plan | None) -> Plan:
-    """The plan of a step whose new positions ``real`` (``[batch, q_len]``: real token or pad) ``step`` packs."""
+    """The plan of a step whose new positions ``real`` (``[batch, q_len]``: real token or pad; ``all_real``: no
+    pad) ``step`` packs."""
     native = {"slot_mapping": step.slot_mapping, "query_start_loc": step.query_start_loc,
               "block_tables": step.block_tables, "seq_lens": step.seq_lens}
     if previous is None:
@@ -81,7 +82,7 @@ def make_plan(step_number: int, real: np.ndarray, step: StepInputs, device: torc
     else:  # an array handed out again keeps its tensor
         tensors = [old if previous.native[name] is native[name] else to_tensor(native[name])
                    for name, old in zip(_INDEX_NAMES, previous[2:6], strict=True)]
-    rows = None if real.all() else torch.from_numpy(np.flatnonzero(real.reshape(-1))).to(device)
+    rows = None if all_real else torch.from_numpy(np.flatnonzero(real.reshape(-1))).to(device)
     slot_mapping, query_start_loc, block_tables, seq_lens = tensors
     return Plan(step_number, rows, slot_mapping, query_start_loc, block_tables, seq_lens, step.max_query_len,
                 step.max_seq_len, native)
@@ -114,13 +115,13 @@ def new_positions(attention_mask: torch.Tensor | None, seen: np.ndarray, remembe
             f"positions and this forward adds {q_len}: pass the mask of the whole sequence, shape "
             f"({batch}, {past + q_len}) (to continue the cached text, give the whole text: generate() feeds "
             f"only the positions the cache lacks); for a new prompt call cache.reset() or use a new cache")
-    mask = attention_mask.detach()
+    mask = attention_mask.detach() if attention_mask.requires_grad else attention_mask
     keep = None
-    if mask.device.type == "cpu":  # read in place; a value other than 0 or 1 is compared as a boolean
+    if mask.is_cpu:  # read in place; a value other than 0 or 1 is compared as a boolean
         host = mask.numpy() if mask.dtype in _NUMPY_VIEWS else (mask != 0).numpy()
         real = host[:, past:]
-        differs = (host[:, :past] != seen).any(axis=1) if past else None
-        if differs is not None and host.dtype != bool and differs.any():
+        differs = None
+        if past and not (host[:, :past] == seen).all():
             differs = ((host[:, :past] != 0) != seen).any(axis=1)
     else:
         keep = mask.clone() if mask.dtype == torch.bool else mask != 0  # the caller may write into its mask
