@@ -9,7 +9,10 @@ in hal's two ops (``write_kv_cache`` and ``paged_attention``, front door and
 kernel), the glue of the transformers backend (the cache's ``update`` and
 the attention function, without the planning) — what the backend adds over
 the kernels per layer — and, per forward, the step's planning (made once,
-by the first layer's call).
+by the first layer's call). A last figure runs only the layers' ``update``
+and the attention function in a tight loop, hal's ops replaced by ones that
+do nothing: the backend's own cost per forward, free of the model's effect
+on the caches.
 
 Every figure is a median over ``--repeats`` runs of ``--steps`` steps,
 sides interleaved, torch on one thread. The step is given as wall time and
@@ -96,6 +99,52 @@ def _decode(model: torch.nn.Module, cache: Any, ids: torch.Tensor, steps: int,
         return (time.perf_counter() - start) / steps, (time.thread_time() - cpu) / steps
 
 
+class _NoOps:
+    """A front door whose two ops do nothing: what is left of a layer call is the backend's own work."""
+
+    def write_kv_cache(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def paged_attention(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def _tight_glue(model: torch.nn.Module, batch: int, steps: int, device: torch.device) -> float:
+    """Thread CPU seconds of one decode forward's attention glue, every layer, hal's ops doing nothing.
+
+    Only the layers' ``update`` and the attention function run, in a tight loop
+    (no projections, no kernels), the mask growing by one column per step as in
+    ``generate()``: the backend's cost per forward, planning included.
+    """
+    text = model.config
+    attention = model.model.layers[0].self_attn
+    heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
+    head_size = getattr(text, "head_dim", None) or text.hidden_size // heads
+    layers = text.num_hidden_layers
+    cache = hal_hf.HalPagedCache(text, num_blocks=batch * (steps // 16 + 2), dtype=torch.float32, device=device)
+    backend, stubbed = cache.paged.backend, (hal_hf.write_kv_cache, hal_hf.paged_attention)
+    real_ops = backend.ops
+    backend.bind_ops(_NoOps())  # type: ignore[arg-type]
+    hal_hf.write_kv_cache = hal_hf.paged_attention = lambda *a, **k: torch.empty(batch, heads, head_size,
+                                                                                 device=device)
+    query = torch.randn(batch, 1, heads, head_size, device=device).transpose(1, 2)
+    key = torch.randn(batch, 1, kv_heads, head_size, device=device).transpose(1, 2)
+    value = torch.randn(batch, 1, kv_heads, head_size, device=device).transpose(1, 2)
+    masks = [torch.ones(batch, t + 1, dtype=torch.long, device=device) for t in range(steps)]
+    try:
+        with torch.no_grad():
+            start = time.thread_time()
+            for mask in masks:
+                for layer in range(layers):
+                    k, v = cache.layers[layer].update(key, value)
+                    hal_hf.hal_attention_forward(attention, query, k, v, mask, scaling=head_size ** -0.5)
+            return (time.thread_time() - start) / steps
+    finally:
+        backend.bind_ops(real_ops)
+        hal_hf.write_kv_cache, hal_hf.paged_attention = stubbed
+        cache.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=1)
@@ -112,6 +161,7 @@ def main() -> None:
     blocks = args.batch * -(-(args.prompt + args.steps + 1) // 16)
     layers = config["num_hidden_layers"]
 
+    tight = statistics.median(_tight_glue(models["hal"], args.batch, 1024, device) for _ in range(args.repeats))
     glue, ops, plan = _Clock(), _Clock(), _Clock()
     hal_hf.AttentionInterface.register("hal", glue.wrap(hal_hf.hal_attention_forward))
     enter, plan_for = hal_hf.HalPagedCache._enter_layer, hal_hf.HalPagedCache._plan_for
@@ -153,6 +203,8 @@ def main() -> None:
     print(f"  per hal layer call: ops (front door + kernels) {us['ops']:7.1f} us; the backend's glue (update, "
           f"attention function) {us['glue']:6.1f} us")
     print(f"  per forward: the step's planning (mask check, slots, block tables, lengths) {us['plan']:6.1f} us")
+    print(f"  tight loop, hal's ops doing nothing: the backend's whole cost per forward of {layers} layers "
+          f"{tight * 1e6:6.1f} us ({tight * 1e6 / layers:5.1f} us per layer call, planning included)")
 
 
 if __name__ == "__main__":
