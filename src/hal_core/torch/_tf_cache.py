@@ -137,6 +137,7 @@ class HalPagedCache(Cache):
         self._step = 0
         self._plan: Plan | None = None
         self._checked_config: Any = None  # the model config whose options this forward's first layer checked
+        self._layers_checked: Any = None  # the model config whose layer count matched the cache's
         self._mask_seen: torch.Tensor | None = None  # the last forward's device mask (None: host, or changed since)
         self._entered: set[int] = set()  # layers whose keys this step handed over, and those hal wrote
         self._written: set[int] = set()

@@ -121,12 +121,13 @@ def hal_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
         return _torch_attention(query, key, value, attention_mask, scale, window, softcap, sinks)
     cache, layer, _ = current
     _context.current = None
-    if layer == 0:
+    if layer == 0 and config is not cache._layers_checked:  # a model's layer count is checked once
         model_layers = getattr(config, "num_hidden_layers", None)
         if model_layers is not None and model_layers != len(cache.layers):
             cache._undo_enter(layer, q_len)
             raise ArgumentError(f"past_key_values: the HalPagedCache has {len(cache.layers)} layers, the model "
                                 f"{model_layers}: build the cache from this model's config")
+        cache._layers_checked = config
     cache._checked_config = config
     plan = cache._plan_for(layer, attention_mask, batch, q_len)
     if plan.rows is None and cache._host and not torch.compiler.is_compiling():
