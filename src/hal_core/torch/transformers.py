@@ -194,7 +194,8 @@ def _host_attention(cache: HalPagedCache, layer: int, plan: Plan, query: torch.T
     """A step without pads on a host cache: ``[B, H, Q, D]`` in, ``[B, Q, H, D]`` out, on numpy views of the
     model's tensors (copied only where a layout is not contiguous), through hal's front door."""
     batch, heads, q_len, head_size = query.shape
-    q, k, v = (np.ascontiguousarray(host_view(t, name).transpose(0, 2, 1, 3).reshape(batch * q_len, -1, head_size))
+    q, k, v = (np.ascontiguousarray(host_view(t, name).transpose(0, 2, 1, 3).reshape(batch * q_len, t.shape[1],
+                                                                                     head_size))
                for t, name in ((query, "query"), (key, "key"), (value, "value")))
     out = np.empty((batch, q_len, heads, head_size), dtype=q.dtype)
     _host_ops(cache, layer, plan, q, k, v, out.reshape(batch * q_len, heads, head_size), scale, window, softcap,
