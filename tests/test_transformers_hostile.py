@@ -351,17 +351,17 @@ def test_a_forward_that_broke_off_poisons_the_cache_until_reset(monkeypatch: pyt
     expected = generate(model, ids, mask, transformers.DynamicCache(config=model.config))
     model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
     cache = hal_cache(model)
-    real = hal_hf._host_attention
+    real = hal_hf._host_ops
 
     def failing(cache_, layer, *args, **kwargs):
         if layer == 1:
             raise KeyboardInterrupt
         return real(cache_, layer, *args, **kwargs)
 
-    monkeypatch.setattr(hal_hf, "_host_attention", failing)
+    monkeypatch.setattr(hal_hf, "_host_ops", failing)
     with pytest.raises(KeyboardInterrupt), torch.no_grad():
         model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-    monkeypatch.setattr(hal_hf, "_host_attention", real)
+    monkeypatch.setattr(hal_hf, "_host_ops", real)
     step = torch.ones(3, 1, dtype=ids.dtype)
     with pytest.raises(hal_core.ArgumentError, match=r"broke off at layer 1.*reset"), torch.no_grad():
         model(step, attention_mask=torch.cat([mask, step], 1), past_key_values=cache, use_cache=True)

@@ -14,7 +14,7 @@ No arrays live here, so the rules can be tested on their own:
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -71,6 +71,9 @@ class BlockTable:
         self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))  # a stack; pops 0 first
         self._refs = [0] * self.num_blocks
         self._seqs: dict[Hashable, _Seq] = {}
+        #: Goes up with every change of any sequence: a copy of the tables made at one version is current while
+        #: the version stays the same.
+        self.version = 0
 
     # -- queries ----------------------------------------------------------
 
@@ -134,6 +137,7 @@ class BlockTable:
         needed = _ceil_div(num_tokens, self.block_size)
         self._reserve(needed)
         self._seqs[seq_id] = _Seq(self._take(needed), num_tokens)
+        self.version += 1
 
     def extend(self, seq_id: Hashable, num_tokens: int) -> np.ndarray:
         """Grow ``seq_id`` by ``num_tokens``; return the new tokens' slots (int64)."""
@@ -145,6 +149,7 @@ class BlockTable:
             self._get(seq_id)
             _check_count(n)
         self._reserve(sum(self.blocks_needed(s, n) for s, n in growth.items()))
+        self.version += 1
         slots = {}
         for seq_id, n in growth.items():
             seq = self._seqs[seq_id]
@@ -155,6 +160,29 @@ class BlockTable:
             seq.length += n
             slots[seq_id] = self.slots(seq_id, start)
         return slots
+
+    def append_one(self, seq_ids: Sequence[Hashable]) -> tuple[list[int], list[tuple[int, int, int]]]:
+        """Grow each of the distinct ``seq_ids`` by one token, all or nothing (a decode step).
+
+        Returns the new tokens' slots and, for each sequence that began a
+        block, ``(index in seq_ids, index of the block in its table, block)``.
+        """
+        seqs = [self._get(s) for s in seq_ids]
+        size = self.block_size
+        self._reserve(sum(1 for seq in seqs if seq.length % size == 0))
+        self.version += 1
+        slots, fresh = [], []
+        for row, seq in enumerate(seqs):
+            offset = seq.length % size
+            if offset == 0:
+                (block,) = self._take(1)
+                fresh.append((row, len(seq.blocks), block))
+                seq.blocks.append(block)
+            elif self._refs[seq.blocks[-1]] > 1:
+                raise AssertionError("a shared block is partial; fork must copy partial blocks")  # never
+            slots.append(seq.blocks[-1] * size + offset)
+            seq.length += 1
+        return slots, fresh
 
     def fork(self, parent: Hashable, child: Hashable) -> ForkCopy | None:
         """Start ``child`` as a copy of ``parent``, sharing its full blocks.
@@ -167,6 +195,7 @@ class BlockTable:
         seq = self._get(parent)
         partial = seq.length % self.block_size != 0
         self._reserve(1 if partial else 0)
+        self.version += 1
         shared = seq.blocks[:-1] if partial else list(seq.blocks)
         for block in shared:
             self._refs[block] += 1
@@ -200,6 +229,7 @@ class BlockTable:
                 refs[seq.blocks[keep - 1]] -= 1
                 if free < 0:
                     raise OutOfBlocksError(needed, needed + free)
+        self.version += 1
         copies = []
         for seq_id, n in lengths.items():
             seq = self._seqs[seq_id]
@@ -218,6 +248,7 @@ class BlockTable:
     def free(self, seq_id: Hashable) -> None:
         """End ``seq_id``; blocks nobody else holds go back to the free list."""
         seq = self._seqs.pop(self._key(seq_id))
+        self.version += 1
         for block in reversed(seq.blocks):
             self._release(block)
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from ..arrays import numpy_dtype
 from ._blocks import BlockTable, ForkCopy, _ceil_div, _check_count
+from ._step import LastStep, decode_step
 
 if TYPE_CHECKING:
     from .._backend import Backend
@@ -134,6 +135,7 @@ class PagedKVCache:
         if num_blocks <= 0:
             raise ValueError(f"the KV cache needs at least one block, got num_blocks={num_blocks}")
         self.blocks = BlockTable(num_blocks, config.block_size)
+        self._last: LastStep | None = None  # the last step's arrays, which a decode step updates
         shape = (num_blocks, config.num_kv_heads, config.block_size, config.head_size)
         dtype = config.np_dtype
         nbytes = num_blocks * config.block_bytes
@@ -229,7 +231,17 @@ class PagedKVCache:
         when the blocks do not suffice. ``max_blocks`` pads the block tables
         to a fixed width (default: the longest table in the step); a step
         that would need wider tables raises ValueError, also changing nothing.
+
+        A decode step (one new token for each of the last step's sequences,
+        nothing else changed since) updates the last step's arrays instead of
+        rebuilding them, and hands out again the device arrays that did not
+        change (a decode step's ``query_start_loc``, block tables without a new
+        block): the arrays of a step are read by the ops, never written.
         """
+        decode = decode_step(self._last, self.blocks, new_tokens, max_blocks, self._device)
+        if decode is not None:
+            self._last, fields = decode
+            return StepInputs(**fields)
         if max_blocks is not None:  # checked before growing anything
             for seq_id, n in new_tokens.items():
                 _check_count(n)
@@ -247,12 +259,16 @@ class PagedKVCache:
         starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int32)
         last_rows = np.where(np.asarray(counts) > 0, starts[1:] - 1, -1).astype(np.int64)
         mapping = np.concatenate([slots[s] for s in seq_ids]) if seq_ids else np.zeros(0, np.int64)
+        seq_lens = np.asarray(lengths, dtype=np.int32)
+        block_tables = self._device(tables)
+        self._last = LastStep(self.blocks.version, seq_ids, seq_lens, max(lengths, default=0), tables, block_tables,
+                              max_blocks)
         return StepInputs(
             seq_ids=seq_ids,
             slot_mapping=self._device(mapping.astype(np.int64)),
             query_start_loc=self._device(starts),
-            block_tables=self._device(tables),
-            seq_lens=self._device(np.asarray(lengths, dtype=np.int32)),
+            block_tables=block_tables,
+            seq_lens=self._device(seq_lens),
             max_query_len=max(counts, default=0) or 1,
             max_seq_len=max(lengths, default=0) or 1,
             positions=positions,
@@ -277,6 +293,7 @@ class PagedKVCache:
     def close(self) -> None:
         """Give the caches' memory back to the allocator; the cache is unusable afterwards."""
         self.key_caches, self.value_caches = [], []
+        self._last = None
         for buffer in self._buffers:
             buffer.free()
         self._buffers = []

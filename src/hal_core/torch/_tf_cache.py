@@ -15,10 +15,8 @@ from __future__ import annotations
 import operator
 import threading
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from transformers import Cache
 from transformers.cache_utils import CacheLayerMixin
@@ -27,28 +25,13 @@ from .._errors import ArgumentError, OutOfBlocksError
 from ..kvcache import CacheConfig, PagedKVCache
 from ._convert import to_tensor
 from ._routing import backend_for
+from ._tf_plan import Plan, Seen, make_plan, new_positions
 
 __all__ = ["HalPagedCache"]
 
 _HAL_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 #: The layer whose new keys and values the next ``"hal"`` attention call consumes: ``(cache, layer, key)``.
 _context = threading.local()
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """One forward's index tensors and hints, shared by every layer."""
-
-    step: int
-    rows: torch.Tensor | None  #: flat ``b * q_len + i`` of each real new token (None: every token is real)
-    slot_mapping: torch.Tensor
-    query_start_loc: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    max_query_len: int
-    max_seq_len: int
-    #: The step's index arrays as the cache's own arrays (numpy on a host backend), for eager calls.
-    native: dict[str, Any]
 
 
 class _HalLayer(CacheLayerMixin):
@@ -145,11 +128,17 @@ class HalPagedCache(Cache):
         self.key_caches = [to_tensor(a) for a in self.paged.key_caches]
         self.value_caches = [to_tensor(a) for a in self.paged.value_caches]
         self.device = device
+        self._host = backend.is_host  # eager calls go through hal's front door on numpy views
+        #: What every layer's key and value states must be: kv heads, head size, dtype, device.
+        self._states = (kv_heads, head_size, self.key_caches[0].dtype, self.key_caches[0].device)
         self._seq_ids: list[Hashable] | None = None  # hal sequence of each batch row; None: no forward yet
-        self._real = np.zeros((0, 0), dtype=bool)  # [batch, positions]: which positions seen were real tokens
+        self._seen = Seen()  # [batch, positions]: which positions seen were real tokens
         self._next_id = 0
         self._step = 0
-        self._plan: _Plan | None = None
+        self._plan: Plan | None = None
+        self._checked_config: Any = None  # the model config whose options this forward's first layer checked
+        self._layers_checked: Any = None  # the model config whose layer count matched the cache's
+        self._mask_seen: torch.Tensor | None = None  # the last forward's device mask (None: host, or changed since)
         self._entered: set[int] = set()  # layers whose keys this step handed over, and those hal wrote
         self._written: set[int] = set()
         self._most_written = 0  # the most layers one step wrote: a step that wrote fewer broke off
@@ -163,10 +152,12 @@ class HalPagedCache(Cache):
         """A layer hands over its new keys and values: checked against the cache before anything changes."""
         if not self.key_caches:
             raise ArgumentError("past_key_values: this HalPagedCache was closed (memory given back); make a new one")
-        config = self.paged.config
+        expected = self._states
         for name, tensor in (("key", key), ("value", value)):
-            if (tensor.ndim != 4 or tensor.shape[1] != config.num_kv_heads or tensor.shape[3] != config.head_size
-                    or tensor.dtype != self.key_caches[layer].dtype or tensor.device != self.key_caches[layer].device):
+            shape = tensor.shape
+            if (len(shape) != 4 or shape[1] != expected[0] or shape[3] != expected[1] or tensor.dtype != expected[2]
+                    or tensor.device != expected[3]):
+                config = self.paged.config
                 raise ArgumentError(
                     f"HalPagedCache layer {layer}: the model's {name} states are {tuple(tensor.shape)} {tensor.dtype} "
                     f"on {tensor.device}, the cache holds {config.num_kv_heads} kv heads of {config.head_size} "
@@ -195,9 +186,6 @@ class HalPagedCache(Cache):
         self._entered.discard(layer)
         _context.current = None
 
-    def _layer_written(self, layer: int) -> None:
-        self._written.add(layer)
-
     def _end_step(self) -> None:
         """Between forwards: a forward that broke off after hal planned its step leaves layers unwritten."""
         if self._plan is not None and self._plan.step == self._step and self._broken is None:
@@ -209,22 +197,31 @@ class HalPagedCache(Cache):
         self._most_written = max(self._most_written, len(self._written))
         self._entered, self._written = set(), set()
 
-    def _plan_for(self, layer: int, attention_mask: torch.Tensor | None, batch: int, q_len: int) -> _Plan:
+    def _plan_for(self, layer: int, attention_mask: torch.Tensor | None, batch: int, q_len: int) -> Plan:
         """The step's plan, made by the first layer's attention call; a refusal leaves the cache as it was."""
-        if self._plan is not None and self._plan.step == self._step:
-            return self._plan
+        plan = self._plan
+        if plan is not None and plan.step == self._step:
+            return plan
         try:
-            real = self._new_real(attention_mask, batch, q_len)
+            if self._seq_ids is not None and batch != len(self._seq_ids):
+                raise ArgumentError(
+                    f"HalPagedCache holds {len(self._seq_ids)} sequences, but this forward has batch {batch}; a "
+                    f"cache that holds tokens is continued (as a DynamicCache is): call cache.reset() or use a new "
+                    f"cache for another batch")
+            real, mask = new_positions(attention_mask, self._seen.array, self._mask_seen, batch, q_len)
         except BaseException:
             self._undo_enter(layer, q_len)  # the refused forward never happened
             raise
         first = self._seq_ids is None
         seq_ids = [self._new_id() for _ in range(batch)] if self._seq_ids is None else self._seq_ids
+        all_real = bool(real.all())
+        counts = dict.fromkeys(seq_ids, q_len) if all_real else {
+            s: int(c) for s, c in zip(seq_ids, real.sum(axis=1), strict=True)}
         try:
             if first:  # the first forward: one hal sequence per batch row
                 for seq_id in seq_ids:
                     self.paged.add(seq_id)
-            step = self.paged.prepare_step({s: int(c) for s, c in zip(seq_ids, real.sum(axis=1), strict=True)})
+            step = self.paged.prepare_step(counts)
         except BaseException:  # out of blocks: nothing changed
             if first:
                 for seq_id in seq_ids:
@@ -233,56 +230,11 @@ class HalPagedCache(Cache):
             self._undo_enter(layer, q_len)
             raise
         if first:
-            self._seq_ids, self._real = seq_ids, np.zeros((batch, 0), dtype=bool)
-        self._real = np.concatenate([self._real, real], axis=1)
-        rows = None
-        if not real.all():
-            rows = torch.from_numpy(np.flatnonzero(real.reshape(-1))).to(self.device)
-        self._plan = _Plan(self._step, rows, to_tensor(step.slot_mapping), to_tensor(step.query_start_loc),
-                           to_tensor(step.block_tables), to_tensor(step.seq_lens), step.max_query_len,
-                           step.max_seq_len, {"slot_mapping": step.slot_mapping, **step.attention_args()})
+            self._seq_ids = seq_ids
+        self._seen.append(real)
+        self._mask_seen = mask
+        self._plan = make_plan(self._step, real, all_real, step, self.device, plan)
         return self._plan
-
-    def _new_real(self, attention_mask: torch.Tensor | None, batch: int, q_len: int) -> np.ndarray:
-        """Which of this forward's ``q_len`` positions are real tokens, after checking the mask against the cache."""
-        past = self._real.shape[1]
-        if self._seq_ids is not None and batch != len(self._seq_ids):
-            raise ArgumentError(
-                f"HalPagedCache holds {len(self._seq_ids)} sequences, but this forward has batch {batch}; a cache "
-                f"that holds tokens is continued (as a DynamicCache is): call cache.reset() or use a new cache for "
-                f"another batch")
-        if attention_mask is None:
-            if not self._real.all():
-                raise ArgumentError(
-                    "HalPagedCache holds padded rows, but this forward has no attention_mask: pass the 2D mask of "
-                    f"the whole sequence ({past} positions held + {q_len} new), as generate() does")
-            return np.ones((batch, q_len), dtype=bool)
-        if attention_mask.ndim != 2:
-            raise ArgumentError(
-                f"attn_implementation='hal' with a HalPagedCache takes the 2D padding mask [batch, length], got an "
-                f"attention_mask of shape {tuple(attention_mask.shape)}; a custom 4D mask needs "
-                f"attn_implementation='eager' or 'sdpa' (or 'hal' without a HalPagedCache, which runs torch SDPA)")
-        if tuple(attention_mask.shape) != (batch, past + q_len):
-            raise ArgumentError(
-                f"attention_mask has shape {tuple(attention_mask.shape)}, but the HalPagedCache holds {past} "
-                f"positions and this forward adds {q_len}: pass the mask of the whole sequence, shape "
-                f"({batch}, {past + q_len}) (to continue the cached text, give the whole text: generate() feeds "
-                f"only the positions the cache lacks); for a new prompt call cache.reset() or use a new cache")
-        mask = attention_mask.to("cpu", torch.bool).numpy()
-        if past and not np.array_equal(mask[:, :past], self._real):
-            row = int(np.flatnonzero((mask[:, :past] != self._real).any(axis=1))[0])
-            raise ArgumentError(
-                f"attention_mask row {row} marks other positions as padding than the HalPagedCache holds for its "
-                f"first {past} positions; pass the mask the cached tokens were given (extended for the new ones)")
-        real = mask[:, past:]
-        for b in range(batch):  # pads may only precede a sequence's first token (left padding)
-            count = int(real[b].sum())
-            expected = np.arange(q_len) >= q_len - count
-            if not np.array_equal(real[b], expected) or (past and self._real[b].any() and count != q_len):
-                raise ArgumentError(
-                    f"HalPagedCache supports left padding only: row {b} of the attention mask has a pad after a "
-                    f"real token")
-        return real
 
     def _new_id(self) -> Hashable:
         self._next_id += 1
@@ -325,13 +277,15 @@ class HalPagedCache(Cache):
         drop = -count
         if drop == 0 or self._seq_ids is None:
             return
-        past = self._real.shape[1]
+        seen = self._seen.array
+        past = seen.shape[1]
         if any(layer.length != past for layer in self._layers):
             raise RuntimeError("HalPagedCache.crop inside a forward: crop between forwards")
         keep = max(past - drop, 0)
-        lengths = {s: int(self._real[b, :keep].sum()) for b, s in enumerate(self._seq_ids)}
+        lengths = {s: int(seen[b, :keep].sum()) for b, s in enumerate(self._seq_ids)}
         self.paged.truncate_many(lengths)
-        self._real = self._real[:, :keep]
+        self._seen.keep(keep)
+        self._mask_seen = None
         for layer in self._layers:
             layer.length = keep
 
@@ -339,7 +293,8 @@ class HalPagedCache(Cache):
         """Empty the cache (every sequence freed) for a new prompt or batch; the memory stays allocated."""
         for seq_id in self._seq_ids or ():
             self.paged.free(seq_id)
-        self._seq_ids, self._real, self._plan = None, np.zeros((0, 0), dtype=bool), None
+        self._seq_ids, self._seen, self._plan = None, Seen(), None
+        self._mask_seen = None
         self._entered, self._written, self._broken = set(), set(), None
         _context.current = None
         for layer in self._layers:
@@ -378,7 +333,7 @@ class HalPagedCache(Cache):
             if b not in used:
                 self.paged.free(seq_id)
         self._seq_ids = new
-        self._real = self._real[list(sources)]
+        self._seen, self._mask_seen = Seen(self._seen.array[list(sources)]), None
 
     # -- lifetime ----------------------------------------------------------------
 

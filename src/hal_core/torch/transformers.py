@@ -44,15 +44,18 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 
 from .. import _env
 from .._errors import ArgumentError, FallbackError
 from ..interop import host_view
+from ._convert import to_tensor
 from ._ops import paged_attention, write_kv_cache
-from ._tf_cache import HalPagedCache, _context, _Plan
+from ._tf_cache import HalPagedCache, _context
 from ._tf_mask import check_mask_function
+from ._tf_plan import Plan
 
 __all__ = ["ATTN_IMPLEMENTATION", "HalPagedCache", "hal_attention_forward", "hal_attention_mask", "register"]
 
@@ -105,8 +108,9 @@ def hal_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     current = getattr(_context, "current", None)
     if current is not None and current[2] is not key:
         current = None
-    try:
-        _check_options(module, dropout, kwargs)
+    try:  # the config's options are checked by the forward's first layer (the layers share it)
+        checked = current[0]._checked_config if current is not None and current[1] else None
+        config = _check_options(module, dropout, kwargs, checked)
         window, softcap, sinks = _variants(module, kwargs)
     except BaseException:
         if current is not None:  # the layer's keys were handed over: the refused forward never happened
@@ -117,12 +121,19 @@ def hal_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
         return _torch_attention(query, key, value, attention_mask, scale, window, softcap, sinks)
     cache, layer, _ = current
     _context.current = None
-    model_layers = getattr(getattr(module, "config", None), "num_hidden_layers", None)
-    if layer == 0 and model_layers is not None and model_layers != len(cache.layers):
-        cache._undo_enter(layer, q_len)
-        raise ArgumentError(f"past_key_values: the HalPagedCache has {len(cache.layers)} layers, the model "
-                            f"{model_layers}: build the cache from this model's config")
+    if layer == 0 and config is not cache._layers_checked:  # a model's layer count is checked once
+        model_layers = getattr(config, "num_hidden_layers", None)
+        if model_layers is not None and model_layers != len(cache.layers):
+            cache._undo_enter(layer, q_len)
+            raise ArgumentError(f"past_key_values: the HalPagedCache has {len(cache.layers)} layers, the model "
+                                f"{model_layers}: build the cache from this model's config")
+        cache._layers_checked = config
+    cache._checked_config = config
     plan = cache._plan_for(layer, attention_mask, batch, q_len)
+    if plan.rows is None and cache._host and not torch.compiler.is_compiling():
+        out = _host_attention(cache, layer, plan, query, key, value, scale, window, softcap, sinks)
+        cache._written.add(layer)
+        return out, None
     kv_heads = key.shape[1]
     q = query.transpose(1, 2).reshape(batch * q_len, heads, head_size)
     k = key.transpose(1, 2).reshape(batch * q_len, kv_heads, head_size)
@@ -130,22 +141,25 @@ def hal_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     if plan.rows is not None:
         q, k, v = (t.index_select(0, plan.rows) for t in (q, k, v))
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if cache.paged.backend.is_host and not torch.compiler.is_compiling():
-        out = _host_attention(cache, layer, plan, q, k, v, scale, window, softcap, sinks)
+    if cache._host and not torch.compiler.is_compiling():
+        out = _host_packed_attention(cache, layer, plan, q, k, v, scale, window, softcap, sinks)
     else:
         key_cache, value_cache = cache.key_caches[layer], cache.value_caches[layer]
         write_kv_cache(k, v, key_cache, value_cache, plan.slot_mapping)
         out = paged_attention(q, key_cache, value_cache, plan.block_tables, plan.seq_lens, scale,
                               query_start_loc=plan.query_start_loc, max_query_len=plan.max_query_len,
                               max_seq_len=plan.max_seq_len, window=window, softcap=softcap, sinks=sinks)
-    cache._layer_written(layer)
+    cache._written.add(layer)
     if plan.rows is not None:  # pad rows get zeros (transformers never reads them)
         out = query.new_zeros(batch * q_len, heads, head_size).index_copy_(0, plan.rows, out)
     return out.view(batch, q_len, heads, head_size), None
 
 
-def _check_options(module: torch.nn.Module, dropout: float, kwargs: dict[str, Any]) -> None:
-    """Refuse, before any work, what hal's attention would otherwise ignore."""
+def _check_options(module: torch.nn.Module, dropout: float, kwargs: dict[str, Any], checked: Any) -> Any:
+    """Refuse, before any work, what hal's attention would otherwise ignore; returns the module's config.
+
+    The config's own options are not read again when it is ``checked`` (this forward's first layer read them).
+    """
     if kwargs.get("cache") is not None:
         raise ArgumentError("attn_implementation='hal' does not run transformers' continuous batching "
                             "(generate_batch): its paged cache has transformers' own layout; use generate() with "
@@ -154,8 +168,10 @@ def _check_options(module: torch.nn.Module, dropout: float, kwargs: dict[str, An
         raise ArgumentError("attn_implementation='hal' is for inference: dropout is not supported (model.eval(), "
                             "or attn_implementation='sdpa' for training)")
     config = getattr(module, "config", None)
-    wanted = kwargs["output_attentions"] if "output_attentions" in kwargs else getattr(
-        config, "output_attentions", False)
+    if "output_attentions" in kwargs:
+        wanted = kwargs["output_attentions"]
+    else:
+        wanted = config is not checked and getattr(config, "output_attentions", False)
     if wanted:
         raise ArgumentError("output_attentions=True: attn_implementation='hal' computes no attention weights; load "
                             "the model with attn_implementation='eager' (or model.set_attn_implementation('eager')) "
@@ -169,25 +185,48 @@ def _check_options(module: torch.nn.Module, dropout: float, kwargs: dict[str, An
     if kwargs.get("position_bias") is not None:
         raise ArgumentError("attn_implementation='hal' has no additive position bias (position_bias); use "
                             "attn_implementation='sdpa' or 'eager'")
+    return config
 
 
-def _host_attention(cache: HalPagedCache, layer: int, plan: _Plan, q: torch.Tensor, k: torch.Tensor,
-                    v: torch.Tensor, scale: float, window: int | None, softcap: float | None,
+def _host_attention(cache: HalPagedCache, layer: int, plan: Plan, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, scale: float, window: int | None, softcap: float | None,
                     sinks: torch.Tensor | None) -> torch.Tensor:
-    """Eager calls on a host cache: hal's front door on numpy views, the cache and the step's plan as hal holds
+    """A step without pads on a host cache: ``[B, H, Q, D]`` in, ``[B, Q, H, D]`` out, on numpy views of the
+    model's tensors (copied only where a layout is not contiguous), through hal's front door."""
+    batch, heads, q_len, head_size = query.shape
+    q, k, v = (np.ascontiguousarray(host_view(t, name).transpose(0, 2, 1, 3).reshape(batch * q_len, t.shape[1],
+                                                                                     head_size))
+               for t, name in ((query, "query"), (key, "key"), (value, "value")))
+    out = np.empty((batch, q_len, heads, head_size), dtype=q.dtype)
+    _host_ops(cache, layer, plan, q, k, v, out.reshape(batch * q_len, heads, head_size), scale, window, softcap,
+              sinks)
+    return to_tensor(out)
+
+
+def _host_packed_attention(cache: HalPagedCache, layer: int, plan: Plan, q: torch.Tensor, k: torch.Tensor,
+                           v: torch.Tensor, scale: float, window: int | None, softcap: float | None,
+                           sinks: torch.Tensor | None) -> torch.Tensor:
+    """The packed real tokens ``[T, heads, D]`` of a step with pads, on a host cache."""
+    out = torch.empty(q.shape, dtype=q.dtype)
+    _host_ops(cache, layer, plan, host_view(q, "query"), host_view(k, "key"), host_view(v, "value"),
+              host_view(out, "out"), scale, window, softcap, sinks)
+    return out
+
+
+def _host_ops(cache: HalPagedCache, layer: int, plan: Plan, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+              out: np.ndarray, scale: float, window: int | None, softcap: float | None,
+              sinks: torch.Tensor | None) -> None:
+    """Eager calls on a host cache: hal's front door on numpy arrays, the cache and the step's plan as hal holds
     them (no per-call conversion; the same ops, checks and kernels as ``hal::write_kv_cache`` /
     ``hal::paged_attention``)."""
-    ops = cache.paged.backend.ops
-    key_cache, value_cache = cache.paged.key_caches[layer], cache.paged.value_caches[layer]
-    ops.write_kv_cache(host_view(k, "key"), host_view(v, "value"), key_cache, value_cache,
-                       plan.native["slot_mapping"])
-    out = torch.empty(q.shape, dtype=q.dtype)
-    ops.paged_attention(host_view(q, "query"), key_cache, value_cache, plan.native["block_tables"],
-                        plan.native["seq_lens"], scale=scale, out=host_view(out, "out"),
-                        query_start_loc=plan.native["query_start_loc"], max_query_len=plan.max_query_len,
+    paged, native = cache.paged, plan.native
+    ops = paged.backend.ops
+    key_cache, value_cache = paged.key_caches[layer], paged.value_caches[layer]
+    ops.write_kv_cache(k, v, key_cache, value_cache, native["slot_mapping"])
+    ops.paged_attention(q, key_cache, value_cache, native["block_tables"], native["seq_lens"], scale=scale, out=out,
+                        query_start_loc=native["query_start_loc"], max_query_len=plan.max_query_len,
                         max_seq_len=plan.max_seq_len, window=window, softcap=softcap,
                         sinks=None if sinks is None else host_view(sinks, "sinks"))
-    return out
 
 
 def _variants(module: torch.nn.Module, kwargs: dict[str, Any]) -> tuple[int | None, float | None, torch.Tensor | None]:
@@ -195,8 +234,12 @@ def _variants(module: torch.nn.Module, kwargs: dict[str, Any]) -> tuple[int | No
     window = kwargs.get("sliding_window")
     softcap = kwargs.get("softcap")
     sinks = kwargs.get("s_aux")
-    if sinks is None and isinstance(getattr(module, "sinks", None), torch.Tensor):
-        sinks = module.sinks
+    if sinks is None:  # the module's own (gpt-oss): read from its stores, not through Module.__getattr__
+        for store in (module._parameters, module._buffers, module.__dict__):
+            found = store.get("sinks")
+            if isinstance(found, torch.Tensor):
+                sinks = found
+                break
     if sinks is not None:
         sinks = sinks.detach().to(torch.float32).reshape(-1).contiguous()
     return (int(window) if window is not None else None, float(softcap) if softcap is not None else None, sinks)
