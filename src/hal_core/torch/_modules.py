@@ -52,6 +52,18 @@ _BUFFERS = ("qweight", "scales", "zeros", "g_idx")
 _ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+#: quantized_gemm's activation precisions (the op's ``activations`` argument; None means its default).
+ACTIVATIONS = ("float", "int8")
+
+
+def check_activations(activations: str | None) -> str | None:
+    """``activations`` checked: None, ``"float"`` (W4A16) or ``"int8"`` (W4A8 for int4 weights; int8 weights are
+    W8A8 either way), else a ``ValueError`` naming the argument."""
+    if activations is not None and activations not in ACTIVATIONS:
+        raise ValueError(f"argument 'activations': expected None, 'float' or 'int8', got {activations!r}")
+    return activations
+
+
 def resolve_group_size(group_size: Any, in_features: int) -> int:
     """``group_size`` as a positive divisor of ``in_features``; ``-1`` means one group over all of K."""
     group_size = as_int("group_size", group_size)
@@ -78,7 +90,8 @@ class QuantLinear(torch.nn.Module):
     returns ``[..., out_features]`` in ``x``'s dtype; any leading batch
     dimensions are flattened into the GEMM's M. W4A16 (``bits=4``) keeps
     the activations in floating point; W8A8 (``bits=8``) quantizes them per
-    token (docs/quantization.md). It compiles with
+    token (docs/quantization.md); ``activations="int8"`` runs an int4 layer as
+    W4A8, its activations quantized per token to int8 for integer dot products. It compiles with
     ``torch.compile(fullgraph=True)``: the GEMM is one opaque custom op.
 
     Gradients flow to ``x`` (``dL/dx = dL/dy @ W^T``, see
@@ -98,13 +111,16 @@ class QuantLinear(torch.nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, bits: int = 4,
                  group_size: int = 128, symmetric: bool = True, act_order: bool = False,
                  scale_dtype: torch.dtype = torch.float16, bias_dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None, name: str | None = None) -> None:
+                 device: torch.device | str | None = None, name: str | None = None,
+                 activations: str | None = None) -> None:
         super().__init__()
         if name is not None and not isinstance(name, str):
             raise TypeError(f"argument 'name': expected the layer's qualified name (a str) or None, "
                             f"got {type(name).__name__}")
         #: The layer's qualified name in its model (the ``name`` argument), used in errors; None when unknown.
         self.name = name
+        #: quantized_gemm's ``activations`` for every call (None / ``"float"``: W4A16; ``"int8"``: W4A8).
+        self.activations = check_activations(activations)
         #: (the buffers, hal's weight over their numpy views): eager CPU calls reuse it (:meth:`_host_gemm`).
         self._host_weight: tuple[tuple[Any, ...], QuantizedWeight] | None = None
         in_features, out_features = as_int("in_features", in_features), as_int("out_features", out_features)
@@ -143,12 +159,15 @@ class QuantLinear(torch.nn.Module):
 
     @classmethod
     def from_weight(cls, weight: QuantizedWeight, bias: torch.Tensor | None = None, *,
-                    device: torch.device | str | None = None, name: str | None = None) -> QuantLinear:
+                    device: torch.device | str | None = None, name: str | None = None,
+                    activations: str | None = None) -> QuantLinear:
         """The layer holding ``weight`` (its arrays viewed, not copied, when they stay on the host).
 
         ``bias`` (``[out_features]``, any float dtype) is kept as given;
         ``device`` moves everything there (default: where the arrays are);
-        ``name`` is the layer's qualified name in its model, for errors.
+        ``name`` is the layer's qualified name in its model, for errors;
+        ``activations`` the precision of the activations in every call
+        (None or ``"float"``: W4A16; ``"int8"``: W4A8, docs/quantization.md).
         """
         if not isinstance(weight, QuantizedWeight):
             raise TypeError(f"argument 'weight': expected a hal_core.quant.QuantizedWeight, "
@@ -162,7 +181,7 @@ class QuantLinear(torch.nn.Module):
         scales = tensors["scales"]
         layer = cls(k, n, bias is not None, bits=weight.bits, group_size=weight.group_size,
                     symmetric=weight.zeros is None, act_order=weight.g_idx is not None,
-                    scale_dtype=scales.dtype, device="meta", name=name)
+                    scale_dtype=scales.dtype, device="meta", name=name, activations=activations)
         for field, tensor in tensors.items():
             layer._buffers[field] = tensor
         if bias is not None:
@@ -171,11 +190,12 @@ class QuantLinear(torch.nn.Module):
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, *, bits: int = 4, group_size: int = 128, symmetric: bool = True,
-                    scale_dtype: torch.dtype = torch.float16, name: str | None = None) -> QuantLinear:
+                    scale_dtype: torch.dtype = torch.float16, name: str | None = None,
+                    activations: str | None = None) -> QuantLinear:
         """Quantize ``linear`` with :func:`hal_core.quant.quantize` (on the host) into a new layer.
 
         The layer is on ``linear``'s device, its bias a copy of ``linear``'s;
-        ``linear`` is left as it was; ``name`` as in :meth:`from_weight`.
+        ``linear`` is left as it was; ``name`` and ``activations`` as in :meth:`from_weight`.
         ``group_size=-1`` makes one group of all ``in_features`` rows. The
         float weight is read once (its float64 copy on the host is the only
         transient, one layer's worth).
@@ -192,7 +212,7 @@ class QuantLinear(torch.nn.Module):
         weight = quantize(linear.weight.detach().T, bits=bits, group_size=group_size, symmetric=symmetric,
                           scale_dtype=_SCALE_DTYPES[scale_dtype])
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls.from_weight(weight, bias, device=linear.weight.device, name=name)
+        return cls.from_weight(weight, bias, device=linear.weight.device, name=name, activations=activations)
 
     # -- using it ---------------------------------------------------------------
 
@@ -215,7 +235,7 @@ class QuantLinear(torch.nn.Module):
             y = self._host_gemm(rows)
         else:
             y = torch.ops.hal.quantized_gemm(rows, self.qweight, self.scales, self.zeros, self.g_idx, self.bits,
-                                             self.group_size)
+                                             self.group_size, self.activations)
         if not flat:
             y = y.view(*x.shape[:-1], self.out_features)
         if self.bias is not None:
@@ -260,14 +280,18 @@ class QuantLinear(torch.nn.Module):
             qweight, scales, zeros, g_idx = (None if t is None else host_view(t, name)
                                              for name, t in zip(_BUFFERS, buffers, strict=True))
             cached = self._host_weight = (buffers, _weight(qweight, scales, zeros, g_idx, self.bits, self.group_size))
-        result = backend_for(rows).ops._call("quantized_gemm", {"x": host_view(rows, "x"), "qweight": cached[1]})
+        args = {"x": host_view(rows, "x"), "qweight": cached[1]}
+        if self.activations is not None:
+            args["activations"] = self.activations
+        result = backend_for(rows).ops._call("quantized_gemm", args)
         return to_tensor(result) if rows.dtype is torch.bfloat16 else torch.from_numpy(result)
 
     def extra_repr(self) -> str:
         kind = "symmetric" if self.zeros is None else "zero points"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"int{self.bits}, group_size={self.group_size}, {kind}"
-                f"{', act-order' if self.g_idx is not None else ''}, scales={self.scales.dtype}")
+                f"{', act-order' if self.g_idx is not None else ''}, scales={self.scales.dtype}"
+                f"{f', activations={self.activations}' if self.activations else ''}")
 
     # -- keeping the format exact -------------------------------------------------
 

@@ -30,7 +30,7 @@ import torch
 from .._errors import ArgumentError, ArgumentTypeError
 from ..quant._args import as_bool, as_int
 from ._layer_progress import ProgressArg, layer_progress
-from ._modules import _SCALE_DTYPES, QuantLinear
+from ._modules import _SCALE_DTYPES, QuantLinear, check_activations
 from ._quantize_checks import layer_problem
 from ._quantize_plan import Layer, LayerBitsArg, SkipArg, bits_chooser, plan_layers, skip_predicate
 from ._release import move_out_of_file_mappings, return_free_heap
@@ -94,7 +94,8 @@ def _describe(layer: Layer) -> str:
 
 def quantize_model(model: torch.nn.Module, *, bits: int = 4, group_size: int = 128, symmetric: bool = True,
                    scale_dtype: torch.dtype = torch.float16, layer_bits: LayerBitsArg = DEFAULT_LAYER_BITS,
-                   skip: SkipArg = DEFAULT_SKIP, unmap: bool = True, progress: ProgressArg = None) -> QuantizeReport:
+                   skip: SkipArg = DEFAULT_SKIP, unmap: bool = True, progress: ProgressArg = None,
+                   activations: str | None = None) -> QuantizeReport:
     """Replace every ``nn.Linear`` of ``model`` by a :class:`QuantLinear` (:meth:`QuantLinear.from_linear`), in place.
 
     ``bits``: 4 (W4A16) or 8 (W8A8) for every layer that ``layer_bits``
@@ -110,6 +111,10 @@ def quantize_model(model: torch.nn.Module, *, bits: int = 4, group_size: int = 1
     ``from_pretrained``) to memory of their own, so the mapping is
     released. ``progress``: None, True (a progress bar on stderr) or
     ``progress(done, total, name)``, called after each layer is quantized.
+    ``activations``: every new layer's activation precision
+    (:class:`QuantLinear`): None or ``"float"`` (W4A16 for int4 layers),
+    ``"int8"`` (int4 layers run as W4A8 on integer dot products;
+    docs/quantization.md gives its accuracy); int8 layers are W8A8 either way.
 
     Only exact ``nn.Linear`` submodules of ``model`` are quantized:
     subclasses are left in float (and listed as skipped), since their
@@ -123,6 +128,10 @@ def quantize_model(model: torch.nn.Module, *, bits: int = 4, group_size: int = 1
     stay on their devices. Returns a :class:`QuantizeReport`.
     """
     _check_arguments(model, bits, group_size, symmetric, scale_dtype)
+    try:
+        activations = check_activations(activations)
+    except ValueError as exc:
+        raise ArgumentError(str(exc)) from None
     unmap = bool(as_bool("unmap", unmap))
     plan = plan_layers(model, skip_predicate(skip), bits_chooser(bits, layer_bits))
     problems = [f"{_describe(layer)}: {problem}" for layer in plan.layers
@@ -139,7 +148,7 @@ def quantize_model(model: torch.nn.Module, *, bits: int = 4, group_size: int = 1
             try:
                 quantized = QuantLinear.from_linear(layer.linear, bits=layer.bits, group_size=group_size,
                                                     symmetric=symmetric, scale_dtype=scale_dtype,
-                                                    name=layer.name)
+                                                    name=layer.name, activations=activations)
             except ValueError as exc:
                 raise ArgumentError(f"quantize_model: {_describe(layer)} cannot be quantized, nothing was "
                                     f"changed: {exc}") from exc

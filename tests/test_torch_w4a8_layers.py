@@ -1,0 +1,56 @@
+"""QuantLinear(activations='int8') and quantize_model(activations='int8'): int4 layers run as W4A8."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from torch_helpers import torch
+
+from hal_core import ArgumentError
+from hal_core.quant import quantize
+from hal_core.torch import QuantLinear, quantize_model
+
+
+def _w4a8_float64(x: np.ndarray, weight) -> np.ndarray:
+    """sx * (xq @ w): activations quantized per token here (float32 amax/127, round half to even, clip)."""
+    x32 = x.astype(np.float32)
+    sx = np.abs(x32).max(axis=1) / np.float32(127.0)
+    xq = np.clip(np.rint(x32 / sx[:, None]), -127, 127)
+    return sx.astype(np.float64)[:, None] * (xq @ weight.dequantize(np.float64))
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_int8_activations_compute_w4a8_on_both_routes(m: int) -> None:
+    """The eager host route and the torch operator (grad route) give the W4A8 result; 'float' stays W4A16."""
+    seed = 400 + m
+    print(f"seed={seed}")
+    rng = np.random.default_rng(seed)
+    weight = quantize(rng.standard_normal((128, 48)).astype(np.float32), bits=4, group_size=32)
+    x = torch.from_numpy(rng.standard_normal((m, 128)).astype(np.float32))
+    layer = QuantLinear.from_weight(weight, activations="int8")
+    expected = _w4a8_float64(x.numpy(), weight)
+    with torch.no_grad():
+        host = layer(x)
+    grad_route = layer(x.clone().requires_grad_(True))
+    assert grad_route.requires_grad
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(host.numpy(), expected, atol=2e-5 * scale, rtol=0)
+    assert torch.equal(host, grad_route.detach())
+    with torch.no_grad():
+        w4a16 = QuantLinear.from_weight(weight)(x)
+    assert not torch.equal(w4a16, host)  # the setting reaches the kernel
+    assert "activations=int8" in repr(layer)
+
+
+def test_quantize_model_sets_every_layer_and_refuses_a_bad_value() -> None:
+    """Every layer quantize_model makes carries the setting; a bad value is refused before any change."""
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ArgumentError, match="argument 'activations'"):
+        quantize_model(model, bits=4, group_size=32, activations="int4")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    quantize_model(model, bits=4, group_size=32, activations="int8")
+    assert [m.activations for m in model if isinstance(m, QuantLinear)] == ["int8", "int8"]
+    with pytest.raises(ValueError, match="argument 'activations'"):
+        QuantLinear(64, 32, activations="fp8")
