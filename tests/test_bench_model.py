@@ -216,3 +216,23 @@ def test_targets_are_ratios_of_the_results(rng: np.random.Generator) -> None:
     assert memory["value"] is None and memory["met"] is None  # sdpa-fp32 did not run
     only_one = {t["ratio"]: t for t in model_targets(results, [1])}
     assert only_one["int4 decode batch 1 / int4 decode batch 1"]["value"] is None
+
+
+def test_the_w4a8_contender_loads_the_int4_checkpoint_with_int8_activations(tmp_path) -> None:
+    """hal-int4-a8 runs the int4 checkpoint with every QuantLinear's activations='int8'; hal-int4 keeps W4A16."""
+    import dataclasses
+
+    from hal_core.bench._model_spec import CONTENDERS as ALL
+    from hal_core.bench._model_worker import _load
+    from hal_core.torch import QuantLinear, quantize_model, save_quantized
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    quantize_model(model, bits=4, group_size=32, skip="lm_head")
+    save_quantized(model, tmp_path / "int4")
+    for name, expected in (("hal-int4-a8", "int8"), ("hal-int4", None)):
+        loaded = _load({"contender": dataclasses.asdict(ALL[name]), "checkpoint": str(tmp_path / "int4")})
+        layers = [m for m in loaded.modules() if isinstance(m, QuantLinear)]
+        assert len(layers) == 7 and {m.activations for m in layers} == {expected}

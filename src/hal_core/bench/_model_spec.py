@@ -150,6 +150,7 @@ class Contender:
     dtype: str             #: the activations', KV cache's and float weights' dtype: ``"fp32"`` or ``"bf16"``
     bits: int | None       #: None: float linear layers; 4 or 8: hal's QuantLinear loaded from a GPTQ checkpoint
     description: str
+    activations: str | None = None  #: the QuantLinear layers' ``activations`` (``"int8"``: W4A8)
 
     @property
     def dtype_bytes(self) -> int:
@@ -164,6 +165,8 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
     Contender("hal-bf16", "hal", "bf16", None, "transformers with hal attention and paged cache, bf16"),
     Contender("hal-int4", "hal", "bf16", 4, "hal attention + hal W4A16 linears (GPTQ checkpoint), bf16"),
     Contender("hal-int8", "hal", "bf16", 8, "hal attention + hal W8A8 linears (GPTQ checkpoint), bf16"),
+    Contender("hal-int4-a8", "hal", "bf16", 4, "hal attention + hal W4A8 linears (the int4 checkpoint, "
+              "activations='int8'), bf16", "int8"),
 )}
 
 

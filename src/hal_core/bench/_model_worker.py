@@ -250,9 +250,13 @@ def _load(task: dict[str, Any]) -> torch.nn.Module:
     dtype = _TORCH_DTYPES[contender["dtype"]]
     if contender["bits"] is None:
         return build_float_model(task["config"], dtype, task["seed"], contender["attention"])
-    from ..torch import load_quantized
+    from ..torch import QuantLinear, load_quantized
 
-    return load_quantized(task["checkpoint"], dtype=dtype, attn_implementation=contender["attention"])
+    model = load_quantized(task["checkpoint"], dtype=dtype, attn_implementation=contender["attention"])
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.activations = contender.get("activations")
+    return model
 
 
 def _model_bytes(model: torch.nn.Module) -> int:
