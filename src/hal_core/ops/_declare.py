@@ -182,13 +182,20 @@ class Arg:
 
 @dataclass(frozen=True)
 class Output:
-    """The array an op returns: its layout (names bound by the arguments) and whose dtype it has."""
+    """The array an op returns: its layout (names bound by the arguments) and whose dtype it has.
+
+    The dtype is an argument's (``dtype_of``), or a fixed hal dtype name (``dtype='int64'``: token ids).
+    """
 
     layout: str
-    dtype_of: str
+    dtype_of: str = ""
     dims: tuple[Dim, ...] = field(default=(), compare=False)
+    #: A fixed hal dtype name, given instead of ``dtype_of``.
+    dtype: str = ""
 
     def __post_init__(self) -> None:
+        if bool(self.dtype_of) == bool(self.dtype):
+            raise ValueError(f"Output {self.layout!r}: give exactly one of dtype_of and dtype")
         if not self.dims:
             object.__setattr__(self, "dims", parse_layout(self.layout))
 

@@ -106,7 +106,8 @@ class OpSpec(ABC):
             return arg
         if cls.output is None:
             raise TypeError(f"op {cls.name!r}: an 'out' argument needs an output declaration")
-        return Arg(arg.name, Role.OUTPUT, cls.output.layout, (), cls.output.dtype_of, True, False, True,
+        fixed = (cls.output.dtype,) if cls.output.dtype else ()
+        return Arg(arg.name, Role.OUTPUT, cls.output.layout, fixed, cls.output.dtype_of or None, True, False, True,
                    doc=arg.doc)
 
     @classmethod
@@ -167,6 +168,8 @@ class OpSpec(ABC):
 
     def output_dtype(self, args: Mapping[str, Any]) -> np.dtype:
         """numpy dtype of the returned array (bf16 as ml_dtypes' bfloat16); for in-place ops, what they write."""
+        if self.output is not None and self.output.dtype:
+            return numpy_dtype(self.output.dtype)
         source = args[self.output.dtype_of if self.output is not None else self.inplace_args[0]]
         if type(source) is np.ndarray:
             return source.dtype

@@ -39,7 +39,7 @@ from ._routing import backend_for, on_torch_stream
 from ._schema import WEIGHT_FIELDS, TorchOp, torch_ops
 from ._weights import _weight, host_weight
 
-__all__ = ["paged_attention", "quantized_gemm", "register_torch_ops", "wrapper", "write_kv_cache"]
+__all__ = ["paged_attention", "quantized_gemm", "register_torch_ops", "sample", "wrapper", "write_kv_cache"]
 
 _LIBRARY = torch.library.Library("hal", "FRAGMENT")
 _registered: dict[str, OpSpec] = {}
@@ -121,10 +121,9 @@ def _real(op: TorchOp) -> Callable[..., Any]:
         out = None
         if op.returns_tensor:
             assert spec.output is not None
-            source = _lead(spec, {spec.output.dtype_of: values[names.index(spec.output.dtype_of)]})
             shape = spec.output_shape(args)
             assert shape is not None
-            out = torch.empty(shape, dtype=source.dtype, device=source.device)
+            out = torch.empty(shape, dtype=_output_dtype(spec, values, names), device=lead.device)
             args["out"] = out
         with on_torch_stream(backend, lead):
             backend.ops._call(spec.name, args)
@@ -145,10 +144,25 @@ def _fake(op: TorchOp) -> Callable[..., Any]:
         if not op.returns_tensor:
             return None
         assert spec.output is not None
-        return args[spec.output.dtype_of].new_empty(spec.output_shape(args))
+        shape = spec.output_shape(args)
+        assert shape is not None
+        return _lead(spec, given).new_empty(shape, dtype=_output_dtype(spec, values, names))
 
     fake.__name__ = f"{op.name}_fake"
     return fake
+
+
+def _output_dtype(spec: OpSpec, values: tuple[Any, ...], names: tuple[str, ...]) -> torch.dtype:
+    """The torch dtype of the op's result: its declared fixed dtype, else that of the argument it follows."""
+    assert spec.output is not None
+    if spec.output.dtype:
+        return _FIXED_DTYPES[spec.output.dtype]
+    dtype: torch.dtype = values[names.index(spec.output.dtype_of)].dtype
+    return dtype
+
+
+#: torch dtypes of the fixed output dtypes an op may declare (``Output(dtype=...)``).
+_FIXED_DTYPES = {"int64": torch.int64, "int32": torch.int32, "fp32": torch.float32}
 
 
 def _one_device(values: Mapping[str, Any]) -> None:
@@ -231,3 +245,5 @@ paged_attention = wrapper(OPS["paged_attention"])
 write_kv_cache = wrapper(OPS["write_kv_cache"])
 #: ``x [M, K]`` times the quantized weight held as tensors (:func:`~hal_core.torch.weight_to_tensors`).
 quantized_gemm = wrapper(OPS["quantized_gemm"])
+#: One token per sequence from ``logits`` (int64 ids; layout and semantics: :mod:`hal_core.ops.sample`).
+sample = wrapper(OPS["sample"])
