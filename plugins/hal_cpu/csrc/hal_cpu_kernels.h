@@ -243,6 +243,23 @@ typedef struct hal_cpu_w4a16_blocked_args {
     F(int32_t, threads)
 typedef struct hal_cpu_w4a8_gemm_args { HAL_CPU_W4A8_GEMM_FIELDS(HAL_CPU_DECLARE_FIELD) } hal_cpu_w4a8_gemm_args;
 
+/* sample: one token per row of logits (hal_core.ops.sample). Per-row parameters are [num_seqs]; the optional ones
+ * NULL when off. out[s] is the token id, or -1 for a row holding NaN or only -inf. */
+#define HAL_CPU_SAMPLE_FIELDS(F)                                                                               \
+    F(const void *, logits)             /* [num_seqs, vocab_size], row stride logits_stride elements */        \
+    F(int64_t, logits_stride)                                                                                  \
+    F(const float *, temperature)       /* >= 0; 0: greedy */                                                  \
+    F(const int32_t *, top_k)           /* or NULL; <= 0 or >= vocab_size: off */                              \
+    F(const float *, top_p)             /* or NULL; 1: off */                                                  \
+    F(const float *, min_p)             /* or NULL; 0: off */                                                  \
+    F(const int64_t *, seeds)                                                                                  \
+    F(int64_t *, out)                   /* [num_seqs] */                                                       \
+    F(int64_t, num_seqs)                                                                                       \
+    F(int64_t, vocab_size)                                                                                     \
+    F(int32_t, dtype)                   /* of logits */                                                        \
+    F(int32_t, threads)
+typedef struct hal_cpu_sample_args { HAL_CPU_SAMPLE_FIELDS(HAL_CPU_DECLARE_FIELD) } hal_cpu_sample_args;
+
 /* The names hal_cpu_abi knows, with their field lists: X(name, struct, FIELDS) per argument struct. */
 #define HAL_CPU_ABI_STRUCTS(X)                                                                                 \
     X(attention, hal_cpu_attention_args, HAL_CPU_ATTENTION_FIELDS)                                             \
@@ -252,7 +269,8 @@ typedef struct hal_cpu_w4a8_gemm_args { HAL_CPU_W4A8_GEMM_FIELDS(HAL_CPU_DECLARE
     X(dequant_tile, hal_cpu_dequant_tile_args, HAL_CPU_DEQUANT_TILE_FIELDS)                                    \
     X(w8a8_gemm, hal_cpu_w8a8_gemm_args, HAL_CPU_W8A8_GEMM_FIELDS)                                             \
     X(w4a16_blocked, hal_cpu_w4a16_blocked_args, HAL_CPU_W4A16_BLOCKED_FIELDS)                                 \
-    X(w4a8_gemm, hal_cpu_w4a8_gemm_args, HAL_CPU_W4A8_GEMM_FIELDS)
+    X(w4a8_gemm, hal_cpu_w4a8_gemm_args, HAL_CPU_W4A8_GEMM_FIELDS)                                             \
+    X(sample, hal_cpu_sample_args, HAL_CPU_SAMPLE_FIELDS)
 
 /* "size=N;field=offset:size;..." for an argument struct of this ABI (the names of HAL_CPU_ABI_STRUCTS), NULL
  * for an unknown name: hal_cpu._abi compares it with its ctypes mirror when the library loads. */
@@ -274,6 +292,7 @@ int hal_cpu_dequant_tile(const hal_cpu_dequant_tile_args *args);
 int hal_cpu_w8a8_gemm(const hal_cpu_w8a8_gemm_args *args);
 int hal_cpu_w4a16_blocked(const hal_cpu_w4a16_blocked_args *args);
 int hal_cpu_w4a8_gemm(const hal_cpu_w4a8_gemm_args *args);
+int hal_cpu_sample(const hal_cpu_sample_args *args);
 
 /* 1 when hal_cpu_w4a16_gemv runs fp16/bf16 activations through AVX512_BF16 dot products on this CPU, else 0. */
 int hal_cpu_w4a16_half_dot(void);

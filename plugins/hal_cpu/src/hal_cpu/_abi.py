@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import ctypes
 
-__all__ = ["STRUCTS", "AttentionArgs", "DequantTileArgs", "ToFloat32Args", "W4a16BlockedArgs", "W4a16GemvArgs",
-           "W8a8GemmArgs", "WriteKvCacheArgs", "layout", "mismatch"]
+__all__ = ["STRUCTS", "AttentionArgs", "DequantTileArgs", "SampleArgs", "ToFloat32Args", "W4a16BlockedArgs",
+           "W4a16GemvArgs", "W8a8GemmArgs", "WriteKvCacheArgs", "layout", "mismatch"]
 
 _i32, _i64, _f32, _p = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -105,6 +105,15 @@ class W4a8GemmArgs(ctypes.Structure):
     ]
 
 
+class SampleArgs(ctypes.Structure):
+    """``hal_cpu_sample_args``: one token per row of logits (temperature, top-k, top-p, min-p, seeds)."""
+
+    _fields_ = [
+        ("logits", _p), ("logits_stride", _i64), ("temperature", _p), ("top_k", _p), ("top_p", _p), ("min_p", _p),
+        ("seeds", _p), ("out", _p), ("num_seqs", _i64), ("vocab_size", _i64), ("dtype", _i32), ("threads", _i32),
+    ]
+
+
 #: ABI name (as ``hal_cpu_abi`` knows it) -> mirror.
 STRUCTS: dict[str, type[ctypes.Structure]] = {
     "attention": AttentionArgs,
@@ -115,6 +124,7 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "w8a8_gemm": W8a8GemmArgs,
     "w4a16_blocked": W4a16BlockedArgs,
     "w4a8_gemm": W4a8GemmArgs,
+    "sample": SampleArgs,
 }
 
 
