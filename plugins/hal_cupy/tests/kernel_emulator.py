@@ -559,6 +559,32 @@ class Kernel:
         assert o.size == int(count)
         _store(o, _ptr(ws, np.float32), self.defines["HAL_DTYPE"])
 
+    # -- sample.cu ---------------------------------------------------------------------------
+
+    def hal_sample(self, grid: Any, block: Any, logits: Any, row_stride: Any, vocab: Any, temperature: Any,
+                   top_k: Any, top_p: Any, min_p: Any, seeds: Any, out: Any, error_flag: Any) -> None:
+        from hal_core.testing.sampling import kept_weights, uniform_of_seed
+
+        assert isinstance(logits, DevArray) and logits.ndim == 2 and logits.strides[1] == logits.itemsize
+        assert isinstance(row_stride, np.int64) and int(row_stride) * logits.itemsize == logits.strides[0]
+        rows, n = logits.shape[0], _i32(vocab)
+        assert grid == (rows, 1, 1) and n == logits.shape[1]
+        x = _floats(np.ascontiguousarray(np.asarray(logits)), self.defines["HAL_DTYPE"]).astype(np.float64)
+        t, seed = _ptr(temperature, np.float32), _ptr(seeds, np.int64)
+        k, p, mp = _ptr(top_k, np.int32, True), _ptr(top_p, np.float32, True), _ptr(min_p, np.float32, True)
+        o, flag = _ptr(out, np.int64), _ptr(error_flag, np.int32)
+        for r in range(rows):
+            tr, pr, mr = float(t[r]), 1.0 if p is None else float(p[r]), 0.0 if mp is None else float(mp[r])
+            bad = (0 if 0 <= tr < np.inf else 16) | (0 if 0 < pr <= 1 else 32) | (0 if 0 <= mr <= 1 else 64)
+            flag[0] |= bad
+            weights = None if bad else kept_weights(x[r], tr, 0 if k is None else int(k[r]), pr, mr)
+            if weights is None:
+                o[r] = -1
+                continue
+            cdf = np.cumsum(weights)
+            o[r] = min(int(np.searchsorted(cdf, uniform_of_seed(int(seed[r])) * cdf[-1], side="right")),
+                       int(np.flatnonzero(weights)[-1]))
+
 
 class EmulatedModule:
     """``cupy.RawModule`` over the emulated kernels; records what was compiled."""

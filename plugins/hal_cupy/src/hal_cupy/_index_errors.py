@@ -29,6 +29,8 @@ __all__ = ["ERROR_ARGUMENTS", "error_flag", "forget_flags", "has_flag", "raise_r
 
 #: Flag bits (``HAL_ERR_*`` of ``hal_index_checks.cuh``) and the argument each names.
 ERROR_ARGUMENTS: dict[int, str] = {1: "block_tables", 2: "seq_lens", 4: "slot_mapping", 8: "query_start_loc"}
+# sample.cu's parameter checks
+ERROR_ARGUMENTS.update({16: "temperature", 32: "top_p", 64: "min_p"})
 
 _WHAT = {
     "block_tables": "a used entry outside [0, num_blocks); that sequence's output rows were written as zeros",
@@ -38,6 +40,9 @@ _WHAT = {
     "query_start_loc": "offsets not starting at 0, decreasing or not ending at num_tokens (every output row was "
                        "written as zeros), or a sequence with more new tokens than its seq_lens entry or "
                        "max_query_len (that sequence's output rows were written as zeros)",
+    "temperature": "a negative or non-finite value; that row's token was written as -1",
+    "top_p": "a value outside (0, 1]; that row's token was written as -1",
+    "min_p": "a value outside [0, 1]; that row's token was written as -1",
 }
 
 _flags: dict[int, Any] = {}
