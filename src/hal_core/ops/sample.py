@@ -35,7 +35,8 @@ Kernels find the thresholds by selection, never a sort: the row's maximum (one p
 select over the order-preserving integer keys of the float bits (four 8-bit histogram passes); top-p by
 the same radix descent over histograms of mass (one pass for the kept mass, four histogram passes);
 min-p from the maximum; then one pass for the kept mass and a walk of at most one pass for the draw.
-Greedy rows take one pass. So a row costs 1 + 4 + 5 + 2 passes at most.
+Greedy rows take one pass. So a row costs 1 + 4 + 5 + 2 passes at most. (The GPU kernel sums masses as
+integers, each weight times 2**40 truncated, so its sums do not depend on the order threads add in.)
 """
 
 from __future__ import annotations
