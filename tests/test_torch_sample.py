@@ -54,3 +54,18 @@ def test_sample_bad_value_is_named() -> None:
     t = {name: tensor(value) for name, value in args.items()}
     with pytest.raises(hal_core.ArgumentError, match="'temperature'"):
         hal_torch.sample(t["logits"], t["temperature"], t["seeds"])
+
+
+def test_sample_compiles_without_graph_breaks() -> None:
+    """A decode step's last op under torch.compile(fullgraph=True): traced through the fake, the same tokens."""
+    args = sample_inputs(np.random.default_rng(8), num_seqs=3, vocab_size=64, dtype="fp32")
+    t = {name: tensor(value) for name, value in args.items()}
+
+    def step(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+        return torch.ops.hal.sample(logits * 2.0, temperature, seeds)
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    got = compiled(t["logits"], t["temperature"], t["seeds"])
+    expected = OPS["sample"].reference({**args, "logits": args["logits"] * 2.0, "top_k": None, "top_p": None,
+                                        "min_p": None})
+    np.testing.assert_array_equal(got.numpy(), expected)
