@@ -258,6 +258,25 @@ def test_rms_norm_and_gated_activation_read_nothing_back(gpu: Any, rng: np.rando
     assert rel_err(gated, OPS["gated_activation"].reference({**act, "activation": "gelu"})) < TOL["bf16"]
 
 
+def test_rms_norm_fallback_writes_the_device_residual_back(gpu: Any, rng: np.random.Generator,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call the GPU refuses runs on the host copies and copies the new residual back to the device, once."""
+    from hal_cupy.ops import _rms_norm
+
+    from hal_core.testing.inputs import rms_norm_inputs
+
+    monkeypatch.setattr(_rms_norm.OP, "_check", lambda call: "refused for this test")
+    norm = rms_norm_inputs(rng, num_tokens=3, hidden_size=40, dtype="fp16")
+    dev_norm = {k: to_dev(v) for k, v in norm.items()}
+    out = gpu.ops.rms_norm(dev_norm["x"], dev_norm["weight"], epsilon=norm["epsilon"], residual=dev_norm["residual"])
+    assert "hal_rms_norm" not in emu.LAUNCHED
+    expected, expected_residual = OPS["rms_norm"].reference(norm)
+    assert rel_err(out, expected) < TOL["fp16"]
+    np.testing.assert_array_equal(host(dev_norm["residual"]).astype(np.float64), expected_residual)
+    plain = gpu.ops.rms_norm(dev_norm["x"], dev_norm["weight"], epsilon=norm["epsilon"])  # no residual to copy
+    assert rel_err(plain, OPS["rms_norm"].reference({**norm, "residual": None})[0]) < TOL["fp16"]
+
+
 @pytest.mark.parametrize("slot_dtype", [np.int32, np.int64], ids=["slot32", "slot64"])
 def test_write_kv_cache_reads_nothing_back(gpu: Any, rng: np.random.Generator, slot_dtype: Any) -> None:
     """write_kv_cache on device arrays: nothing crosses, nothing waits; the rows land."""

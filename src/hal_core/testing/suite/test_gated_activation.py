@@ -71,6 +71,7 @@ BAD_INPUTS = [
     ("activation-name", ArgumentError, "activation"),
     ("activation-type", ArgumentTypeError, "activation"),
     ("out-dtype", ArgumentTypeError, "out"),
+    ("gate-columns-strided", ArgumentError, "gate"),
 ]
 
 
@@ -95,6 +96,8 @@ def test_gated_activation_bad_input(hal_backend: Any, hal_rng: np.random.Generat
         args["activation"] = 1
     elif case == "out-dtype":
         out = np.zeros((4, 32), np.float16)
+    elif case == "gate-columns-strided":
+        args["gate"] = np.repeat(args["gate"], 2, axis=1)[:, ::2]
     dev = to_backend(hal_backend, "gated_activation", args)
     dev_out = hal_backend.asarray(out)
     with pytest.raises(error) as info:

@@ -98,6 +98,9 @@ BAD_INPUTS = [
     ("residual-is-x", ArgumentError, "residual"),
     ("residual-is-out", ArgumentError, "residual"),
     ("out-shape", ArgumentError, "out"),
+    ("x-columns-strided", ArgumentError, "x"),
+    ("weight-strided", ArgumentError, "weight"),
+    ("residual-overlaps-x", ArgumentError, "residual"),
 ]
 
 
@@ -125,10 +128,17 @@ def test_rms_norm_bad_input(hal_backend: Any, hal_rng: np.random.Generator, case
         args["weight_offset"] = float("inf")
     elif case == "out-shape":
         out = np.zeros((4, 31), np.float32)
+    elif case == "x-columns-strided":
+        args["x"] = np.repeat(args["x"], 2, axis=1)[:, ::2]
+    elif case == "weight-strided":
+        args["weight"] = np.repeat(args["weight"], 2)[::2]
     dev = to_backend(hal_backend, "rms_norm", args)
     dev_out = hal_backend.asarray(out)
     if case == "residual-is-x":
         dev["residual"] = dev["x"]
+    elif case == "residual-overlaps-x":  # x is rows 0-3 of a [5, 32] array, the residual rows 1-4
+        both = hal_backend.asarray(np.concatenate([args["x"], args["residual"][:1]]))
+        dev["x"], dev["residual"] = both[:4], both[1:]
     elif case == "residual-is-out":
         dev_out = dev["residual"]
     before = hal_backend.to_numpy(dev["residual"]).copy()
