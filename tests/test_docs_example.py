@@ -103,6 +103,8 @@ DECLARED = '''
         registry.declare("paged_attention", OpCoverage.none())
         registry.declare("write_kv_cache", OpCoverage.none())
         registry.declare("sample", OpCoverage.none())
+        registry.declare("rms_norm", OpCoverage.none())
+        registry.declare("gated_activation", OpCoverage.none())
 '''
 
 

@@ -31,6 +31,8 @@ struct KernelTable {
     int (*w4a16_half_dot)();
     int (*w4a8_gemm)(const hal_cpu_w4a8_gemm_args *);
     int (*sample)(const hal_cpu_sample_args *);
+    int (*rms_norm)(const hal_cpu_rms_norm_args *);
+    int (*gated_activation)(const hal_cpu_gated_activation_args *);
 };
 
 }  // namespace hal

@@ -545,6 +545,9 @@ int hal_cpu_w4a16_half_dot(void) { return kernels()->w4a16_half_dot(); }
 int hal_cpu_w4a8_gemm(const hal_cpu_w4a8_gemm_args *args) { return kernels()->w4a8_gemm(args); }
 
 int hal_cpu_sample(const hal_cpu_sample_args *args) { return kernels()->sample(args); }
+int hal_cpu_rms_norm(const hal_cpu_rms_norm_args *args) { return kernels()->rms_norm(args); }
+
+int hal_cpu_gated_activation(const hal_cpu_gated_activation_args *args) { return kernels()->gated_activation(args); }
 
 int hal_cpu_write_kv_cache(const hal_cpu_write_kv_cache_args *args) {
     const hal_cpu_write_kv_cache_args &a = *args;

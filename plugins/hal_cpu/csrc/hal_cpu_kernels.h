@@ -259,6 +259,44 @@ typedef struct hal_cpu_w4a8_gemm_args { HAL_CPU_W4A8_GEMM_FIELDS(HAL_CPU_DECLARE
     F(int32_t, dtype)                   /* of logits */                                                        \
     F(int32_t, threads)
 typedef struct hal_cpu_sample_args { HAL_CPU_SAMPLE_FIELDS(HAL_CPU_DECLARE_FIELD) } hal_cpu_sample_args;
+/* RMSNorm of each row (hal-core's rms_norm): h = x, or x + residual (written back to residual in dtype, the norm then
+ * taken of the stored sum); out = h * rsqrt(mean(h^2) + epsilon) * (weight_offset + weight). Strides are row strides
+ * in elements (rows contiguous); float32 math, out rounded once. */
+#define HAL_CPU_RMS_NORM_FIELDS(F)                                                                             \
+    F(const void *, x)                  /* [num_tokens, hidden_size], row stride x_stride */                   \
+    F(int64_t, x_stride)                                                                                       \
+    F(const void *, weight)             /* [hidden_size] */                                                    \
+    F(void *, residual)                 /* [num_tokens, hidden_size], row stride residual_stride, or NULL */   \
+    F(int64_t, residual_stride)                                                                                \
+    F(void *, out)                      /* [num_tokens, hidden_size], row stride out_stride */                 \
+    F(int64_t, out_stride)                                                                                     \
+    F(int64_t, num_tokens)                                                                                     \
+    F(int64_t, hidden_size)                                                                                    \
+    F(int64_t, rows_per_task)                                                                                  \
+    F(float, epsilon)                                                                                          \
+    F(float, weight_offset)                                                                                    \
+    F(int32_t, dtype)                   /* of every array: HAL_F32 / HAL_F16 / HAL_BF16 */                     \
+    F(int32_t, threads)
+typedef struct hal_cpu_rms_norm_args { HAL_CPU_RMS_NORM_FIELDS(HAL_CPU_DECLARE_FIELD) } hal_cpu_rms_norm_args;
+
+/* out = act(gate) * up (hal-core's gated_activation), float32 math, out rounded once. */
+enum { HAL_ACT_SILU = 0, HAL_ACT_GELU = 1, HAL_ACT_GELU_TANH = 2 };
+#define HAL_CPU_GATED_ACTIVATION_FIELDS(F)                                                                     \
+    F(const void *, gate)               /* [num_tokens, intermediate_size], row stride gate_stride */          \
+    F(int64_t, gate_stride)                                                                                    \
+    F(const void *, up)                 /* the same shape, row stride up_stride */                             \
+    F(int64_t, up_stride)                                                                                      \
+    F(void *, out)                      /* the same shape, row stride out_stride */                            \
+    F(int64_t, out_stride)                                                                                     \
+    F(int64_t, num_tokens)                                                                                     \
+    F(int64_t, intermediate_size)                                                                              \
+    F(int64_t, rows_per_task)                                                                                  \
+    F(int32_t, activation)              /* HAL_ACT_SILU / HAL_ACT_GELU / HAL_ACT_GELU_TANH */                  \
+    F(int32_t, dtype)                   /* of every array */                                                   \
+    F(int32_t, threads)
+typedef struct hal_cpu_gated_activation_args {
+    HAL_CPU_GATED_ACTIVATION_FIELDS(HAL_CPU_DECLARE_FIELD)
+} hal_cpu_gated_activation_args;
 
 /* The names hal_cpu_abi knows, with their field lists: X(name, struct, FIELDS) per argument struct. */
 #define HAL_CPU_ABI_STRUCTS(X)                                                                                 \
@@ -270,7 +308,9 @@ typedef struct hal_cpu_sample_args { HAL_CPU_SAMPLE_FIELDS(HAL_CPU_DECLARE_FIELD
     X(w8a8_gemm, hal_cpu_w8a8_gemm_args, HAL_CPU_W8A8_GEMM_FIELDS)                                             \
     X(w4a16_blocked, hal_cpu_w4a16_blocked_args, HAL_CPU_W4A16_BLOCKED_FIELDS)                                 \
     X(w4a8_gemm, hal_cpu_w4a8_gemm_args, HAL_CPU_W4A8_GEMM_FIELDS)                                             \
-    X(sample, hal_cpu_sample_args, HAL_CPU_SAMPLE_FIELDS)
+    X(sample, hal_cpu_sample_args, HAL_CPU_SAMPLE_FIELDS)                                                      \
+    X(rms_norm, hal_cpu_rms_norm_args, HAL_CPU_RMS_NORM_FIELDS)                                                \
+    X(gated_activation, hal_cpu_gated_activation_args, HAL_CPU_GATED_ACTIVATION_FIELDS)
 
 /* "size=N;field=offset:size;..." for an argument struct of this ABI (the names of HAL_CPU_ABI_STRUCTS), NULL
  * for an unknown name: hal_cpu._abi compares it with its ctypes mirror when the library loads. */
@@ -293,6 +333,8 @@ int hal_cpu_w8a8_gemm(const hal_cpu_w8a8_gemm_args *args);
 int hal_cpu_w4a16_blocked(const hal_cpu_w4a16_blocked_args *args);
 int hal_cpu_w4a8_gemm(const hal_cpu_w4a8_gemm_args *args);
 int hal_cpu_sample(const hal_cpu_sample_args *args);
+int hal_cpu_rms_norm(const hal_cpu_rms_norm_args *args);
+int hal_cpu_gated_activation(const hal_cpu_gated_activation_args *args);
 
 /* 1 when hal_cpu_w4a16_gemv runs fp16/bf16 activations through AVX512_BF16 dot products on this CPU, else 0. */
 int hal_cpu_w4a16_half_dot(void);

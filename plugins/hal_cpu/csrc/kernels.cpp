@@ -39,11 +39,13 @@ inline V::f vload(const typename S::T *p) {
 #include "w8a8.inl"
 #include "w4a8.inl"
 #include "sample.inl"
+#include "rms_norm.inl"
+#include "gated_activation.inl"
 
 const KernelTable table = {paged_attention, attention_amx_enabled, to_float32, w4a16_gemv, dequant_tile, w8a8_gemm,
                            w4a16_blocked,
                            w4a16_half_dot, w4a8_gemm,
-                           sample};
+                           sample, rms_norm, gated_activation};
 
 }  // namespace HAL_ISA_NAME
 }  // namespace hal

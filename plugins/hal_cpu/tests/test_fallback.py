@@ -5,13 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hal_cpu import _native
-from hal_cpu.ops import paged_attention, quantized_gemm, write_kv_cache
+from hal_cpu.ops import gated_activation, paged_attention, quantized_gemm, rms_norm, write_kv_cache
 
 from hal_core.ops import OPS
 from hal_core.testing.inputs import (
     assert_close,
+    gated_activation_inputs,
     paged_attention_inputs,
     quantized_gemm_inputs,
+    rms_norm_inputs,
     write_kv_cache_inputs,
 )
 
@@ -55,3 +57,20 @@ def test_write_kv_cache_fallback(rng: np.random.Generator) -> None:
     write_kv_cache.scatter(args["key"], args["value"], args["key_cache"], args["value_cache"], args["slot_mapping"])
     np.testing.assert_array_equal(args["key_cache"].astype(np.float64), expected_k)
     np.testing.assert_array_equal(args["value_cache"].astype(np.float64), expected_v)
+
+
+@pytest.mark.usefixtures("no_library")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_rms_norm_and_gated_activation_fallback(rng: np.random.Generator, dtype: str) -> None:
+    """The numpy norm (residual written back bit-exactly) and activations match the references."""
+    args = rms_norm_inputs(rng, num_tokens=5, hidden_size=33, dtype=dtype, row_stride=40)
+    expected, expected_residual = OPS["rms_norm"].reference({**args, "weight_offset": 1.0})
+    got = rms_norm.norm(args["x"], args["weight"], args["epsilon"], residual=args["residual"], weight_offset=1.0)
+    assert_close(got, expected, kind="elementwise", dtype=dtype)
+    assert expected_residual is not None
+    assert_close(args["residual"], expected_residual, kind="copy", dtype=dtype, what="residual")
+    for activation in ("silu", "gelu", "gelu_tanh"):
+        acts = gated_activation_inputs(rng, num_tokens=3, intermediate_size=50, dtype=dtype, activation=activation)
+        assert_close(gated_activation.gated(acts["gate"], acts["up"], activation),
+                     OPS["gated_activation"].reference(acts), kind="elementwise", dtype=dtype, what=activation)
+

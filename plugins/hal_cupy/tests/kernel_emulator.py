@@ -128,6 +128,19 @@ def _i32(value: Any) -> int:
     return int(value)
 
 
+def _i64(value: Any) -> int:
+    assert isinstance(value, np.int64), f"expected np.int64, got {type(value).__name__}"
+    return int(value)
+
+
+def _row_view(value: Any, stride: int, cols: int) -> np.ndarray:
+    """A 2-D device array the kernel reads as rows ``stride`` elements apart (a strided view allowed)."""
+    assert isinstance(value, DevArray), f"expected a device array, got {type(value).__name__}"
+    assert value.ndim == 2 and value.shape[1] == cols and value.strides[1] == value.itemsize
+    assert value.shape[0] <= 1 or value.strides[0] == stride * value.itemsize, (value.strides, stride)
+    return np.asarray(value)
+
+
 def _codes4(qweight: np.ndarray) -> np.ndarray:
     shifts = (4 * np.arange(8, dtype=np.uint32))[None, :, None]
     return ((qweight[:, None, :] >> shifts) & 15).reshape(qweight.shape[0] * 8, qweight.shape[1])
@@ -404,6 +417,37 @@ class Kernel:
             elif slot >= 0:
                 kc[slot // bs, :, slot % bs] = k[t]
                 vc[slot // bs, :, slot % bs] = v[t]
+
+    # -- rms_norm.cu, gated_activation.cu ---------------------------------------------------
+
+    def hal_rms_norm(self, grid: Any, block: Any, out: Any, x: Any, weight: Any, residual: Any, x_stride: Any,
+                     residual_stride: Any, hidden: Any, epsilon: Any, weight_offset: Any) -> None:
+        code = self.defines["HAL_DTYPE"]
+        o, w = _ptr(out), _ptr(weight)
+        hidden = _i32(hidden)
+        assert isinstance(epsilon, np.float32) and isinstance(weight_offset, np.float32)
+        xr = _row_view(x, _i64(x_stride), hidden)
+        assert grid == (o.shape[0], 1, 1) and o.shape == (xr.shape[0], hidden) == (xr.shape[0], w.shape[0])
+        h = _floats(xr, code)
+        if not (isinstance(residual, np.uint64) and int(residual) == 0):
+            rr = _row_view(residual, _i64(residual_stride), hidden)
+            _store(rr, h + _floats(rr, code), code)
+            h = _floats(rr, code)
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            scale = np.float32(1) / np.sqrt(np.mean(h * h, axis=1, keepdims=True) + epsilon)
+            _store(o, h * scale * (_floats(w, code) + weight_offset), code)
+
+    def hal_gated_activation(self, grid: Any, block: Any, out: Any, gate: Any, up: Any, gate_stride: Any,
+                             up_stride: Any, inter: Any, activation: Any) -> None:
+        from hal_core.ops.gated_activation import ACTIVATIONS, activate
+
+        code = self.defines["HAL_DTYPE"]
+        o, inter = _ptr(out), _i32(inter)
+        g, u = _row_view(gate, _i64(gate_stride), inter), _row_view(up, _i64(up_stride), inter)
+        columns = block[0] * 16 // np.dtype(o.dtype).itemsize
+        assert grid == (o.shape[0], -(-inter // columns), 1) and o.shape == g.shape == u.shape
+        with np.errstate(invalid="ignore", over="ignore"):
+            _store(o, activate(_floats(g, code), ACTIVATIONS[_i32(activation)]) * _floats(u, code), code)
 
     # -- quant_gemm.cu -----------------------------------------------------------------------
 

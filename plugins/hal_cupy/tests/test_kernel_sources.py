@@ -14,8 +14,10 @@ from hal_cuda import CUDA
 from hal_cupy import GpuPlatform, Specialization, all_specializations, kernel_source
 from hal_cupy._kernel_sources import assemble
 from hal_cupy._specialization import DTYPE_CODES
+from hal_cupy.ops import _gated_activation_rules as ga_rules
 from hal_cupy.ops import _paged_attention_rules as pa_rules
 from hal_cupy.ops import _quantized_gemm_rules as qg_rules
+from hal_cupy.ops import _rms_norm_rules as rn_rules
 from hal_cupy.ops import _write_kv_cache_rules as kv_rules
 from hal_cupy.testing import missing_compiler
 from hal_rocm import ROCM
@@ -30,6 +32,8 @@ REPRESENTATIVE = [
                                                                   ("float32", 8, 4)]),
     *(qg_rules.quant_util_spec(dt) for dt in DTYPE_CODES),
     qg_rules.quant_gemm_tc_spec("float16", 4, 1), qg_rules.quant_gemm_tc_spec("bfloat16", 8, 4),
+    *(rn_rules.rms_norm_spec(dt) for dt in DTYPE_CODES),
+    *(ga_rules.gated_activation_spec(dt) for dt in DTYPE_CODES),
 ]
 
 

@@ -133,12 +133,12 @@ def gpu(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Any:
     from hal_cupy import CupyBackend, _arrays, _cupy, _device, _index_errors, _launcher, _memory, _stream
     from hal_cupy._device import CupyDevice
     from hal_cupy._launcher import CupyLauncher
-    from hal_cupy.ops import _common, _paged_attention, _quantized_gemm, _write_kv_cache
+    from hal_cupy.ops import _common, _gated_activation, _paged_attention, _quantized_gemm, _rms_norm, _write_kv_cache
 
     counter = Counter()
     fake = emu.NumpyCupy()
     for module in (_arrays, _cupy, _device, _index_errors, _launcher, _memory, _stream, _common, _paged_attention,
-                   _quantized_gemm, _write_kv_cache):
+                   _quantized_gemm, _write_kv_cache, _rms_norm, _gated_activation):
         monkeypatch.setattr(module, "cupy", lambda: fake)
     for name in _READS:
         monkeypatch.setattr(emu.DevArray, name, _counting(counter, f"DevArray.{name}", getattr(emu.DevArray, name)))
@@ -236,6 +236,45 @@ def test_paged_attention_reads_nothing_back(gpu: Any, rng: np.random.Generator, 
     assert kernels == emu.LAUNCHED
     assert rel_err(out, OPS["paged_attention"].reference(args)) < TOL[dtype]
     gpu.check_errors()  # nothing recorded
+
+
+def test_rms_norm_and_gated_activation_read_nothing_back(gpu: Any, rng: np.random.Generator) -> None:
+    """rms_norm (with its residual) and gated_activation on device arrays: nothing crosses, nothing waits."""
+    from hal_core.testing.inputs import gated_activation_inputs, rms_norm_inputs
+
+    norm = rms_norm_inputs(rng, num_tokens=3, hidden_size=128, dtype="bf16")
+    act = gated_activation_inputs(rng, num_tokens=3, intermediate_size=256, dtype="bf16", fused=False)
+    dev_norm = {k: to_dev(v) for k, v in norm.items()}
+    dev_act = {k: to_dev(v) for k, v in act.items()}
+    with gpu.counter.window() as crossed:
+        normed = gpu.ops.rms_norm(dev_norm["x"], dev_norm["weight"], epsilon=norm["epsilon"],
+                                  residual=dev_norm["residual"])
+        gated = gpu.ops.gated_activation(dev_act["gate"], dev_act["up"], activation="gelu")
+    assert crossed == []
+    assert emu.LAUNCHED[-2:] == ["hal_rms_norm", "hal_gated_activation"]
+    expected, expected_residual = OPS["rms_norm"].reference(norm)
+    assert rel_err(normed, expected) < TOL["bf16"]
+    np.testing.assert_array_equal(host(dev_norm["residual"]).astype(np.float64), expected_residual)
+    assert rel_err(gated, OPS["gated_activation"].reference({**act, "activation": "gelu"})) < TOL["bf16"]
+
+
+def test_rms_norm_fallback_writes_the_device_residual_back(gpu: Any, rng: np.random.Generator,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call the GPU refuses runs on the host copies and copies the new residual back to the device, once."""
+    from hal_cupy.ops import _rms_norm
+
+    from hal_core.testing.inputs import rms_norm_inputs
+
+    monkeypatch.setattr(_rms_norm.OP, "_check", lambda call: "refused for this test")
+    norm = rms_norm_inputs(rng, num_tokens=3, hidden_size=40, dtype="fp16")
+    dev_norm = {k: to_dev(v) for k, v in norm.items()}
+    out = gpu.ops.rms_norm(dev_norm["x"], dev_norm["weight"], epsilon=norm["epsilon"], residual=dev_norm["residual"])
+    assert "hal_rms_norm" not in emu.LAUNCHED
+    expected, expected_residual = OPS["rms_norm"].reference(norm)
+    assert rel_err(out, expected) < TOL["fp16"]
+    np.testing.assert_array_equal(host(dev_norm["residual"]).astype(np.float64), expected_residual)
+    plain = gpu.ops.rms_norm(dev_norm["x"], dev_norm["weight"], epsilon=norm["epsilon"])  # no residual to copy
+    assert rel_err(plain, OPS["rms_norm"].reference({**norm, "residual": None})[0]) < TOL["fp16"]
 
 
 @pytest.mark.parametrize("slot_dtype", [np.int32, np.int64], ids=["slot32", "slot64"])

@@ -31,11 +31,11 @@ def backend(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> 
     """A stand-in GPU backend on an H200 (warp 32) or MI300X (wave 64) whose launcher compiles into the emulator."""
     from hal_cupy import _arrays, _cupy, _index_errors, _launcher, _memory, _stream
     from hal_cupy._launcher import CupyLauncher
-    from hal_cupy.ops import _common, _paged_attention, _quantized_gemm, _write_kv_cache
+    from hal_cupy.ops import _common, _gated_activation, _paged_attention, _quantized_gemm, _rms_norm, _write_kv_cache
 
     fake = emu.NumpyCupy()
     for module in (_arrays, _cupy, _index_errors, _launcher, _memory, _stream, _common, _paged_attention,
-                   _quantized_gemm, _write_kv_cache):
+                   _quantized_gemm, _write_kv_cache, _rms_norm, _gated_activation):
         monkeypatch.setattr(module, "cupy", lambda: fake)
     _index_errors.forget_flags()
     request.addfinalizer(_index_errors.forget_flags)
@@ -355,3 +355,48 @@ def test_write_kv_cache_refuses_an_odd_address(backend: Any, rng: np.random.Gene
     call = OpCall(spec=OPS["write_kv_cache"], args=args, backend=backend, host_arrays=False)
     impl = next(o for o in CUDA_OPS if o.op == "write_kv_cache")
     assert impl.supports(call) == "argument 'key' is not 2-byte aligned (a sliced view?); pass a fresh array"
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "fused-add"])
+def test_rms_norm(backend: Any, rng: np.random.Generator, dtype: str, residual: bool) -> None:
+    """rms_norm's argument list and launch (one CTA per row) on strided rows; the residual is written back."""
+    from hal_core.arrays import untag
+    from hal_core.testing.inputs import rms_norm_inputs
+
+    args = rms_norm_inputs(rng, num_tokens=4, hidden_size=96, dtype=dtype, residual=residual, row_stride=100)
+    args["weight_offset"] = 1.0
+    expected, expected_residual = OPS["rms_norm"].reference(args)
+    device_args = OPS["rms_norm"].map_arrays(args, to_dev)
+    assert not untag(device_args["x"]).flags.c_contiguous  # the strided view goes in as a view
+    result, device_args = _run_args("rms_norm", backend, device_args)
+    assert emu.LAUNCHED == ["hal_rms_norm"]
+    assert rel_err(result, expected) < TOL[dtype]
+    if residual:
+        np.testing.assert_array_equal(host(device_args["residual"]).astype(np.float64), expected_residual)
+
+
+@pytest.mark.parametrize("activation", [None, "silu", "gelu", "gelu_tanh"])
+def test_gated_activation(backend: Any, rng: np.random.Generator, activation: str | None) -> None:
+    """gated_activation on the halves of a fused gate-up device array: no copy, grid of column blocks."""
+    from hal_core.testing.inputs import gated_activation_inputs
+
+    args = gated_activation_inputs(rng, num_tokens=3, intermediate_size=2100, dtype="bf16", activation=activation)
+    both = to_dev(np.concatenate([args["gate"], args["up"]], axis=1))
+    device_args = {"gate": both[:, :2100], "up": both[:, 2100:], "activation": activation}
+    result, _ = _run_args("gated_activation", backend, device_args)
+    assert emu.LAUNCHED == ["hal_gated_activation"]
+    assert rel_err(result, OPS["gated_activation"].reference(args)) < TOL["bf16"]
+
+
+def _run_args(op: str, backend: Any, device_args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """Run the GPU implementation of ``op`` on device arguments as given (views stay views)."""
+    from hal_cupy.ops import OPS as CUDA_OPS
+
+    impl = next(o for o in CUDA_OPS if o.op == op)
+    OPS[op].validate(device_args, host)
+    call = OpCall(spec=OPS[op], args=device_args, backend=backend, host_arrays=False)
+    assert impl.supports(call) is True
+    emu.LAUNCHED.clear()
+    return impl(call), device_args
+

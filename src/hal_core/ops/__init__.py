@@ -13,8 +13,10 @@ from ._declare import Arg, BenchCases, Dim, Feature, Output, Role
 from ._dispatch import DispatchEvent, Ops, OpStats
 from ._registry import OpRegistry
 from ._spec import OpCall, OpImpl, OpSpec
+from .gated_activation import GatedActivation
 from .paged_attention import PagedAttention
 from .quantized_gemm import QuantizedGemm
+from .rms_norm import RmsNorm
 from .sample import Sample
 from .write_kv_cache import WriteKVCache
 
@@ -25,6 +27,7 @@ __all__ = [
     "Dim",
     "DispatchEvent",
     "Feature",
+    "GatedActivation",
     "OpCall",
     "OpCoverage",
     "OpImpl",
@@ -35,6 +38,7 @@ __all__ = [
     "Output",
     "PagedAttention",
     "QuantizedGemm",
+    "RmsNorm",
     "Role",
     "Sample",
     "WriteKVCache",

@@ -389,12 +389,12 @@ def _check_writable(name: str, value: Any) -> None:
 
 
 def _reference_result(call: OpCall) -> Any:
-    """The float64 reference cast to the op's dtype, writing in-place outputs."""
+    """The float64 reference cast to the op's dtype, writing in-place outputs (given ones; output first when both)."""
     spec = call.spec
     result = spec.reference(call.args)
-    dtype = spec.output_dtype(call.args)
     if spec.inplace_args:
-        for name, value in zip(spec.inplace_args, result, strict=False):
-            call.args[name][...] = value.astype(dtype)
-        return None
-    return result.astype(dtype)
+        written, result = (result, None) if spec.output is None else (result[1:], result[0])
+        for name, value in zip(spec.inplace_args, written, strict=False):
+            if value is not None and call.args.get(name) is not None:
+                call.args[name][...] = value.astype(call.args[name].dtype)
+    return None if result is None else result.astype(spec.output_dtype(call.args))

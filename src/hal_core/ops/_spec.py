@@ -235,7 +235,8 @@ class OpSpec(ABC):
         moved = self.map_arrays(args, there)
         result = run(moved)
         for name in self.inplace_args:
-            args[name][...] = back(moved[name])
+            if args.get(name) is not None:  # an optional in-place argument may be absent
+                args[name][...] = back(moved[name])
         return None if result is None else back(result)
 
     def signature(self) -> inspect.Signature:
@@ -264,7 +265,9 @@ class OpSpec(ABC):
         """The float64 numpy result for numpy ``args`` (inputs are not modified).
 
         Ops that write in place return the new values of their in-place
-        arguments, in :attr:`inplace_args` order.
+        arguments, in :attr:`inplace_args` order; an op with an output as
+        well returns ``(output, *those values)``, None for an optional
+        in-place argument not given (``rms_norm``'s ``residual``).
         """
         raise NotImplementedError("The 'reference' method must be implemented.")
 

@@ -18,17 +18,21 @@ from typing import Any
 import numpy as np
 
 from ..ops import OPS
+from ..ops.gated_activation import gated_activation_inputs
 from ..ops.paged_attention import paged_attention_inputs
 from ..ops.quantized_gemm import quantized_gemm_inputs
 from ..ops.sample import sample_inputs
+from ..ops.rms_norm import rms_norm_inputs
 from ..ops.write_kv_cache import write_kv_cache_inputs
 from .tolerances import tolerance
 
 __all__ = [
     "assert_close",
+    "gated_activation_inputs",
     "paged_attention_inputs",
     "quantized_gemm_inputs",
     "sample_inputs",
+    "rms_norm_inputs",
     "to_backend",
     "write_kv_cache_inputs",
 ]

@@ -11,6 +11,9 @@ Importing this module registers, with :mod:`torch.library`, the operators of eve
   ``hal::quantized_gemm_out(..., out) -> ()``;
 - ``hal::sample(logits, temperature, seeds, top_k=None, top_p=None, min_p=None) -> Tensor`` (int64 token ids)
   and ``hal::sample_out(..., out, ...) -> ()``.
+- ``hal::rms_norm(x, weight, epsilon, residual=None, weight_offset=None) -> Tensor`` (mutates ``residual``
+  when given) and ``hal::rms_norm_out``;
+- ``hal::gated_activation(gate, up, activation=None) -> Tensor`` and ``hal::gated_activation_out``.
 
 The Python functions of the same names are thin wrappers with each op's signature
 (``paged_attention(..., out=None, query_start_loc=None, ...)``, ``quantized_gemm(x, weight_tensors, bits)``).
@@ -34,7 +37,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
 from ._checkpoints import CheckpointFormat, checkpoint_format, load_quantized
 from ._convert import to_tensor
 from ._modules import QuantLinear
-from ._ops import paged_attention, quantized_gemm, sample, write_kv_cache
+from ._ops import gated_activation, paged_attention, quantized_gemm, rms_norm, sample, write_kv_cache
 from ._quantize_model import DEFAULT_LAYER_BITS, DEFAULT_SKIP, QuantizeReport, quantize_model
 from ._routing import backend_for
 from ._save import save_quantized
@@ -48,11 +51,13 @@ __all__ = [
     "QuantizeReport",
     "backend_for",
     "checkpoint_format",
+    "gated_activation",
     "load_quantized",
     "paged_attention",
     "quantize_model",
     "quantized_gemm",
     "sample",
+    "rms_norm",
     "save_quantized",
     "to_tensor",
     "weight_from_tensors",

@@ -39,7 +39,8 @@ from ._routing import backend_for, on_torch_stream
 from ._schema import WEIGHT_FIELDS, TorchOp, torch_ops
 from ._weights import _weight, host_weight
 
-__all__ = ["paged_attention", "quantized_gemm", "register_torch_ops", "sample", "wrapper", "write_kv_cache"]
+__all__ = ["gated_activation", "paged_attention", "quantized_gemm", "register_torch_ops", "rms_norm", "sample",
+           "wrapper", "write_kv_cache"]
 
 _LIBRARY = torch.library.Library("hal", "FRAGMENT")
 _registered: dict[str, OpSpec] = {}
@@ -247,3 +248,7 @@ write_kv_cache = wrapper(OPS["write_kv_cache"])
 quantized_gemm = wrapper(OPS["quantized_gemm"])
 #: One token per sequence from ``logits`` (int64 ids; layout and semantics: :mod:`hal_core.ops.sample`).
 sample = wrapper(OPS["sample"])
+#: RMSNorm of each row, after adding ``residual`` (mutated) when given (layout: :mod:`hal_core.ops.rms_norm`).
+rms_norm = wrapper(OPS["rms_norm"])
+#: ``act(gate) * up`` of a gated MLP (layout: :mod:`hal_core.ops.gated_activation`).
+gated_activation = wrapper(OPS["gated_activation"])

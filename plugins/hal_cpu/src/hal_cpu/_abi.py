@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import ctypes
 
-__all__ = ["STRUCTS", "AttentionArgs", "DequantTileArgs", "SampleArgs", "ToFloat32Args", "W4a16BlockedArgs",
-           "W4a16GemvArgs", "W8a8GemmArgs", "WriteKvCacheArgs", "layout", "mismatch"]
+__all__ = ["STRUCTS", "AttentionArgs", "DequantTileArgs", "GatedActivationArgs", "RmsNormArgs", "SampleArgs",
+           "ToFloat32Args", "W4a16BlockedArgs", "W4a16GemvArgs", "W8a8GemmArgs", "WriteKvCacheArgs", "layout", "mismatch"]
 
 _i32, _i64, _f32, _p = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -115,6 +115,26 @@ class SampleArgs(ctypes.Structure):
 
 
 #: ABI name (as ``hal_cpu_abi`` knows it) -> mirror.
+class RmsNormArgs(ctypes.Structure):
+    """``hal_cpu_rms_norm_args``: RMSNorm of each row, with an optional fused residual add."""
+
+    _fields_ = [
+        ("x", _p), ("x_stride", _i64), ("weight", _p), ("residual", _p), ("residual_stride", _i64),
+        ("out", _p), ("out_stride", _i64), ("num_tokens", _i64), ("hidden_size", _i64), ("rows_per_task", _i64),
+        ("epsilon", _f32), ("weight_offset", _f32), ("dtype", _i32), ("threads", _i32),
+    ]
+
+
+class GatedActivationArgs(ctypes.Structure):
+    """``hal_cpu_gated_activation_args``: ``out = act(gate) * up`` row by row."""
+
+    _fields_ = [
+        ("gate", _p), ("gate_stride", _i64), ("up", _p), ("up_stride", _i64), ("out", _p), ("out_stride", _i64),
+        ("num_tokens", _i64), ("intermediate_size", _i64), ("rows_per_task", _i64), ("activation", _i32),
+        ("dtype", _i32), ("threads", _i32),
+    ]
+
+
 STRUCTS: dict[str, type[ctypes.Structure]] = {
     "attention": AttentionArgs,
     "write_kv_cache": WriteKvCacheArgs,
@@ -125,6 +145,8 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "w4a16_blocked": W4a16BlockedArgs,
     "w4a8_gemm": W4a8GemmArgs,
     "sample": SampleArgs,
+    "rms_norm": RmsNormArgs,
+    "gated_activation": GatedActivationArgs,
 }
 
 

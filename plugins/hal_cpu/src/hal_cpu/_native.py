@@ -65,6 +65,8 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "hal_cpu_w4a16_half_dot": (ctypes.c_int, []),
     "hal_cpu_w4a8_gemm": (ctypes.c_int, [ctypes.POINTER(_abi.W4a8GemmArgs)]),
     "hal_cpu_sample": (ctypes.c_int, [ctypes.POINTER(_abi.SampleArgs)]),
+    "hal_cpu_rms_norm": (ctypes.c_int, [ctypes.POINTER(_abi.RmsNormArgs)]),
+    "hal_cpu_gated_activation": (ctypes.c_int, [ctypes.POINTER(_abi.GatedActivationArgs)]),
 }
 
 

@@ -47,6 +47,8 @@ _SHIMS = {
     "quant_gemm_tc.cu": "quant_gemm_tc_host.cpp",
     "paged_attention_tc.cu": "paged_attention_tc_host.cpp",
     "sample.cu": "sample_host.cpp",
+    "rms_norm.cu": "rms_norm_host.cpp",
+    "gated_activation.cu": "gated_activation_host.cpp",
 }
 
 # ctypes parameter kinds after (grid, block), in kernel parameter order:
@@ -56,6 +58,8 @@ _SIGNATURES: dict[str, str] = {
     "hal_paged_attention_split": "ppp" + "pppppppp" + "ff" + "iiiiiii" + "qqqqqq" + "iiiip",
     "hal_paged_attention_reduce": "ppppppp" + "iiiii",
     "hal_write_kv_cache": "pppppiiiip",
+    "hal_rms_norm": "pppp" + "qq" + "i" + "ff",
+    "hal_gated_activation": "ppp" + "qq" + "ii",
     "hal_w4a16_gemm": "ppppppiiiii",
     "hal_w8a8_gemm": "pppppppiiiii",
     "hal_w4a16_dequant": "ppppiii",

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 from . import (
     test_contracts,
+    test_gated_activation,
     test_kv_layouts,
     test_numerics,
     test_paged_attention,
     test_quantized_gemm,
+    test_rms_norm,
     test_sample,
     test_write_kv_cache,
 )
 
 __all__: list[str] = []
 _MODULES = (test_contracts, test_kv_layouts, test_numerics, test_paged_attention, test_quantized_gemm,
-            test_write_kv_cache, test_sample)
+            test_write_kv_cache, test_sample, test_rms_norm, test_gated_activation)
 for _module in _MODULES:
     for _name in dir(_module):
         if _name.startswith("test_"):

@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING
 
 from hal_core.ops import OpCoverage
 
-from . import _knobs, paged_attention, quantized_gemm, sample, write_kv_cache
+from . import _knobs, gated_activation, paged_attention, quantized_gemm, rms_norm, sample, write_kv_cache
 
 if TYPE_CHECKING:
     from hal_core.ops import OpRegistry
 
-__all__ = ["paged_attention", "quantized_gemm", "register_ops", "sample", "write_kv_cache"]
+__all__ = ["gated_activation", "paged_attention", "quantized_gemm", "register_ops", "rms_norm", "sample",
+           "write_kv_cache"]
 
 
 def register_ops(registry: OpRegistry) -> None:
@@ -31,3 +32,5 @@ def register_ops(registry: OpRegistry) -> None:
                       knobs=(_knobs.GEMM_KERNEL,))
     registry.declare("quantized_gemm", OpCoverage(schemes=("w4a16", "w4a8", "w8a8")))
     registry.register("sample", sample.sample, name="cpu.sample")
+    registry.register("rms_norm", rms_norm.rms_norm, name="cpu.rms_norm")
+    registry.register("gated_activation", gated_activation.gated_activation, name="cpu.gated_activation")
