@@ -102,6 +102,7 @@ DECLARED = '''
         registry.declare("quantized_gemm", OpCoverage(dtypes={"fp16", "fp32"}, bits={4}))
         registry.declare("paged_attention", OpCoverage.none())
         registry.declare("write_kv_cache", OpCoverage.none())
+        registry.declare("rotary_embedding", OpCoverage.none())
 '''
 
 

@@ -30,6 +30,7 @@ struct KernelTable {
     int (*w4a16_blocked)(const hal_cpu_w4a16_blocked_args *);
     int (*w4a16_half_dot)();
     int (*w4a8_gemm)(const hal_cpu_w4a8_gemm_args *);
+    int (*rotary_embedding)(const hal_cpu_rotary_embedding_args *);
 };
 
 }  // namespace hal

@@ -544,6 +544,8 @@ int hal_cpu_w4a16_half_dot(void) { return kernels()->w4a16_half_dot(); }
 
 int hal_cpu_w4a8_gemm(const hal_cpu_w4a8_gemm_args *args) { return kernels()->w4a8_gemm(args); }
 
+int hal_cpu_rotary_embedding(const hal_cpu_rotary_embedding_args *args) { return kernels()->rotary_embedding(args); }
+
 int hal_cpu_write_kv_cache(const hal_cpu_write_kv_cache_args *args) {
     const hal_cpu_write_kv_cache_args &a = *args;
     const int64_t kts = a.k_token_stride, khs = a.k_head_stride, vts = a.v_token_stride, vhs = a.v_head_stride;

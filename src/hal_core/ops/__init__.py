@@ -15,6 +15,7 @@ from ._registry import OpRegistry
 from ._spec import OpCall, OpImpl, OpSpec
 from .paged_attention import PagedAttention
 from .quantized_gemm import QuantizedGemm
+from .rotary_embedding import RotaryEmbedding
 from .write_kv_cache import WriteKVCache
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "PagedAttention",
     "QuantizedGemm",
     "Role",
+    "RotaryEmbedding",
     "WriteKVCache",
     "call_features",
     "register_op",

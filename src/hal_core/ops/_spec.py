@@ -232,7 +232,8 @@ class OpSpec(ABC):
         moved = self.map_arrays(args, there)
         result = run(moved)
         for name in self.inplace_args:
-            args[name][...] = back(moved[name])
+            if args.get(name) is not None:  # an optional in-place argument may be absent
+                args[name][...] = back(moved[name])
         return None if result is None else back(result)
 
     def signature(self) -> inspect.Signature:

@@ -20,6 +20,7 @@ import numpy as np
 from ..ops import OPS
 from ..ops.paged_attention import paged_attention_inputs
 from ..ops.quantized_gemm import quantized_gemm_inputs
+from ..ops.rotary_embedding import rotary_embedding_inputs
 from ..ops.write_kv_cache import write_kv_cache_inputs
 from .tolerances import tolerance
 
@@ -27,6 +28,7 @@ __all__ = [
     "assert_close",
     "paged_attention_inputs",
     "quantized_gemm_inputs",
+    "rotary_embedding_inputs",
     "to_backend",
     "write_kv_cache_inputs",
 ]

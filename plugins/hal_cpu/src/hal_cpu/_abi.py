@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import ctypes
 
-__all__ = ["STRUCTS", "AttentionArgs", "DequantTileArgs", "ToFloat32Args", "W4a16BlockedArgs", "W4a16GemvArgs",
-           "W8a8GemmArgs", "WriteKvCacheArgs", "layout", "mismatch"]
+__all__ = ["STRUCTS", "AttentionArgs", "DequantTileArgs", "RotaryEmbeddingArgs", "ToFloat32Args", "W4a16BlockedArgs",
+           "W4a16GemvArgs", "W8a8GemmArgs", "WriteKvCacheArgs", "layout", "mismatch"]
 
 _i32, _i64, _f32, _p = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -105,6 +105,17 @@ class W4a8GemmArgs(ctypes.Structure):
     ]
 
 
+class RotaryEmbeddingArgs(ctypes.Structure):
+    """``hal_cpu_rotary_embedding_args``: query and key head rows rotated in place by their tokens' cos/sin rows."""
+
+    _fields_ = [
+        ("positions", _p), ("query", _p), ("q_token_stride", _i64), ("q_head_stride", _i64),
+        ("key", _p), ("k_token_stride", _i64), ("k_head_stride", _i64), ("cos_sin_cache", _p),
+        ("num_tokens", _i64), ("max_position", _i64), ("position_bytes", _i32), ("num_heads", _i32),
+        ("num_kv_heads", _i32), ("rotary_dim", _i32), ("dtype", _i32), ("gptj", _i32), ("threads", _i32),
+    ]
+
+
 #: ABI name (as ``hal_cpu_abi`` knows it) -> mirror.
 STRUCTS: dict[str, type[ctypes.Structure]] = {
     "attention": AttentionArgs,
@@ -115,6 +126,7 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "w8a8_gemm": W8a8GemmArgs,
     "w4a16_blocked": W4a16BlockedArgs,
     "w4a8_gemm": W4a8GemmArgs,
+    "rotary_embedding": RotaryEmbeddingArgs,
 }
 
 

@@ -64,6 +64,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "hal_cpu_w4a16_blocked": (ctypes.c_int, [ctypes.POINTER(_abi.W4a16BlockedArgs)]),
     "hal_cpu_w4a16_half_dot": (ctypes.c_int, []),
     "hal_cpu_w4a8_gemm": (ctypes.c_int, [ctypes.POINTER(_abi.W4a8GemmArgs)]),
+    "hal_cpu_rotary_embedding": (ctypes.c_int, [ctypes.POINTER(_abi.RotaryEmbeddingArgs)]),
 }
 
 

@@ -13,12 +13,13 @@ from . import (
     test_numerics,
     test_paged_attention,
     test_quantized_gemm,
+    test_rotary_embedding,
     test_write_kv_cache,
 )
 
 __all__: list[str] = []
 _MODULES = (test_contracts, test_kv_layouts, test_numerics, test_paged_attention, test_quantized_gemm,
-            test_write_kv_cache)
+            test_write_kv_cache, test_rotary_embedding)
 for _module in _MODULES:
     for _name in dir(_module):
         if _name.startswith("test_"):

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 
 from hal_core.ops import OpCoverage
 
-from . import _knobs, paged_attention, quantized_gemm, write_kv_cache
+from . import _knobs, paged_attention, quantized_gemm, rotary_embedding, write_kv_cache
 
 if TYPE_CHECKING:
     from hal_core.ops import OpRegistry
 
-__all__ = ["paged_attention", "quantized_gemm", "register_ops", "write_kv_cache"]
+__all__ = ["paged_attention", "quantized_gemm", "register_ops", "rotary_embedding", "write_kv_cache"]
 
 
 def register_ops(registry: OpRegistry) -> None:
@@ -30,3 +30,4 @@ def register_ops(registry: OpRegistry) -> None:
     registry.register("quantized_gemm", quantized_gemm.quantized_gemm, name="cpu.quantized_gemm",
                       knobs=(_knobs.GEMM_KERNEL,))
     registry.declare("quantized_gemm", OpCoverage(schemes=("w4a16", "w4a8", "w8a8")))
+    registry.register("rotary_embedding", rotary_embedding.rotary_embedding, name="cpu.rotary_embedding")
