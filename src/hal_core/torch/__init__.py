@@ -8,7 +8,9 @@ Importing this module registers, with :mod:`torch.library`, the operators of eve
 - ``hal::write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> ()``
   (mutates both caches);
 - ``hal::quantized_gemm(x, qweight, scales, zeros, g_idx, bits, group_size, activations=None) -> Tensor`` and
-  ``hal::quantized_gemm_out(..., out) -> ()``.
+  ``hal::quantized_gemm_out(..., out) -> ()``;
+- ``hal::rotary_embedding(positions, query, cos_sin_cache, key=None, style=None) -> ()`` (mutates ``query``
+  and ``key``).
 
 The Python functions of the same names are thin wrappers with each op's signature
 (``paged_attention(..., out=None, query_start_loc=None, ...)``, ``quantized_gemm(x, weight_tensors, bits)``).
@@ -32,7 +34,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
 from ._checkpoints import CheckpointFormat, checkpoint_format, load_quantized
 from ._convert import to_tensor
 from ._modules import QuantLinear
-from ._ops import paged_attention, quantized_gemm, write_kv_cache
+from ._ops import paged_attention, quantized_gemm, rotary_embedding, write_kv_cache
 from ._quantize_model import DEFAULT_LAYER_BITS, DEFAULT_SKIP, QuantizeReport, quantize_model
 from ._routing import backend_for
 from ._save import save_quantized
@@ -50,6 +52,7 @@ __all__ = [
     "paged_attention",
     "quantize_model",
     "quantized_gemm",
+    "rotary_embedding",
     "save_quantized",
     "to_tensor",
     "weight_from_tensors",

@@ -39,7 +39,8 @@ from ._routing import backend_for, on_torch_stream
 from ._schema import WEIGHT_FIELDS, TorchOp, torch_ops
 from ._weights import _weight, host_weight
 
-__all__ = ["paged_attention", "quantized_gemm", "register_torch_ops", "wrapper", "write_kv_cache"]
+__all__ = ["paged_attention", "quantized_gemm", "register_torch_ops", "rotary_embedding", "wrapper",
+           "write_kv_cache"]
 
 _LIBRARY = torch.library.Library("hal", "FRAGMENT")
 _registered: dict[str, OpSpec] = {}
@@ -231,3 +232,5 @@ paged_attention = wrapper(OPS["paged_attention"])
 write_kv_cache = wrapper(OPS["write_kv_cache"])
 #: ``x [M, K]`` times the quantized weight held as tensors (:func:`~hal_core.torch.weight_to_tensors`).
 quantized_gemm = wrapper(OPS["quantized_gemm"])
+#: Rotate ``query`` (and ``key``) in place by their positions (layout: :mod:`hal_core.ops.rotary_embedding`).
+rotary_embedding = wrapper(OPS["rotary_embedding"])

@@ -9,7 +9,7 @@ then ``out`` (``_out`` only), then the optional arguments with default None.
 ==============  =========================================
 role            torch type
 ==============  =========================================
-array, index    ``Tensor`` (``Tensor?`` when optional; ``Tensor(a!)`` when mutated)
+array, index    ``Tensor`` (``Tensor?`` when optional; ``Tensor(a!)`` when mutated, ``Tensor(a!)?`` both)
 scalar          ``float`` / ``int`` / ``str`` (``float?`` / ``int?`` / ``str?`` when optional)
 hint            ``SymInt?``
 weight          ``Tensor, Tensor, Tensor?, Tensor?, int, int``
@@ -48,8 +48,8 @@ class TorchOp:
 
 def _param(arg: Arg, alias: str | None) -> str:
     if arg.is_array:
-        if alias is not None:
-            return f"Tensor({alias}!) {arg.name}"
+        if alias is not None:  # an optional one (rotary_embedding's key) may be None
+            return f"Tensor({alias}!) {arg.name}" if arg.required else f"Tensor({alias}!)? {arg.name}=None"
         return f"Tensor {arg.name}" if arg.required else f"Tensor? {arg.name}=None"
     # a hint may come from traced sizes (a symbolic int under torch.compile), never specialised
     kind = "SymInt" if arg.role is Role.HINT else {int: "int", str: "str"}.get(arg.kind, "float")
