@@ -16,6 +16,7 @@ from hal_cupy._kernel_sources import assemble
 from hal_cupy._specialization import DTYPE_CODES
 from hal_cupy.ops import _paged_attention_rules as pa_rules
 from hal_cupy.ops import _quantized_gemm_rules as qg_rules
+from hal_cupy.ops import _rotary_embedding_rules as rot_rules
 from hal_cupy.ops import _write_kv_cache_rules as kv_rules
 from hal_cupy.testing import missing_compiler
 from hal_rocm import ROCM
@@ -30,6 +31,8 @@ REPRESENTATIVE = [
                                                                   ("float32", 8, 4)]),
     *(qg_rules.quant_util_spec(dt) for dt in DTYPE_CODES),
     qg_rules.quant_gemm_tc_spec("float16", 4, 1), qg_rules.quant_gemm_tc_spec("bfloat16", 8, 4),
+    *(rot_rules.rotary_embedding_spec(dt, i64) for dt, i64 in [("float32", True), ("float16", False),
+                                                               ("bfloat16", True)]),
 ]
 
 

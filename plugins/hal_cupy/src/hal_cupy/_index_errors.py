@@ -28,7 +28,8 @@ from ._cupy import cupy
 __all__ = ["ERROR_ARGUMENTS", "error_flag", "forget_flags", "has_flag", "raise_recorded"]
 
 #: Flag bits (``HAL_ERR_*`` of ``hal_index_checks.cuh``) and the argument each names.
-ERROR_ARGUMENTS: dict[int, str] = {1: "block_tables", 2: "seq_lens", 4: "slot_mapping", 8: "query_start_loc"}
+ERROR_ARGUMENTS: dict[int, str] = {1: "block_tables", 2: "seq_lens", 4: "slot_mapping", 8: "query_start_loc",
+                                   16: "positions"}
 
 _WHAT = {
     "block_tables": "a used entry outside [0, num_blocks); that sequence's output rows were written as zeros",
@@ -38,6 +39,8 @@ _WHAT = {
     "query_start_loc": "offsets not starting at 0, decreasing or not ending at num_tokens (every output row was "
                        "written as zeros), or a sequence with more new tokens than its seq_lens entry or "
                        "max_query_len (that sequence's output rows were written as zeros)",
+    "positions": "a position outside [0, max_position) (the rows of cos_sin_cache); that token's query and key "
+                 "were left as they were",
 }
 
 _flags: dict[int, Any] = {}

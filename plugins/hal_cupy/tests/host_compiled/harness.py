@@ -46,6 +46,7 @@ _SHIMS = {
     "quant_util.cu": "quant_util_host.cpp",
     "quant_gemm_tc.cu": "quant_gemm_tc_host.cpp",
     "paged_attention_tc.cu": "paged_attention_tc_host.cpp",
+    "rotary_embedding.cu": "rotary_embedding_host.cpp",
 }
 
 # ctypes parameter kinds after (grid, block), in kernel parameter order:
@@ -66,6 +67,7 @@ _SIGNATURES: dict[str, str] = {
     "hal_w8a8_gemm_tc": "pppppppiiiii",
     "hal_tc_reduce": "ppqi",
     "hal_paged_attention_tc": "pppp" + "pppppppp" + "ff" + "iiiiiii" + "qqqqqq" + "iiiip",
+    "hal_rotary_embedding": "pppp" + "qqqq" + "iiii" + "qp",
 }
 _CTYPES = {"p": ctypes.c_void_p, "f": ctypes.c_float, "i": ctypes.c_int, "q": ctypes.c_longlong}
 _UINT3 = ctypes.c_uint * 3
