@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..arrays import dtype_name, numpy_dtype
+from ..rope import rope_cos_sin_cache
 from ..tuning._buckets import pow2
 from ._catalog import register_op
 from ._checks import SMALL_INDEX_ARRAY, check_writable, fail, host_index_checks
@@ -151,9 +152,7 @@ def rotary_embedding_inputs(rng: np.random.Generator, *, num_tokens: int, num_he
     query/key values in [-1, 1)."""
     rotary_dim = head_size if rotary_dim is None else rotary_dim
     positions = rng.integers(0, max_position, num_tokens)
-    inv_freq = 1.0 / 10000.0 ** (np.arange(0, rotary_dim, 2) / rotary_dim)
-    angles = np.arange(max_position)[:, None] * inv_freq
-    table = np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
+    table = rope_cos_sin_cache(rotary_dim, max_position)  # theta 10000, unscaled
     if poison:
         unused = np.ones(max_position, dtype=bool)
         unused[positions] = False
