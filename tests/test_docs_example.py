@@ -105,6 +105,7 @@ DECLARED = '''
         registry.declare("sample", OpCoverage.none())
         registry.declare("rms_norm", OpCoverage.none())
         registry.declare("gated_activation", OpCoverage.none())
+        registry.declare("rotary_embedding", OpCoverage.none())
 '''
 
 

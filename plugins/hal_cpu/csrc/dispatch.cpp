@@ -548,6 +548,7 @@ int hal_cpu_sample(const hal_cpu_sample_args *args) { return kernels()->sample(a
 int hal_cpu_rms_norm(const hal_cpu_rms_norm_args *args) { return kernels()->rms_norm(args); }
 
 int hal_cpu_gated_activation(const hal_cpu_gated_activation_args *args) { return kernels()->gated_activation(args); }
+int hal_cpu_rotary_embedding(const hal_cpu_rotary_embedding_args *args) { return kernels()->rotary_embedding(args); }
 
 int hal_cpu_write_kv_cache(const hal_cpu_write_kv_cache_args *args) {
     const hal_cpu_write_kv_cache_args &a = *args;

@@ -297,6 +297,30 @@ enum { HAL_ACT_SILU = 0, HAL_ACT_GELU = 1, HAL_ACT_GELU_TANH = 2 };
 typedef struct hal_cpu_gated_activation_args {
     HAL_CPU_GATED_ACTIVATION_FIELDS(HAL_CPU_DECLARE_FIELD)
 } hal_cpu_gated_activation_args;
+/* Rotary position embedding in place (hal-core's rotary_embedding contract): the first rotary_dim values of every
+ * query and key head row rotated pair by pair by its token's row of cos_sin_cache, in float32. Strides in
+ * elements; head rows are contiguous. A position outside [0, max_position) leaves its token as it is. */
+#define HAL_CPU_ROTARY_EMBEDDING_FIELDS(F)                                                                     \
+    F(const void *, positions)          /* [num_tokens] int32 or int64 */                                      \
+    F(void *, query)                    /* [num_tokens, num_heads, head_size] */                               \
+    F(int64_t, q_token_stride)                                                                                 \
+    F(int64_t, q_head_stride)                                                                                  \
+    F(void *, key)                      /* [num_tokens, num_kv_heads, head_size], or NULL: the query alone */  \
+    F(int64_t, k_token_stride)                                                                                 \
+    F(int64_t, k_head_stride)                                                                                  \
+    F(const float *, cos_sin_cache)     /* [max_position, rotary_dim]: cosines, then sines */                  \
+    F(int64_t, num_tokens)                                                                                     \
+    F(int64_t, max_position)                                                                                   \
+    F(int32_t, position_bytes)          /* 4 or 8 */                                                           \
+    F(int32_t, num_heads)                                                                                      \
+    F(int32_t, num_kv_heads)                                                                                   \
+    F(int32_t, rotary_dim)              /* even, <= head_size */                                               \
+    F(int32_t, dtype)                   /* of query and key: HAL_F32 / HAL_F16 / HAL_BF16 */                   \
+    F(int32_t, gptj)                    /* 1: pairs (2i, 2i + 1); 0: pairs (i, i + rotary_dim / 2) (NeoX) */   \
+    F(int32_t, threads)
+typedef struct hal_cpu_rotary_embedding_args {
+    HAL_CPU_ROTARY_EMBEDDING_FIELDS(HAL_CPU_DECLARE_FIELD)
+} hal_cpu_rotary_embedding_args;
 
 /* The names hal_cpu_abi knows, with their field lists: X(name, struct, FIELDS) per argument struct. */
 #define HAL_CPU_ABI_STRUCTS(X)                                                                                 \
@@ -310,7 +334,8 @@ typedef struct hal_cpu_gated_activation_args {
     X(w4a8_gemm, hal_cpu_w4a8_gemm_args, HAL_CPU_W4A8_GEMM_FIELDS)                                             \
     X(sample, hal_cpu_sample_args, HAL_CPU_SAMPLE_FIELDS)                                                      \
     X(rms_norm, hal_cpu_rms_norm_args, HAL_CPU_RMS_NORM_FIELDS)                                                \
-    X(gated_activation, hal_cpu_gated_activation_args, HAL_CPU_GATED_ACTIVATION_FIELDS)
+    X(gated_activation, hal_cpu_gated_activation_args, HAL_CPU_GATED_ACTIVATION_FIELDS)                        \
+    X(rotary_embedding, hal_cpu_rotary_embedding_args, HAL_CPU_ROTARY_EMBEDDING_FIELDS)
 
 /* "size=N;field=offset:size;..." for an argument struct of this ABI (the names of HAL_CPU_ABI_STRUCTS), NULL
  * for an unknown name: hal_cpu._abi compares it with its ctypes mirror when the library loads. */
@@ -335,6 +360,7 @@ int hal_cpu_w4a8_gemm(const hal_cpu_w4a8_gemm_args *args);
 int hal_cpu_sample(const hal_cpu_sample_args *args);
 int hal_cpu_rms_norm(const hal_cpu_rms_norm_args *args);
 int hal_cpu_gated_activation(const hal_cpu_gated_activation_args *args);
+int hal_cpu_rotary_embedding(const hal_cpu_rotary_embedding_args *args);
 
 /* 1 when hal_cpu_w4a16_gemv runs fp16/bf16 activations through AVX512_BF16 dot products on this CPU, else 0. */
 int hal_cpu_w4a16_half_dot(void);

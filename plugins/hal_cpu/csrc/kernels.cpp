@@ -41,11 +41,12 @@ inline V::f vload(const typename S::T *p) {
 #include "sample.inl"
 #include "rms_norm.inl"
 #include "gated_activation.inl"
+#include "rotary_embedding.inl"
 
 const KernelTable table = {paged_attention, attention_amx_enabled, to_float32, w4a16_gemv, dequant_tile, w8a8_gemm,
                            w4a16_blocked,
                            w4a16_half_dot, w4a8_gemm,
-                           sample, rms_norm, gated_activation};
+                           sample, rms_norm, gated_activation, rotary_embedding};
 
 }  // namespace HAL_ISA_NAME
 }  // namespace hal

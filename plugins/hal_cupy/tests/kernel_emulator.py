@@ -123,6 +123,19 @@ def _ptr(value: Any, dtype: Any = None, nullable: bool = False) -> np.ndarray | 
     return np.asarray(value)
 
 
+def _rows(value: Any, token_stride: Any, head_stride: Any, nullable: bool = False) -> np.ndarray | None:
+    """A device array of head rows addressed by (token, head) strides in elements, last dimension contiguous."""
+    if isinstance(value, np.uint64) and nullable:
+        assert int(value) == 0
+        return None
+    assert isinstance(value, DevArray), f"expected a device array, got {type(value).__name__}"
+    assert isinstance(token_stride, np.int64) and isinstance(head_stride, np.int64)
+    item = value.itemsize
+    assert value.strides[2] == item or value.shape[2] == 1
+    assert (int(token_stride) * item, int(head_stride) * item) == value.strides[:2] or 0 in value.shape[:2]
+    return np.asarray(value)
+
+
 def _i32(value: Any) -> int:
     assert isinstance(value, np.int32), f"expected np.int32, got {type(value).__name__}"
     return int(value)
@@ -448,6 +461,35 @@ class Kernel:
         assert grid == (o.shape[0], -(-inter // columns), 1) and o.shape == g.shape == u.shape
         with np.errstate(invalid="ignore", over="ignore"):
             _store(o, activate(_floats(g, code), ACTIVATIONS[_i32(activation)]) * _floats(u, code), code)
+    # -- rotary_embedding.cu -----------------------------------------------------------------
+
+    def hal_rotary_embedding(self, grid: Any, block: Any, positions: Any, query: Any, key: Any, table: Any,
+                             q_token_stride: Any, q_head_stride: Any, k_token_stride: Any, k_head_stride: Any,
+                             num_heads: Any, num_kv_heads: Any, rotary_dim: Any, gptj: Any, max_position: Any,
+                             error_flag: Any) -> None:
+        from hal_core.ops.rotary_embedding import rotary_pairs
+
+        code = self.defines["HAL_DTYPE"]
+        pos = _ptr(positions, np.int64 if self.defines["HAL_POS_INT64"] else np.int32)
+        q = _rows(query, q_token_stride, q_head_stride)
+        k = _rows(key, k_token_stride, k_head_stride, nullable=True)
+        cs = _ptr(table, np.float32)
+        nh, nkv, rd, gptj = _i32(num_heads), _i32(num_kv_heads), _i32(rotary_dim), _i32(gptj)
+        assert isinstance(max_position, np.int64) and int(max_position) == cs.shape[0]
+        flag = _ptr(error_flag, np.int32)
+        assert grid == (q.shape[0], 1, 1) and block == (128, 1, 1) and nh == q.shape[1] and rd == cs.shape[1]
+        assert nkv == (0 if k is None else k.shape[1])
+        first, second = rotary_pairs(rd, "gptj" if gptj else "neox")
+        for t, p in enumerate(pos):
+            if not 0 <= p < cs.shape[0]:
+                flag[0] |= 128  # left as it is, positions reported
+                continue
+            cos, sin = cs[p, : rd // 2], cs[p, rd // 2:]
+            for x in (q, k):
+                if x is not None:
+                    x1, x2 = _floats(x[t][..., first], code), _floats(x[t][..., second], code)
+                    _store(x[t][..., first], x1 * cos - x2 * sin, code)
+                    _store(x[t][..., second], x2 * cos + x1 * sin, code)
 
     # -- quant_gemm.cu -----------------------------------------------------------------------
 

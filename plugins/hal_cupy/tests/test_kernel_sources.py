@@ -18,6 +18,7 @@ from hal_cupy.ops import _gated_activation_rules as ga_rules
 from hal_cupy.ops import _paged_attention_rules as pa_rules
 from hal_cupy.ops import _quantized_gemm_rules as qg_rules
 from hal_cupy.ops import _rms_norm_rules as rn_rules
+from hal_cupy.ops import _rotary_embedding_rules as rot_rules
 from hal_cupy.ops import _write_kv_cache_rules as kv_rules
 from hal_cupy.testing import missing_compiler
 from hal_rocm import ROCM
@@ -34,6 +35,8 @@ REPRESENTATIVE = [
     qg_rules.quant_gemm_tc_spec("float16", 4, 1), qg_rules.quant_gemm_tc_spec("bfloat16", 8, 4),
     *(rn_rules.rms_norm_spec(dt) for dt in DTYPE_CODES),
     *(ga_rules.gated_activation_spec(dt) for dt in DTYPE_CODES),
+    *(rot_rules.rotary_embedding_spec(dt, i64) for dt, i64 in [("float32", True), ("float16", False),
+                                                               ("bfloat16", True)]),
 ]
 
 

@@ -140,6 +140,9 @@ def gpu(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Any:
     for module in (_arrays, _cupy, _device, _index_errors, _launcher, _memory, _stream, _common, _paged_attention,
                    _quantized_gemm, _write_kv_cache, _rms_norm, _gated_activation):
         monkeypatch.setattr(module, "cupy", lambda: fake)
+    from hal_cupy.ops import _rotary_embedding
+
+    monkeypatch.setattr(_rotary_embedding, "cupy", lambda: fake)
     for name in _READS:
         monkeypatch.setattr(emu.DevArray, name, _counting(counter, f"DevArray.{name}", getattr(emu.DevArray, name)))
     monkeypatch.setattr(emu.Kernel, "__call__", _in_kernel(counter, emu.Kernel.__call__))
@@ -507,3 +510,30 @@ def test_benchmark_decode_step_replays_from_a_captured_graph(gpu: Any, monkeypat
     assert result["captured"], result["graph_error"]
     assert result["steps"] == 3 and result["correct"], result["rel_errors"]
     assert result["bad_index_reported"] and result["bad_sequence_zero"], result["bad_index_message"]
+
+
+def test_rotary_embedding_reads_nothing_back_and_skips_a_bad_position(gpu: Any, rng: np.random.Generator) -> None:
+    """rotary_embedding on device arrays: nothing crosses, nothing waits; a position past the table leaves its
+    token as it is, the others rotate, and the next synchronisation names positions."""
+    from hal_core.testing.inputs import assert_close, rotary_embedding_inputs
+
+    args = rotary_embedding_inputs(rng, num_tokens=4, num_heads=2, num_kv_heads=1, head_size=64, dtype="fp16",
+                                   max_position=16, poison=False)
+    dev = {k: to_dev(v) for k, v in args.items()}
+    with gpu.counter.window() as crossed:
+        gpu.ops.rotary_embedding(dev["positions"], dev["query"], dev["cos_sin_cache"], key=dev["key"])
+    assert crossed == []
+    gpu.check_errors()  # nothing recorded
+    want_q, want_k = OPS["rotary_embedding"].reference(args)
+    assert_close(host(dev["query"]), want_q, kind="rotary", dtype="fp16", what="query")
+    assert_close(host(dev["key"]), want_k, kind="rotary", dtype="fp16", what="key")
+
+    before_q = host(dev["query"]).copy()
+    bad = to_dev(np.array([5, 16, 3, 1], args["positions"].dtype))  # position 0 would rotate nothing
+    with gpu.counter.window() as crossed:
+        gpu.ops.rotary_embedding(bad, dev["query"], dev["cos_sin_cache"], key=dev["key"])
+    assert crossed == []
+    np.testing.assert_array_equal(host(dev["query"])[1], before_q[1])
+    assert not np.array_equal(host(dev["query"])[0], before_q[0])
+    with pytest.raises(hal_core.ArgumentError, match="argument 'positions'"):
+        gpu.device(0).current_stream().synchronize()

@@ -37,6 +37,9 @@ def backend(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> 
     for module in (_arrays, _cupy, _index_errors, _launcher, _memory, _stream, _common, _paged_attention,
                    _quantized_gemm, _write_kv_cache, _rms_norm, _gated_activation):
         monkeypatch.setattr(module, "cupy", lambda: fake)
+    from hal_cupy.ops import _rotary_embedding
+
+    monkeypatch.setattr(_rotary_embedding, "cupy", lambda: fake)
     _index_errors.forget_flags()
     request.addfinalizer(_index_errors.forget_flags)
     caps = hal_core.load_profile(request.param)

@@ -17,6 +17,7 @@ from .gated_activation import GatedActivation
 from .paged_attention import PagedAttention
 from .quantized_gemm import QuantizedGemm
 from .rms_norm import RmsNorm
+from .rotary_embedding import RotaryEmbedding
 from .sample import Sample
 from .write_kv_cache import WriteKVCache
 
@@ -41,6 +42,7 @@ __all__ = [
     "RmsNorm",
     "Role",
     "Sample",
+    "RotaryEmbedding",
     "WriteKVCache",
     "call_features",
     "register_op",

@@ -21,8 +21,9 @@ from ..ops import OPS
 from ..ops.gated_activation import gated_activation_inputs
 from ..ops.paged_attention import paged_attention_inputs
 from ..ops.quantized_gemm import quantized_gemm_inputs
-from ..ops.sample import sample_inputs
 from ..ops.rms_norm import rms_norm_inputs
+from ..ops.rotary_embedding import rotary_embedding_inputs
+from ..ops.sample import sample_inputs
 from ..ops.write_kv_cache import write_kv_cache_inputs
 from .tolerances import tolerance
 
@@ -33,6 +34,7 @@ __all__ = [
     "quantized_gemm_inputs",
     "sample_inputs",
     "rms_norm_inputs",
+    "rotary_embedding_inputs",
     "to_backend",
     "write_kv_cache_inputs",
 ]

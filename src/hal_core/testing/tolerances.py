@@ -20,6 +20,8 @@ TOLERANCES: dict[str, dict[str, tuple[float, float]]] = {
     "copy": {"fp32": (0.0, 0.0), "fp16": (0.0, 0.0), "bf16": (0.0, 0.0)},
     # a row or element computed in float32 and rounded once to the dtype (rms_norm, gated_activation)
     "elementwise": {"fp32": (1e-5, 1e-5), "fp16": (1e-3, 2e-3), "bf16": (8e-3, 1e-2)},
+    # a rotation of O(1) pairs in float32, rounded once to the dtype (half an ulp: 2**-11 relative in fp16, 2**-9 bf16)
+    "rotary": {"fp32": (1e-6, 1e-5), "fp16": (1e-5, 1e-3), "bf16": (1e-4, 8e-3)},
 }
 
 

@@ -14,6 +14,8 @@ Importing this module registers, with :mod:`torch.library`, the operators of eve
 - ``hal::rms_norm(x, weight, epsilon, residual=None, weight_offset=None) -> Tensor`` (mutates ``residual``
   when given) and ``hal::rms_norm_out``;
 - ``hal::gated_activation(gate, up, activation=None) -> Tensor`` and ``hal::gated_activation_out``.
+- ``hal::rotary_embedding(positions, query, cos_sin_cache, key=None, style=None) -> ()`` (mutates ``query``
+  and ``key``).
 
 The Python functions of the same names are thin wrappers with each op's signature
 (``paged_attention(..., out=None, query_start_loc=None, ...)``, ``quantized_gemm(x, weight_tensors, bits)``).
@@ -37,7 +39,15 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
 from ._checkpoints import CheckpointFormat, checkpoint_format, load_quantized
 from ._convert import to_tensor
 from ._modules import QuantLinear
-from ._ops import gated_activation, paged_attention, quantized_gemm, rms_norm, sample, write_kv_cache
+from ._ops import (
+    gated_activation,
+    paged_attention,
+    quantized_gemm,
+    rms_norm,
+    rotary_embedding,
+    sample,
+    write_kv_cache,
+)
 from ._quantize_model import DEFAULT_LAYER_BITS, DEFAULT_SKIP, QuantizeReport, quantize_model
 from ._routing import backend_for
 from ._save import save_quantized
@@ -58,6 +68,7 @@ __all__ = [
     "quantized_gemm",
     "sample",
     "rms_norm",
+    "rotary_embedding",
     "save_quantized",
     "to_tensor",
     "weight_from_tensors",

@@ -39,8 +39,8 @@ from ._routing import backend_for, on_torch_stream
 from ._schema import WEIGHT_FIELDS, TorchOp, torch_ops
 from ._weights import _weight, host_weight
 
-__all__ = ["gated_activation", "paged_attention", "quantized_gemm", "register_torch_ops", "rms_norm", "sample",
-           "wrapper", "write_kv_cache"]
+__all__ = ["gated_activation", "paged_attention", "quantized_gemm", "register_torch_ops", "rms_norm",
+           "rotary_embedding", "sample", "wrapper", "write_kv_cache"]
 
 _LIBRARY = torch.library.Library("hal", "FRAGMENT")
 _registered: dict[str, OpSpec] = {}
@@ -252,3 +252,5 @@ sample = wrapper(OPS["sample"])
 rms_norm = wrapper(OPS["rms_norm"])
 #: ``act(gate) * up`` of a gated MLP (layout: :mod:`hal_core.ops.gated_activation`).
 gated_activation = wrapper(OPS["gated_activation"])
+#: Rotate ``query`` (and ``key``) in place by their positions (layout: :mod:`hal_core.ops.rotary_embedding`).
+rotary_embedding = wrapper(OPS["rotary_embedding"])

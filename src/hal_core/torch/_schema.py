@@ -48,7 +48,7 @@ class TorchOp:
 
 def _param(arg: Arg, alias: str | None) -> str:
     if arg.is_array:
-        if alias is not None:
+        if alias is not None:  # an optional one (rms_norm's residual, rotary_embedding's key) may be None
             return f"Tensor({alias}!) {arg.name}" if arg.required else f"Tensor({alias}!)? {arg.name}=None"
         return f"Tensor {arg.name}" if arg.required else f"Tensor? {arg.name}=None"
     # a hint may come from traced sizes (a symbolic int under torch.compile), never specialised

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import ctypes
 
-__all__ = ["STRUCTS", "AttentionArgs", "DequantTileArgs", "GatedActivationArgs", "RmsNormArgs", "SampleArgs",
-           "ToFloat32Args", "W4a16BlockedArgs", "W4a16GemvArgs", "W8a8GemmArgs", "WriteKvCacheArgs", "layout", "mismatch"]
+__all__ = ["STRUCTS", "AttentionArgs", "DequantTileArgs", "GatedActivationArgs", "RmsNormArgs", "RotaryEmbeddingArgs",
+           "SampleArgs", "ToFloat32Args", "W4a16BlockedArgs", "W4a16GemvArgs", "W8a8GemmArgs", "WriteKvCacheArgs",
+           "layout", "mismatch"]
 
 _i32, _i64, _f32, _p = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -114,7 +115,17 @@ class SampleArgs(ctypes.Structure):
     ]
 
 
-#: ABI name (as ``hal_cpu_abi`` knows it) -> mirror.
+class RotaryEmbeddingArgs(ctypes.Structure):
+    """``hal_cpu_rotary_embedding_args``: query and key head rows rotated in place by their tokens' cos/sin rows."""
+
+    _fields_ = [
+        ("positions", _p), ("query", _p), ("q_token_stride", _i64), ("q_head_stride", _i64),
+        ("key", _p), ("k_token_stride", _i64), ("k_head_stride", _i64), ("cos_sin_cache", _p),
+        ("num_tokens", _i64), ("max_position", _i64), ("position_bytes", _i32), ("num_heads", _i32),
+        ("num_kv_heads", _i32), ("rotary_dim", _i32), ("dtype", _i32), ("gptj", _i32), ("threads", _i32),
+    ]
+
+
 class RmsNormArgs(ctypes.Structure):
     """``hal_cpu_rms_norm_args``: RMSNorm of each row, with an optional fused residual add."""
 
@@ -135,6 +146,7 @@ class GatedActivationArgs(ctypes.Structure):
     ]
 
 
+#: ABI name (as ``hal_cpu_abi`` knows it) -> mirror.
 STRUCTS: dict[str, type[ctypes.Structure]] = {
     "attention": AttentionArgs,
     "write_kv_cache": WriteKvCacheArgs,
@@ -147,6 +159,7 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "sample": SampleArgs,
     "rms_norm": RmsNormArgs,
     "gated_activation": GatedActivationArgs,
+    "rotary_embedding": RotaryEmbeddingArgs,
 }
 
 

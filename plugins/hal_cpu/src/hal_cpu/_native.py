@@ -67,6 +67,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "hal_cpu_sample": (ctypes.c_int, [ctypes.POINTER(_abi.SampleArgs)]),
     "hal_cpu_rms_norm": (ctypes.c_int, [ctypes.POINTER(_abi.RmsNormArgs)]),
     "hal_cpu_gated_activation": (ctypes.c_int, [ctypes.POINTER(_abi.GatedActivationArgs)]),
+    "hal_cpu_rotary_embedding": (ctypes.c_int, [ctypes.POINTER(_abi.RotaryEmbeddingArgs)]),
 }
 
 

@@ -29,8 +29,8 @@ __all__ = ["ERROR_ARGUMENTS", "error_flag", "forget_flags", "has_flag", "raise_r
 
 #: Flag bits (``HAL_ERR_*`` of ``hal_index_checks.cuh``) and the argument each names.
 ERROR_ARGUMENTS: dict[int, str] = {1: "block_tables", 2: "seq_lens", 4: "slot_mapping", 8: "query_start_loc"}
-# sample.cu's parameter checks
-ERROR_ARGUMENTS.update({16: "temperature", 32: "top_p", 64: "min_p"})
+# sample.cu's parameter checks, rotary_embedding.cu's positions (each kernel defines its own bits: distinct)
+ERROR_ARGUMENTS.update({16: "temperature", 32: "top_p", 64: "min_p", 128: "positions"})
 
 _WHAT = {
     "block_tables": "a used entry outside [0, num_blocks); that sequence's output rows were written as zeros",
@@ -43,6 +43,8 @@ _WHAT = {
     "temperature": "a negative or non-finite value; that row's token was written as -1",
     "top_p": "a value outside (0, 1]; that row's token was written as -1",
     "min_p": "a value outside [0, 1]; that row's token was written as -1",
+    "positions": "a position outside [0, max_position) (the rows of cos_sin_cache); that token's query and key "
+                 "were left as they were",
 }
 
 _flags: dict[int, Any] = {}

@@ -49,6 +49,7 @@ _SHIMS = {
     "sample.cu": "sample_host.cpp",
     "rms_norm.cu": "rms_norm_host.cpp",
     "gated_activation.cu": "gated_activation_host.cpp",
+    "rotary_embedding.cu": "rotary_embedding_host.cpp",
 }
 
 # ctypes parameter kinds after (grid, block), in kernel parameter order:
@@ -72,6 +73,7 @@ _SIGNATURES: dict[str, str] = {
     "hal_tc_reduce": "ppqi",
     "hal_paged_attention_tc": "pppp" + "pppppppp" + "ff" + "iiiiiii" + "qqqqqq" + "iiiip",
     "hal_sample": "pqi" + "ppppppp",
+    "hal_rotary_embedding": "pppp" + "qqqq" + "iiii" + "qp",
 }
 _CTYPES = {"p": ctypes.c_void_p, "f": ctypes.c_float, "i": ctypes.c_int, "q": ctypes.c_longlong}
 _UINT3 = ctypes.c_uint * 3

@@ -15,13 +15,14 @@ from . import (
     test_paged_attention,
     test_quantized_gemm,
     test_rms_norm,
+    test_rotary_embedding,
     test_sample,
     test_write_kv_cache,
 )
 
 __all__: list[str] = []
 _MODULES = (test_contracts, test_kv_layouts, test_numerics, test_paged_attention, test_quantized_gemm,
-            test_write_kv_cache, test_sample, test_rms_norm, test_gated_activation)
+            test_write_kv_cache, test_sample, test_rms_norm, test_gated_activation, test_rotary_embedding)
 for _module in _MODULES:
     for _name in dir(_module):
         if _name.startswith("test_"):

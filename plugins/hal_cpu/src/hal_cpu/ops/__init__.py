@@ -13,13 +13,22 @@ from typing import TYPE_CHECKING
 
 from hal_core.ops import OpCoverage
 
-from . import _knobs, gated_activation, paged_attention, quantized_gemm, rms_norm, sample, write_kv_cache
+from . import (
+    _knobs,
+    gated_activation,
+    paged_attention,
+    quantized_gemm,
+    rms_norm,
+    rotary_embedding,
+    sample,
+    write_kv_cache,
+)
 
 if TYPE_CHECKING:
     from hal_core.ops import OpRegistry
 
-__all__ = ["gated_activation", "paged_attention", "quantized_gemm", "register_ops", "rms_norm", "sample",
-           "write_kv_cache"]
+__all__ = ["gated_activation", "paged_attention", "quantized_gemm", "register_ops", "rms_norm", "rotary_embedding",
+           "sample", "write_kv_cache"]
 
 
 def register_ops(registry: OpRegistry) -> None:
@@ -34,3 +43,4 @@ def register_ops(registry: OpRegistry) -> None:
     registry.register("sample", sample.sample, name="cpu.sample")
     registry.register("rms_norm", rms_norm.rms_norm, name="cpu.rms_norm")
     registry.register("gated_activation", gated_activation.gated_activation, name="cpu.gated_activation")
+    registry.register("rotary_embedding", rotary_embedding.rotary_embedding, name="cpu.rotary_embedding")

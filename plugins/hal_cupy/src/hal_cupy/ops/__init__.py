@@ -12,7 +12,15 @@ from __future__ import annotations
 from hal_core.ops import OpCoverage, OpRegistry
 
 from .._specialization import Specialization
-from . import _gated_activation, _paged_attention, _quantized_gemm, _rms_norm, _sample, _write_kv_cache
+from . import (
+    _gated_activation,
+    _paged_attention,
+    _quantized_gemm,
+    _rms_norm,
+    _rotary_embedding,
+    _sample,
+    _write_kv_cache,
+)
 from ._common import GpuOp
 from ._paged_attention_rules import PA_BLOCK_SIZES, PA_HEAD_SIZES
 
@@ -20,7 +28,7 @@ __all__ = ["OPS", "all_specializations", "register_ops"]
 
 #: Every GPU op implementation.
 OPS: tuple[GpuOp, ...] = (_paged_attention.OP, _write_kv_cache.OP, _quantized_gemm.OP, _sample.OP, _rms_norm.OP,
-                          _gated_activation.OP)
+                          _gated_activation.OP, _rotary_embedding.OP)
 
 
 def register_ops(registry: OpRegistry, backend: str) -> None:
