@@ -17,11 +17,13 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 from hal_core.bench import BenchArgumentError  # noqa: E402
 from hal_core.bench._model_spec import BUILTIN_MODELS, resolve_contenders, resolve_model  # noqa: E402
 from hal_core.bench._model_worker import _gptq_tensors  # noqa: E402
+from hal_core.bench._worker_common import prompt_array  # noqa: E402
 from hal_core.cli import main  # noqa: E402
 from hal_core.quant import from_gptq, quantize, unpack_int4  # noqa: E402
 
 PROMPT, NEW, BATCHES = 24, 5, (1, 3)
-CONTENDERS = ("sdpa-fp32", "hal-fp32", "hal-int4")
+CONTENDERS = ("sdpa-fp32", "hal-fp32", "hal-int4", "hal-int4-k", "engine-int4")
+INT4 = ("hal-int4", "hal-int4-k", "engine-int4")
 
 
 def _reference_tokens(seed: int, ids: torch.Tensor, new_tokens: int) -> list[list[int]]:
@@ -95,18 +97,18 @@ def test_tiny_model_end_to_end(tmp_path: Path, rng: np.random.Generator, capsys:
         marks = [memory["load_peak_rss_bytes"],
                  *(memory["peak_after_batch"][str(b)]["peak_rss_bytes"] for b in BATCHES), memory["peak_rss_bytes"]]
         assert all(a <= b + slack for a, b in itertools.pairwise(marks))
-        assert c["quantized_layers"] == (14 if name == "hal-int4" else 0)  # 2 layers x 7 linear layers
+        # 2 layers x 7 linear layers; the engine joins q/k/v and gate/up and counts the lm_head: 2 x 4 + 1
+        assert c["quantized_layers"] == {"hal-int4": 14, "hal-int4-k": 14, "engine-int4": 9}.get(name, 0)
         for batch in BATCHES:
             d = c["decode"][str(batch)]
             assert d["tokens_per_s"] == pytest.approx(batch * NEW / float(np.median(d["seconds"])))
-            bits, size = (4, 2) if name == "hal-int4" else (None, 4)
+            bits, size = (4, 2) if name in INT4 else (None, 4)
             assert d["limit_tokens_per_s"] == pytest.approx(_limit(report, bits, size, batch), rel=1e-12)
             assert d["ratio_limit"] == pytest.approx(d["tokens_per_s"] / d["limit_tokens_per_s"])
             tokens = np.array(c["tokens"][str(batch)])
             assert tokens.shape == (batch, NEW + 1) and tokens.min() >= 0 and tokens.max() < 512
     # greedy fp32 through hal's attention and paged cache = through transformers' sdpa = float64 without a cache
-    generator = torch.Generator().manual_seed(seed + 1)
-    prompts = torch.randint(0, 512, (max(BATCHES), PROMPT), generator=generator)
+    prompts = torch.from_numpy(prompt_array(512, max(BATCHES), PROMPT, seed + 1))
     for batch in BATCHES:
         expected = _reference_tokens(seed, prompts[:batch], NEW)
         assert by_name["sdpa-fp32"]["tokens"][str(batch)] == expected

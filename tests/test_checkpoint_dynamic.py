@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("torch", reason="torch is not installed (make test installs it)")
 
 from hal_core import CheckpointError
-from hal_core.torch._checkpoint_format import checkpoint_format
+from hal_core.quant._checkpoint_format import checkpoint_format
 
 BASE = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}
 

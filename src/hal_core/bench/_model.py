@@ -92,7 +92,9 @@ class _ChildFailed(RuntimeError):
 
 def _child(task: dict[str, Any], step: Callable[[str], None]) -> dict[str, Any]:
     """Run one worker task in a fresh interpreter; its phases advance ``step``; its ``result`` line is returned."""
-    command = [sys.executable, "-m", "hal_core.bench._model_worker", json.dumps(task)]
+    engine = task.get("contender", {}).get("attention") == "engine"
+    worker = "hal_core.bench._engine_worker" if engine else "hal_core.bench._model_worker"
+    command = [sys.executable, "-m", worker, json.dumps(task)]
     with tempfile.TemporaryFile(mode="w+") as errors:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True)
         result = None
@@ -167,6 +169,13 @@ def model_targets(results: dict[str, dict[str, Any]], batches: Sequence[int]) ->
         ("sdpa fp32 peak memory / int4 peak memory (target: int4 <= 0.3x fp32)",
          _get(results, "sdpa-fp32", "memory", "peak_rss_bytes"), _get(results, "hal-int4", "memory", "peak_rss_bytes"),
          1 / 0.3),
+        ("int4 with kernelize() decode batch 1 / int4 decode batch 1",
+         _get(results, "hal-int4-k", "decode", "1", "tokens_per_s"), _get(results, "hal-int4", "decode", "1",
+                                                                          "tokens_per_s"), 1.0),
+        ("engine int4 decode batch 1 / transformers int4 decode batch 1",
+         _get(results, "engine-int4", "decode", "1", "tokens_per_s"),
+         max(filter(None, (_get(results, name, "decode", "1", "tokens_per_s") for name in ("hal-int4", "hal-int4-k"))),
+             default=None), 1.0),
     ]
     out = []
     for label, top, bottom, target in pairs:

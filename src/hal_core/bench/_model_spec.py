@@ -143,14 +143,17 @@ def resolve_model(text: str) -> ModelSpec:
 
 @dataclass(frozen=True)
 class Contender:
-    """One way to run the model: transformers' attention or hal's, float linears or hal's int4/int8."""
+    """One way to run the model: transformers' attention or hal's, float linears or hal's int4/int8, or hal's engine."""
 
     name: str
-    attention: str         #: ``"sdpa"`` (transformers' own, DynamicCache) or ``"hal"`` (HalPagedCache)
+    #: ``"sdpa"`` (transformers' own, DynamicCache), ``"hal"`` (HalPagedCache) or ``"engine"`` (:mod:`hal_core.engine`,
+    #: no torch: every op of the step on hal)
+    attention: str
     dtype: str             #: the activations', KV cache's and float weights' dtype: ``"fp32"`` or ``"bf16"``
     bits: int | None       #: None: float linear layers; 4 or 8: hal's QuantLinear loaded from a GPTQ checkpoint
     description: str
     activations: str | None = None  #: the QuantLinear layers' ``activations`` (``"int8"``: W4A8)
+    kernelize: bool = False  #: norms, gated activations and rotary on hal ops (:func:`hal_core.torch.kernelize`)
 
     @property
     def dtype_bytes(self) -> int:
@@ -167,6 +170,10 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
     Contender("hal-int8", "hal", "bf16", 8, "hal attention + hal W8A8 linears (GPTQ checkpoint), bf16"),
     Contender("hal-int4-a8", "hal", "bf16", 4, "hal attention + hal W4A8 linears (the int4 checkpoint, "
               "activations='int8'), bf16", "int8"),
+    Contender("hal-int4-k", "hal", "bf16", 4, "hal-int4 with kernelize(): norms, MLP activation and rotary on hal "
+              "ops, bf16", kernelize=True),
+    Contender("engine-int4", "engine", "bf16", 4, "hal_core.engine on the int4 checkpoint: every op of the step on "
+              "hal, no torch, bf16"),
 )}
 
 

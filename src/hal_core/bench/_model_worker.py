@@ -24,15 +24,15 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from ._worker_common import AnonSampler, emit, peak_rss_bytes, phase, prompt_array
 
 __all__ = ["build_float_model", "greedy", "main", "prompt_ids"]
 
@@ -41,74 +41,6 @@ _BLOCK_SIZE = 16
 _WARMUP_PROMPT = 16
 #: Progress lines per quantized width while preparing (the parent counts on it: :func:`._model.model_steps`).
 _QUARTERS = 4
-
-
-def _emit(event: str, **fields: Any) -> None:
-    sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
-    sys.stdout.flush()
-
-
-def _phase(text: str) -> None:
-    _emit("phase", text=text)
-
-
-# -- memory -------------------------------------------------------------------------
-
-
-def _status_bytes(*keys: str) -> dict[str, int]:
-    """Fields of /proc/self/status in bytes (empty where there is no procfs)."""
-    found = {}
-    try:
-        with open("/proc/self/status") as handle:
-            for line in handle:
-                name, _, value = line.partition(":")
-                if name in keys:
-                    found[name] = int(value.split()[0]) * 1024
-    except OSError:
-        pass
-    return found
-
-
-def peak_rss_bytes() -> int:
-    """This process's high-water mark of resident memory: ``VmHWM``, else ``ru_maxrss``.
-
-    ``VmHWM`` belongs to the process's own address space; Linux's
-    ``ru_maxrss`` also keeps the parent's high-water mark across fork and
-    exec, so a child would inherit the parent's peak.
-    """
-    found = _status_bytes("VmHWM")
-    if "VmHWM" in found:
-        return found["VmHWM"]
-    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB elsewhere
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-
-
-class _AnonSampler:
-    """The largest anonymous resident memory (``RssAnon``: not file pages) seen every ``interval`` seconds."""
-
-    def __init__(self, interval: float = 0.01) -> None:
-        self.interval, self.peak = interval, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.sample()
-            self._stop.wait(self.interval)
-
-    def sample(self) -> int:
-        now = _status_bytes("RssAnon").get("RssAnon", 0)
-        self.peak = max(self.peak, now)
-        return now
-
-    def __enter__(self) -> _AnonSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.sample()
 
 
 # -- models --------------------------------------------------------------------------
@@ -139,9 +71,8 @@ def build_float_model(config: dict[str, Any], dtype: torch.dtype, seed: int,
 
 
 def prompt_ids(vocab: int, batch: int, length: int, seed: int) -> torch.Tensor:
-    """The prompts: ``[batch, length]`` token ids drawn uniformly from a generator seeded with ``seed``."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (batch, length), generator=generator)
+    """The prompts (:func:`._worker_common.prompt_array`) as a tensor."""
+    return torch.from_numpy(prompt_array(vocab, batch, length, seed))
 
 
 def _gptq_tensors(weight: Any) -> dict[str, torch.Tensor]:
@@ -171,7 +102,7 @@ def prepare(task: dict[str, Any]) -> dict[str, Any]:
 
     from ..quant import quantize
 
-    _phase("building the fp32 model to quantize")
+    phase("building the fp32 model to quantize")
     model = build_float_model(task["config"], torch.float32, task["seed"])
     linears = [(name, module) for name, module in model.named_modules()
                if type(module) is torch.nn.Linear and name != "lm_head"]
@@ -182,7 +113,7 @@ def prepare(task: dict[str, Any]) -> dict[str, Any]:
         tensors = dict(floats)
         for i, (name, linear) in enumerate(linears):
             if i * _QUARTERS // len(linears) != (i - 1) * _QUARTERS // len(linears):  # _QUARTERS phases
-                _phase(f"quantizing to int{bits}: {i}/{len(linears)} layers")
+                phase(f"quantizing to int{bits}: {i}/{len(linears)} layers")
             weight = quantize(linear.weight.detach().T, bits=bits, group_size=task["group_size"], symmetric=True,
                               scale_dtype=np.float16)
             tensors.update({f"{name}.{part}": t for part, t in _gptq_tensors(weight).items()})
@@ -192,7 +123,7 @@ def prepare(task: dict[str, Any]) -> dict[str, Any]:
         document["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": task["group_size"],
                                            "desc_act": False, "sym": True, "checkpoint_format": "gptq"}
         (folder / "config.json").write_text(json.dumps(document, indent=1, default=str))
-        _phase(f"writing the int{bits} checkpoint")
+        phase(f"writing the int{bits} checkpoint")
         save_file(tensors, str(folder / "model.safetensors"))
         written[str(bits)] = str(folder)
         del tensors
@@ -256,6 +187,10 @@ def _load(task: dict[str, Any]) -> torch.nn.Module:
     for module in model.modules():
         if isinstance(module, QuantLinear):
             module.activations = contender.get("activations")
+    if contender.get("kernelize"):
+        from ..torch import kernelize
+
+        kernelize(model)
     return model
 
 
@@ -273,14 +208,14 @@ def run(task: dict[str, Any]) -> dict[str, Any]:
     prompt_len, new_tokens, batches = task["prompt_len"], task["new_tokens"], task["batches"]
     torch.set_num_threads(task["threads"])
     prompts = prompt_ids(task["config"]["vocab_size"], max(batches), prompt_len, task["seed"] + 1)
-    with _AnonSampler() as sampler:
-        _phase(f"{name}: loading")
+    with AnonSampler() as sampler:
+        phase(f"{name}: loading")
         start = time.perf_counter()
         model = _load(task)
         load_s = time.perf_counter() - start
         loaded = {"load_peak_rss_bytes": peak_rss_bytes(), "load_peak_anon_bytes": sampler.peak,
                   "after_load_anon_bytes": sampler.sample()}
-        _phase(f"{name}: warming up")
+        phase(f"{name}: warming up")
         for batch in sorted(set(batches) | {1}):  # a short prompt: a prefill costs as much as the decode steps
             greedy(model, attention, prompts[:batch, :_WARMUP_PROMPT], 2)
         prefill_s, first_s, tokens = [], [], {}
@@ -289,7 +224,7 @@ def run(task: dict[str, Any]) -> dict[str, Any]:
         steps: dict[str, list[float]] = {str(b): [] for b in batches}
         for rnd in range(task["repeat"]):
             for batch in sorted(set(batches) | {1}):
-                _phase(f"{name}: round {rnd + 1}/{task['repeat']}, batch {batch}: prefill {batch}x{prompt_len}, "
+                phase(f"{name}: round {rnd + 1}/{task['repeat']}, batch {batch}: prefill {batch}x{prompt_len}, "
                        f"decode {new_tokens}")
                 got = greedy(model, attention, prompts[:batch], new_tokens)
                 if batch == 1:
@@ -325,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     task = json.loads(args[0])
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     result = prepare(task) if task["task"] == "prepare" else run(task)
-    _emit("result", **result)
+    emit("result", **result)
     return 0
 
 

@@ -23,7 +23,8 @@ The Python functions of the same names are thin wrappers with each op's signatur
 Quantized models: :class:`QuantLinear` (an ``nn.Module`` over hal's packed
 weight), :func:`quantize_model` (every ``nn.Linear`` of a model, in place)
 and :func:`load_quantized` (a GPTQ or AWQ checkpoint directory, as
-transformers users have them).
+transformers users have them). :func:`kernelize` runs a loaded model's norms,
+gated MLP activations and rotary embedding on hal ops.
 ``import hal_core`` never imports this module (nor torch); the transformers
 attention backend lives in :mod:`hal_core.torch.transformers`. See
 docs/engine-guide.md, "hal from PyTorch".
@@ -38,6 +39,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
 
 from ._checkpoints import CheckpointFormat, checkpoint_format, load_quantized
 from ._convert import to_tensor
+from ._kernelize import KernelizeReport, kernelize
 from ._modules import QuantLinear
 from ._ops import (
     gated_activation,
@@ -57,11 +59,13 @@ __all__ = [
     "DEFAULT_LAYER_BITS",
     "DEFAULT_SKIP",
     "CheckpointFormat",
+    "KernelizeReport",
     "QuantLinear",
     "QuantizeReport",
     "backend_for",
     "checkpoint_format",
     "gated_activation",
+    "kernelize",
     "load_quantized",
     "paged_attention",
     "quantize_model",

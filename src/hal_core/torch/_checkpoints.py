@@ -18,7 +18,7 @@ in the checkpoint by a :class:`QuantLinear` converted with
 tensor at a time with safetensors' ``safe_open``. Files are resolved inside
 the checkpoint folder (:mod:`._checkpoint_files`); variants hal cannot run
 exactly are refused before anything is read, naming the
-``quantization_config`` key (:mod:`._checkpoint_format`).
+``quantization_config`` key (:mod:`hal_core.quant._checkpoint_format`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from .._errors import CheckpointError
+from ..quant._checkpoint_format import FLOATS, KEY, CheckpointFormat, TensorSpec, checkpoint_format
 from ._checkpoint_files import Folder, Tensors
-from ._checkpoint_format import FLOATS, KEY, CheckpointFormat, TensorSpec, checkpoint_format
 from ._layer_progress import ProgressArg, layer_progress
 from ._modules import QuantLinear
 

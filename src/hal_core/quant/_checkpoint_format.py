@@ -17,11 +17,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
-
 from .._errors import CheckpointError
-from ..quant import QuantizedWeight, from_awq, from_gptq
-from ..quant.gptq import _OFFSETS as GPTQ_FORMATS
+from ._weight import QuantizedWeight
+from .awq import from_awq
+from .gptq import _OFFSETS as GPTQ_FORMATS
+from .gptq import from_gptq
 
 __all__ = ["FLOATS", "KEY", "CheckpointFormat", "TensorSpec", "checkpoint_format"]
 
@@ -104,7 +104,7 @@ class CheckpointFormat:
         specs["bias"] = TensorSpec((n,), FLOATS, f"[N] with N={n}")
         return specs
 
-    def convert(self, name: str, tensors: Mapping[str, torch.Tensor]) -> QuantizedWeight:
+    def convert(self, name: str, tensors: Mapping[str, Any]) -> QuantizedWeight:
         """One layer's tensors (``qweight``, ``qzeros``, ``scales``, ``g_idx``) in hal's format."""
         try:
             if self.method == "gptq":

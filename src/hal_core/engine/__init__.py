@@ -1,0 +1,15 @@
+"""A small inference engine on hal alone: a Llama-architecture model served through ``get_backend()`` ops.
+
+Every op of a decoder step (norms, projections, rotary, KV writes, attention,
+the gated activation, sampling) is a hal op on the backend's arrays: numpy on
+the host, the device's arrays on a GPU. torch is never imported. See
+:class:`Engine`; ``examples/tiny_engine.py`` serves a checkpoint with it.
+"""
+
+from __future__ import annotations
+
+from ._config import ModelConfig
+from ._engine import Engine
+from ._requests import Request, SamplingParams
+
+__all__ = ["Engine", "ModelConfig", "Request", "SamplingParams"]

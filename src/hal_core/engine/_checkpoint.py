@@ -1,0 +1,72 @@
+"""A checkpoint folder's tensors by name across its safetensors shards, every file confined to the folder."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection
+from pathlib import Path
+
+import numpy as np
+
+from .._errors import CheckpointError
+from ._safetensors import SafetensorsFile
+
+__all__ = ["Tensors"]
+
+
+class Tensors:
+    """``model.safetensors`` or the shards of ``model.safetensors.index.json``; tensors read on demand."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        index = folder / "model.safetensors.index.json"
+        self._files: dict[str, Path] = {}
+        self._opened: dict[Path, SafetensorsFile] = {}
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (KeyError, TypeError, json.JSONDecodeError) as exc:
+                raise CheckpointError(f"{index}: no readable weight_map ({exc})") from None
+            root = folder.resolve()
+            for name, file in weight_map.items():
+                path = (folder / str(file)).resolve()
+                if path.parent != root or not path.is_file():
+                    raise CheckpointError(f"{index}: tensor {name!r} names {file!r}, not a file in {folder}")
+                self._files[name] = path
+        elif (folder / "model.safetensors").is_file():
+            single = SafetensorsFile(folder / "model.safetensors")
+            self._files = dict.fromkeys(single, single.path)
+            self._opened[single.path] = single
+        else:
+            raise CheckpointError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+
+    def has(self, name: str) -> bool:
+        return name in self._files
+
+    def _file(self, name: str) -> SafetensorsFile:
+        path = self._files.get(name)
+        if path is None:
+            raise CheckpointError(f"{self.folder}: tensor {name!r} is missing")
+        if path not in self._opened:
+            self._opened[path] = SafetensorsFile(path)
+        file = self._opened[path]
+        if name not in file:
+            raise CheckpointError(f"{path}: tensor {name!r} is missing (the index names this file)")
+        return file
+
+    def check(self, name: str, shape: tuple[int, ...], dtypes: Collection[str] = ("F32", "F16", "BF16"),
+              layout: str = "") -> None:
+        """CheckpointError naming the file and tensor unless its header has ``shape`` and one of ``dtypes``."""
+        file = self._file(name)
+        found, code = file.shape(name), file.dtype_code(name)
+        if found != tuple(shape):
+            why = f" ({layout})" if layout else ""
+            raise CheckpointError(f"{file.path}: tensor {name!r} has shape {list(found)}, the config gives "
+                                  f"{list(shape)}{why}")
+        if code not in dtypes:
+            raise CheckpointError(f"{file.path}: tensor {name!r} is {code}, expected one of "
+                                  f"{', '.join(sorted(dtypes))}")
+
+    def get(self, name: str) -> np.ndarray:
+        """A read-only view of the tensor (its pages are read when used)."""
+        return self._file(name)[name]

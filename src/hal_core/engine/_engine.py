@@ -1,0 +1,176 @@
+"""A small serving engine on hal alone: continuous batching over a paged KV cache, no torch.
+
+Each :meth:`Engine.step` runs one batch: one decode token for every running
+request, then prompt chunks of the requests still prefilling and of newly
+admitted ones, up to ``max_batch_tokens`` new tokens in all (a long prompt is
+prefilled over several steps). A request whose prompt is complete samples a
+token from its last row's logits. A finished request frees its cache blocks
+at once. When the cache cannot hold a step's prompt chunks they wait for a
+later step; running requests are never preempted, so a cache too small for
+the running requests raises :class:`~hal_core.OutOfBlocksError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import get_backend
+from .._backend import Backend
+from .._errors import ArgumentError, OutOfBlocksError
+from ..arrays import numpy_dtype
+from ..kvcache import CacheConfig, PagedKVCache
+from ._config import ModelConfig
+from ._model import DecoderModel
+from ._requests import Request, SamplingParams
+from ._weights import load_weights
+
+__all__ = ["Engine"]
+
+
+class Engine:
+    """Serve a Llama-architecture checkpoint (``config.json`` + safetensors) through one hal backend.
+
+    ``bits``: 4 or 8 for the projections (quantized at load, groups of
+    ``group_size``), ``lm_head_bits`` for the output projection; ``dtype``:
+    activations and KV cache (``"fp32"``, ``"bf16"``, ``"fp16"``);
+    ``activations``: ``quantized_gemm``'s activation format (``"int8"`` runs
+    int4 weights as W4A8; default: the op's). ``kv_cache_tokens``: tokens the
+    cache holds across every running request; ``max_batch_tokens``: new tokens
+    per step. ``progress`` is called with a line per loaded layer.
+    """
+
+    def __init__(self, folder: str | Path, *, backend: Backend | None = None, bits: int = 4, group_size: int = 128,
+                 lm_head_bits: int = 8, dtype: str = "fp32", activations: str | None = None,
+                 kv_cache_tokens: int = 16384, block_size: int = 16, max_batch_tokens: int = 512,
+                 progress: Callable[[str], None] | None = None) -> None:
+        for name, value in (("kv_cache_tokens", kv_cache_tokens), ("max_batch_tokens", max_batch_tokens),
+                            ("block_size", block_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ArgumentError(f"argument {name!r}: expected a positive integer, got {value!r}")
+        self.backend = backend or get_backend()
+        self.config = ModelConfig.from_pretrained(folder)
+        self.dtype = numpy_dtype(dtype)
+        self.weights = load_weights(folder, self.config, self.backend, dtype=self.dtype, bits=bits,
+                                    group_size=group_size, lm_head_bits=lm_head_bits, progress=progress)
+        self.model = DecoderModel(self.config, self.weights, self.backend, dtype=self.dtype, activations=activations)
+        c = self.config
+        self.cache = PagedKVCache(self.backend, CacheConfig(c.num_layers, c.num_kv_heads, c.head_size, block_size,
+                                                            dtype), num_blocks=-(-kv_cache_tokens // block_size))
+        self.max_batch_tokens = max_batch_tokens
+        self.stop_token_ids = _eos_ids(c.raw.get("eos_token_id"))
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []  #: admitted: in the cache, prefilling or decoding
+
+    def add_request(self, request_id: Hashable, prompt: Sequence[int] | np.ndarray, *, max_new_tokens: int = 16,
+                    sampling: SamplingParams | None = None, stop_token_ids: Sequence[int] | None = None) -> None:
+        """Queue a request (checked now); ``stop_token_ids`` defaults to the config's ``eos_token_id``."""
+        if any(r.request_id == request_id for r in (*self.waiting, *self.running)):
+            raise ArgumentError(f"request {request_id!r}: already queued")
+        stops = self.stop_token_ids if stop_token_ids is None else stop_token_ids
+        self.waiting.append(Request.make(request_id, prompt, max_new_tokens, sampling, stops, self.config.vocab_size))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[Request]:
+        """Run one batch; returns the requests that finished in it."""
+        budget = self.max_batch_tokens
+        feed: dict[Hashable, np.ndarray] = {}
+        members: list[Request] = []
+        for r in self.running:
+            if r.prefill_left == 0:
+                feed[r.request_id] = np.asarray(r.output[-1:], dtype=np.int64)
+                members.append(r)
+                budget -= 1
+        decodes = len(members)
+        joining: list[Request] = []
+        for r in [*[r for r in self.running if r.prefill_left], *self.waiting]:
+            if budget <= 0:
+                break
+            n = min(r.prefill_left, budget)
+            feed[r.request_id] = r.prompt[r.prefilled:r.prefilled + n]
+            members.append(r)
+            budget -= n
+            if r in self.waiting:
+                joining.append(r)
+        for r in joining:
+            self.cache.add(r.request_id)
+        try:
+            step = self.cache.prepare_step({rid: len(ids) for rid, ids in feed.items()})
+        except OutOfBlocksError:
+            for r in joining:
+                self.cache.free(r.request_id)
+            if not decodes:
+                raise
+            joining, members = [], members[:decodes]
+            feed = {r.request_id: feed[r.request_id] for r in members}
+            step = self.cache.prepare_step({rid: len(ids) for rid, ids in feed.items()})
+        for r in joining:
+            self.waiting.remove(r)
+            self.running.append(r)
+        for r in members:
+            if r.prefill_left:
+                r.prefilled += len(feed[r.request_id])
+        sampling = [i for i, r in enumerate(members) if r.prefill_left == 0]
+        if sampling:
+            rows = step.last_rows[sampling]
+            logits = self.model.logits(np.concatenate(list(feed.values())), step, self.cache, rows)
+            tokens = self._sample(logits, [members[i] for i in sampling])
+            for i, token in zip(sampling, tokens, strict=True):
+                members[i].output.append(int(token))
+        else:
+            self.model.logits(np.concatenate(list(feed.values())), step, self.cache, np.zeros(0, np.int64))
+        finished = [r for r in members if r.prefill_left == 0 and r.finished]
+        for r in finished:
+            self.cache.free(r.request_id)
+            self.running.remove(r)
+        return finished
+
+    def _sample(self, logits: Any, requests: list[Request]) -> np.ndarray:
+        be = self.backend
+        params = [r.sampling for r in requests]
+        arrays = {
+            "temperature": np.asarray([p.temperature for p in params], np.float32),
+            "top_k": np.asarray([p.top_k for p in params], np.int32),
+            "top_p": np.asarray([p.top_p for p in params], np.float32),
+            "min_p": np.asarray([p.min_p for p in params], np.float32),
+            "seeds": np.asarray([p.step_seed(len(r.output)) for p, r in zip(params, requests, strict=True)],
+                                np.int64),
+        }
+        tokens = be.ops.sample(logits, **{name: be.asarray(value) for name, value in arrays.items()})
+        return be.to_numpy(tokens)
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 16,
+                 sampling: SamplingParams | None = None, stop_token_ids: Sequence[int] | None = None
+                 ) -> list[list[int]]:
+        """Serve ``prompts`` to completion (continuous batching); each prompt's new token ids, in order."""
+        base = len(self.waiting) + len(self.running)
+        requests = []
+        for n, prompt in enumerate(prompts):
+            self.add_request(("generate", base + n), prompt, max_new_tokens=max_new_tokens, sampling=sampling,
+                             stop_token_ids=stop_token_ids)
+            requests.append(self.waiting[-1])
+        while any(not (r.prefill_left == 0 and r.finished) for r in requests):
+            self.step()
+        return [list(r.output) for r in requests]
+
+    def close(self) -> None:
+        """Give the KV cache's memory back."""
+        self.cache.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, list | tuple) else (int(value),)

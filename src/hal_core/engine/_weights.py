@@ -1,0 +1,192 @@
+"""An engine's weights from a Llama-architecture checkpoint: float safetensors (quantized at load) or GPTQ.
+
+The q/k/v projections are held as one ``[hidden, q + 2 kv]`` weight and
+gate/up as one ``[hidden, 2 * intermediate]`` weight, so a layer makes four
+``quantized_gemm`` calls. Quantization is per output column with groups
+along the input, so joining columns changes no code: a float checkpoint's
+columns get the codes :func:`hal_core.torch.quantize_model` gives them, and
+a GPTQ checkpoint's stored codes are joined as they are (same bits and
+groups; act-order checkpoints, whose row order differs per projection, are
+refused). No float copy of a projection outlives its quantization; the
+embedding stays the checkpoint's mapping on a host backend (only the rows a
+step reads are touched).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._backend import Backend
+from .._errors import CheckpointError, ConfigurationError
+from ..quant import QuantizedWeight, quantize
+from ..quant._checkpoint_format import KEY, CheckpointFormat, checkpoint_format
+from ._checkpoint import Tensors
+from ._config import ModelConfig
+
+__all__ = ["LayerWeights", "ModelWeights", "embedding_rows", "load_weights"]
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer on the backend."""
+
+    attn_norm: Any
+    qkv: QuantizedWeight
+    o: QuantizedWeight
+    mlp_norm: Any
+    gate_up: QuantizedWeight
+    down: QuantizedWeight
+
+
+@dataclass
+class ModelWeights:
+    """Every weight of the model, on the backend (the embedding on the host for a host backend)."""
+
+    embed: Any
+    layers: list[LayerWeights]
+    final_norm: Any
+    lm_head: QuantizedWeight
+
+    def nbytes(self) -> int:
+        """Bytes of the weights a decode step reads (projections in their format, norms, the lm_head)."""
+        total = self.lm_head.nbytes + int(self.final_norm.nbytes)
+        for layer in self.layers:
+            total += sum(w.nbytes for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+            total += int(layer.attn_norm.nbytes) + int(layer.mlp_norm.nbytes)
+        return total
+
+
+def join_columns(weights: list[QuantizedWeight], name: str) -> QuantizedWeight:
+    """One weight whose output columns are ``weights``' in order (same K, bits, groups; no act-order)."""
+    first = weights[0]
+    if len(weights) == 1:
+        return first
+    for w in weights[1:]:
+        if (w.shape[0], w.bits, w.group_size) != (first.shape[0], first.bits, first.group_size):
+            raise CheckpointError(f"{name}: its projections differ in K, bits or group size "
+                                  f"({first.shape[0]}/{first.bits}/{first.group_size} and "
+                                  f"{w.shape[0]}/{w.bits}/{w.group_size}); the engine joins them into one")
+        if (w.zeros is None) != (first.zeros is None):
+            raise CheckpointError(f"{name}: some projections store zero points and some do not")
+    if any(w.g_idx is not None for w in weights):
+        raise ConfigurationError(f"{KEY}.desc_act: act-order checkpoints are not run by the engine "
+                                 f"({name}: each projection orders its rows differently)")
+    joined: dict[str, Any] = {field: np.concatenate([np.asarray(getattr(w, field)) for w in weights], axis=1)
+              for field in ("qweight", "scales", *(("zeros",) if first.zeros is not None else ()))}
+    return replace(first, **joined, shape=(first.shape[0], sum(w.shape[1] for w in weights)))
+
+
+def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Every projection's ``[out, in]`` float shape by layer name (``lm_head`` included)."""
+    h, i = c.hidden_size, c.intermediate_size
+    shapes = {"lm_head": (c.vocab_size, h)}
+    for n in range(c.num_layers):
+        p = f"model.layers.{n}"
+        shapes.update({f"{p}.self_attn.q_proj": (c.q_size, h), f"{p}.self_attn.k_proj": (c.kv_size, h),
+                       f"{p}.self_attn.v_proj": (c.kv_size, h), f"{p}.self_attn.o_proj": (h, c.q_size),
+                       f"{p}.mlp.gate_proj": (i, h), f"{p}.mlp.up_proj": (i, h), f"{p}.mlp.down_proj": (h, i)})
+    return shapes
+
+
+class _Projections:
+    """Each projection as a host QuantizedWeight: a float one quantized, a stored one converted."""
+
+    def __init__(self, tensors: Tensors, config: ModelConfig, bits: int, group_size: int, lm_head_bits: int) -> None:
+        self.tensors, self.config = tensors, config
+        self.bits, self.group_size, self.lm_head_bits = bits, group_size, lm_head_bits
+        quant = config.raw.get(KEY)
+        self.format: CheckpointFormat | None = checkpoint_format(quant) if quant else None
+        if self.format is not None and self.format.method != "gptq":
+            raise ConfigurationError(f"{KEY}.quant_method: {self.format.method!r} checkpoints are not run by the "
+                                     "engine (GPTQ and float checkpoints are)")
+        if self.format is not None and self.format.desc_act:
+            raise ConfigurationError(f"{KEY}.desc_act: act-order checkpoints are not run by the engine")
+        self.shapes = _expected_shapes(config)
+        if config.tie_word_embeddings:
+            self.shapes.pop("lm_head")
+        self.stored = {name: self._check(name, shape) for name, shape in self.shapes.items()}
+
+    def _check(self, name: str, shape: tuple[int, int]) -> bool:
+        """Whether layer ``name`` is stored quantized; its tensors' headers checked (nothing read)."""
+        if self.format is not None and self.tensors.has(f"{name}.qweight"):
+            fmt = self.format.for_layer(name)
+            for part, spec in fmt.layer_specs(name, shape[1], shape[0]).items():
+                if part != "bias" and (part != "g_idx" or self.tensors.has(f"{name}.g_idx")):
+                    self.tensors.check(f"{name}.{part}", spec.shape, spec.dtypes, spec.layout)
+            return True
+        self.tensors.check(f"{name}.weight", shape)
+        return False
+
+    def weight(self, name: str, bits: int | None = None) -> QuantizedWeight:
+        if self.stored[name]:
+            assert self.format is not None
+            fmt = self.format.for_layer(name)
+            parts = {part: self.tensors.get(f"{name}.{part}") for part in fmt.parts
+                     if part != "g_idx" or self.tensors.has(f"{name}.g_idx")}
+            weight = fmt.convert(name, parts)
+            if weight.g_idx is not None and np.array_equal(np.asarray(weight.g_idx),
+                                                           np.arange(weight.shape[0]) // weight.group_size):
+                weight = replace(weight, g_idx=None)  # the trivial order GPTQ writers store: no act-order
+            return weight
+        w = np.asarray(self.tensors.get(f"{name}.weight"), dtype=np.float32).T
+        return quantize(w, bits=bits or self.bits, group_size=self.group_size)
+
+    def joined(self, names: list[str], backend: Backend) -> QuantizedWeight:
+        return join_columns([self.weight(n) for n in names], names[0]).map_arrays(backend.asarray)
+
+
+def load_weights(folder: str | Path, config: ModelConfig, backend: Backend, *, dtype: np.dtype, bits: int,
+                 group_size: int, lm_head_bits: int, progress: Callable[[str], None] | None = None) -> ModelWeights:
+    """Read, check and quantize ``folder``'s weights for ``backend`` (``progress`` is told each layer's name).
+
+    Every tensor's header is checked against ``config`` before any tensor is
+    read; CheckpointError names the file and tensor.
+    """
+    tensors = Tensors(Path(folder))
+    c = config
+    h = c.hidden_size
+    vectors = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+    for n in range(c.num_layers):
+        vectors.update({f"model.layers.{n}.input_layernorm.weight": (h,),
+                        f"model.layers.{n}.post_attention_layernorm.weight": (h,)})
+    for name, shape in vectors.items():
+        tensors.check(name, shape)
+    projections = _Projections(tensors, c, bits, group_size, lm_head_bits)
+
+    def vector(name: str) -> Any:
+        return backend.asarray(np.ascontiguousarray(tensors.get(name), dtype=dtype))
+
+    layers = []
+    for n in range(c.num_layers):
+        p = f"model.layers.{n}"
+        if progress is not None:
+            progress(f"layer {n + 1}/{c.num_layers}")
+        layers.append(LayerWeights(
+            attn_norm=vector(f"{p}.input_layernorm.weight"),
+            qkv=projections.joined([f"{p}.self_attn.{x}_proj" for x in "qkv"], backend),
+            o=projections.joined([f"{p}.self_attn.o_proj"], backend),
+            mlp_norm=vector(f"{p}.post_attention_layernorm.weight"),
+            gate_up=projections.joined([f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], backend),
+            down=projections.joined([f"{p}.mlp.down_proj"], backend)))
+    if progress is not None:
+        progress("lm_head")
+    embed = tensors.get("model.embed_tokens.weight")
+    if c.tie_word_embeddings:
+        head = quantize(np.asarray(embed, dtype=np.float32).T, bits=lm_head_bits, group_size=group_size)
+    else:
+        head = projections.weight("lm_head", lm_head_bits)
+    return ModelWeights(embed=embed if backend.is_host else backend.asarray(embed), layers=layers,
+                        final_norm=vector("model.norm.weight"), lm_head=head.map_arrays(backend.asarray))
+
+
+def embedding_rows(weights: ModelWeights, ids: Any, dtype: np.dtype, backend: Backend) -> Any:
+    """``weights.embed[ids]`` in ``dtype`` on the backend."""
+    rows = weights.embed[ids]
+    if backend.is_host:
+        return np.ascontiguousarray(rows, dtype=dtype)
+    return rows.astype(dtype)

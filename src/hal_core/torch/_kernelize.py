@@ -1,0 +1,167 @@
+"""``kernelize(model)``: a loaded transformers model's norms, gated MLP activations and rotary embedding on hal ops.
+
+The way transformers swaps kernels in for layers (its hub-kernels mapping of
+layer names such as ``RMSNorm``), without editing model code and without the
+``kernels`` package: each layer transformers names is matched by its class
+and its config, and its ``forward`` is replaced on that module (the model's
+other instances are untouched):
+
+- ``*RMSNorm`` layers of the architectures in :data:`NORMS` -> ``rms_norm``
+  (``weight_offset`` 1 for Gemma-style norms);
+- ``*MLP`` layers with ``gate_proj``/``up_proj``/``down_proj`` and a gated
+  ``hidden_act`` hal runs -> ``gated_activation`` between the projections;
+- the rotary embedding (``apply_rotary_pos_emb`` of the architectures in
+  :data:`ROTARY`) -> ``rotary_embedding`` on the query and key in place.
+  That function is module-level in transformers, so it is replaced in the
+  architecture's modeling module: every model of that architecture in the
+  process then uses it, with the same results.
+
+A call hal cannot run (a dtype the op refuses, autograd recording, another
+layout) runs the layer's original code, so the model's outputs never
+depend on whether hal ran. :func:`kernelize` returns what it replaced.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..engine._config import ACTIVATIONS
+from ..ops import OPS
+from ._ops import wrapper
+
+__all__ = ["NORMS", "ROTARY", "KernelizeReport", "kernelize"]
+
+#: RMSNorm classes hal runs, with their ``weight_offset`` (Gemma's norms scale by ``1 + weight``).
+NORMS = {"LlamaRMSNorm": 0.0, "MistralRMSNorm": 0.0, "Qwen2RMSNorm": 0.0, "Qwen3RMSNorm": 0.0}
+#: Modeling modules whose ``apply_rotary_pos_emb`` is the NeoX-style rotation over the whole head.
+ROTARY = ("llama", "mistral", "qwen2", "qwen3")
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass
+class KernelizeReport:
+    """What :func:`kernelize` replaced: module names per kind, and the rotary modules patched."""
+
+    norms: list[str] = field(default_factory=list)
+    mlps: list[str] = field(default_factory=list)
+    rotary: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  #: module name -> why it kept its code
+
+
+@functools.cache
+def _op(name: str) -> Callable[..., Any]:
+    return wrapper(OPS[name])
+
+
+def _eligible(*tensors: torch.Tensor) -> bool:
+    first = tensors[0]
+    return (not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)) and all(
+        t.dtype == first.dtype and t.device == first.device for t in tensors) and first.dtype in _FLOATS
+
+
+def _norm_forward(module: Any, original: Callable[..., Any], offset: float) -> Callable[..., Any]:
+    eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
+
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        weight = module.weight
+        if hidden_states.shape[-1] != weight.shape[0] or not _eligible(hidden_states, weight):
+            return original(hidden_states)
+        rows = hidden_states.reshape(-1, weight.shape[0])
+        options = {"weight_offset": offset} if offset else {}
+        return _op("rms_norm")(rows, weight, eps, **options).view(hidden_states.shape)
+
+    return forward
+
+
+def _mlp_forward(module: Any, original: Callable[..., Any], activation: str) -> Callable[..., Any]:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        gate, up = module.gate_proj(x), module.up_proj(x)
+        if not _eligible(gate, up):
+            return module.down_proj(module.act_fn(gate) * up)
+        shape = gate.shape
+        act = _op("gated_activation")(gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1]), activation=activation)
+        return module.down_proj(act.view(shape))
+
+    return forward
+
+
+_tables: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _table(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(positions, cos_sin_cache)`` of a forward's ``cos``/``sin`` ``[B, S, D]``: one row per token, built once
+    per forward (every layer passes the same tensors)."""
+    key = (cos.data_ptr(), sin.data_ptr(), cos._version)
+    found = _tables.get(key)
+    if found is None:
+        half = cos.shape[-1] // 2
+        table = torch.cat([cos[..., :half], sin[..., :half]], dim=-1).reshape(-1, 2 * half).float().contiguous()
+        found = (torch.arange(table.shape[0], dtype=torch.int64, device=cos.device), table)
+        _tables.clear()  # one forward's table at a time: a bounded cache
+        _tables[key] = found
+    return found
+
+
+def _rotary(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                             unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        if (unsqueeze_dim != 1 or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or cos.shape[-1] != q.shape[-1]
+                or not _eligible(q, k) or q.device != cos.device or torch.compiler.is_compiling()):
+            return original(q, k, cos, sin, unsqueeze_dim)
+        b, _, s, d = q.shape
+        if cos.shape[0] != b or cos.shape[1] != s:
+            return original(q, k, cos, sin, unsqueeze_dim)
+        positions, table = _table(cos, sin)
+        # [B, S, heads, D] rows: a view of the projection's output as transformers' attention lays it out (the
+        # rotation then happens in place there: the un-rotated tensors are never read again), else a copy
+        query, key = q.transpose(1, 2).reshape(b * s, -1, d), k.transpose(1, 2).reshape(b * s, -1, d)
+        _op("rotary_embedding")(positions, query, table, key=key)
+        return query.view(b, s, -1, d).transpose(1, 2), key.view(b, s, -1, d).transpose(1, 2)
+
+    apply_rotary_pos_emb.__hal_original__ = original  # type: ignore[attr-defined]
+    return apply_rotary_pos_emb
+
+
+def kernelize(model: torch.nn.Module) -> KernelizeReport:
+    """Run ``model``'s norms, gated activations and rotary embedding on hal ops (in place; idempotent).
+
+    Returns a :class:`KernelizeReport`; layers hal does not run are listed in ``skipped`` with the reason.
+    """
+    report = KernelizeReport()
+    for name, module in model.named_modules():
+        if getattr(module, "__hal_kernelized__", False):
+            continue
+        cls = type(module).__name__
+        if cls.endswith("RMSNorm"):
+            if cls not in NORMS:
+                report.skipped[name] = f"{cls} is not one of the norms hal runs ({', '.join(NORMS)})"
+                continue
+            module.forward = _norm_forward(module, module.forward, NORMS[cls])
+            report.norms.append(name)
+        elif cls.endswith("MLP") and all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj")):
+            act = getattr(getattr(module, "config", None), "hidden_act", None)
+            if act not in ACTIVATIONS:
+                report.skipped[name] = f"hidden_act {act!r} is not a gated activation hal runs"
+                continue
+            module.forward = _mlp_forward(module, module.forward, ACTIVATIONS[act])
+            report.mlps.append(name)
+        else:
+            continue
+        module.__hal_kernelized__ = True
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in ROTARY:
+        modeling: Any = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+        current = modeling.apply_rotary_pos_emb
+        if not hasattr(current, "__hal_original__"):
+            modeling.apply_rotary_pos_emb = _rotary(current)
+        report.rotary.append(modeling.__name__)
+    elif model_type is not None:
+        report.skipped["apply_rotary_pos_emb"] = f"model_type {model_type!r} keeps transformers' rotary embedding"
+    return report

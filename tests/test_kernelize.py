@@ -1,0 +1,101 @@
+"""hal_core.torch.kernelize: a loaded transformers model's norms, MLP activations and rotary run on hal ops."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import transformers
+from torch_helpers import torch
+from transformers_helpers import llama, prompts
+
+import hal_core
+from hal_core.torch import kernelize
+from hal_core.torch._kernelize import _rotary
+
+STEP_OPS = ("rms_norm", "gated_activation", "rotary_embedding")
+
+
+def _calls() -> dict[str, int]:
+    found = hal_core.stats().get("cpu", {})
+    return {op: found.get(op, {}).get("calls", 0) for op in STEP_OPS}
+
+
+def _greedy(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                              output_logits=True, return_dict_in_generate=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernelized_model_generates_eager_tokens(cpu, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernelized Llama's logits match the untouched model's step by step (its greedy tokens up to a near-tie
+    that rounding may flip), and every step op ran on hal."""
+    from transformers.models.llama import modeling_llama
+
+    current = modeling_llama.apply_rotary_pos_emb  # transformers' own for the expected run, whatever ran before
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", getattr(current, "__hal_original__", current))
+    seed = int(np.random.SeedSequence().entropy % 2**16)
+    print(f"seed={seed}")
+    model = llama(seed).to(dtype)
+    ids, mask = prompts(seed)
+    expected = _greedy(model, ids, mask)
+    report = kernelize(model)
+    assert len(report.norms) == 2 * 2 + 1 and len(report.mlps) == 2
+    assert report.rotary == ["transformers.models.llama.modeling_llama"]
+    before = _calls()
+    got = _greedy(model, ids, mask)
+    after = _calls()
+    assert all(after[op] > before[op] for op in STEP_OPS), (before, after)
+    tol = 2e-4 if dtype == torch.float32 else 6e-2
+    for row in range(ids.shape[0]):  # steps up to the first difference: logits close; there a near-tie
+        for step, (a, b) in enumerate(zip(got.logits, expected.logits, strict=True)):
+            scale = float(b[row].float().abs().max())
+            assert float((a[row].float() - b[row].float()).abs().max()) <= tol * scale, (row, step)
+            mine, theirs = int(a[row].argmax()), int(b[row].argmax())
+            if mine != theirs:
+                assert float(b[row, theirs] - b[row, mine]) <= tol * scale, (row, step)
+                break
+
+
+def test_kernelize_is_idempotent_and_names_what_it_skips(cpu) -> None:
+    """A second call replaces nothing again; an RMSNorm class hal does not know is listed as skipped."""
+    model = llama(3)
+
+    class OtherRMSNorm(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    model.model.extra = OtherRMSNorm()
+    first = kernelize(model)
+    second = kernelize(model)
+    assert first.norms and not second.norms and not second.mlps
+    assert "OtherRMSNorm" in first.skipped["model.extra"]
+
+
+def test_kernelized_layers_keep_autograd(cpu) -> None:
+    """With gradients recorded the layers run their original code, so backward works and matches."""
+    model = llama(4)
+    x = torch.randn(1, 5, 64, requires_grad=True)
+    norm = model.model.layers[0].input_layernorm
+    reference = torch.autograd.grad(norm(x).sum(), x)[0]
+    kernelize(model)
+    got = torch.autograd.grad(norm(x).sum(), x)[0]
+    torch.testing.assert_close(got, reference)
+
+
+def test_rotary_matches_transformers_on_strided_layouts(cpu) -> None:
+    """The hal rotary equals transformers' apply_rotary_pos_emb for the projection layout and a permuted copy."""
+    from transformers.models.llama import modeling_llama
+
+    original = getattr(modeling_llama.apply_rotary_pos_emb, "__hal_original__", modeling_llama.apply_rotary_pos_emb)
+    rng = torch.Generator().manual_seed(7)
+    b, s, h, kv, d = 2, 5, 4, 2, 32
+    config = transformers.LlamaConfig(hidden_size=h * d, num_attention_heads=h, head_dim=d)
+    rope = modeling_llama.LlamaRotaryEmbedding(config)
+    q = torch.randn(b, s, h, d, generator=rng).transpose(1, 2)
+    k = torch.randn(b, kv, s, d, generator=rng)  # contiguous in [B, heads, S, D]: the copy path
+    cos, sin = rope(q, torch.arange(s).expand(b, s))
+    want_q, want_k = original(q.clone(), k.clone(), cos, sin)
+    got_q, got_k = _rotary(original)(q.clone(), k.clone(), cos, sin)
+    torch.testing.assert_close(got_q, want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5)
