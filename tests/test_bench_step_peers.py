@@ -227,6 +227,25 @@ def test_step_peers_without_torch_are_missing_not_fatal(cpu, monkeypatch) -> Non
         assert peer["status"] == "missing" and "torch is not installed" in peer["reason"]
 
 
+def test_step_preset_lists_the_decode_and_prompt_cases_of_both_model_sizes() -> None:
+    """step: the four ops at 1, 8 and 512 tokens (sample: 1 and 8 sequences), 1B and 7B shapes, fp32 and bf16."""
+    make = bench.make_case
+    dtypes = ("fp32", "bf16")
+    expected = {make("rms_norm", tokens=t, hidden=h, residual=1, dtype=dt)
+                for t in (1, 8, 512) for h in (2048, 4096) for dt in dtypes}
+    expected |= {make("gated_activation", tokens=t, inter=i, dtype=dt)
+                 for t in (1, 8, 512) for i in (5632, 11008) for dt in dtypes}
+    expected |= {make("rotary_embedding", tokens=t, heads=h, kv_heads=kv, head=128, dtype=dt)
+                 for t in (1, 8, 512) for h, kv in ((16, 4), (32, 32)) for dt in dtypes}
+    expected |= {make("sample", seqs=s, vocab=v, greedy=g, dtype=dt)
+                 for s in (1, 8) for v in (32000, 128256) for g in (0, 1) for dt in dtypes}
+    cases = bench.preset_cases("step")
+    assert len(cases) == len(expected) == 52 and set(cases) == expected
+    assert "step" in bench.preset_names()
+    assert all(len(bench.peers_for(case, host=True)) == 1 for case in cases)
+    assert not any(bench.peers_for(case, host=False) for case in cases)
+
+
 def test_step_peers_use_the_hosts_cores_for_torch() -> None:
     """Building a step peer sets torch's intra-op threads to the cores this process may run on."""
     from hal_core.bench._step_peers import host_threads
