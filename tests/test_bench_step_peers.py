@@ -199,6 +199,20 @@ def _step_cases() -> list[bench.Case]:
     return [bench.parse_shape(*text.split(":", 1)) for text in STEP_PEER_CASES]
 
 
+def _documented_bytes(case: bench.Case) -> int:
+    """The byte formulas of docs/benchmarks.md for the step ops, written out independently of the op specs."""
+    p = case.params
+    item = {"fp32": 4, "fp16": 2, "bf16": 2}[str(p["dtype"])]
+    if case.op == "rms_norm":
+        return ((4 if p["residual"] else 2) * p["tokens"] * p["hidden"] + p["hidden"]) * item
+    if case.op == "gated_activation":
+        return 3 * p["tokens"] * p["inter"] * item
+    if case.op == "rotary_embedding":
+        rot = p["rotary"] or p["head"]
+        return 2 * p["tokens"] * (p["heads"] + p["kv_heads"]) * rot * item + p["tokens"] * (4 * rot + 8)
+    return p["seqs"] * (p["vocab"] * item + 32)
+
+
 def test_report_holds_each_peer_with_the_ops_bytes_and_its_ratio(cpu) -> None:
     """Each case's bytes are its op's nbytes; its one torch peer is 'ok' with gbps on those bytes and hal_speedup."""
     report = bench.run_bench(_step_cases(), cpu, QUICK)
@@ -207,7 +221,7 @@ def test_report_holds_each_peer_with_the_ops_bytes_and_its_ratio(cpu) -> None:
         bench_cases = OPS[case.op].bench
         assert bench_cases is not None
         args = bench_cases.inputs(np.random.default_rng(0), case.params)
-        assert entry["bytes"] == OPS[case.op].nbytes(args)
+        assert entry["bytes"] == OPS[case.op].nbytes(args) == _documented_bytes(case)
         (peer,) = entry["peers"]
         assert peer["status"] == "ok" and peer["name"].startswith("torch eager"), peer
         seconds = peer["median_ms"] / 1e3
