@@ -112,6 +112,29 @@ def test_rotary_peer_matches_hal_and_the_reference(cpu, request, dtype: str, rot
         assert key is None
 
 
+def test_rotary_peer_is_transformers_rotary(request) -> None:
+    """cos/sin are transformers' rotary module's (to fp32 rounding of its float32 angles) and the rotation is its
+    apply_rotary_pos_emb bit for bit (bf16)."""
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    config = llama.LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                               max_position_embeddings=64, rope_theta=10000.0)
+    args = rotary_embedding_inputs(_rng(request), num_tokens=5, num_heads=4, num_kv_heads=2, head_size=64,
+                                   dtype="bf16", max_position=64, poison=False)
+    positions = torch.from_numpy(args["positions"].astype(np.int64))[None]
+    probe = torch.zeros(1, dtype=torch.float32)
+    cos_t, sin_t = llama.LlamaRotaryEmbedding(config)(probe, positions)  # [1, tokens, 64] float32
+    from hal_core.bench._step_peers import rotary_cos_sin
+
+    cos, sin = rotary_cos_sin(torch, args["cos_sin_cache"], args["positions"], torch.float32)
+    torch.testing.assert_close(cos[:, 0], cos_t[0], rtol=0, atol=2e-5)
+    torch.testing.assert_close(sin[:, 0], sin_t[0], rtol=0, atol=2e-5)
+    query, key = _peer("rotary_embedding").build([args], np)(0)
+    q, k = torch.from_numpy(args["query"].astype(np.float32)), torch.from_numpy(args["key"].astype(np.float32))
+    cos_b, sin_b = rotary_cos_sin(torch, args["cos_sin_cache"], args["positions"], torch.bfloat16)
+    q_t, k_t = llama.apply_rotary_pos_emb(q.to(torch.bfloat16), k.to(torch.bfloat16), cos_b[:, 0], sin_b[:, 0])
+    assert torch.equal(query, q_t) and torch.equal(key, k_t)
+
+
 def test_rotary_peer_refuses_gptj_pairs(request) -> None:
     """apply_rotary_pos_emb rotates halves: a gptj call is a PeerUnavailable (reported 'missing')."""
     args = rotary_embedding_inputs(_rng(request), num_tokens=2, num_heads=2, num_kv_heads=1, head_size=16,
@@ -175,6 +198,23 @@ def test_sampled_token_is_in_the_kept_set(cpu, request, dtype: str, settings: di
         tokens = runner(0).numpy()
         assert kept[rows, tokens].all(), tokens
     assert kept[rows, cpu.ops.sample(**args)].all()
+
+
+def test_sample_peer_draws_transformers_token_for_the_same_torch_seed(request) -> None:
+    """With torch's generator seeded alike, the peer draws the token transformers' warpers + multinomial draw."""
+    process = pytest.importorskip("transformers.generation.logits_process")
+    settings = {"temperature": 0.8, "top_k": 50, "top_p": 0.9, "min_p": 0.05}
+    args = _uniform(sample_inputs(_rng(request), num_seqs=4, vocab_size=1000, dtype="bf16"), **settings)
+    warpers = process.LogitsProcessorList([process.TemperatureLogitsWarper(0.8), process.TopKLogitsWarper(50),
+                                           process.TopPLogitsWarper(0.9), process.MinPLogitsWarper(0.05)])
+    logits = torch.from_numpy(args["logits"].astype(np.float32))  # bf16 values, exactly
+    runner = _peer("sample").build([args], np)
+    for seed in range(5):
+        torch.manual_seed(seed)
+        scores = warpers(None, logits.clone())
+        expected = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        torch.manual_seed(seed)
+        assert torch.equal(runner(0), expected)
 
 
 def test_sample_peer_refuses_rows_with_different_settings(request) -> None:
