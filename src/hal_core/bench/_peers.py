@@ -6,15 +6,16 @@ prompt), torch's int4 CPU kernel
 with bf16 activations (it is only fast with bf16), torch's int8 weight
 kernel, and numpy's float32 BLAS on the dequantised weight. On device
 backends: the backend array library's fp16 and bf16 matmul on the
-unquantised weight (cuBLAS on CUDA). torch is imported only here, only
-when a peer is built; a missing peer is reported, never fatal.
+unquantised weight (cuBLAS on CUDA). The torch eager sequences that
+rms_norm, gated_activation, rotary_embedding and sample replace are in
+``_step_peers``. torch is imported only when a peer is built; a missing
+peer is reported, never fatal.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,36 +23,10 @@ import numpy as np
 from ..arrays import numpy_dtype
 from ..quant import QuantizedWeight
 from ._cases import Case
+from ._peer_base import Peer, PeerUnavailable, Runner, inference, rotating, to_torch, torch_module
+from ._step_peers import STEP_PEERS
 
 __all__ = ["PEERS", "Peer", "PeerUnavailable", "peers_for"]
-
-
-class PeerUnavailable(Exception):
-    """The peer cannot run here (its library is not installed, or it does not apply); the message says why."""
-
-
-Runner = Callable[[int], object]
-
-
-@dataclass(frozen=True)
-class Peer:
-    """A named peer: ``applies(case, host)`` and ``build(inputs, xp)`` -> a function of the call number."""
-
-    name: str
-    applies: Callable[[Case, bool], bool]
-    build: Callable[[Sequence[dict[str, Any]], Any], Runner]
-
-
-def _torch() -> Any:
-    try:
-        import torch
-    except ImportError as exc:
-        raise PeerUnavailable(f"torch is not installed ({exc}); pip install torch") from None
-    return torch
-
-
-def _rotating(calls: Sequence[Callable[[], object]]) -> Runner:
-    return lambda i: calls[i % len(calls)]()
 
 
 # -- attention ----------------------------------------------------------------
@@ -67,7 +42,7 @@ def _contiguous_kv(cache: np.ndarray, tables: np.ndarray, ctx: int) -> np.ndarra
 
 def _torch_sdpa(inputs: Sequence[dict[str, Any]], xp: Any) -> Runner:
     """Decode (one query row per sequence, equal lengths) or one causal prompt, with K/V made contiguous."""
-    torch = _torch()
+    torch = torch_module()
     sdpa = torch.nn.functional.scaled_dot_product_attention
     calls = []
     for args in inputs:
@@ -76,9 +51,9 @@ def _torch_sdpa(inputs: Sequence[dict[str, Any]], xp: Any) -> Runner:
             raise PeerUnavailable("torch sdpa peer needs equal sequence lengths")
         if args.get("window") is not None:
             raise PeerUnavailable("torch sdpa has no sliding window (it would need a dense mask)")
-        k = _to_torch(torch, _contiguous_kv(args["key_cache"], args["block_tables"], ctx))
-        v = _to_torch(torch, _contiguous_kv(args["value_cache"], args["block_tables"], ctx))
-        query, scale = _to_torch(torch, args["query"]), args["scale"]
+        k = to_torch(torch, _contiguous_kv(args["key_cache"], args["block_tables"], ctx))
+        v = to_torch(torch, _contiguous_kv(args["value_cache"], args["block_tables"], ctx))
+        query, scale = to_torch(torch, args["query"]), args["scale"]
         if args.get("query_start_loc") is None:  # decode: [seqs, heads, 1, head]
             q, causal = query.unsqueeze(2), False
         elif query.shape[0] == ctx and len(args["seq_lens"]) == 1:  # one whole prompt: [1, heads, ctx, head]
@@ -89,23 +64,9 @@ def _torch_sdpa(inputs: Sequence[dict[str, Any]], xp: Any) -> Runner:
         def call(q: Any = q, k: Any = k, v: Any = v, scale: float = scale, causal: bool = causal) -> object:
             return sdpa(q, k, v, scale=scale, is_causal=causal, enable_gqa=True)
 
-        calls.append(_inference(torch, call))
+        calls.append(inference(torch, call))
     calls[0]()  # fails here, not while timing, when this torch cannot run it
-    return _rotating(calls)
-
-
-def _inference(torch: Any, fn: Callable[[], object]) -> Callable[[], object]:
-    def run() -> object:
-        with torch.inference_mode():
-            return fn()
-
-    return run
-
-
-def _to_torch(torch: Any, array: np.ndarray) -> Any:
-    if array.dtype == numpy_dtype("bf16"):
-        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
+    return rotating(calls)
 
 
 # -- quantized gemm -----------------------------------------------------------
@@ -123,7 +84,7 @@ def dequantize_float32(qw: QuantizedWeight) -> np.ndarray:
 
 
 def _torch_int4(inputs: Sequence[dict[str, Any]], xp: Any) -> Runner:
-    torch = _torch()
+    torch = torch_module()
     convert = torch.ops.aten._convert_weight_to_int4pack_for_cpu
     mm = torch.ops.aten._weight_int4pack_mm_for_cpu
     calls = []
@@ -135,13 +96,13 @@ def _torch_int4(inputs: Sequence[dict[str, Any]], xp: Any) -> Runner:
         scale_zero = torch.stack([scales, torch.zeros_like(scales)], dim=-1).to(torch.bfloat16).contiguous()
         x = torch.from_numpy(np.asarray(args["x"], dtype=np.float32)).to(torch.bfloat16)
         group = qw.group_size
-        calls.append(_inference(torch, functools.partial(mm, x, packed, group, scale_zero)))
+        calls.append(inference(torch, functools.partial(mm, x, packed, group, scale_zero)))
     calls[0]()
-    return _rotating(calls)
+    return rotating(calls)
 
 
 def _torch_int8(inputs: Sequence[dict[str, Any]], xp: Any) -> Runner:
-    torch = _torch()
+    torch = torch_module()
     mm = torch.ops.aten._weight_int8pack_mm
     calls = []
     for args in inputs:
@@ -150,9 +111,9 @@ def _torch_int8(inputs: Sequence[dict[str, Any]], xp: Any) -> Runner:
         w = torch.from_numpy(np.ascontiguousarray(codes.T))  # [N, K] int8
         scales = torch.from_numpy(np.asarray(qw.scales, dtype=np.float32).max(axis=0)).to(torch.bfloat16)
         x = torch.from_numpy(np.asarray(args["x"], dtype=np.float32)).to(torch.bfloat16)
-        calls.append(_inference(torch, functools.partial(mm, x, w, scales)))
+        calls.append(inference(torch, functools.partial(mm, x, w, scales)))
     calls[0]()
-    return _rotating(calls)
+    return rotating(calls)
 
 
 def _numpy_blas(inputs: Sequence[dict[str, Any]], xp: Any) -> Runner:
@@ -162,7 +123,7 @@ def _numpy_blas(inputs: Sequence[dict[str, Any]], xp: Any) -> Runner:
         x = np.asarray(args["x"], dtype=np.float32)
         out = np.empty((x.shape[0], w.shape[1]), dtype=np.float32)
         calls.append(lambda x=x, w=w, out=out: np.matmul(x, w, out=out))
-    return _rotating(calls)
+    return rotating(calls)
 
 
 def _device_matmul(dtype: str) -> Callable[[Sequence[dict[str, Any]], Any], Runner]:
@@ -177,7 +138,7 @@ def _device_matmul(dtype: str) -> Callable[[Sequence[dict[str, Any]], Any], Runn
                 raise PeerUnavailable(f"{xp.__name__} cannot hold {dtype}: {type(exc).__name__}: {exc}") from None
             calls.append(lambda x=x, w=w: xp.matmul(x, w))
         calls[0]()
-        return _rotating(calls)
+        return rotating(calls)
 
     return build
 
@@ -201,6 +162,7 @@ PEERS: tuple[Peer, ...] = (
     Peer("numpy fp32 BLAS (dequantised w)", _is_gemm(), _numpy_blas),
     Peer("device matmul fp16 (unquantised w)", _is_gemm(host=False), _device_matmul("fp16")),
     Peer("device matmul bf16 (unquantised w)", _is_gemm(host=False), _device_matmul("bf16")),
+    *STEP_PEERS,
 )
 
 

@@ -144,6 +144,8 @@ GatedActivation.bench = BenchCases(
         "decode": lambda: [{"tokens": t, "inter": i, "dtype": dt}
                            for t in (1, 8) for i in (5632, 11008) for dt in ("fp32", "bf16")],
         "prefill": lambda: [{"tokens": 512, "inter": i, "dtype": dt} for i in (5632, 11008) for dt in ("fp32", "bf16")],
+        "step": lambda: [{"tokens": t, "inter": i, "dtype": dt}
+                         for t in (1, 8, 512) for i in (5632, 11008) for dt in ("fp32", "bf16")],
     },
     explain=({"dtype": "bf16", "tokens": 8, "inter": 11008}, {"dtype": "fp32", "tokens": 1, "inter": 5632}),
     test_inputs=_test_inputs,

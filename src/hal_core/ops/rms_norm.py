@@ -147,6 +147,8 @@ RmsNorm.bench = BenchCases(
         "decode": lambda: [{"tokens": t, "hidden": h, "dtype": dt}
                            for t in (1, 8) for h in (2048, 4096) for dt in ("fp32", "bf16")],
         "prefill": lambda: [{"tokens": 512, "hidden": h, "dtype": dt} for h in (2048, 4096) for dt in ("fp32", "bf16")],
+        "step": lambda: [{"tokens": t, "hidden": h, "residual": 1, "dtype": dt}
+                         for t in (1, 8, 512) for h in (2048, 4096) for dt in ("fp32", "bf16")],
     },
     explain=({"dtype": "bf16", "tokens": 8, "hidden": 4096, "residual": 1},
              {"dtype": "fp32", "tokens": 1, "hidden": 2048, "residual": 0}),

@@ -203,6 +203,8 @@ RotaryEmbedding.bench = BenchCases(
     presets={
         "decode": lambda: [{"tokens": t, "dtype": dt} for t in (1, 8) for dt in ("fp32", "bf16")],
         "prefill": lambda: [{"tokens": 512, "dtype": dt} for dt in ("fp32", "bf16")],
+        "step": lambda: [{"tokens": t, "heads": h, "kv_heads": kv, "head": 128, "dtype": dt}
+                         for t in (1, 8, 512) for h, kv in ((16, 4), (32, 32)) for dt in ("fp32", "bf16")],
     },
     explain=({"dtype": "bf16", "tokens": 8, "heads": 32, "kv_heads": 8, "head": 128, "max_pos": 64},
              {"dtype": "fp16", "tokens": 1, "heads": 32, "kv_heads": 32, "head": 80, "rotary": 32, "max_pos": 64}),

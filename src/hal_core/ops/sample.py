@@ -188,6 +188,8 @@ Sample.bench = BenchCases(
         "decode": lambda: [{"seqs": s, "vocab": v, "greedy": g, "dtype": "fp32"}
                            for s in (1, 8) for v in (32000, 128256) for g in (0, 1)],
         "prefill": lambda: [{"seqs": s, "vocab": 128256, "greedy": 0, "dtype": "fp32"} for s in (64, 256)],
+        "step": lambda: [{"seqs": s, "vocab": v, "greedy": g, "dtype": dt}
+                         for s in (1, 8) for v in (32000, 128256) for g in (0, 1) for dt in ("fp32", "bf16")],
     },
     explain=({"seqs": 8, "vocab": 32000, "greedy": 0, "dtype": "fp32"},
              {"seqs": 1, "vocab": 151936, "greedy": 1, "dtype": "bf16"}),
