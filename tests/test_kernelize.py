@@ -96,6 +96,8 @@ def test_rotary_matches_transformers_on_strided_layouts(cpu) -> None:
     k = torch.randn(b, kv, s, d, generator=rng)  # contiguous in [B, heads, S, D]: the copy path
     cos, sin = rope(q, torch.arange(s).expand(b, s))
     want_q, want_k = original(q.clone(), k.clone(), cos, sin)
-    got_q, got_k = _rotary(original)(q.clone(), k.clone(), cos, sin)
+    q_in, k_in = q.clone(), k.clone()
+    got_q, got_k = _rotary(original)(q_in, k_in, cos, sin)
+    assert torch.equal(q_in, q) and torch.equal(k_in, k)  # the inputs are left as they were
     torch.testing.assert_close(got_q, want_q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5)

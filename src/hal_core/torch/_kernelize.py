@@ -14,7 +14,8 @@ other instances are untouched):
   :data:`ROTARY`) -> ``rotary_embedding`` on the query and key in place.
   That function is module-level in transformers, so it is replaced in the
   architecture's modeling module: every model of that architecture in the
-  process then uses it, with the same results.
+  process then uses it, with the same results (it returns new tensors and
+  leaves its inputs as they were, as the original does).
 
 A call hal cannot run (a dtype the op refuses, autograd recording, another
 layout) runs the layer's original code, so the model's outputs never
@@ -119,9 +120,10 @@ def _rotary(original: Callable[..., Any]) -> Callable[..., Any]:
         if cos.shape[0] != b or cos.shape[1] != s:
             return original(q, k, cos, sin, unsqueeze_dim)
         positions, table = _table(cos, sin)
-        # [B, S, heads, D] rows: a view of the projection's output as transformers' attention lays it out (the
-        # rotation then happens in place there: the un-rotated tensors are never read again), else a copy
-        query, key = q.transpose(1, 2).reshape(b * s, -1, d), k.transpose(1, 2).reshape(b * s, -1, d)
+        # [B, S, heads, D] copies rotated in place: the function returns new tensors, and a caller may read its
+        # inputs again (one pass each; the eager sequence makes several)
+        query = q.transpose(1, 2).clone(memory_format=torch.contiguous_format).view(b * s, -1, d)
+        key = k.transpose(1, 2).clone(memory_format=torch.contiguous_format).view(b * s, -1, d)
         _op("rotary_embedding")(positions, query, table, key=key)
         return query.view(b, s, -1, d).transpose(1, 2), key.view(b, s, -1, d).transpose(1, 2)
 
