@@ -101,3 +101,20 @@ def test_rotary_matches_transformers_on_strided_layouts(cpu) -> None:
     assert torch.equal(q_in, q) and torch.equal(k_in, k)  # the inputs are left as they were
     torch.testing.assert_close(got_q, want_q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_table_follows_each_forward(cpu) -> None:
+    """A new forward's cos/sin (even at a freed tensor's address) get their own table, never a stale one."""
+    from transformers.models.llama import modeling_llama
+
+    original = getattr(modeling_llama.apply_rotary_pos_emb, "__hal_original__", modeling_llama.apply_rotary_pos_emb)
+    rotary = _rotary(original)
+    config = transformers.LlamaConfig(hidden_size=128, num_attention_heads=4, head_dim=32)
+    rope = modeling_llama.LlamaRotaryEmbedding(config)
+    q, k = torch.randn(1, 4, 3, 32), torch.randn(1, 2, 3, 32)
+    for start in (0, 7, 100, 7):  # each forward's cos/sin are new tensors, freed after the "forward"
+        cos, sin = rope(q, torch.arange(start, start + 3)[None])
+        got = rotary(q, k, cos, sin)
+        want = original(q, k, cos, sin)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        del cos, sin

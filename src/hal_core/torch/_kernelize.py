@@ -92,21 +92,23 @@ def _mlp_forward(module: Any, original: Callable[..., Any], activation: str) -> 
     return forward
 
 
-_tables: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+#: The last forward's ``(cos, sin, cos._version, positions, table)``. The tensors themselves are held (one
+#: forward's, bounded) and compared by identity: a freed tensor's address is reused by the next forward's.
+_last_table: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor]] = []
 
 
 def _table(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(positions, cos_sin_cache)`` of a forward's ``cos``/``sin`` ``[B, S, D]``: one row per token, built once
     per forward (every layer passes the same tensors)."""
-    key = (cos.data_ptr(), sin.data_ptr(), cos._version)
-    found = _tables.get(key)
-    if found is None:
-        half = cos.shape[-1] // 2
-        table = torch.cat([cos[..., :half], sin[..., :half]], dim=-1).reshape(-1, 2 * half).float().contiguous()
-        found = (torch.arange(table.shape[0], dtype=torch.int64, device=cos.device), table)
-        _tables.clear()  # one forward's table at a time: a bounded cache
-        _tables[key] = found
-    return found
+    if _last_table:
+        held_cos, held_sin, version, positions, table = _last_table[0]
+        if held_cos is cos and held_sin is sin and version == cos._version:
+            return positions, table
+    half = cos.shape[-1] // 2
+    table = torch.cat([cos[..., :half], sin[..., :half]], dim=-1).reshape(-1, 2 * half).float().contiguous()
+    positions = torch.arange(table.shape[0], dtype=torch.int64, device=cos.device)
+    _last_table[:] = [(cos, sin, cos._version, positions, table)]
+    return positions, table
 
 
 def _rotary(original: Callable[..., Any]) -> Callable[..., Any]:
