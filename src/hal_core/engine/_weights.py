@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .._backend import Backend
-from .._errors import CheckpointError, ConfigurationError
+from .._errors import ArgumentError, CheckpointError, ConfigurationError
 from ..quant import QuantizedWeight, quantize
 from ..quant._checkpoint_format import KEY, CheckpointFormat, checkpoint_format
 from ._checkpoint import Tensors
@@ -110,11 +110,28 @@ class _Projections:
         if config.tie_word_embeddings:
             self.shapes.pop("lm_head")
         self.stored = {name: self._check(name, shape) for name, shape in self.shapes.items()}
+        at_load = [(name, shape[1], lm_head_bits if name == "lm_head" else bits)
+                   for name, shape in self.shapes.items() if not self.stored[name]]
+        if config.tie_word_embeddings:
+            at_load.append(("lm_head (the tied embedding)", config.hidden_size, lm_head_bits))
+        for name, k, layer_bits in at_load:
+            if k % group_size:
+                raise ArgumentError(f"argument 'group_size': {group_size} does not divide the {k} inputs of {name} "
+                                    "(quantized at load)")
+            if layer_bits == 4 and k % 8:
+                raise ArgumentError(f"argument '{'lm_head_bits' if name.startswith('lm_head') else 'bits'}': int4 "
+                                    f"packs 8 inputs a word; {name} has {k} inputs")
 
     def _check(self, name: str, shape: tuple[int, int]) -> bool:
         """Whether layer ``name`` is stored quantized; its tensors' headers checked (nothing read)."""
+        if self.tensors.has(f"{name}.bias"):
+            raise CheckpointError(f"{self.tensors.folder}: tensor {name + '.bias'!r}: biased projections are not "
+                                  "run by the engine")
         if self.format is not None and self.tensors.has(f"{name}.qweight"):
             fmt = self.format.for_layer(name)
+            if fmt.desc_act:
+                raise ConfigurationError(f"{KEY}.dynamic: layer {name!r} is act-order (desc_act), which the engine "
+                                         "does not run")
             for part, spec in fmt.layer_specs(name, shape[1], shape[0]).items():
                 if part != "bias" and (part != "g_idx" or self.tensors.has(f"{name}.g_idx")):
                     self.tensors.check(f"{name}.{part}", spec.shape, spec.dtypes, spec.layout)
