@@ -207,6 +207,20 @@ def test_stored_projection_bias_is_refused(cpu, folder: Path) -> None:
     refused(folder, CheckpointError, r"'model\.layers\.0\.self_attn\.q_proj\.bias': biased projections", backend=cpu)
 
 
+@pytest.mark.parametrize("tensor", [NORM, "model.layers.0.mlp.down_proj.weight", "lm_head.weight"])
+def test_non_finite_weight_is_refused_naming_it(cpu, folder: Path, tensor: str) -> None:
+    """A NaN in a norm or a projection quantized at load is refused naming the tensor, never served."""
+    path = folder / "model.safetensors"
+    header, _ = header_of(path)
+    assert header[tensor]["dtype"] == "F32"
+    raw = bytearray(path.read_bytes())
+    at = 8 + int.from_bytes(raw[:8], "little") + header[tensor]["data_offsets"][0] + 4 * 5
+    raw[at:at + 4] = np.float32(np.nan).tobytes()
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=rf"tensor '{tensor}' holds NaN or infinity"):
+        Engine(folder, backend=cpu, group_size=GROUP)
+
+
 # -- config.json ----------------------------------------------------------------------------------------------
 
 
@@ -388,6 +402,27 @@ def test_request_beyond_max_position_embeddings_is_refused(cpu, folder: Path) ->
             engine.add_request("r", [1] * 60, max_new_tokens=5)
         assert len(engine.generate([[1] * 60], max_new_tokens=4, stop_token_ids=())[0]) == 4
         assert_idle_and_serving(engine)
+
+
+def test_step_out_of_blocks_changes_nothing_and_abort_frees(engine: Engine) -> None:
+    """A step whose running requests outgrow the cache raises OutOfBlocksError with the cache and queues as they
+    were; aborting the requests frees their blocks and the engine serves on."""
+    engine.add_request("x", [1] * 20, max_new_tokens=20, stop_token_ids=())
+    engine.add_request("y", [2] * 20, max_new_tokens=20, stop_token_ids=())
+    with pytest.raises(OutOfBlocksError) as caught:
+        for _ in range(100):
+            used = engine.cache.usage().used_blocks
+            progress = [(r.request_id, r.prefilled, len(r.output)) for r in engine.running]
+            engine.step()
+    assert engine.cache.usage().used_blocks == used
+    assert [(r.request_id, r.prefilled, len(r.output)) for r in engine.running] == progress
+    if hasattr(caught.value, "__notes__"):
+        assert "'x'" in caught.value.__notes__[0] and "'y'" in caught.value.__notes__[0]
+    with pytest.raises(ArgumentError, match="request 'z': not queued"):
+        engine.abort("z")
+    engine.abort("x")
+    engine.abort("y")
+    assert_idle_and_serving(engine)
 
 
 def test_generate_out_of_blocks_leaves_the_engine_idle(engine: Engine) -> None:

@@ -124,14 +124,19 @@ class Engine:
             self.cache.add(r.request_id)
         try:
             step = self.cache.prepare_step({rid: len(ids) for rid, ids in feed.items()})
-        except OutOfBlocksError:
+        except OutOfBlocksError as exc:
             for r in joining:
                 self.cache.free(r.request_id)
             if not decodes:
+                _note(exc, members)
                 raise
             joining, members = [], members[:decodes]
             feed = {r.request_id: feed[r.request_id] for r in members}
-            step = self.cache.prepare_step({rid: len(ids) for rid, ids in feed.items()})
+            try:
+                step = self.cache.prepare_step({rid: len(ids) for rid, ids in feed.items()})
+            except OutOfBlocksError as again:
+                _note(again, members)
+                raise
         for r in joining:
             self.waiting.remove(r)
             self.running.append(r)
@@ -182,6 +187,13 @@ class Engine:
             raise
         return [list(r.output) for r in requests]
 
+    def abort(self, request_id: Hashable) -> None:
+        """Remove a queued or running request, its cache blocks freed (ArgumentError when there is none)."""
+        found = [r for r in (*self.waiting, *self.running) if r.request_id == request_id]
+        if not found:
+            raise ArgumentError(f"request {request_id!r}: not queued")
+        self._drop(found)
+
     def _drop(self, requests: list[Request]) -> None:
         """Remove ``requests`` wherever they are, their cache blocks freed."""
         for r in requests:
@@ -206,6 +218,13 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
     return tuple(int(v) for v in value) if isinstance(value, list | tuple) else (int(value),)
+
+
+def _note(exc: BaseException, members: list[Request]) -> None:
+    """Name the step's requests on ``exc`` (Python 3.11+ shows notes under the message)."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"the step's requests: {', '.join(repr(r.request_id) for r in members)} (the engine does not "
+                     "preempt: abort one, or size kv_cache_tokens larger)")
 
 
 class _Generated:

@@ -151,6 +151,8 @@ class _Projections:
                 weight = replace(weight, g_idx=None)  # the trivial order GPTQ writers store: no act-order
             return weight
         w = np.asarray(self.tensors.get(f"{name}.weight"), dtype=np.float32).T
+        if not np.isfinite(w).all():
+            raise CheckpointError(f"{self.tensors.folder}: tensor {name + '.weight'!r} holds NaN or infinity")
         return quantize(w, bits=bits or self.bits, group_size=self.group_size)
 
     def joined(self, names: list[str], backend: Backend) -> QuantizedWeight:
@@ -176,7 +178,10 @@ def load_weights(folder: str | Path, config: ModelConfig, backend: Backend, *, d
     projections = _Projections(tensors, c, bits, group_size, lm_head_bits)
 
     def vector(name: str) -> Any:
-        return backend.asarray(np.ascontiguousarray(tensors.get(name), dtype=dtype))
+        values = np.ascontiguousarray(tensors.get(name), dtype=dtype)
+        if not np.isfinite(values.astype(np.float32)).all():
+            raise CheckpointError(f"{folder}: tensor {name!r} holds NaN or infinity")
+        return backend.asarray(values)
 
     layers = []
     for n in range(c.num_layers):
@@ -194,7 +199,11 @@ def load_weights(folder: str | Path, config: ModelConfig, backend: Backend, *, d
         progress("lm_head")
     embed = tensors.get("model.embed_tokens.weight")
     if c.tie_word_embeddings:
-        head = quantize(np.asarray(embed, dtype=np.float32).T, bits=lm_head_bits, group_size=group_size)
+        table = np.asarray(embed, dtype=np.float32).T
+        if not np.isfinite(table).all():
+            raise CheckpointError(f"{folder}: tensor 'model.embed_tokens.weight' (the tied lm_head) holds NaN or "
+                                  "infinity")
+        head = quantize(table, bits=lm_head_bits, group_size=group_size)
     else:
         head = projections.weight("lm_head", lm_head_bits)
     return ModelWeights(embed=embed if backend.is_host else backend.asarray(embed), layers=layers,
