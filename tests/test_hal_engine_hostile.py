@@ -247,6 +247,8 @@ def test_config_missing_or_not_json_is_refused(cpu, folder: Path) -> None:
     ("max_position_embeddings", -1, "expected an integer >= 1"),
     ("rms_norm_eps", "tiny", "expected a finite number > 0"), ("rms_norm_eps", 0, "expected a finite number > 0"),
     ("model_type", "gpt2", "'gpt2' is not run"), ("model_type", None, "None is not run"),
+    ("eos_token_id", "</s>", "expected a token id or a list of them"),
+    ("eos_token_id", [2, 1.5], r"expected a token id or a list of them, got \[2, 1.5\]"),
     ("hidden_act", "relu", "'relu' is not one of"), ("hidden_act", ["silu"], r"\['silu'\] is not one of"),
     ("attention_bias", True, "biased projections"), ("mlp_bias", True, "biased projections"),
 ])
@@ -293,12 +295,14 @@ def test_act_order_and_awq_checkpoints_are_refused(cpu, folder: Path) -> None:
     ("kv_cache_tokens", 0, "positive integer"), ("kv_cache_tokens", 1.5, "positive integer"),
     ("kv_cache_tokens", True, "positive integer"), ("max_batch_tokens", 0, "positive integer"),
     ("max_batch_tokens", -3, "positive integer"), ("block_size", 0, "positive integer"),
+    ("backend", "cpu", "expected a hal_core Backend, got str"), ("progress", 3, "expected a callable, got int"),
 ])
 def test_bad_engine_argument_is_refused_before_loading(cpu, folder: Path, argument: str, value: Any,
                                                        match: str) -> None:
     """An Engine argument out of range is an ArgumentError naming it, raised before any weight is loaded."""
-    kwargs = {"group_size": GROUP, argument: value}
-    refused(folder, ArgumentError, rf"argument '{argument}': .*{match}", backend=cpu, **kwargs)
+    kwargs = {"backend": cpu, "group_size": GROUP, argument: value}
+    with pytest.raises(ArgumentError, match=rf"argument '{argument}': .*{match}"):
+        Engine(folder, **{"progress": (lambda line: pytest.fail(f"loaded {line}")), **kwargs})
 
 
 # -- requests ---------------------------------------------------------------------------------------------------

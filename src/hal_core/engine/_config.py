@@ -43,6 +43,7 @@ class ModelConfig:
     sliding_window: int | None
     max_position_embeddings: int
     rope: RopeConfig  #: the rotary embedding (its scaling type checked when the config is read)
+    eos_token_ids: tuple[int, ...]  #: ``eos_token_id`` (null, an id or a list of ids)
     raw: Mapping[str, Any] = field(repr=False, compare=False)  #: the whole config (rotary fields are read from it)
 
     @classmethod
@@ -80,7 +81,7 @@ class ModelConfig:
                    num_kv_heads=kv_heads, head_size=head_size, rms_norm_eps=float(eps), activation=ACTIVATIONS[act],
                    tie_word_embeddings=bool(config.get("tie_word_embeddings", False)), sliding_window=window,
                    max_position_embeddings=positions,
-                   rope=rope, raw=dict(config))
+                   rope=rope, eos_token_ids=_eos_ids(config.get("eos_token_id")), raw=dict(config))
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -116,3 +117,11 @@ def _size(config: Mapping[str, Any], name: str, default: int | None = None) -> i
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigurationError(f"config field {name!r}: expected an integer >= 1, got {value!r}")
     return value
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    """``eos_token_id`` (null, an id or a list of ids) as a tuple; ConfigurationError names the field."""
+    values = () if value is None else tuple(value) if isinstance(value, list | tuple) else (value,)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ConfigurationError(f"config field 'eos_token_id': expected a token id or a list of them, got {value!r}")
+    return values

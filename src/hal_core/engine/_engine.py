@@ -54,17 +54,24 @@ class Engine:
         _check_arguments(bits=bits, group_size=group_size, lm_head_bits=lm_head_bits, dtype=dtype,
                          activations=activations, kv_cache_tokens=kv_cache_tokens, block_size=block_size,
                          max_batch_tokens=max_batch_tokens)
+        if backend is not None and not isinstance(backend, Backend):
+            raise ArgumentError(f"argument 'backend': expected a hal_core Backend, got {type(backend).__name__}")
+        if progress is not None and not callable(progress):
+            raise ArgumentError(f"argument 'progress': expected a callable, got {type(progress).__name__}")
         self.backend = backend or get_backend()
-        self.config = ModelConfig.from_pretrained(folder)
+        self.config = c = ModelConfig.from_pretrained(folder)
+        self.stop_token_ids = c.eos_token_ids
         self.dtype = numpy_dtype(dtype)
-        self.weights = load_weights(folder, self.config, self.backend, dtype=self.dtype, bits=bits,
-                                    group_size=group_size, lm_head_bits=lm_head_bits, progress=progress)
-        self.model = DecoderModel(self.config, self.weights, self.backend, dtype=self.dtype, activations=activations)
-        c = self.config
+        self.max_batch_tokens = max_batch_tokens
         self.cache = PagedKVCache(self.backend, CacheConfig(c.num_layers, c.num_kv_heads, c.head_size, block_size,
                                                             dtype), num_blocks=-(-kv_cache_tokens // block_size))
-        self.max_batch_tokens = max_batch_tokens
-        self.stop_token_ids = _eos_ids(c.raw.get("eos_token_id"))
+        try:  # the cache first: one too large for the device fails before any weight is read
+            self.weights = load_weights(folder, c, self.backend, dtype=self.dtype, bits=bits, group_size=group_size,
+                                        lm_head_bits=lm_head_bits, progress=progress)
+            self.model = DecoderModel(c, self.weights, self.backend, dtype=self.dtype, activations=activations)
+        except BaseException:
+            self.cache.close()
+            raise
         self.waiting: list[Request] = []
         self.running: list[Request] = []  #: admitted: in the cache, prefilling or decoding
 
@@ -212,12 +219,6 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _eos_ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return tuple(int(v) for v in value) if isinstance(value, list | tuple) else (int(value),)
 
 
 def _note(exc: BaseException, members: list[Request]) -> None:
