@@ -10,17 +10,27 @@ one query row per prompt token, causal by the cache's ``seq_lens``) with
 one decode token for every running sequence. A finished sequence frees its
 blocks at once.
 
+Every op of a step runs on the backend, on its arrays: the embedding rows
+are gathered there, ``rms_norm`` normalises (fusing the residual add from
+the second norm on), ``rotary_embedding`` rotates the query and key in
+place (its table from ``hal_core.rope.rope_cos_sin_cache``),
+``write_kv_cache`` and ``paged_attention`` use the cache,
+``gated_activation`` joins the MLP's gate and up halves, and ``sample`` at
+temperature 0 picks each sequence's greedy token. Only the step's token ids
+go in from the host, and the sampled tokens and the logits (for the check
+below) come back.
+
 The logits of every generated token are checked against a plain float64
 numpy model of the same network (the same dequantised weights, full causal
-attention, no paging). Element-wise math (norms, rotary, SiLU, residuals)
-runs on the host in float32; only the three ops run on the backend, so on a
-GPU this example moves activations every op: it shows the API, not speed.
+attention, no paging), and each sampled token against the argmax of its
+logits.
 
     python examples/tiny_engine.py                   # fp32 on hal_core.get_backend()
     python examples/tiny_engine.py --dtype bf16 --layers 4 --seed 7
     HAL_FORCE_CPU=1 python examples/tiny_engine.py   # same backend chosen, ops on the CPU path
 
-Exits 1 when the logits differ from the float64 model by more than the tolerance.
+Exits 1 when the logits differ from the float64 model by more than the tolerance, or a sampled token is not
+the argmax of its logits.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ import numpy as np
 import hal_core
 from hal_core.kvcache import CacheConfig, PagedKVCache
 from hal_core.quant import QuantizedWeight, quantize
+from hal_core.rope import rope_cos_sin_cache
 
 #: Largest allowed |engine - float64| over all logits, as a fraction of the largest |logit|.
 TOLERANCE = {"fp32": 2e-5, "fp16": 5e-3, "bf16": 4e-2}
@@ -78,7 +89,7 @@ def make_weights(cfg: Config, seed: int) -> dict:
                 lm_head=proj(cfg.hidden, cfg.vocab), layers=layers)
 
 
-# -- shared math -------------------------------------------------------------------------------
+# -- float64 math of the reference ------------------------------------------------------------
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -102,44 +113,60 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 class Engine:
-    """Runs steps of the model through hal ops on one backend, with a paged KV cache."""
+    """Runs steps of the model through hal ops on one backend, with a paged KV cache.
 
-    def __init__(self, backend: hal_core.Backend, cfg: Config, weights: dict, cache: PagedKVCache) -> None:
+    Every weight is copied to the backend once; a step's activations stay on
+    it from the embedding rows to the sampled tokens.
+    """
+
+    def __init__(self, backend: hal_core.Backend, cfg: Config, weights: dict, cache: PagedKVCache,
+                 max_position: int) -> None:
         self.be, self.cfg, self.cache = backend, cfg, cache
-        self.act = cache.config.np_dtype
-        on_device = lambda qw: qw.map_arrays(backend.asarray)  # noqa: E731
-        self.layers = [{k: on_device(v) if k in PROJECTIONS else v for k, v in layer.items()}
+        act = cache.config.np_dtype
+        vector = lambda v: backend.asarray(np.asarray(v, dtype=act))  # noqa: E731
+        self.layers = [{k: v.map_arrays(backend.asarray) if k in PROJECTIONS else vector(v) for k, v in layer.items()}
                        for layer in weights["layers"]]
-        self.lm_head = on_device(weights["lm_head"])
-        self.embed, self.final_norm = weights["embed"].astype(np.float32), weights["final_norm"]
+        self.lm_head = weights["lm_head"].map_arrays(backend.asarray)
+        self.embed, self.final_norm = vector(weights["embed"].astype(np.float32)), vector(weights["final_norm"])
+        self.cos_sin = backend.asarray(rope_cos_sin_cache(cfg.head_size, max_position, cfg.rope_theta))
 
-    def gemm(self, x: np.ndarray, qw: QuantizedWeight) -> np.ndarray:
-        y = self.be.ops.quantized_gemm(self.be.asarray(x.astype(self.act)), qw)
-        return self.be.to_numpy(y).astype(np.float32)
-
-    def step(self, tokens: dict, new_tokens: dict) -> dict:
-        """Feed ``tokens[seq]`` (new token ids) of every sequence; return each one's next-token logits."""
+    def step(self, tokens: dict, new_tokens: dict) -> tuple[dict, dict]:
+        """Feed ``tokens[seq]`` (new token ids) of every sequence; return each one's next-token logits (read back
+        for the check) and its greedy next token (``sample`` at temperature 0)."""
         cfg, be = self.cfg, self.be
+        ops = be.ops
         step = self.cache.prepare_step(new_tokens)
         ids = np.concatenate([tokens[s] for s in step.seq_ids])
-        x = self.embed[ids]  # [T, hidden], float32 on the host
         t = len(ids)
+        x = self.embed[be.asarray(ids)]  # [T, hidden] in the cache's dtype, on the backend
+        positions = be.asarray(step.positions)
+        residual = x
         for index, w in enumerate(self.layers):
-            h = rms_norm(x, w["attn_norm"], cfg.eps)
-            q = rotary(self.gemm(h, w["wq"]).reshape(t, cfg.heads, -1), step.positions, cfg.rope_theta)
-            k = rotary(self.gemm(h, w["wk"]).reshape(t, cfg.kv_heads, -1), step.positions, cfg.rope_theta)
-            v = self.gemm(h, w["wv"]).reshape(t, cfg.kv_heads, -1)
+            if index == 0:
+                h = ops.rms_norm(x, w["attn_norm"], epsilon=cfg.eps)
+            else:  # residual += x, then h = its norm: one op
+                h = ops.rms_norm(x, w["attn_norm"], epsilon=cfg.eps, residual=residual)
+            q = ops.quantized_gemm(h, w["wq"]).reshape(t, cfg.heads, cfg.head_size)
+            k = ops.quantized_gemm(h, w["wk"]).reshape(t, cfg.kv_heads, cfg.head_size)
+            v = ops.quantized_gemm(h, w["wv"]).reshape(t, cfg.kv_heads, cfg.head_size)
+            ops.rotary_embedding(positions, q, self.cos_sin, key=k)  # in place, NeoX halves
             key_cache, value_cache = self.cache.layer(index)
-            be.ops.write_kv_cache(be.asarray(k.astype(self.act)), be.asarray(v.astype(self.act)),
-                                  key_cache, value_cache, step.slot_mapping)
-            attn = be.ops.paged_attention(be.asarray(q.astype(self.act)), key_cache, value_cache,
-                                          scale=cfg.head_size**-0.5, **step.attention_args())
-            x = x + self.gemm(be.to_numpy(attn).astype(np.float32).reshape(t, -1), w["wo"])
-            h = rms_norm(x, w["mlp_norm"], cfg.eps)
-            x = x + self.gemm(silu(self.gemm(h, w["w_gate"])) * self.gemm(h, w["w_up"]), w["w_down"])
-        last = step.last_rows
-        logits = self.gemm(rms_norm(x[last], self.final_norm, cfg.eps), self.lm_head)
-        return {seq: logits[i] for i, seq in enumerate(step.seq_ids)}
+            ops.write_kv_cache(k, v, key_cache, value_cache, step.slot_mapping)
+            attn = ops.paged_attention(q, key_cache, value_cache, scale=cfg.head_size**-0.5, **step.attention_args())
+            x = ops.quantized_gemm(attn.reshape(t, cfg.heads * cfg.head_size), w["wo"])
+            h = ops.rms_norm(x, w["mlp_norm"], epsilon=cfg.eps, residual=residual)
+            gated = ops.gated_activation(ops.quantized_gemm(h, w["w_gate"]), ops.quantized_gemm(h, w["w_up"]),
+                                         activation="silu")
+            x = ops.quantized_gemm(gated, w["w_down"])
+        last = be.asarray(step.last_rows)
+        h = ops.rms_norm(x[last], self.final_norm, epsilon=cfg.eps, residual=residual[last])
+        logits = ops.quantized_gemm(h, self.lm_head)
+        n = len(step.seq_ids)
+        chosen = be.to_numpy(ops.sample(logits, temperature=be.asarray(np.zeros(n, np.float32)),
+                                         seeds=be.asarray(np.zeros(n, np.int64))))
+        host = be.to_numpy(logits).astype(np.float64)
+        return ({seq: host[i] for i, seq in enumerate(step.seq_ids)},
+                {seq: int(chosen[i]) for i, seq in enumerate(step.seq_ids)})
 
 
 # -- the float64 model (numpy only, no paging) ---------------------------------------------------
@@ -195,7 +222,7 @@ def serve(engine: Engine, requests: list[Request]) -> int:
             engine.cache.add(r.name)
         feed = {r.name: (r.prompt if r in joining else np.array(r.generated[-1:])) for r in batch}
         try:
-            logits = engine.step(feed, {name: len(ids) for name, ids in feed.items()})
+            logits, chosen = engine.step(feed, {name: len(ids) for name, ids in feed.items()})
         except hal_core.OutOfBlocksError:  # the step changed nothing: retry with the running ones only
             for r in joining:
                 engine.cache.free(r.name)
@@ -203,14 +230,14 @@ def serve(engine: Engine, requests: list[Request]) -> int:
                 raise
             joining, batch = [], running
             feed = {r.name: np.array(r.generated[-1:]) for r in batch}
-            logits = engine.step(feed, {name: 1 for name in feed})
+            logits, chosen = engine.step(feed, {name: 1 for name in feed})
         waiting = [r for r in waiting if r not in joining]
         for r in joining:
             r.joined = step
         running = []
         for r in batch:
             r.logits.append(logits[r.name])
-            r.generated.append(int(np.argmax(logits[r.name])))  # greedy
+            r.generated.append(chosen[r.name])  # greedy, by the sample op
             if len(r.generated) == r.max_new:
                 engine.cache.free(r.name)  # its blocks serve the next arrivals
             else:
@@ -241,12 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     weights = make_weights(cfg, args.seed)
     cache = PagedKVCache(backend, CacheConfig(cfg.layers, cfg.kv_heads, cfg.head_size, args.block_size,
                                               args.dtype), num_blocks=args.num_blocks)
-    engine = Engine(backend, cfg, weights, cache)
     rng = np.random.default_rng(args.seed + 1)
     shapes = [("a", 0, 7, args.steps), ("b", 0, 19, args.steps // 2), ("c", 2, 3, args.steps),
               ("d", 3, 33, max(1, args.steps // 3)), ("e", 5, 1, args.steps - 2)]
     requests = [Request(name, arrival, rng.integers(0, cfg.vocab, size=length), max(1, new), [], [])
                 for name, arrival, length, new in shapes]
+    engine = Engine(backend, cfg, weights, cache, max_position=max(len(r.prompt) + r.max_new for r in requests))
     started = time.perf_counter()
     steps = serve(engine, requests)
     elapsed = time.perf_counter() - started
@@ -265,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     ok = worst <= limit
     print(f"logits max abs error vs float64 numpy model: {worst:.3e} "
           f"(tolerance {limit:.3e} = {TOLERANCE[args.dtype]:g} x max|logit| {scale:.2f}): {'OK' if ok else 'FAIL'}")
+    greedy = all(r.generated == [int(np.argmax(row)) for row in r.logits] for r in requests)
+    print(f"sampled tokens equal the argmax of their logits: {'OK' if greedy else 'FAIL'}")
+    ok = ok and greedy
     cache.close()
     return 0 if ok else 1
 

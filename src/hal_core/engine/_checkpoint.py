@@ -25,20 +25,30 @@ class Tensors:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (KeyError, TypeError, json.JSONDecodeError) as exc:
-                raise CheckpointError(f"{index}: no readable weight_map ({exc})") from None
-            root = folder.resolve()
+            except (KeyError, TypeError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise CheckpointError(f"{index}: no readable weight_map ({exc!r})") from None
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: weight_map is not a JSON object")
             for name, file in weight_map.items():
-                path = (folder / str(file)).resolve()
-                if path.parent != root or not path.is_file():
-                    raise CheckpointError(f"{index}: tensor {name!r} names {file!r}, not a file in {folder}")
-                self._files[name] = path
-        elif (folder / "model.safetensors").is_file():
-            single = SafetensorsFile(folder / "model.safetensors")
+                self._files[name] = self._confined(file, f"{index}: tensor {name!r} names")
+        elif (folder / "model.safetensors").exists():
+            single = SafetensorsFile(self._confined("model.safetensors", str(folder)))
             self._files = dict.fromkeys(single, single.path)
             self._opened[single.path] = single
         else:
             raise CheckpointError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+
+    def _confined(self, file: object, where: str) -> Path:
+        """The resolved path of shard ``file``: a file directly in the folder (a symlink may not lead out)."""
+        root = self.folder.resolve()
+        if not isinstance(file, str) or Path(file).is_absolute() or Path(file).name != file:
+            raise CheckpointError(f"{where} {file!r}: a shard must be a file name in {self.folder}")
+        path = (self.folder / file).resolve()
+        if path.parent != root:
+            raise CheckpointError(f"{where} {file!r}, which leads out of {self.folder} (to {path})")
+        if not path.is_file():
+            raise CheckpointError(f"{where} {file!r}, which is missing from {self.folder}")
+        return path
 
     def has(self, name: str) -> bool:
         return name in self._files

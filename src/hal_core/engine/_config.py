@@ -9,12 +9,14 @@ naming the field, never ignored.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .._errors import ConfigurationError
+from ..rope import RopeConfig, rope_config
 
 __all__ = ["ACTIVATIONS", "ModelConfig"]
 
@@ -40,11 +42,15 @@ class ModelConfig:
     tie_word_embeddings: bool
     sliding_window: int | None
     max_position_embeddings: int
+    rope: RopeConfig  #: the rotary embedding (its scaling type checked when the config is read)
+    eos_token_ids: tuple[int, ...]  #: ``eos_token_id`` (null, an id or a list of ids)
     raw: Mapping[str, Any] = field(repr=False, compare=False)  #: the whole config (rotary fields are read from it)
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> ModelConfig:
         """Read and check ``config`` (a ``config.json``'s contents); ConfigurationError names a refused field."""
+        if not isinstance(config, Mapping):
+            raise ConfigurationError(f"config: expected a JSON object, got {type(config).__name__}")
         model_type = config.get("model_type")
         if model_type not in _ARCHITECTURES:
             raise ConfigurationError(f"config field 'model_type': {model_type!r} is not run by the engine "
@@ -53,39 +59,44 @@ class ModelConfig:
             if config.get(name):
                 raise ConfigurationError(f"config field {name!r}: biased projections are not run by the engine")
         act = config.get("hidden_act", "silu")
-        if act not in ACTIVATIONS:
+        if not isinstance(act, str) or act not in ACTIVATIONS:
             raise ConfigurationError(f"config field 'hidden_act': {act!r} is not one of {', '.join(ACTIVATIONS)}")
-        try:
-            hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-            kv_heads = int(config.get("num_key_value_heads") or heads)
-            head_size = int(config.get("head_dim") or hidden // heads)
-            values = cls(
-                vocab_size=int(config["vocab_size"]), hidden_size=hidden,
-                intermediate_size=int(config["intermediate_size"]), num_layers=int(config["num_hidden_layers"]),
-                num_heads=heads, num_kv_heads=kv_heads, head_size=head_size,
-                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), activation=ACTIVATIONS[act],
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                sliding_window=int(config["sliding_window"]) if config.get("sliding_window") else None,
-                max_position_embeddings=int(config.get("max_position_embeddings", 4096)), raw=dict(config))
-        except KeyError as exc:
-            raise ConfigurationError(f"config field {exc.args[0]!r}: missing") from None
-        except (TypeError, ValueError) as exc:
-            raise ConfigurationError(f"config: a size is not an integer ({exc})") from None
+        hidden, heads = _size(config, "hidden_size"), _size(config, "num_attention_heads")
+        kv_heads = _size(config, "num_key_value_heads", heads)
         if heads % kv_heads:
             raise ConfigurationError(f"config field 'num_key_value_heads': {kv_heads} does not divide "
                                      f"num_attention_heads={heads}")
-        return values
+        eps = config.get("rms_norm_eps", 1e-6)
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < math.inf:
+            raise ConfigurationError(f"config field 'rms_norm_eps': expected a finite number > 0, got {eps!r}")
+        vocab, inter = _size(config, "vocab_size"), _size(config, "intermediate_size")
+        layers, head_size = _size(config, "num_hidden_layers"), _size(config, "head_dim", hidden // heads)
+        window = _size(config, "sliding_window") if config.get("sliding_window") else None
+        positions = _size(config, "max_position_embeddings", 4096)
+        try:
+            rope = rope_config(config)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"config field {exc}") from None
+        return cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_heads=heads,
+                   num_kv_heads=kv_heads, head_size=head_size, rms_norm_eps=float(eps), activation=ACTIVATIONS[act],
+                   tie_word_embeddings=bool(config.get("tie_word_embeddings", False)), sliding_window=window,
+                   max_position_embeddings=positions,
+                   rope=rope, eos_token_ids=_eos_ids(config.get("eos_token_id")), raw=dict(config))
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
         """Read ``path/config.json``."""
         file = Path(path) / "config.json"
+        if not file.is_file():
+            raise ConfigurationError(f"{file}: no config.json in the model folder")
         try:
-            return cls.from_dict(json.loads(file.read_text()))
-        except FileNotFoundError:
-            raise ConfigurationError(f"{file}: no config.json in the model folder") from None
-        except json.JSONDecodeError as exc:
+            config = json.loads(file.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ConfigurationError(f"{file}: not JSON ({exc})") from None
+        try:
+            return cls.from_dict(config)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"{file}: {exc}") from None
 
     @property
     def q_size(self) -> int:
@@ -94,3 +105,23 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_size
+
+
+def _size(config: Mapping[str, Any], name: str, default: int | None = None) -> int:
+    """Field ``name`` (``default`` when absent or null), an integer >= 1; ConfigurationError names it."""
+    value = config.get(name)
+    if value is None:
+        if default is None:
+            raise ConfigurationError(f"config field {name!r}: missing")
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(f"config field {name!r}: expected an integer >= 1, got {value!r}")
+    return value
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    """``eos_token_id`` (null, an id or a list of ids) as a tuple; ConfigurationError names the field."""
+    values = () if value is None else tuple(value) if isinstance(value, list | tuple) else (value,)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ConfigurationError(f"config field 'eos_token_id': expected a token id or a list of them, got {value!r}")
+    return values

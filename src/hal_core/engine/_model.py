@@ -19,7 +19,6 @@ import numpy as np
 
 from .._backend import Backend
 from ..kvcache import PagedKVCache, StepInputs
-from ..rope import rope_config
 from ._config import ModelConfig
 from ._weights import ModelWeights, embedding_rows
 
@@ -33,7 +32,7 @@ class DecoderModel:
                  activations: str | None = None) -> None:
         self.config, self.weights, self.backend, self.dtype = config, weights, backend, dtype
         self.gemm_options = {} if activations is None else {"activations": activations}
-        self.cos_sin = backend.asarray(rope_config(config.raw).cos_sin_cache(config.max_position_embeddings))
+        self.cos_sin = backend.asarray(config.rope.cos_sin_cache(config.max_position_embeddings))
         self.scale = config.head_size ** -0.5
         self.attention_options = {} if config.sliding_window is None else {"window": config.sliding_window}
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -30,7 +32,18 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ArgumentError(f"argument {name!r}: expected a finite number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        for name, bound in (("top_k", 2**31), ("seed", 2**64)):
+            value = getattr(self, name)
+            if not _is_int(value) or not -bound <= value < bound:
+                raise ArgumentError(f"argument {name!r}: expected an integer in [-2**{bound.bit_length() - 1}, "
+                                    f"2**{bound.bit_length() - 1}), got {value!r}")
+            object.__setattr__(self, name, int(value))
+        if self.temperature < 0:
             raise ArgumentError(f"argument 'temperature': expected >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ArgumentError(f"argument 'top_k': expected >= 0 (0: off), got {self.top_k}")
@@ -66,10 +79,18 @@ class Request:
         if ids.min() < 0 or ids.max() >= vocab_size:
             raise ArgumentError(f"request {request_id!r}: token ids must be in [0, {vocab_size}), "
                                 f"got {int(ids.min())}..{int(ids.max())}")
-        if max_new_tokens < 1:
-            raise ArgumentError(f"argument 'max_new_tokens': expected >= 1, got {max_new_tokens}")
+        if not _is_int(max_new_tokens) or max_new_tokens < 1:
+            raise ArgumentError(f"request {request_id!r}: argument 'max_new_tokens': expected an integer >= 1, "
+                                f"got {max_new_tokens!r}")
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise ArgumentError(f"request {request_id!r}: argument 'sampling': expected SamplingParams, "
+                                f"got {type(sampling).__name__}")
+        stops = np.asarray(stop_token_ids)
+        if stops.ndim != 1 or (stops.size and not np.issubdtype(stops.dtype, np.integer)):
+            raise ArgumentError(f"request {request_id!r}: argument 'stop_token_ids': expected a sequence of token "
+                                f"ids, got {stop_token_ids!r}")
         return cls(request_id, ids.astype(np.int64), int(max_new_tokens), sampling or SamplingParams(),
-                   frozenset(int(t) for t in stop_token_ids))
+                   frozenset(int(t) for t in stops))
 
     @property
     def prefill_left(self) -> int:
@@ -78,3 +99,7 @@ class Request:
     @property
     def finished(self) -> bool:
         return len(self.output) >= self.max_new_tokens or bool(self.output and self.output[-1] in self.stop_token_ids)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)

@@ -41,7 +41,8 @@ class SafetensorsFile(Mapping[str, np.ndarray]):
                 raise CheckpointError(f"{self.path}: not a safetensors file ({size} bytes)")
             header_len = int.from_bytes(handle.read(8), "little")
             if header_len > min(_MAX_HEADER, size - 8):
-                raise CheckpointError(f"{self.path}: header length {header_len} exceeds the file")
+                raise CheckpointError(f"{self.path}: header length {header_len} exceeds the file's {size - 8} bytes "
+                                      f"after it (or the {_MAX_HEADER}-byte limit): truncated or not safetensors")
             try:
                 header = json.loads(handle.read(header_len))
             except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -49,7 +50,10 @@ class SafetensorsFile(Mapping[str, np.ndarray]):
             self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if size > 8 + header_len else None
         if not isinstance(header, dict):
             raise CheckpointError(f"{self.path}: the header is not a JSON object")
-        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict):
+            raise CheckpointError(f"{self.path}: __metadata__ is not a JSON object")
+        self.metadata: dict[str, str] = metadata
         self._base = 8 + header_len
         self._entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
         self._codes: dict[str, str] = {}
@@ -59,19 +63,21 @@ class SafetensorsFile(Mapping[str, np.ndarray]):
 
     def _check(self, name: str, entry: Any, data_bytes: int) -> tuple[np.dtype, tuple[int, ...], int, int]:
         where = f"{self.path}: tensor {name!r}"
-        try:
-            dtype = _DTYPES[entry["dtype"]]
-            shape = tuple(int(d) for d in entry["shape"])
-            start, stop = (int(o) for o in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{where}: malformed entry {entry!r} (dtype, shape, data_offsets)") from None
-        if any(d < 0 for d in shape) or not 0 <= start <= stop <= data_bytes:
-            raise CheckpointError(f"{where}: shape {shape} or span {start}..{stop} outside the file's "
-                                  f"{data_bytes} data bytes")
-        if int(np.prod(shape, dtype=np.int64)) * dtype.itemsize != stop - start:
-            raise CheckpointError(f"{where}: {entry['dtype']} {list(shape)} needs "
-                                  f"{int(np.prod(shape)) * dtype.itemsize} bytes, its span holds {stop - start}")
-        return dtype, shape, start, stop
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+            raise CheckpointError(f"{where}: malformed entry {entry!r} (expected dtype, shape, data_offsets)")
+        code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not isinstance(code, str) or code not in _DTYPES:
+            raise CheckpointError(f"{where}: unknown dtype {code!r} (known: {', '.join(_DTYPES)})")
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise CheckpointError(f"{where}: shape {shape!r} is not a list of integers >= 0")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1] <= data_bytes):
+            raise CheckpointError(f"{where}: data_offsets {offsets!r} lie outside the file's {data_bytes} data bytes")
+        dtype, (start, stop) = _DTYPES[code], offsets
+        needed = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if needed != stop - start:
+            raise CheckpointError(f"{where}: {code} {shape} needs {needed} bytes, its data_offsets span {stop - start}")
+        return dtype, tuple(shape), start, stop
 
     def __getitem__(self, name: str) -> np.ndarray:
         dtype, shape, start, stop = self._entries[name]
@@ -94,3 +100,7 @@ class SafetensorsFile(Mapping[str, np.ndarray]):
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

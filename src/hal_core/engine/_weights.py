@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .._backend import Backend
-from .._errors import CheckpointError, ConfigurationError
+from .._errors import ArgumentError, CheckpointError, ConfigurationError
 from ..quant import QuantizedWeight, quantize
 from ..quant._checkpoint_format import KEY, CheckpointFormat, checkpoint_format
 from ._checkpoint import Tensors
@@ -110,11 +110,28 @@ class _Projections:
         if config.tie_word_embeddings:
             self.shapes.pop("lm_head")
         self.stored = {name: self._check(name, shape) for name, shape in self.shapes.items()}
+        at_load = [(name, shape[1], lm_head_bits if name == "lm_head" else bits)
+                   for name, shape in self.shapes.items() if not self.stored[name]]
+        if config.tie_word_embeddings:
+            at_load.append(("lm_head (the tied embedding)", config.hidden_size, lm_head_bits))
+        for name, k, layer_bits in at_load:
+            if k % group_size:
+                raise ArgumentError(f"argument 'group_size': {group_size} does not divide the {k} inputs of {name} "
+                                    "(quantized at load)")
+            if layer_bits == 4 and k % 8:
+                raise ArgumentError(f"argument '{'lm_head_bits' if name.startswith('lm_head') else 'bits'}': int4 "
+                                    f"packs 8 inputs a word; {name} has {k} inputs")
 
     def _check(self, name: str, shape: tuple[int, int]) -> bool:
         """Whether layer ``name`` is stored quantized; its tensors' headers checked (nothing read)."""
+        if self.tensors.has(f"{name}.bias"):
+            raise CheckpointError(f"{self.tensors.folder}: tensor {name + '.bias'!r}: biased projections are not "
+                                  "run by the engine")
         if self.format is not None and self.tensors.has(f"{name}.qweight"):
             fmt = self.format.for_layer(name)
+            if fmt.desc_act:
+                raise ConfigurationError(f"{KEY}.dynamic: layer {name!r} is act-order (desc_act), which the engine "
+                                         "does not run")
             for part, spec in fmt.layer_specs(name, shape[1], shape[0]).items():
                 if part != "bias" and (part != "g_idx" or self.tensors.has(f"{name}.g_idx")):
                     self.tensors.check(f"{name}.{part}", spec.shape, spec.dtypes, spec.layout)
@@ -134,6 +151,8 @@ class _Projections:
                 weight = replace(weight, g_idx=None)  # the trivial order GPTQ writers store: no act-order
             return weight
         w = np.asarray(self.tensors.get(f"{name}.weight"), dtype=np.float32).T
+        if not np.isfinite(w).all():
+            raise CheckpointError(f"{self.tensors.folder}: tensor {name + '.weight'!r} holds NaN or infinity")
         return quantize(w, bits=bits or self.bits, group_size=self.group_size)
 
     def joined(self, names: list[str], backend: Backend) -> QuantizedWeight:
@@ -159,7 +178,10 @@ def load_weights(folder: str | Path, config: ModelConfig, backend: Backend, *, d
     projections = _Projections(tensors, c, bits, group_size, lm_head_bits)
 
     def vector(name: str) -> Any:
-        return backend.asarray(np.ascontiguousarray(tensors.get(name), dtype=dtype))
+        values = np.ascontiguousarray(tensors.get(name), dtype=dtype)
+        if not np.isfinite(values.astype(np.float32)).all():
+            raise CheckpointError(f"{folder}: tensor {name!r} holds NaN or infinity")
+        return backend.asarray(values)
 
     layers = []
     for n in range(c.num_layers):
@@ -177,7 +199,11 @@ def load_weights(folder: str | Path, config: ModelConfig, backend: Backend, *, d
         progress("lm_head")
     embed = tensors.get("model.embed_tokens.weight")
     if c.tie_word_embeddings:
-        head = quantize(np.asarray(embed, dtype=np.float32).T, bits=lm_head_bits, group_size=group_size)
+        table = np.asarray(embed, dtype=np.float32).T
+        if not np.isfinite(table).all():
+            raise CheckpointError(f"{folder}: tensor 'model.embed_tokens.weight' (the tied lm_head) holds NaN or "
+                                  "infinity")
+        head = quantize(table, bits=lm_head_bits, group_size=group_size)
     else:
         head = projections.weight("lm_head", lm_head_bits)
     return ModelWeights(embed=embed if backend.is_host else backend.asarray(embed), layers=layers,
