@@ -157,3 +157,26 @@ def test_engine_never_imports_torch(cpu, tmp_path: Path) -> None:
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_engine_serves_a_hugging_face_cache_snapshot(cpu, tmp_path: Path) -> None:
+    """A snapshot folder of the Hugging Face cache (every file a symlink to ../../blobs/<hash>) loads; a snapshot
+    linking outside its repository's blobs is refused."""
+    source = tmp_path / "saved"
+    checkpoint(source, 7)
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for n, file in enumerate(sorted(source.iterdir())):
+        blob = repo / "blobs" / f"blob{n}"
+        blob.write_bytes(file.read_bytes())
+        (snapshot / file.name).symlink_to(Path("..") / ".." / "blobs" / blob.name)
+    with Engine(source, backend=cpu, group_size=GROUP) as plain:
+        want = plain.generate([[1, 2, 3]], max_new_tokens=4, stop_token_ids=())
+    with Engine(snapshot, backend=cpu, group_size=GROUP) as cached:
+        assert cached.generate([[1, 2, 3]], max_new_tokens=4, stop_token_ids=()) == want
+    (snapshot / "model.safetensors").unlink()
+    (snapshot / "model.safetensors").symlink_to(source / "model.safetensors")
+    with pytest.raises(hal_core.CheckpointError, match="leads out"):
+        Engine(snapshot, backend=cpu, group_size=GROUP)

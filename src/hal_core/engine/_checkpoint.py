@@ -1,4 +1,5 @@
-"""A checkpoint folder's tensors by name across its safetensors shards, every file confined to the folder."""
+"""A checkpoint folder's tensors by name across its safetensors shards, every file confined to the folder
+(or, for a Hugging Face cache snapshot, to its repository's ``blobs/``)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ class Tensors:
         if not isinstance(file, str) or Path(file).is_absolute() or Path(file).name != file:
             raise CheckpointError(f"{where} {file!r}: a shard must be a file name in {self.folder}")
         path = (self.folder / file).resolve()
-        if path.parent != root:
+        if path.parent != root and not path.is_relative_to(_hub_blobs(root)):
             raise CheckpointError(f"{where} {file!r}, which leads out of {self.folder} (to {path})")
         if not path.is_file():
             raise CheckpointError(f"{where} {file!r}, which is missing from {self.folder}")
@@ -80,3 +81,12 @@ class Tensors:
     def get(self, name: str) -> np.ndarray:
         """A read-only view of the tensor (its pages are read when used)."""
         return self._file(name)[name]
+
+
+def _hub_blobs(root: Path) -> Path:
+    """Where a Hugging Face cache snapshot's files lead: ``models--*/snapshots/<rev>/f`` -> ``models--*/blobs/``
+    (the folder itself when ``root`` is no snapshot, so nothing more is allowed)."""
+    repo = root.parent.parent
+    if root.parent.name == "snapshots" and repo.name.startswith("models--") and (repo / "blobs").is_dir():
+        return repo / "blobs"
+    return root
