@@ -10,10 +10,10 @@ import pytest
 
 from hal_core import ArgumentError, ArgumentTypeError
 from hal_core.ops import OPS
-from hal_core.ops.fused_moe import ROUTINGS, fused_moe_inputs
+from hal_core.ops.fused_moe import ROUTINGS
 from hal_core.ops.gated_activation import activate
 from hal_core.quant import ExpertWeights
-from hal_core.testing.inputs import assert_close, to_backend
+from hal_core.testing.inputs import assert_close, fused_moe_inputs, to_backend
 
 REFERENCE = OPS["fused_moe"].reference
 _KEYWORDS = ("top_k", "routing", "activation")
