@@ -106,6 +106,7 @@ DECLARED = '''
         registry.declare("rms_norm", OpCoverage.none())
         registry.declare("gated_activation", OpCoverage.none())
         registry.declare("rotary_embedding", OpCoverage.none())
+        registry.declare("fused_moe", OpCoverage.none())
 '''
 
 

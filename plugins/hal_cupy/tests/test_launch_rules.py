@@ -294,17 +294,19 @@ def test_quantized_gemm_supported(rng: np.random.Generator, bits: int, group_siz
 
 
 def test_ops_register_with_priority() -> None:
-    """register_ops adds one CUDA implementation per op."""
-    from hal_cupy.ops import register_ops
+    """register_ops adds one CUDA implementation per op, and declares the ops without one left to the fallback."""
+    from hal_cupy.ops import FALLBACK_OPS, register_ops
 
     from hal_core.ops import OpRegistry
 
     registry = OpRegistry()
     register_ops(registry, "cuda")
-    assert registry.ops() == sorted(OPS)
-    for op in OPS:
+    assert registry.ops() == sorted(set(OPS) - set(FALLBACK_OPS))
+    for op in registry.ops():
         (impl,) = registry.implementations(op)
         assert impl.name == f"cuda.{op}" and impl.priority == 100 and isinstance(impl.fn, GpuOp)
+    for op in FALLBACK_OPS:
+        assert op in OPS and not registry.implementations(op) and not registry.coverage(op).enabled
 
 
 # -- tensor-core quantised GEMM ------------------------------------------------------------------------------------

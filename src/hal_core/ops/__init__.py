@@ -13,6 +13,7 @@ from ._declare import Arg, BenchCases, Dim, Feature, Output, Role
 from ._dispatch import DispatchEvent, Ops, OpStats
 from ._registry import OpRegistry
 from ._spec import OpCall, OpImpl, OpSpec
+from .fused_moe import FusedMoe
 from .gated_activation import GatedActivation
 from .paged_attention import PagedAttention
 from .quantized_gemm import QuantizedGemm
@@ -28,6 +29,7 @@ __all__ = [
     "Dim",
     "DispatchEvent",
     "Feature",
+    "FusedMoe",
     "GatedActivation",
     "OpCall",
     "OpCoverage",

@@ -100,7 +100,7 @@ class Arg:
     keyword_only: bool = False
     #: Written in place by the op (the caches of ``write_kv_cache``).
     mutated: bool = False
-    #: Scalars and hints: ``float``, ``int``, or ``str`` (a setting, one of ``choices``).
+    #: Scalars and hints: ``float``, ``int``, or ``str`` (a setting, one of ``choices``); weights: their class.
     kind: type = float
     #: Scalars and hints: the smallest allowed value, and whether it is excluded (``softcap > 0``).
     minimum: float | None = None
@@ -133,9 +133,15 @@ class Arg:
         return cls(name, Role.INDEX, layout, tuple(dtypes), None, contiguous, required, not required, doc=doc)
 
     @classmethod
-    def weight(cls, name: str, layout: str, *, doc: str = "") -> Arg:
-        """A :class:`~hal_core.quant.QuantizedWeight`; ``layout`` names the dimensions of its ``shape``."""
-        return cls(name, Role.WEIGHT, layout, doc=doc)
+    def weight(cls, name: str, layout: str, *, kind: type | None = None, doc: str = "") -> Arg:
+        """A :class:`~hal_core.quant.QuantizedWeight` (or another weight class, ``kind``: one with ``shape``,
+        ``arrays()`` and ``map_arrays(fn)``, such as :class:`~hal_core.quant.ExpertWeights`); ``layout`` names
+        the dimensions of its ``shape``."""
+        if kind is None:
+            from ..quant import QuantizedWeight
+
+            kind = QuantizedWeight
+        return cls(name, Role.WEIGHT, layout, kind=kind, doc=doc)
 
     @classmethod
     def scalar(cls, name: str, kind: type = float, *, required: bool = True, minimum: float | None = None,

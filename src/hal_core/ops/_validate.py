@@ -37,6 +37,11 @@ def real(value: Any) -> float | None:
     return None
 
 
+def _instance(value: Any, kind: type) -> bool:
+    """``isinstance(value, kind)`` without narrowing ``value`` (a weight class only known at run time)."""
+    return isinstance(value, kind)
+
+
 def _integer(value: Any) -> int | None:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         return None
@@ -157,9 +162,10 @@ def _run(spec: OpSpec, steps: tuple[Step, ...], args: dict[str, Any], bound: Bou
             args[name] = host_number(arg, value)
             continue
         if kind == _WEIGHT:
-            if not isinstance(value, QuantizedWeight):
-                raise ArgumentTypeError(f"argument {name!r}: expected a hal_core.quant.QuantizedWeight "
-                                        f"(from hal_core.quant.quantize), got {type(value).__name__}")
+            if not _instance(value, arg.kind):
+                made = " (from hal_core.quant.quantize)" if arg.kind is QuantizedWeight else ""
+                raise ArgumentTypeError(f"argument {name!r}: expected a {arg.kind.__module__}.{arg.kind.__name__}"
+                                        f"{made}, got {type(value).__name__}")
         else:
             want = allowed if dtype_of is None else (dtypes[dtype_of],)
             found = DTYPE_NAMES.get(value.dtype) if type(value) is np.ndarray else None

@@ -6,6 +6,7 @@ See :class:`QuantizedWeight` for the storage layout; :func:`from_gptq` and
 
 from __future__ import annotations
 
+from ._experts import ExpertWeights, quantize_experts
 from ._gptq_export import to_gptq
 from ._quantize import quantize, quantize_activations
 from ._weight import QuantizedWeight, pack_int4, unpack_int4
@@ -13,12 +14,14 @@ from .awq import from_awq
 from .gptq import from_gptq
 
 __all__ = [
+    "ExpertWeights",
     "QuantizedWeight",
     "from_awq",
     "from_gptq",
     "pack_int4",
     "quantize",
     "quantize_activations",
+    "quantize_experts",
     "to_gptq",
     "unpack_int4",
 ]

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..ops import OPS
+from ..ops.fused_moe import fused_moe_inputs
 from ..ops.gated_activation import gated_activation_inputs
 from ..ops.paged_attention import paged_attention_inputs
 from ..ops.quantized_gemm import quantized_gemm_inputs
@@ -29,6 +30,7 @@ from .tolerances import tolerance
 
 __all__ = [
     "assert_close",
+    "fused_moe_inputs",
     "gated_activation_inputs",
     "paged_attention_inputs",
     "quantized_gemm_inputs",

@@ -4,7 +4,8 @@ Each op with an output gets two operators: ``hal::<op>`` returns a new tensor, `
 writes a given ``out`` (mutated) and returns nothing; an op without one (``write_kv_cache``) gets
 ``hal::<op>``, mutating its in-place arguments. Parameters, in order: the required arguments (a
 quantized weight as its tensors ``qweight, scales, zeros, g_idx`` plus ``int bits, int group_size``),
-then ``out`` (``_out`` only), then the optional arguments with default None.
+then ``out`` (``_out`` only), then the optional arguments with default None. An op whose weight is
+not one :class:`~hal_core.quant.QuantizedWeight` (``fused_moe``'s experts) has no operator.
 
 ==============  =========================================
 role            torch type
@@ -22,6 +23,7 @@ import string
 from dataclasses import dataclass
 
 from ..ops import Arg, OpSpec, Role
+from ..quant import QuantizedWeight
 
 __all__ = ["TorchOp", "WEIGHT_FIELDS", "torch_ops"]
 
@@ -57,7 +59,10 @@ def _param(arg: Arg, alias: str | None) -> str:
 
 
 def torch_ops(spec: OpSpec) -> list[TorchOp]:
-    """The operators of ``spec`` (one, or the functional and ``_out`` pair)."""
+    """The operators of ``spec`` (one, or the functional and ``_out`` pair); none for an op whose weight is not
+    one :class:`~hal_core.quant.QuantizedWeight` (``fused_moe``'s :class:`~hal_core.quant.ExpertWeights`)."""
+    if any(arg.is_weight and arg.kind is not QuantizedWeight for arg in spec.args):
+        return []
     if sum(arg.is_weight for arg in spec.args) > 1:
         raise TypeError(f"op {spec.name!r}: torch operators take at most one quantized weight argument")
     found = []

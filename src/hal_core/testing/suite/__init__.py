@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from . import (
     test_contracts,
+    test_fused_moe,
     test_gated_activation,
     test_kv_layouts,
     test_numerics,
@@ -22,7 +23,8 @@ from . import (
 
 __all__: list[str] = []
 _MODULES = (test_contracts, test_kv_layouts, test_numerics, test_paged_attention, test_quantized_gemm,
-            test_write_kv_cache, test_sample, test_rms_norm, test_gated_activation, test_rotary_embedding)
+            test_write_kv_cache, test_sample, test_rms_norm, test_gated_activation, test_rotary_embedding,
+            test_fused_moe)
 for _module in _MODULES:
     for _name in dir(_module):
         if _name.startswith("test_"):

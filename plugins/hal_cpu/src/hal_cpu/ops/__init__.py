@@ -15,6 +15,7 @@ from hal_core.ops import OpCoverage
 
 from . import (
     _knobs,
+    fused_moe,
     gated_activation,
     paged_attention,
     quantized_gemm,
@@ -27,8 +28,8 @@ from . import (
 if TYPE_CHECKING:
     from hal_core.ops import OpRegistry
 
-__all__ = ["gated_activation", "paged_attention", "quantized_gemm", "register_ops", "rms_norm", "rotary_embedding",
-           "sample", "write_kv_cache"]
+__all__ = ["fused_moe", "gated_activation", "paged_attention", "quantized_gemm", "register_ops", "rms_norm",
+           "rotary_embedding", "sample", "write_kv_cache"]
 
 
 def register_ops(registry: OpRegistry) -> None:
@@ -44,3 +45,4 @@ def register_ops(registry: OpRegistry) -> None:
     registry.register("rms_norm", rms_norm.rms_norm, name="cpu.rms_norm")
     registry.register("gated_activation", gated_activation.gated_activation, name="cpu.gated_activation")
     registry.register("rotary_embedding", rotary_embedding.rotary_embedding, name="cpu.rotary_embedding")
+    registry.register("fused_moe", fused_moe.fused_moe, name="cpu.fused_moe")

@@ -24,11 +24,13 @@ from . import (
 from ._common import GpuOp
 from ._paged_attention_rules import PA_BLOCK_SIZES, PA_HEAD_SIZES
 
-__all__ = ["OPS", "all_specializations", "register_ops"]
+__all__ = ["FALLBACK_OPS", "OPS", "all_specializations", "register_ops"]
 
 #: Every GPU op implementation.
 OPS: tuple[GpuOp, ...] = (_paged_attention.OP, _write_kv_cache.OP, _quantized_gemm.OP, _sample.OP, _rms_norm.OP,
                           _gated_activation.OP, _rotary_embedding.OP)
+#: hal ops without a GPU implementation yet, declared ``OpCoverage.none()``: every call runs on the host fallback.
+FALLBACK_OPS: tuple[str, ...] = ("fused_moe",)
 
 
 def register_ops(registry: OpRegistry, backend: str) -> None:
@@ -37,6 +39,7 @@ def register_ops(registry: OpRegistry, backend: str) -> None:
     Attention is declared for its kernels' head sizes and block sizes with every variant (prefill and mixed
     batches, sliding window, softcap, sinks, ALiBi, strided cache views). ``quantized_gemm`` is declared for
     W4A16 and W8A8: there is no GPU W4A8 kernel, so int4 weights with ``activations='int8'`` fall back.
+    The ops of :data:`FALLBACK_OPS` (``fused_moe``) are declared left to the fallback.
     """
     for op in OPS:
         registry.register(op.impl(backend))
@@ -44,6 +47,8 @@ def register_ops(registry: OpRegistry, backend: str) -> None:
         head_sizes=PA_HEAD_SIZES, block_sizes=PA_BLOCK_SIZES,
         variants=("prefill", "window", "softcap", "sinks", "alibi", "strided_cache")))
     registry.declare("quantized_gemm", OpCoverage(schemes=("w4a16", "w8a8")))
+    for name in FALLBACK_OPS:
+        registry.declare(name, OpCoverage.none())
 
 
 def all_specializations(warp_size: int = 32) -> list[Specialization]:
