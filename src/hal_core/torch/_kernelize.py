@@ -34,6 +34,7 @@ import torch
 
 from ..engine._config import ACTIVATIONS
 from ..ops import OPS
+from ._host import eager_host, host_call
 from ._ops import wrapper
 
 __all__ = ["NORMS", "ROTARY", "KernelizeReport", "kernelize"]
@@ -75,7 +76,12 @@ def _norm_forward(module: Any, original: Callable[..., Any], offset: float) -> C
             return original(hidden_states)
         rows = hidden_states.reshape(-1, weight.shape[0])
         options = {"weight_offset": offset} if offset else {}
-        return _op("rms_norm")(rows, weight, eps, **options).view(hidden_states.shape)
+        if eager_host(rows, weight):
+            out = host_call("rms_norm", {"x": rows, "weight": weight, "epsilon": eps, **options})
+        else:
+            out = _op("rms_norm")(rows, weight, eps, **options)
+        assert out is not None
+        return out.view(hidden_states.shape)
 
     return forward
 
@@ -86,7 +92,12 @@ def _mlp_forward(module: Any, original: Callable[..., Any], activation: str) -> 
         if not _eligible(gate, up):
             return module.down_proj(module.act_fn(gate) * up)
         shape = gate.shape
-        act = _op("gated_activation")(gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1]), activation=activation)
+        g, u = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])
+        if eager_host(g, u):
+            act = host_call("gated_activation", {"gate": g, "up": u, "activation": activation})
+        else:
+            act = _op("gated_activation")(g, u, activation=activation)
+        assert act is not None
         return module.down_proj(act.view(shape))
 
     return forward
@@ -126,7 +137,10 @@ def _rotary(original: Callable[..., Any]) -> Callable[..., Any]:
         # inputs again (one pass each; the eager sequence makes several)
         query = q.transpose(1, 2).clone(memory_format=torch.contiguous_format).view(b * s, -1, d)
         key = k.transpose(1, 2).clone(memory_format=torch.contiguous_format).view(b * s, -1, d)
-        _op("rotary_embedding")(positions, query, table, key=key)
+        if eager_host(query, key):
+            host_call("rotary_embedding", {"positions": positions, "query": query, "cos_sin_cache": table, "key": key})
+        else:
+            _op("rotary_embedding")(positions, query, table, key=key)
         return query.view(b, s, -1, d).transpose(1, 2), key.view(b, s, -1, d).transpose(1, 2)
 
     apply_rotary_pos_emb.__hal_original__ = original  # type: ignore[attr-defined]
