@@ -180,3 +180,17 @@ def test_engine_serves_a_hugging_face_cache_snapshot(cpu, tmp_path: Path) -> Non
     (snapshot / "model.safetensors").symlink_to(source / "model.safetensors")
     with pytest.raises(hal_core.CheckpointError, match="leads out"):
         Engine(snapshot, backend=cpu, group_size=GROUP)
+
+
+def test_quantizing_in_slices_gives_the_whole_weight_codes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """quantize_rows joins slices of output columns into exactly the codes and scales of one quantize call."""
+    import hal_core.engine._weights as weights_module
+    from hal_core.quant import quantize
+
+    rows = np.random.default_rng(11).standard_normal((100, 64)).astype(np.float32)  # [N, K], a checkpoint's rows
+    monkeypatch.setattr(weights_module, "QUANTIZE_ROWS", 24)  # 5 slices, the last one short
+    for bits in (4, 8):
+        whole = quantize(rows.T, bits=bits, group_size=32)
+        sliced = weights_module.quantize_rows(rows, "rows", bits=bits, group_size=32)
+        assert sliced.shape == whole.shape
+        assert np.array_equal(sliced.qweight, whole.qweight) and np.array_equal(sliced.scales, whole.scales)

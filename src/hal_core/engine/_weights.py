@@ -81,6 +81,24 @@ def join_columns(weights: list[QuantizedWeight], name: str) -> QuantizedWeight:
     return replace(first, **joined, shape=(first.shape[0], sum(w.shape[1] for w in weights)))
 
 
+#: Output columns quantized at a time: the float temporaries of one slice stay small (16 MiB of float32 rows at
+#: K = 1024), so loading never holds a float copy of a whole projection or lm_head.
+QUANTIZE_ROWS = 4096
+
+
+def quantize_rows(rows: np.ndarray, what: str, *, bits: int, group_size: int) -> QuantizedWeight:
+    """A checkpoint's ``[N, K]`` float rows quantized as the ``[K, N]`` weight, :data:`QUANTIZE_ROWS` output
+    columns at a time (per-column codes: the slices join exactly); CheckpointError (``what`` holds NaN or
+    infinity) before any slice is kept."""
+    parts = []
+    for start in range(0, rows.shape[0], QUANTIZE_ROWS):
+        block = np.asarray(rows[start:start + QUANTIZE_ROWS], dtype=np.float32)
+        if not np.isfinite(block).all():
+            raise CheckpointError(f"{what} holds NaN or infinity")
+        parts.append(quantize(block.T, bits=bits, group_size=group_size))
+    return join_columns(parts, what)
+
+
 def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
     """Every projection's ``[out, in]`` float shape by layer name (``lm_head`` included)."""
     h, i = c.hidden_size, c.intermediate_size
@@ -150,10 +168,8 @@ class _Projections:
                                                            np.arange(weight.shape[0]) // weight.group_size):
                 weight = replace(weight, g_idx=None)  # the trivial order GPTQ writers store: no act-order
             return weight
-        w = np.asarray(self.tensors.get(f"{name}.weight"), dtype=np.float32).T
-        if not np.isfinite(w).all():
-            raise CheckpointError(f"{self.tensors.folder}: tensor {name + '.weight'!r} holds NaN or infinity")
-        return quantize(w, bits=bits or self.bits, group_size=self.group_size)
+        return quantize_rows(self.tensors.get(f"{name}.weight"), f"{self.tensors.folder}: tensor "
+                             f"{name + '.weight'!r}", bits=bits or self.bits, group_size=self.group_size)
 
     def joined(self, names: list[str], backend: Backend) -> QuantizedWeight:
         return join_columns([self.weight(n) for n in names], names[0]).map_arrays(backend.asarray)
@@ -199,11 +215,8 @@ def load_weights(folder: str | Path, config: ModelConfig, backend: Backend, *, d
         progress("lm_head")
     embed = tensors.get("model.embed_tokens.weight")
     if c.tie_word_embeddings:
-        table = np.asarray(embed, dtype=np.float32).T
-        if not np.isfinite(table).all():
-            raise CheckpointError(f"{folder}: tensor 'model.embed_tokens.weight' (the tied lm_head) holds NaN or "
-                                  "infinity")
-        head = quantize(table, bits=lm_head_bits, group_size=group_size)
+        head = quantize_rows(embed, f"{folder}: tensor 'model.embed_tokens.weight' (the tied lm_head)",
+                             bits=lm_head_bits, group_size=group_size)
     else:
         head = projections.weight("lm_head", lm_head_bits)
     return ModelWeights(embed=embed if backend.is_host else backend.asarray(embed), layers=layers,
