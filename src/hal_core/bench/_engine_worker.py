@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ._worker_common import AnonSampler, emit, peak_rss_bytes, phase, prompt_array
+from ._worker_common import AnonSampler, emit, peak_rss_bytes, phase, prompt_array, timed_rounds
 
 __all__ = ["greedy", "main", "run"]
 
@@ -65,35 +65,14 @@ def run(task: dict[str, Any]) -> dict[str, Any]:
         phase(f"{name}: warming up")
         for batch in sorted(set(batches) | {1}):
             greedy(engine, prompts[:batch, :_WARMUP_PROMPT], 2)
-        prefill_s, first_s, tokens = [], [], {}
-        by_batch: dict[str, dict[str, int]] = {}
-        decode: dict[str, list[float]] = {str(b): [] for b in batches}
-        steps: dict[str, list[float]] = {str(b): [] for b in batches}
-        for rnd in range(task["repeat"]):
-            for batch in sorted(set(batches) | {1}):
-                phase(f"{name}: round {rnd + 1}/{task['repeat']}, batch {batch}: prefill {batch}x{prompt_len}, "
-                      f"decode {new_tokens}")
-                got = greedy(engine, prompts[:batch], new_tokens)
-                if batch == 1:
-                    prefill_s.append(got["prefill_s"])
-                    first_s.append(got["first_s"])
-                if str(batch) in decode:
-                    decode[str(batch)].append(sum(got["step_s"]))
-                    steps[str(batch)] += got["step_s"]
-                tokens[str(batch)] = got["tokens"]
-                by_batch.setdefault(str(batch), {"peak_rss_bytes": peak_rss_bytes(), "peak_anon_bytes": sampler.peak})
+        timed = timed_rounds(task, name, sampler, lambda b: greedy(engine, prompts[:b], new_tokens))
     memory = {"peak_rss_bytes": peak_rss_bytes(), "peak_anon_bytes": sampler.peak, **loaded,
-              "peak_after_batch": by_batch}
+              "peak_after_batch": timed.pop("peak_after_batch")}
     threads = int(os.environ.get("HAL_CPU_THREADS", "0") or 0) or task["threads"]
     return {
         "contender": name, "threads": threads, "load_s": load_s, "model_bytes": engine.weights.nbytes(),
         "quantized_layers": 4 * engine.config.num_layers + 1,
-        "prefill": {"seconds": prefill_s, "tokens_per_s": prompt_len / float(np.median(prefill_s))},
-        "ttft_s": float(np.median(first_s)),
-        "decode": {b: {"seconds": decode[b], "tokens_per_s": int(b) * new_tokens / float(np.median(decode[b])),
-                       "step_ms_median": 1e3 * float(np.median(steps[b])),
-                       "step_ms_min": 1e3 * float(np.min(steps[b]))} for b in decode},
-        "tokens": tokens, "memory": memory,
+        **timed, "memory": memory,
     }
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._worker_common import AnonSampler, emit, peak_rss_bytes, phase, prompt_array
+from ._worker_common import AnonSampler, emit, peak_rss_bytes, phase, prompt_array, timed_rounds
 
 __all__ = ["build_float_model", "greedy", "main", "prompt_ids"]
 
@@ -218,36 +218,14 @@ def run(task: dict[str, Any]) -> dict[str, Any]:
         phase(f"{name}: warming up")
         for batch in sorted(set(batches) | {1}):  # a short prompt: a prefill costs as much as the decode steps
             greedy(model, attention, prompts[:batch, :_WARMUP_PROMPT], 2)
-        prefill_s, first_s, tokens = [], [], {}
-        by_batch: dict[str, dict[str, int]] = {}  # the high-water marks once each batch size has run
-        decode: dict[str, list[float]] = {str(b): [] for b in batches}
-        steps: dict[str, list[float]] = {str(b): [] for b in batches}
-        for rnd in range(task["repeat"]):
-            for batch in sorted(set(batches) | {1}):
-                phase(f"{name}: round {rnd + 1}/{task['repeat']}, batch {batch}: prefill {batch}x{prompt_len}, "
-                       f"decode {new_tokens}")
-                got = greedy(model, attention, prompts[:batch], new_tokens)
-                if batch == 1:
-                    prefill_s.append(got["prefill_s"])
-                    first_s.append(got["first_s"])
-                if str(batch) in decode:
-                    decode[str(batch)].append(sum(got["step_s"]))
-                    steps[str(batch)] += got["step_s"]
-                tokens[str(batch)] = got["tokens"]
-                by_batch.setdefault(str(batch), {"peak_rss_bytes": peak_rss_bytes(),  # the first round's
-                                                 "peak_anon_bytes": sampler.peak})
+        timed = timed_rounds(task, name, sampler, lambda b: greedy(model, attention, prompts[:b], new_tokens))
     memory = {"peak_rss_bytes": peak_rss_bytes(), "peak_anon_bytes": sampler.peak, **loaded,
-              "peak_after_batch": by_batch}
+              "peak_after_batch": timed.pop("peak_after_batch")}
     return {
         "contender": name, "threads": torch.get_num_threads(), "load_s": load_s,
         "model_bytes": _model_bytes(model),
         "quantized_layers": sum(isinstance(m, QuantLinear) for m in model.modules()),
-        "prefill": {"seconds": prefill_s, "tokens_per_s": prompt_len / float(np.median(prefill_s))},
-        "ttft_s": float(np.median(first_s)),
-        "decode": {b: {"seconds": decode[b], "tokens_per_s": int(b) * new_tokens / float(np.median(decode[b])),
-                       "step_ms_median": 1e3 * float(np.median(steps[b])),
-                       "step_ms_min": 1e3 * float(np.min(steps[b]))} for b in decode},
-        "tokens": tokens, "memory": memory,
+        **timed, "memory": memory,
     }
 
 

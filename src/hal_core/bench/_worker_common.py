@@ -10,11 +10,12 @@ import json
 import resource
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-__all__ = ["AnonSampler", "emit", "peak_rss_bytes", "phase", "prompt_array", "status_bytes"]
+__all__ = ["AnonSampler", "emit", "peak_rss_bytes", "phase", "prompt_array", "status_bytes", "timed_rounds"]
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -90,3 +91,38 @@ class AnonSampler:
 def prompt_array(vocab: int, batch: int, length: int, seed: int) -> np.ndarray:
     """The prompts: ``[batch, length]`` int64 token ids drawn uniformly from a generator seeded with ``seed``."""
     return np.random.default_rng(seed).integers(0, vocab, (batch, length), dtype=np.int64)
+
+
+def timed_rounds(task: dict[str, Any], name: str, sampler: AnonSampler,
+                 greedy: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
+    """``task["repeat"]`` rounds of ``greedy(batch)`` (a prefill and ``new_tokens`` decode steps of the first
+    ``batch`` prompts) at every batch size; the result's ``prefill``, ``ttft_s``, ``decode`` and ``tokens``
+    fields, and ``peak_after_batch`` (the high-water marks once each batch size has run, the first round's)."""
+    prompt_len, new_tokens, batches = task["prompt_len"], task["new_tokens"], task["batches"]
+    prefill_s: list[float] = []
+    first_s: list[float] = []
+    tokens: dict[str, Any] = {}
+    by_batch: dict[str, dict[str, int]] = {}
+    decode: dict[str, list[float]] = {str(b): [] for b in batches}
+    steps: dict[str, list[float]] = {str(b): [] for b in batches}
+    for rnd in range(task["repeat"]):
+        for batch in sorted(set(batches) | {1}):
+            phase(f"{name}: round {rnd + 1}/{task['repeat']}, batch {batch}: prefill {batch}x{prompt_len}, "
+                  f"decode {new_tokens}")
+            got = greedy(batch)
+            if batch == 1:
+                prefill_s.append(got["prefill_s"])
+                first_s.append(got["first_s"])
+            if str(batch) in decode:
+                decode[str(batch)].append(sum(got["step_s"]))
+                steps[str(batch)] += got["step_s"]
+            tokens[str(batch)] = got["tokens"]
+            by_batch.setdefault(str(batch), {"peak_rss_bytes": peak_rss_bytes(), "peak_anon_bytes": sampler.peak})
+    return {
+        "prefill": {"seconds": prefill_s, "tokens_per_s": prompt_len / float(np.median(prefill_s))},
+        "ttft_s": float(np.median(first_s)),
+        "decode": {b: {"seconds": decode[b], "tokens_per_s": int(b) * new_tokens / float(np.median(decode[b])),
+                       "step_ms_median": 1e3 * float(np.median(steps[b])),
+                       "step_ms_min": 1e3 * float(np.min(steps[b]))} for b in decode},
+        "tokens": tokens, "peak_after_batch": by_batch,
+    }
