@@ -159,3 +159,9 @@ def test_generate_out_of_blocks_leaves_the_engine_idle(engine: Engine) -> None:
     with pytest.raises(OutOfBlocksError):
         engine.generate([[1] * 20, [2] * 20], max_new_tokens=20, stop_token_ids=())
     assert_idle_and_serving(engine)
+
+
+def test_a_step_with_nothing_queued_does_nothing(engine: Engine) -> None:
+    """step() on an idle engine returns no finished request and changes nothing."""
+    assert engine.step() == [] and not engine.has_work
+    assert_idle_and_serving(engine)

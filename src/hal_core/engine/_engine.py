@@ -127,6 +127,8 @@ class Engine:
             budget -= n
             if r in self.waiting:
                 joining.append(r)
+        if not feed:  # nothing queued: nothing to run
+            return []
         for r in joining:
             self.cache.add(r.request_id)
         try:
