@@ -22,8 +22,8 @@ from hal_core.cli import main  # noqa: E402
 from hal_core.quant import from_gptq, quantize, unpack_int4  # noqa: E402
 
 PROMPT, NEW, BATCHES = 24, 5, (1, 3)
-CONTENDERS = ("sdpa-fp32", "hal-fp32", "hal-int4", "hal-int4-k", "engine-int4")
-INT4 = ("hal-int4", "hal-int4-k", "engine-int4")
+CONTENDERS = ("sdpa-fp32", "hal-fp32", "hal-int4", "hal-int4-k", "engine-int4", "engine-int4-a8")
+INT4 = ("hal-int4", "hal-int4-k", "engine-int4", "engine-int4-a8")
 
 
 def _reference_tokens(seed: int, ids: torch.Tensor, new_tokens: int) -> list[list[int]]:
@@ -98,7 +98,8 @@ def test_tiny_model_end_to_end(tmp_path: Path, rng: np.random.Generator, capsys:
                  *(memory["peak_after_batch"][str(b)]["peak_rss_bytes"] for b in BATCHES), memory["peak_rss_bytes"]]
         assert all(a <= b + slack for a, b in itertools.pairwise(marks))
         # 2 layers x 7 linear layers; the engine joins q/k/v and gate/up and counts the lm_head: 2 x 4 + 1
-        assert c["quantized_layers"] == {"hal-int4": 14, "hal-int4-k": 14, "engine-int4": 9}.get(name, 0)
+        layers = {"hal-int4": 14, "hal-int4-k": 14, "engine-int4": 9, "engine-int4-a8": 9}
+        assert c["quantized_layers"] == layers.get(name, 0)
         for batch in BATCHES:
             d = c["decode"][str(batch)]
             assert d["tokens_per_s"] == pytest.approx(batch * NEW / float(np.median(d["seconds"])))

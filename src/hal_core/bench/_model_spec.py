@@ -174,6 +174,8 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
               "ops, bf16", kernelize=True),
     Contender("engine-int4", "engine", "bf16", 4, "hal_core.engine on the int4 checkpoint: every op of the step on "
               "hal, no torch, bf16"),
+    Contender("engine-int4-a8", "engine", "bf16", 4, "engine-int4 with activations='int8' (W4A8 projections), bf16",
+              "int8"),
 )}
 
 
