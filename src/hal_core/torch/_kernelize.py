@@ -103,22 +103,23 @@ def _mlp_forward(module: Any, original: Callable[..., Any], activation: str) -> 
     return forward
 
 
-#: The last forward's ``(cos, sin, cos._version, positions, table)``. The tensors themselves are held (one
+#: The last forward's ``(cos, sin, cos._version, batch, positions, table)``. The tensors themselves are held (one
 #: forward's, bounded) and compared by identity: a freed tensor's address is reused by the next forward's.
-_last_table: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor]] = []
+_last_table: list[tuple[torch.Tensor, torch.Tensor, int, int, torch.Tensor, torch.Tensor]] = []
 
 
-def _table(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(positions, cos_sin_cache)`` of a forward's ``cos``/``sin`` ``[B, S, D]``: one row per token, built once
+def _table(cos: torch.Tensor, sin: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(positions, cos_sin_cache)`` for ``batch * S`` token rows from a forward's ``cos``/``sin`` ``[B, S, D]``
+    (``B`` is ``batch``, or 1 when every row has the same positions): one table row per ``cos`` row, built once
     per forward (every layer passes the same tensors)."""
     if _last_table:
-        held_cos, held_sin, version, positions, table = _last_table[0]
-        if held_cos is cos and held_sin is sin and version == cos._version:
+        held_cos, held_sin, version, held_batch, positions, table = _last_table[0]
+        if held_cos is cos and held_sin is sin and version == cos._version and held_batch == batch:
             return positions, table
     half = cos.shape[-1] // 2
     table = torch.cat([cos[..., :half], sin[..., :half]], dim=-1).reshape(-1, 2 * half).float().contiguous()
-    positions = torch.arange(table.shape[0], dtype=torch.int64, device=cos.device)
-    _last_table[:] = [(cos, sin, cos._version, positions, table)]
+    positions = torch.arange(batch * cos.shape[1], dtype=torch.int64, device=cos.device) % table.shape[0]
+    _last_table[:] = [(cos, sin, cos._version, batch, positions, table)]
     return positions, table
 
 
@@ -130,9 +131,9 @@ def _rotary(original: Callable[..., Any]) -> Callable[..., Any]:
                 or not _eligible(q, k) or q.device != cos.device or torch.compiler.is_compiling()):
             return original(q, k, cos, sin, unsqueeze_dim)
         b, _, s, d = q.shape
-        if cos.shape[0] != b or cos.shape[1] != s:
+        if cos.shape[0] not in (1, b) or cos.shape[1] != s or sin.shape != cos.shape:
             return original(q, k, cos, sin, unsqueeze_dim)
-        positions, table = _table(cos, sin)
+        positions, table = _table(cos, sin, b)
         # [B, S, heads, D] copies rotated in place: the function returns new tensors, and a caller may read its
         # inputs again (one pass each; the eager sequence makes several)
         query = q.transpose(1, 2).clone(memory_format=torch.contiguous_format).view(b * s, -1, d)
