@@ -35,7 +35,7 @@ def transformers_tokens(model: transformers.LlamaForCausalLM, prompts: list[list
                         bits: int) -> list[tuple[list[int], torch.Tensor]]:
     """Greedy tokens and step logits of ``model`` with hal's quantized projections (the engine's codes), one
     prompt at a time."""
-    quantize_model(model, bits=bits, group_size=GROUP, layer_bits={"lm_head": 8})
+    quantize_model(model, bits=bits, group_size=GROUP, layer_bits={"lm_head": 8}, activations="float")
     out = []
     with torch.no_grad():
         for prompt in prompts:
@@ -67,7 +67,7 @@ def test_engine_greedy_tokens_equal_transformers(cpu, tmp_path: Path, bits: int)
     prompts = [rng.integers(1, 160, n).tolist() for n in (7, 19, 1, 33)]
     expected = transformers_tokens(model, prompts, 8, bits)
     with Engine(tmp_path, backend=cpu, bits=bits, group_size=GROUP, max_batch_tokens=24,
-                kv_cache_tokens=512, block_size=8) as engine:
+                kv_cache_tokens=512, block_size=8, activations="float") as engine:
         got = engine.generate(prompts, max_new_tokens=8, stop_token_ids=())
         assert engine.cache.usage().used_blocks == 0  # every finished request gave its blocks back
     for tokens, (want, logits) in zip(got, expected, strict=True):
@@ -83,7 +83,7 @@ def test_engine_serves_a_gptq_checkpoint_with_its_stored_codes(cpu, tmp_path: Pa
     expected = transformers_tokens(model, prompts, 6, 4)
     save_quantized(model, tmp_path / "gptq", max_shard_size="200KB")
     assert (tmp_path / "gptq" / "model.safetensors.index.json").exists()
-    with Engine(tmp_path / "gptq", backend=cpu, group_size=GROUP) as engine:
+    with Engine(tmp_path / "gptq", backend=cpu, group_size=GROUP, activations="float") as engine:
         assert engine.weights.layers[0].qkv.bits == 4 and engine.weights.lm_head.bits == 8
         got = engine.generate(prompts, max_new_tokens=6, stop_token_ids=())
     for tokens, (want, logits) in zip(got, expected, strict=True):

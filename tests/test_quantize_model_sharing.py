@@ -29,7 +29,7 @@ def test_a_layer_used_twice_in_one_sequential_is_quantized_once_and_replaced_at_
     a = torch.nn.Linear(64, 64)
     model = torch.nn.Sequential(a, torch.nn.ReLU(), a)
     reference = _dequantized64(a, 4, 32)
-    report = quantize_model(model, group_size=32)
+    report = quantize_model(model, group_size=32, activations="float")
     assert isinstance(model[0], QuantLinear) and model[0] is model[2]
     assert report.quantized == ("0",) and report.aliases == (("2", "0"),) and report.bits == (4,)
     assert report.float_bytes == 4 * (64 * 64 + 64)
@@ -86,7 +86,7 @@ def test_a_tied_lm_head_is_quantized_and_the_embedding_keeps_its_float_weight() 
             reference.set_submodule(name, _dequantized64(model.get_submodule(name), 4, 32))
     assert reference.model.embed_tokens.weight.dtype == torch.float64  # the float embedding, untouched
 
-    report = quantize_model(model, group_size=32, layer_bits={"lm_head": 4})
+    report = quantize_model(model, group_size=32, layer_bits={"lm_head": 4}, activations="float")
     assert isinstance(model.lm_head, QuantLinear) and model.lm_head.bits == 4
     assert report.tied == (("lm_head", "model.embed_tokens.weight"),)
     assert model.model.embed_tokens.weight is embedding and torch.equal(embedding, saved)

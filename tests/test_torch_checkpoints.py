@@ -81,7 +81,7 @@ def test_loaded_model_matches_the_float64_model_of_its_quantized_weights(case: s
     shapes |= {layer.codes.shape for layer in ckpt.layers.values()}
     steps = []
     with NoFloatCopies(shapes) as watch:
-        model = load_quantized(tmp_path / case, dtype=torch.float32,
+        model = load_quantized(tmp_path / case, dtype=torch.float32, activations="float",
                                progress=lambda done, total, name: steps.append((done, total, name)))
     assert watch.seen == []
     assert [s[2] for s in steps] == list(ckpt.layers) and steps[-1][:2] == (len(ckpt.layers),) * 2
@@ -111,7 +111,7 @@ def test_fp16_model_and_hal_attention_generate(tmp_path) -> None:
     import hal_core.torch.transformers as hal_hf
 
     ckpt = write_checkpoint(tmp_path / "ckpt", llama_config(), GPTQ, seed=41)
-    model = load_quantized(tmp_path / "ckpt", attn_implementation=hal_hf.ATTN_IMPLEMENTATION)
+    model = load_quantized(tmp_path / "ckpt", attn_implementation=hal_hf.ATTN_IMPLEMENTATION, activations="float")
     assert model.dtype == torch.float16 and model.model.embed_tokens.weight.dtype == torch.float16
     ids = torch.tensor(np.random.default_rng(41).integers(0, 128, (2, 6)))
     cache = hal_hf.HalPagedCache(model.config, num_blocks=8, block_size=8, dtype=torch.float16)

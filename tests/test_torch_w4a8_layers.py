@@ -54,3 +54,35 @@ def test_quantize_model_sets_every_layer_and_refuses_a_bad_value() -> None:
     assert [m.activations for m in model if isinstance(m, QuantLinear)] == ["int8", "int8"]
     with pytest.raises(ValueError, match="argument 'activations'"):
         QuantLinear(64, 32, activations="fp8")
+
+
+@pytest.mark.parametrize("m", [1, 2, 9])
+def test_quantize_model_defaults_to_auto_float_for_one_row_int8_from_two(m: int) -> None:
+    """quantize_model's default 'auto': W4A16 for a decode row, W4A8 from INT8_ACTIVATIONS_FROM_M rows (bitwise)."""
+    from hal_core.ops.quantized_gemm import INT8_ACTIVATIONS_FROM_M
+
+    seed = 500 + m
+    print(f"seed={seed}")
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 48, bias=False))
+    quantize_model(model, bits=4, group_size=32)
+    layer = model[0]
+    assert layer.activations == "auto"
+    x = torch.from_numpy(np.random.default_rng(seed).standard_normal((m, 128)).astype(np.float32))
+    with torch.no_grad():
+        got = layer(x)
+        weight = layer._host_weight[1]  # hal's weight over the layer's buffers, built by the first call
+        want = "int8" if m >= INT8_ACTIVATIONS_FROM_M else "float"
+        explicit = QuantLinear.from_weight(weight, activations=want)(x)
+    assert torch.equal(got, explicit)
+    if want == "int8":
+        expected = _w4a8_float64(x.numpy(), weight)
+        np.testing.assert_allclose(got.numpy(), expected, atol=2e-5 * np.abs(expected).max(), rtol=0)
+
+
+def test_load_quantized_refuses_a_bad_activations_value_before_reading(tmp_path) -> None:
+    """load_quantized(activations=...) is checked first, naming the argument."""
+    from hal_core.torch import load_quantized
+
+    with pytest.raises(ArgumentError, match="argument 'activations'"):
+        load_quantized(tmp_path / "missing", activations="int4")

@@ -170,12 +170,16 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
     Contender("hal-int8", "hal", "bf16", 8, "hal attention + hal W8A8 linears (GPTQ checkpoint), bf16"),
     Contender("hal-int4-a8", "hal", "bf16", 4, "hal attention + hal W4A8 linears (the int4 checkpoint, "
               "activations='int8'), bf16", "int8"),
+    Contender("hal-int4-auto", "hal", "bf16", 4, "hal attention + hal int4 linears with activations='auto' (the "
+              "default of quantize_model and load_quantized: W4A16 for one row, W4A8 from two), bf16", "auto"),
     Contender("hal-int4-k", "hal", "bf16", 4, "hal-int4 with kernelize(): norms, MLP activation and rotary on hal "
               "ops, bf16", kernelize=True),
     Contender("engine-int4", "engine", "bf16", 4, "hal_core.engine on the int4 checkpoint: every op of the step on "
               "hal, no torch, bf16"),
     Contender("engine-int4-a8", "engine", "bf16", 4, "engine-int4 with activations='int8' (W4A8 projections), bf16",
               "int8"),
+    Contender("engine-int4-auto", "engine", "bf16", 4, "engine-int4 with activations='auto' (the engine's "
+              "default: W4A16 for one row, W4A8 from two), bf16", "auto"),
 )}
 
 

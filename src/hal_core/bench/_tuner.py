@@ -22,7 +22,8 @@ __all__ = ["Decision", "TuneReport", "tunables", "tune"]
 
 @dataclass(frozen=True)
 class Decision:
-    """One tuned choice: ``kind`` is ``"impl"`` or ``"knob"``; ``ms`` sums the medians per candidate."""
+    """One tuned choice: ``kind`` is ``"impl"``, ``"knob"`` or ``"setting"`` (an op's ``"auto"`` setting,
+    :attr:`~hal_core.ops.OpSpec.auto_settings`); ``ms`` sums the medians per candidate."""
 
     op: str
     bucket: str
@@ -49,13 +50,16 @@ class TuneReport:
 
 
 def tunables(backend: Any) -> dict[str, dict[str, Any]]:
-    """Per op: its implementations (best first) and each one's knobs with their candidates."""
+    """Per op: its implementations (best first), each one's knobs with their candidates, and the op's settings
+    a caller may leave ``"auto"``."""
     found: dict[str, dict[str, Any]] = {}
     for op in backend.ops.registry.ops():
         impls = backend.ops.registry.implementations(op)
         knobs = {impl.name: {k.name: list(k.candidates) for k in impl.knobs} for impl in impls if impl.knobs}
-        found[op] = {"implementations": [impl.name for impl in impls], "knobs": knobs,
-                     "tunable": len(impls) > 1 or any(len(c) > 1 for ks in knobs.values() for c in ks.values())}
+        settings = {name: list(values) for name, values in OPS[op].auto_settings.items()} if op in OPS else {}
+        found[op] = {"implementations": [impl.name for impl in impls], "knobs": knobs, "settings": settings,
+                     "tunable": len(impls) > 1 or bool(settings)
+                     or any(len(c) > 1 for ks in knobs.values() for c in ks.values())}
     return found
 
 
@@ -97,8 +101,11 @@ def tune(
     implementation that supports the case, one knob after the other (the
     ones already measured at their best value, the rest at their rule);
     then, when more than one implementation supports it, each of them with
-    its best knob values. Medians of the cases of one bucket are summed per
-    candidate; the smallest sum wins. ``clock`` may be replaced (tests).
+    its best knob values; then each value of an op setting the caller may
+    leave ``"auto"`` (``quantized_gemm``'s ``activations``) where the call
+    has a choice, decided for the bucket of the ``"auto"`` call. Medians of
+    the cases of one bucket are summed per candidate; the smallest sum wins.
+    ``clock`` may be replaced (tests).
     """
     policy = policy or TimingPolicy(repeat=5, warmup=1, max_seconds=0.5)
     sync = backend.device(0).synchronize
@@ -111,7 +118,8 @@ def tune(
         if progress is not None:
             progress.step(case.label)
         impls = backend.ops.registry.implementations(case.op)
-        if len(impls) < 2 and not any(len(k.candidates) > 1 for i in impls for k in i.knobs):
+        if (len(impls) < 2 and not any(len(k.candidates) > 1 for i in impls for k in i.knobs)
+                and not OPS[case.op].auto_settings):
             continue
         call = _make_call(backend, case, rng)
         runnable = _supported(impls, call)
@@ -144,6 +152,11 @@ def tune(
             for impl in runnable:
                 with override(best_knobs[impl.name]):
                     totals.setdefault(slot, {}).setdefault(impl.name, []).append(timed(impl.fn))
+        for slot, value, variant in _setting_variants(backend, call):
+            chosen_impl = next(iter(_supported(impls, variant)), None)
+            if chosen_impl is not None:
+                builtin.setdefault(slot, call.spec.auto_rule(slot[3], {**call.args, slot[3]: "auto"})[0])
+                totals.setdefault(slot, {}).setdefault(value, []).append(timed(chosen_impl.fn, variant))
     for slot, per_candidate in totals.items():
         runs = max(len(v) for v in per_candidate.values())
         complete = {c: sum(v) for c, v in per_candidate.items() if len(v) == runs}
@@ -157,6 +170,21 @@ def tune(
     return report
 
 
+def _setting_variants(backend: Any, call: OpCall) -> list[tuple[tuple[str, str, str, str], str, OpCall]]:
+    """``(slot, value, call with the value)`` for each value of each ``"auto"`` setting open for ``call``'s shape."""
+    spec, found = call.spec, []
+    coverage = backend.ops.coverage(call.op)
+    for name in spec.auto_settings:
+        auto = {**call.args, name: "auto"}
+        values, _ = spec.auto_candidates(name, auto, coverage)
+        if len(values) < 2:
+            continue
+        slot = (call.op, spec.bucket(auto), "setting", name)
+        found += [(slot, value, OpCall(spec=spec, args={**call.args, name: value}, backend=backend))
+                  for value in values]
+    return found
+
+
 def _persist(key: dict[str, Any], decisions: Sequence[Decision]) -> Path:
     table = load_table(key) or TuneTable(key=key)
     for d in decisions:
@@ -164,7 +192,7 @@ def _persist(key: dict[str, Any], decisions: Sequence[Decision]) -> Path:
             table.choices.setdefault(d.op, {})[d.bucket] = d.winner
         else:
             table.knobs.setdefault(d.op, {}).setdefault(d.name, {})[d.bucket] = d.winner
-        label = "implementation" if d.kind == "impl" else f"knob {d.name}"
+        label = "implementation" if d.kind == "impl" else f"{d.kind} {d.name}"
         table.measurements.setdefault(d.op, {})[f"{d.bucket} {label}"] = d.ms
     path = save_table(table)
     forget()

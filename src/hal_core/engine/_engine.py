@@ -48,7 +48,7 @@ class Engine:
     """
 
     def __init__(self, folder: str | Path, *, backend: Backend | None = None, bits: int = 4, group_size: int = 128,
-                 lm_head_bits: int = 8, dtype: str = "fp32", activations: str | None = None,
+                 lm_head_bits: int = 8, dtype: str = "fp32", activations: str | None = "auto",
                  kv_cache_tokens: int = 16384, block_size: int = 16, max_batch_tokens: int = 512,
                  progress: Callable[[str], None] | None = None) -> None:
         _check_arguments(bits=bits, group_size=group_size, lm_head_bits=lm_head_bits, dtype=dtype,

@@ -125,10 +125,11 @@ class Ops:
         """``(implementation, verdict)`` for every candidate of ``call``, in the order tried.
 
         The verdict is ``'runs'`` for the one :meth:`choose` picks, else why
-        it was passed over.
+        it was passed over; first, when the caller left a setting ``"auto"``, ``("auto", what was chosen
+        and why)``.
         """
         chosen, reasons = self.choose(call)
-        rows = []
+        rows = [("auto", call.settled)] if call.settled else []
         for impl in self.registry.implementations(call.op):
             if impl is chosen:
                 rows.append((impl.name, "runs"))
@@ -206,8 +207,10 @@ class Ops:
             _check_writable(name, args.get(name))
         out = args.pop("out", None)
         _check_writable("out", out)
-        return OpCall(spec=spec, args=args, backend=backend, device_index=device[1] if not host else 0,
-                      host_arrays=host and not backend.is_host), out
+        index = device[1] if not host else 0
+        settled = spec.settle(args, backend, index, self.registry.coverage(spec.name)) if spec.auto_settings else None
+        return OpCall(spec=spec, args=args, backend=backend, device_index=index,
+                      host_arrays=host and not backend.is_host, settled=settled), out
 
     def _to_numpy(self, array: Any) -> np.ndarray:
         return array if type(array) is np.ndarray else self._backend.to_numpy(array)

@@ -7,11 +7,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from ..arrays import dtype_name, numpy_dtype
+from ..tuning._lookup import setting_value
 from ._declare import Arg, BenchCases, Feature, Output, Role
 from ._plans import host_signature
 from ._plans import validate as validate_planned
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
     from .._backend import Backend
     from .._capabilities import DeviceCapabilities
     from ..tuning import Knob
+    from ._coverage import OpCoverage
 
 __all__ = ["OpCall", "OpImpl", "OpSpec"]
 
@@ -46,6 +49,9 @@ class OpSpec(ABC):
     output: ClassVar[Output | None] = None
     features: ClassVar[tuple[Feature, ...]] = ()
     bench: ClassVar[BenchCases | None] = None
+    #: Settings a caller may leave to the backend (``"auto"``), by argument name: the concrete values
+    #: :meth:`settle` chooses between and ``hal tune`` times. Empty for most ops.
+    auto_settings: ClassVar[Mapping[str, tuple[str, ...]]] = MappingProxyType({})
 
     # Derived from the declaration when the class is created:
     #: Names of the array arguments (converted, device-checked and offloaded together).
@@ -190,6 +196,44 @@ class OpSpec(ABC):
         """
         return None
 
+    def settle(self, args: dict[str, Any], backend: Backend, device_index: int, coverage: OpCoverage) -> str | None:
+        """Replace each ``"auto"`` of :attr:`auto_settings` in the validated ``args`` by a concrete value.
+
+        Called by the front door after validation and before an implementation is chosen, so
+        implementations, references, coverage and stats only ever see concrete values. A setting
+        with one possible value (:meth:`auto_candidates`) takes it; else the value ``hal tune``
+        persisted for the call's bucket on this device, else :meth:`auto_rule`'s. ``coverage`` is
+        the backend's declaration for the op (``"auto"`` never picks a value it leaves to the
+        fallback). Returns what was chosen and why (``hal info --explain`` shows it), or None when
+        nothing was left open. Only ops declaring :attr:`auto_settings` are called.
+        """
+        notes = []
+        for name in self.auto_settings:
+            if args.get(name) != "auto":
+                continue
+            values, why = self.auto_candidates(name, args, coverage)
+            if len(values) > 1:
+                bucket = self.bucket(args)
+                tuned = setting_value(backend, device_index, self.name, name, bucket)
+                if tuned in values:
+                    choice, why = tuned, f"hal tune's choice for bucket {bucket!r} on this device"
+                else:
+                    choice, why = self.auto_rule(name, args)
+            else:
+                choice = values[0]
+            args[name] = choice
+            notes.append(f"{name} 'auto' -> {choice!r}: {why}")
+        return "; ".join(notes) or None
+
+    def auto_candidates(self, name: str, args: Mapping[str, Any], coverage: OpCoverage) -> tuple[tuple[str, ...], str]:
+        """The values ``"auto"`` may choose for setting ``name`` of this call on a backend declaring ``coverage``,
+        and why when there is only one. The default: every value of :attr:`auto_settings`."""
+        return self.auto_settings[name], ""
+
+    def auto_rule(self, name: str, args: Mapping[str, Any]) -> tuple[str, str]:
+        """The built-in choice for setting ``name`` left ``"auto"`` (when ``hal tune`` persisted none), and why."""
+        return self.auto_settings[name][0], "the first value (no rule declared)"
+
     def bucket(self, args: Mapping[str, Any]) -> str:
         """The tuning bucket of a validated call: a short string from shapes only (never device data)."""
         return "all"
@@ -290,6 +334,8 @@ class OpCall:
     device_index: int = 0
     #: True when the arrays are host (numpy) arrays given to a device backend.
     host_arrays: bool = False
+    #: What :meth:`OpSpec.settle` chose for the settings the caller left ``"auto"``, and why (None: none).
+    settled: str | None = None
 
     @property
     def op(self) -> str:

@@ -2,6 +2,11 @@
 
 - ``bits=4``, ``activations`` None or ``'float'`` (W4A16): ``y = x @ dequantize(w)``,
   activations kept in float.
+- ``bits=4``, ``activations='auto'``: the backend chooses per call (:meth:`QuantizedGemm.settle`):
+  int8 activations (W4A8) from ``M >= INT8_ACTIVATIONS_FROM_M`` rows where the backend declares
+  W4A8, float below (a decode step keeps W4A16's accuracy, batches and prompts get integer dot
+  products); ``hal tune`` replaces the crossover per shape bucket on a device, ``hal info --explain``
+  says what was chosen and why.
 - ``bits=4``, ``activations='int8'`` (W4A8) and ``bits=8`` whatever ``activations``
   says (W8A8): activations are quantised per token first
   (:func:`~hal_core.quant.quantize_activations`, in float32: ``sx = amax / 127``,
@@ -18,11 +23,12 @@ The output has ``x``'s dtype; accumulation is at least fp32.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from types import MappingProxyType
+from typing import Any, ClassVar
 
 import numpy as np
 
-from .._errors import ArgumentTypeError
+from .._errors import ArgumentError, ArgumentTypeError
 from ..arrays import DTYPE_NAMES, dtype_name, is_c_contiguous, numpy_dtype
 from ..quant import QuantizedWeight, quantize, quantize_activations
 from ..tuning._buckets import pow2
@@ -32,17 +38,24 @@ from ._declare import Arg, BenchCases, Feature, Output
 from ._inputs import uniform
 from ._spec import OpSpec
 
-__all__ = ["ACTIVATIONS", "QuantizedGemm", "gemm_dtypes", "int8_activations", "quantized_gemm_inputs",
-           "random_weight", "scheme"]
+__all__ = ["ACTIVATIONS", "INT8_ACTIVATIONS_FROM_M", "QuantizedGemm", "gemm_dtypes", "int8_activations",
+           "quantized_gemm_inputs", "random_weight", "scheme"]
 
 #: dtypes quantized_gemm accepts for activations.
 gemm_dtypes = ("fp16", "bf16", "fp32")
-#: The ``activations`` settings: int4 weights times float activations (W4A16) or per-token int8 ones (W4A8).
-ACTIVATIONS = ("float", "int8")
+#: The ``activations`` settings: int4 weights times float activations (W4A16), per-token int8 ones (W4A8), or
+#: the backend's choice by the number of rows (``"auto"``).
+ACTIVATIONS = ("float", "int8", "auto")
+#: ``activations="auto"`` quantises an int4 layer's activations to int8 from this many rows up (where the backend
+#: declares W4A8). Measured with hal-cpu on AVX-512 VNNI (2 threads; K x N = 4096 x 4096 and 4096 x 11008, G = 128;
+#: bf16 and fp32 activations; docs/quantization.md): at M = 1 both run in the same time (W4A16 / W4A8 = 0.96-1.03)
+#: and W4A16 is the more accurate; from M = 2 W4A8 is 1.4-1.7x faster, 2.0-2.9x from M = 4.
+INT8_ACTIVATIONS_FROM_M = 2
 
 
 def int8_activations(args: Mapping[str, Any]) -> bool:
-    """Whether a validated call quantises its activations to int8 (W8A8, or W4A8 by ``activations='int8'``)."""
+    """Whether a validated call quantises its activations to int8 (W8A8, or W4A8 by ``activations='int8'``;
+    ``'auto'`` counts as float until :meth:`QuantizedGemm.settle` replaces it)."""
     return int(args["qweight"].bits) == 8 or args.get("activations") == "int8"
 
 
@@ -61,9 +74,11 @@ class QuantizedGemm(OpSpec):
         Arg.weight("qweight", "[K, N]", doc="from hal_core.quant.quantize (or a GPTQ/AWQ import)"),
         Arg.out(),
         Arg.choice("activations", ACTIVATIONS,
-                   doc="int4 weights: 'float' (W4A16, the default) or 'int8' (W4A8: x quantised per token); "
+                   doc="int4 weights: 'float' (W4A16, the default), 'int8' (W4A8: x quantised per token) or "
+                       "'auto' (int8 from INT8_ACTIVATIONS_FROM_M rows where the backend declares W4A8); "
                        "int8 weights always run W8A8"),
     )
+    auto_settings: ClassVar[Mapping[str, tuple[str, ...]]] = MappingProxyType({"activations": ("float", "int8")})
     output = Output("[M, N]", dtype_of="x")
     features = (
         Feature("dtype", "dtypes", lambda args: dtype_name(args["x"])),
@@ -79,6 +94,21 @@ class QuantizedGemm(OpSpec):
             _check_weight_arrays(qw)
         if qw.g_idx is not None and sizes["K"] and host_index_checks(qw.g_idx):
             self.check_index_values(args)
+
+    def auto_candidates(self, name: str, args: Mapping[str, Any], coverage: Any) -> tuple[tuple[str, ...], str]:
+        """``activations="auto"``: int8 weights always run W8A8; int4 ones choose where the backend declares W4A8."""
+        if int(args["qweight"].bits) == 8:
+            return ("int8",), "int8 weights always run W8A8"
+        if "w4a8" not in (coverage.allowed.get("schemes") or ()):
+            return ("float",), "the backend does not declare W4A8 (OpCoverage schemes)"
+        return self.auto_settings[name], ""
+
+    def auto_rule(self, name: str, args: Mapping[str, Any]) -> tuple[str, str]:
+        """int8 activations from :data:`INT8_ACTIVATIONS_FROM_M` rows up, float below."""
+        rows = int(args["x"].shape[0])
+        if rows >= INT8_ACTIVATIONS_FROM_M:
+            return "int8", f"M = {rows} >= {INT8_ACTIVATIONS_FROM_M} (the built-in rule)"
+        return "float", f"M = {rows} < {INT8_ACTIVATIONS_FROM_M} (the built-in rule)"
 
     def check_index_values(self, args: Mapping[str, Any]) -> None:
         """Range of the host ``qweight.g_idx`` (a device one is checked once copied to the host, see below).
@@ -114,6 +144,9 @@ class QuantizedGemm(OpSpec):
         return args["qweight"].nbytes + x.dtype.itemsize * (int(np.prod(x.shape)) + m * n)
 
     def reference(self, args: Mapping[str, Any]) -> np.ndarray:
+        if args.get("activations") == "auto" and int(args["qweight"].bits) == 4:
+            raise ArgumentError("argument 'activations': 'auto' is chosen by a backend's front door; the reference "
+                                "takes 'float' or 'int8' (backend.ops.prepare(...).args holds the choice)")
         qw: QuantizedWeight = args["qweight"]
         w = qw.dequantize(np.float64)
         x = np.asarray(args["x"])
@@ -188,15 +221,16 @@ def random_weight(rng: np.random.Generator, k: int, n: int, bits: int, group: in
 def _check_case(p: Mapping[str, Any]) -> str | None:
     if p["bits"] not in (4, 8):
         return f"bits must be 4 or 8, got {p['bits']}"
-    if p["abits"] not in (8, 16):
-        return f"abits (activation bits, 16: float, 8: int8; bits=8 always runs W8A8) must be 16 or 8, got {p['abits']}"
+    if p["abits"] not in (8, 16, 0):
+        return (f"abits (activation bits, 16: float, 8: int8, 0: 'auto'; bits=8 always runs W8A8) must be 16, 8 "
+                f"or 0, got {p['abits']}")
     if p["k"] % p["group"] or (p["bits"] == 4 and p["k"] % 8):
         return f"K={p['k']} must be a multiple of group={p['group']} (and of 8 for bits=4)"
     return None
 
 
 def _label(p: Mapping[str, Any]) -> str:
-    kind = "W8A8" if p["bits"] == 8 else f"W4A{p['abits']}"
+    kind = "W8A8" if p["bits"] == 8 else f"W4A{p['abits'] or '-auto'}"
     return f"{kind} G{p['group']} M={p['m']} {p['k']}x{p['n']} {p['dtype']}"
 
 
@@ -207,7 +241,14 @@ def _gemm(m: int, k: int, n: int, bits: int, dtype: str = "fp16", abits: int = 1
 def _bench_inputs(rng: np.random.Generator, p: Mapping[str, Any]) -> dict[str, Any]:
     args = {"x": uniform(rng, (p["m"], p["k"]), p["dtype"]),
             "qweight": random_weight(rng, p["k"], p["n"], p["bits"], p["group"])}
-    return {**args, "activations": "int8"} if p["bits"] == 4 and p["abits"] == 8 else args
+    return {**args, **_activations(p)}
+
+
+def _activations(p: Mapping[str, Any]) -> dict[str, str]:
+    """The ``activations`` argument of a case: none for W4A16 and W8A8, ``'int8'`` for ``abits=8``, else ``'auto'``."""
+    if p["bits"] != 4 or p.get("abits", 16) == 16:
+        return {}
+    return {"activations": "int8" if p["abits"] == 8 else "auto"}
 
 
 #: The ``gemm`` preset's batch sizes: decode (M = 1), batched decode (2..64, still bound by the weight bytes at
@@ -238,9 +279,12 @@ QuantizedGemm.bench = BenchCases(
              "w4a8": _w4a8_cases},
     explain=({"dtype": "fp16", "m": 1, "k": 4096, "n": 4096, "bits": 4, "group": 128},
              {"dtype": "bf16", "m": 256, "k": 1024, "n": 1024, "bits": 4, "group": 64},
-             {"dtype": "fp16", "m": 16, "k": 1024, "n": 1024, "bits": 8, "group": 128}),
-    test_inputs=lambda rng, p: quantized_gemm_inputs(rng, m=p["m"], k=p["k"], n=p["n"], bits=p["bits"],
-                                                     group_size=p["group"], symmetric=True, dtype=p["dtype"]),
+             {"dtype": "fp16", "m": 16, "k": 1024, "n": 1024, "bits": 8, "group": 128},
+             {"dtype": "bf16", "m": 1, "k": 4096, "n": 4096, "bits": 4, "abits": 0, "group": 128},
+             {"dtype": "bf16", "m": 8, "k": 4096, "n": 4096, "bits": 4, "abits": 0, "group": 128}),
+    test_inputs=lambda rng, p: {**quantized_gemm_inputs(rng, m=p["m"], k=p["k"], n=p["n"], bits=p["bits"],
+                                                        group_size=p["group"], symmetric=True, dtype=p["dtype"]),
+                                **_activations(p)},
     tiny={"m": 1, "k": 64, "n": 16, "bits": 4, "group": 32, "dtype": "fp32"},
 )
 

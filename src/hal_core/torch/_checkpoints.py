@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
-from .._errors import CheckpointError
+from .._errors import ArgumentError, CheckpointError
 from ..quant._checkpoint_format import FLOATS, KEY, CheckpointFormat, TensorSpec, checkpoint_format
 from ._checkpoint_files import Folder, Tensors
 from ._layer_progress import ProgressArg, layer_progress
-from ._modules import QuantLinear
+from ._modules import QuantLinear, check_activations
 
 __all__ = ["CheckpointFormat", "checkpoint_format", "load_quantized"]
 
@@ -117,7 +117,8 @@ def _load_dtype(dtype: Any, document: Mapping[str, Any], source: str) -> torch.d
 
 def load_quantized(path: str | os.PathLike[str], *, dtype: torch.dtype | str = "auto",
                    device: torch.device | str = "cpu", attn_implementation: str | None = None,
-                   model_class: Any = None, progress: ProgressArg = None) -> torch.nn.Module:
+                   model_class: Any = None, progress: ProgressArg = None,
+                   activations: str | None = "auto") -> torch.nn.Module:
     """The transformers model of a GPTQ or AWQ checkpoint directory, its quantized layers :class:`QuantLinear`.
 
     ``dtype``: the model's float dtype (activations, embeddings, norms,
@@ -129,7 +130,9 @@ def load_quantized(path: str | os.PathLike[str], *, dtype: torch.dtype | str = "
     ``model_class``: the transformers auto class or model class whose
     ``from_config`` builds the model (default ``AutoModelForCausalLM``).
     ``progress``: None, True (a bar on stderr) or ``progress(done, total,
-    name)`` after each quantized layer.
+    name)`` after each quantized layer. ``activations``: every quantized
+    layer's activation precision, as for :func:`quantize_model` (``"auto"``:
+    W4A16 for one row, W4A8 from two rows up where the backend runs it).
 
     Which layers are quantized is read from the tensors (a ``.qweight``),
     not from ``modules_to_not_convert``; every other float tensor is cast to
@@ -148,6 +151,10 @@ def load_quantized(path: str | os.PathLike[str], *, dtype: torch.dtype | str = "
     """
     import transformers
 
+    try:
+        activations = check_activations(activations)
+    except ValueError as exc:
+        raise ArgumentError(str(exc)) from None
     folder = Folder(path)
     config_json = folder.show("config.json")
     if not folder.has("config.json"):
@@ -187,7 +194,7 @@ def load_quantized(path: str | os.PathLike[str], *, dtype: torch.dtype | str = "
         plan = _plan_others(model, tensors, {id(getattr(*places[0])) for places in layers.values()})
         with layer_progress(progress, len(layers), "loading") as step:  # from here on, only values can fail
             for name in list(layers):
-                _load_layer(fmt, name, layers.pop(name), tensors, torch_dtype, device)
+                _load_layer(fmt, name, layers.pop(name), tensors, torch_dtype, device, activations)
                 step(name)
         _load_others(plan, tensors, torch_dtype, device)
         unused = sorted(set(tensors.where) - tensors.used)
@@ -231,14 +238,14 @@ def _check_layers(base: CheckpointFormat, layers: Mapping[str, list[tuple[torch.
 
 
 def _load_layer(fmt: CheckpointFormat, name: str, places: list[tuple[torch.nn.Module, str]], tensors: Tensors,
-                dtype: torch.dtype, device: torch.device) -> None:
+                dtype: torch.dtype, device: torch.device, activations: str | None) -> None:
     linear = getattr(*places[0])
     fmt = fmt.for_layer(name)
     parts = {part: tensors.read(f"{name}.{part}") for part in fmt.parts if f"{name}.{part}" in tensors}
     weight = fmt.convert(name, parts)
     del parts
     bias = tensors.read(f"{name}.bias").to(dtype) if linear.bias is not None else None
-    layer = QuantLinear.from_weight(weight, bias, device=device, name=name)
+    layer = QuantLinear.from_weight(weight, bias, device=device, name=name, activations=activations)
     for parent, attr in places:
         setattr(parent, attr, layer)
 

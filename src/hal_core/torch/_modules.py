@@ -36,6 +36,7 @@ import torch
 from .._errors import ArgumentError, ArgumentTypeError
 from ..arrays import BFLOAT16
 from ..interop import host_view
+from ..ops.quantized_gemm import ACTIVATIONS
 from ..quant import QuantizedWeight, quantize
 from ..quant._args import as_bool, as_int
 from ._convert import to_tensor
@@ -52,15 +53,12 @@ _BUFFERS = ("qweight", "scales", "zeros", "g_idx")
 _ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-#: quantized_gemm's activation precisions (the op's ``activations`` argument; None means its default).
-ACTIVATIONS = ("float", "int8")
-
-
 def check_activations(activations: str | None) -> str | None:
-    """``activations`` checked: None, ``"float"`` (W4A16) or ``"int8"`` (W4A8 for int4 weights; int8 weights are
-    W8A8 either way), else a ``ValueError`` naming the argument."""
+    """``activations`` checked: None or ``"float"`` (W4A16), ``"int8"`` (W4A8 for int4 weights; int8 weights are
+    W8A8 either way) or ``"auto"`` (the backend's choice by the number of rows), else a ``ValueError`` naming
+    the argument."""
     if activations is not None and activations not in ACTIVATIONS:
-        raise ValueError(f"argument 'activations': expected None, 'float' or 'int8', got {activations!r}")
+        raise ValueError(f"argument 'activations': expected None, 'float', 'int8' or 'auto', got {activations!r}")
     return activations
 
 

@@ -95,7 +95,7 @@ def _describe(layer: Layer) -> str:
 def quantize_model(model: torch.nn.Module, *, bits: int = 4, group_size: int = 128, symmetric: bool = True,
                    scale_dtype: torch.dtype = torch.float16, layer_bits: LayerBitsArg = DEFAULT_LAYER_BITS,
                    skip: SkipArg = DEFAULT_SKIP, unmap: bool = True, progress: ProgressArg = None,
-                   activations: str | None = None) -> QuantizeReport:
+                   activations: str | None = "auto") -> QuantizeReport:
     """Replace every ``nn.Linear`` of ``model`` by a :class:`QuantLinear` (:meth:`QuantLinear.from_linear`), in place.
 
     ``bits``: 4 (W4A16) or 8 (W8A8) for every layer that ``layer_bits``

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 from ._buckets import pow2
 from ._knobs import Knob
-from ._lookup import clear, enabled, forget, key_for, knob_value, ordered, override, source, table_for
+from ._lookup import clear, enabled, forget, key_for, knob_value, ordered, override, setting_value, source, table_for
 from ._store import SCHEMA, TuneTable, device_key, list_tables, load_table, save_table, table_path, tune_dir
 
 __all__ = [
     "SCHEMA", "Knob", "TuneTable",
     "clear", "device_key", "enabled", "forget", "key_for", "knob_value", "list_tables", "load_table",
-    "ordered", "override", "pow2", "save_table", "source", "table_for", "table_path", "tune_dir",
+    "ordered", "override", "pow2", "save_table", "setting_value", "source", "table_for", "table_path",
+    "tune_dir",
 ]

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ..ops import OpCall, OpImpl
     from ._knobs import Knob
 
-__all__ = ["clear", "forget", "knob_value", "ordered", "override", "table_for"]
+__all__ = ["clear", "forget", "knob_value", "ordered", "override", "setting_value", "table_for"]
 
 _MISSING = object()
 #: id(backend) -> (a reference to the backend, {device index: table}); by id, since a backend need not be hashable.
@@ -122,6 +122,18 @@ def knob_value(call: OpCall, knob: Knob) -> Hashable:
             if value is not _MISSING and value in knob.candidates:
                 return value
     return knob.rule(call)
+
+
+def setting_value(backend: Any, device_index: int, op: str, name: str, bucket: str) -> Any:
+    """What ``hal tune`` persisted for ``op``'s ``"auto"`` setting ``name`` in ``bucket`` on this device, or None.
+
+    Settings (:attr:`~hal_core.ops.OpSpec.auto_settings`) share the store's ``knobs[op]`` table with
+    the implementations' knobs: ``knobs[op][name][bucket]``.
+    """
+    table = table_for(backend, device_index)
+    if table is None:
+        return None
+    return table.knobs.get(op, {}).get(name, {}).get(bucket)
 
 
 @contextlib.contextmanager
