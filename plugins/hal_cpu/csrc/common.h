@@ -34,6 +34,7 @@ struct KernelTable {
     int (*rms_norm)(const hal_cpu_rms_norm_args *);
     int (*gated_activation)(const hal_cpu_gated_activation_args *);
     int (*rotary_embedding)(const hal_cpu_rotary_embedding_args *);
+    int (*gemm_amx)();
 };
 
 }  // namespace hal

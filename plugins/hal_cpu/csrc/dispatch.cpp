@@ -507,6 +507,8 @@ int hal_cpu_paged_attention(const hal_cpu_attention_args *args) { return kernels
 
 int hal_cpu_attention_amx(void) { return kernels()->attention_amx(); }
 
+int hal_cpu_gemm_amx(void) { return kernels()->gemm_amx(); }
+
 int hal_cpu_set_attention_amx(int enabled) { return amx_allowed.exchange(enabled != 0 ? 1 : 0); }
 
 int hal_cpu_attention_amx_allowed(void) { return amx_allowed.load(std::memory_order_relaxed); }

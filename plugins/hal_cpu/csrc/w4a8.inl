@@ -26,40 +26,78 @@ constexpr int64_t kW4a8Cols = 64;
 constexpr int kW4a8TileRows = 4;
 
 struct W4a8Panel {
-    std::vector<int8_t> q;     // [m, k], each 8-row step in the order (q0, q2, q4, q6, q1, q3, q5, q7)
+    std::vector<int8_t> q;     // [rows, k], each 8-row step in the order (q0, q2, q4, q6, q1, q3, q5, q7); rows >= m
+                               // (the tile path pads to whole row tiles), those past m zero
     std::vector<int32_t> sum;  // [m, groups] sum of q over each group
     std::vector<float> sx;     // [m] the token scale; NaN for a row holding NaN or Inf (q and sums stay 0)
 };
 
-inline void w4a8_quantise(const hal_cpu_w4a8_gemm_args &a, W4a8Panel &p) {
-    const int64_t m = a.m, k = a.k, group = a.group_size, groups = k / group;
-    p.q.assign(size_t(m) * k, 0);
+// Row r of x quantised into the panel (dst: its k bytes in the panel's order, sums: its groups); row: k + 16
+// floats of scratch. Returns the token scale, NaN for a row holding NaN or Inf (its bytes and sums stay 0).
+inline float w4a8_quantise_row(const hal_cpu_w4a8_gemm_args &a, int64_t r, float *row, int8_t *dst, int32_t *sums) {
+    const int64_t k = a.k, group = a.group_size;
+    any_row_to_f32(row_ptr(a.x, a.x_dtype, r, a.x_stride), a.x_dtype, k, row);
+    float amax = 0.0f;
+    bool finite = true;
+    int64_t i = 0;
+#if defined(HAL_ISA_AVX512)
+    V::f vmax = V::zero();
+    __mmask16 nonfinite = 0;
+    for (; i + 16 <= k; i += 16) {
+        const V::f v = V::load(row + i);
+        nonfinite |= _mm512_fpclass_ps_mask(v, 0x99);  // QNaN, SNaN, +Inf, -Inf
+        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+    }
+    amax = _mm512_reduce_max_ps(vmax);
+    finite = nonfinite == 0;
+#endif
+    for (; i < k; ++i) {
+        finite &= std::isfinite(row[i]);
+        amax = std::max(amax, std::fabs(row[i]));
+    }
+    if (!finite) return kNaN;
+    const float s = amax > 0.0f ? std::max(amax / 127.0f, std::numeric_limits<float>::denorm_min()) : 1.0f;
+    i = 0;
+#if defined(HAL_ISA_AVX512)
+    // The same float32 division and round-half-to-even as the scalar loop, 16 values at a time, each
+    // 8-value step stored in the panel's order (0, 2, 4, 6, 1, 3, 5, 7).
+    const __m512i order = _mm512_set_epi32(15, 13, 11, 9, 14, 12, 10, 8, 7, 5, 3, 1, 6, 4, 2, 0);
+    const V::f vs = V::set1(s), lo = V::set1(-127.0f), hi = V::set1(127.0f);
+    for (; i + 16 <= k; i += 16) {
+        V::f v = _mm512_roundscale_ps(_mm512_div_ps(V::load(row + i), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm512_min_ps(hi, _mm512_max_ps(lo, v));
+        const __m512i q = _mm512_permutexvar_epi32(order, _mm512_cvtps_epi32(v));
+        _mm_storeu_si128(reinterpret_cast<__m128i *>(dst + i), _mm512_cvtepi32_epi8(q));
+    }
+#endif
+    for (; i < k; ++i) {
+        const int64_t t = i & 7;
+        dst[(i & ~int64_t(7)) + (t >> 1) + (t & 1) * 4] =
+            int8_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(row[i] / s))));
+    }
+    for (int64_t g = 0; g < k / group; ++g) {  // the order within a group does not change its sum
+        int32_t total = 0;
+        for (int64_t j = g * group; j < (g + 1) * group; ++j) total += dst[j];
+        sums[g] = total;
+    }
+    return s;
+}
+
+inline void w4a8_quantise(const hal_cpu_w4a8_gemm_args &a, W4a8Panel &p, int64_t panel_rows) {
+    const int64_t m = a.m, k = a.k, groups = k / a.group_size;
+    p.q.assign(size_t(panel_rows) * k, 0);
     p.sum.assign(size_t(m) * groups, 0);
     p.sx.assign(size_t(m), 0.0f);
-    std::vector<float> rows(size_t(m) * k);
-    parallel_for(m, a.threads, [&](int64_t r) {
-        float *row = rows.data() + r * k;
-        any_row_to_f32(row_ptr(a.x, a.x_dtype, r, a.x_stride), a.x_dtype, k, row);
-        float amax = 0.0f;
-        bool finite = true;
-        for (int64_t i = 0; i < k; ++i) {
-            finite &= std::isfinite(row[i]);
-            amax = std::max(amax, std::fabs(row[i]));
-        }
-        if (!finite) {
-            p.sx[r] = kNaN;
-            return;
-        }
-        const float s = amax > 0.0f ? std::max(amax / 127.0f, std::numeric_limits<float>::denorm_min()) : 1.0f;
-        p.sx[r] = s;
-        int8_t *dst = p.q.data() + r * k;
-        int32_t *sums = p.sum.data() + r * groups;
-        for (int64_t i = 0; i < k; ++i) {
-            const int8_t v = int8_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(row[i] / s))));
-            const int64_t t = i & 7;
-            dst[(i & ~int64_t(7)) + (t >> 1) + (t & 1) * 4] = v;
-            sums[i / group] += v;
-        }
+    const int64_t per_task = 8, tasks = (m + per_task - 1) / per_task;
+    TaskSlots slots(std::min<int64_t>(tasks, std::max<int32_t>(a.threads, 1)));
+    const size_t width = size_t(k) + 16;
+    std::vector<float> rows(size_t(slots.count()) * width);
+    parallel_for(tasks, a.threads, [&](int64_t t) {
+        const int64_t slot = slots.acquire();
+        float *row = rows.data() + size_t(slot) * width;
+        for (int64_t r = t * per_task; r < std::min(m, (t + 1) * per_task); ++r)
+            p.sx[r] = w4a8_quantise_row(a, r, row, p.q.data() + r * k, p.sum.data() + r * groups);
+        slots.release(slot);
     });
 }
 
@@ -161,25 +199,52 @@ inline void w4a8_vnni_block(const hal_cpu_w4a8_gemm_args &a, const W4a8Panel &p,
         }
     }
 }
+#include "w4a8_amx.inl"
+#else
+constexpr int64_t kW4a8AmxCols = kW4a8Cols;
+inline bool w4a8_amx_applies(const hal_cpu_w4a8_gemm_args &) { return false; }
+#endif
+
+// Whether W4A8 with at least kW4a8AmxMinRows rows runs on AMX-INT8 tiles here (hal_cpu_gemm_amx).
+#if defined(HAL_ISA_VNNI)
+inline int gemm_amx_enabled() { return hal_cpu_attention_amx_allowed() && amx_int8_usable() ? 1 : 0; }
+#else
+inline int gemm_amx_enabled() { return 0; }
 #endif
 
 template <class SS>
 int w4a8_t(const hal_cpu_w4a8_gemm_args &a) {
     const int64_t m = a.m, n = a.n;
     W4a8Panel p;
-    w4a8_quantise(a, p);
-    const int64_t blocks = (n + kW4a8Cols - 1) / kW4a8Cols;
+    const bool amx = w4a8_amx_applies(a);
+    w4a8_quantise(a, p, amx ? (m + 31) / 32 * 32 : m);
+    const int64_t cols = amx ? kW4a8AmxCols : kW4a8Cols;
+    const int64_t blocks = (n + cols - 1) / cols;
+    std::atomic<bool> failed{false};
     parallel_for(blocks, a.threads, [&](int64_t b) {
-        const int64_t c0 = b * kW4a8Cols, c1 = std::min(n, c0 + kW4a8Cols);
+        const int64_t c0 = b * cols, c1 = std::min(n, c0 + cols);
         for (int64_t r = 0; r < m; ++r) std::fill(a.y + r * n + c0, a.y + r * n + c1, 0.0f);
         int64_t done = c0;
 #if defined(HAL_ISA_VNNI)
-        const int64_t vectors = (c1 - c0) / 16;
-        if (vectors) w4a8_vnni_block<SS>(a, p, c0, vectors);
-        done = c0 + 16 * vectors;
+        if (amx && c1 - c0 >= 32) {
+            // The task's unpacked codes (w4a8_amx.inl): about 64 KiB, freed when the task ends.
+            const int64_t tiles = (c1 - c0) / 32 * 2;
+            uint8_t *strip = new (std::nothrow) uint8_t[size_t(w4a8_amx_chunk(a.group_size)) * 16 * tiles];
+            if (!strip) {
+                failed = true;
+                return;
+            }
+            w4a8_amx_block<SS>(a, p, c0, tiles, strip);
+            delete[] strip;
+            done = c0 + 16 * tiles;
+        }
+        const int64_t vectors = (c1 - done) / 16;
+        if (vectors) w4a8_vnni_block<SS>(a, p, done, vectors);
+        done += 16 * vectors;
 #endif
         if (done < c1) w4a8_plain<SS>(a, p, 0, m, done, c1);
     });
+    if (failed) return HAL_ENOMEM;
     parallel_for(m, a.threads, [&](int64_t r) {
         float *yr = a.y + r * n;
         const float s = p.sx[r];

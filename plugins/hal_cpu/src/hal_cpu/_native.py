@@ -37,8 +37,8 @@ SPIN_ENV = "HAL_CPU_SPIN_US"
 #: Its default: long enough to bridge the Python between back-to-back op calls (waking a blocked
 #: worker costs 20-50 us on a virtual machine), short enough to leave idle cores to other runtimes.
 DEFAULT_SPIN_US = 100
-#: Environment variable: whether bf16/fp16 attention may use AMX tiles where the CPU and the OS allow it
-#: (default on; off runs the vector-FMA path, for testing and diagnosis).
+#: Environment variable: whether bf16/fp16 attention and many-row W4A8 may use AMX tiles where the CPU and the
+#: OS allow it (default on; off runs the vector paths, which give the same W4A8 bits, for testing and diagnosis).
 AMX_ENV = "HAL_CPU_AMX"
 
 _i64 = ctypes.c_int64
@@ -56,6 +56,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "hal_cpu_paged_attention": (ctypes.c_int, [ctypes.POINTER(_abi.AttentionArgs)]),
     "hal_cpu_attention_amx": (ctypes.c_int, []),
     "hal_cpu_set_attention_amx": (ctypes.c_int, [ctypes.c_int]),
+    "hal_cpu_gemm_amx": (ctypes.c_int, []),
     "hal_cpu_write_kv_cache": (ctypes.c_int, [ctypes.POINTER(_abi.WriteKvCacheArgs)]),
     "hal_cpu_to_float32": (ctypes.c_int, [ctypes.POINTER(_abi.ToFloat32Args)]),
     "hal_cpu_w4a16_gemv": (ctypes.c_int, [ctypes.POINTER(_abi.W4a16GemvArgs)]),
