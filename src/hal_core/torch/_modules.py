@@ -283,7 +283,7 @@ class QuantLinear(torch.nn.Module):
         args = {"x": host_view(rows, "x"), "qweight": cached[1]}
         if self.activations is not None:
             args["activations"] = self.activations
-        result = backend_for(rows).ops._call("quantized_gemm", args)
+        result = backend_for(rows).ops.call("quantized_gemm", args)
         return to_tensor(result) if rows.dtype is torch.bfloat16 else torch.from_numpy(result)
 
     def extra_repr(self) -> str:

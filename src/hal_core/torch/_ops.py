@@ -115,7 +115,7 @@ def _real(op: TorchOp) -> Callable[..., Any]:
         if lead.is_cpu:
             # numpy views of every tensor (a weight's built once per set of tensors): the front door then
             # converts nothing; hal's own result array is handed to torch as a view (no output copy)
-            result = backend.ops._call(spec.name, host_args(values))
+            result = backend.ops.call(spec.name, host_args(values))
             return to_tensor(result) if op.returns_tensor else None
         given = dict(zip(names, values, strict=False))  # defaults are not passed
         args = _op_args(spec, given, fake=False)
@@ -127,7 +127,7 @@ def _real(op: TorchOp) -> Callable[..., Any]:
             out = torch.empty(shape, dtype=_output_dtype(spec, values, names), device=lead.device)
             args["out"] = out
         with on_torch_stream(backend, lead):
-            backend.ops._call(spec.name, args)
+            backend.ops.call(spec.name, args)
         return out
 
     run.__name__ = op.name
