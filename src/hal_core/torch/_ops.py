@@ -35,6 +35,7 @@ from ..ops import OPS, OpSpec
 from ..ops._validate import check_shapes
 from ._autograd import refuse_grad_into_out, register_autograd
 from ._convert import to_tensor
+from ._dtypes import TORCH_DTYPES
 from ._routing import backend_for, on_torch_stream
 from ._schema import WEIGHT_FIELDS, TorchOp, torch_ops
 from ._weights import _weight, host_weight
@@ -157,13 +158,9 @@ def _output_dtype(spec: OpSpec, values: tuple[Any, ...], names: tuple[str, ...])
     """The torch dtype of the op's result: its declared fixed dtype, else that of the argument it follows."""
     assert spec.output is not None
     if spec.output.dtype:
-        return _FIXED_DTYPES[spec.output.dtype]
+        return TORCH_DTYPES[spec.output.dtype]  # a fixed dtype (``Output(dtype=...)``)
     dtype: torch.dtype = values[names.index(spec.output.dtype_of)].dtype
     return dtype
-
-
-#: torch dtypes of the fixed output dtypes an op may declare (``Output(dtype=...)``).
-_FIXED_DTYPES = {"int64": torch.int64, "int32": torch.int32, "fp32": torch.float32}
 
 
 def _one_device(values: Mapping[str, Any]) -> None:
