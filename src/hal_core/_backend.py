@@ -10,6 +10,8 @@ import numpy as np
 
 from ._device import DeviceHandle
 
+# Annotations only: the contract sits below the ops layer, whose front door is handed to the backend when hal
+# binds it (Ops.attach -> bind_ops), so nothing here imports hal_core.ops at run time (tests/test_layering.py).
 if TYPE_CHECKING:
     from .ops import OpRegistry, Ops
 

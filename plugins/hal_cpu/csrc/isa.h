@@ -222,7 +222,7 @@ struct V {
 
 
 // ---------------------------------------------------------------------------------------------
-// Attention helpers: register-tile sizes and reductions used by paged_attention.inl.
+// Attention helpers: register-tile sizes and reductions used by paged_attention (attention_*.inl).
 //   kAttnAcc        vector accumulators one register tile may hold (what the variant's register file
 //                   leaves after the operands: 32 zmm registers on AVX-512, 16 ymm/xmm elsewhere).
 //   hsum_acc(a, o)  o[i] = sum of the lanes of a[i] for the kAttnAcc vectors a[0..kAttnAcc) at once

@@ -12,7 +12,7 @@ import hal_core
 from hal_core.ops import OPS
 from hal_core.quant import quantize
 from hal_core.testing.inputs import assert_close
-from hal_core.tuning import override
+from hal_core.tuning import forget, override
 
 SEED = 20261201
 
@@ -71,3 +71,46 @@ def test_every_gemm_kernel_matches_the_reference(cpu: hal_core.Backend, kernel: 
         got = cpu.ops.quantized_gemm(x, qw)
     assert_close(got, OPS["quantized_gemm"].reference({"x": x, "qweight": qw}), kind="gemm", dtype="fp32",
                  what=f"kernel={kernel}, group={group}")
+
+
+def test_the_knob_rule_sizes_partitions_for_the_threads_the_kernel_runs_on(cpu: hal_core.Backend,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode row beside a long prompt, with little K/V: the registered call (the knob's rule) and attend's own
+    default reach the kernel with the same threads (2: the prompt's FLOPs) and partition size (256: one 1024-token
+    decode row cut into 4 x 2 tasks, at the 256-token minimum), and with the same result, the reference's."""
+    import hal_cpu
+    from hal_cpu import _abi, _threads
+
+    if _threads.available() < 2:
+        pytest.skip("needs two cores: on one, no call is split")
+    seen: list[tuple[int, int]] = []
+    struct = _abi.AttentionArgs
+
+    def spy(**fields: Any) -> Any:
+        seen.append((fields["threads"], fields["partition_tokens"]))
+        return struct(**fields)
+
+    monkeypatch.setattr(_abi, "AttentionArgs", spy)
+    rng = np.random.default_rng(SEED + 7)
+    print(f"seed={SEED + 7}")
+    heads, kv_heads, d, block = 4, 1, 16, 16
+    lens, starts = np.array([1024, 512], np.int32), np.array([0, 1, 513], np.int32)
+    table = rng.permutation(2 * 64).reshape(2, 64).astype(np.int32)
+    kc = rng.standard_normal((128, kv_heads, block, d)).astype(np.float32)
+    vc = rng.standard_normal(kc.shape).astype(np.float32)
+    q = rng.standard_normal((513, heads, d)).astype(np.float32)
+    args = dict(query=q, key_cache=kc, value_cache=vc, block_tables=table, seq_lens=lens, scale=0.25,
+                query_start_loc=starts, max_query_len=512)
+    monkeypatch.setenv("HAL_TUNE", "0")  # no stored winner: the knob's rule
+    forget()
+    hal_cpu.set_threads(2)
+    try:
+        registered = cpu.ops.paged_attention(**args)
+        direct = paged_attention.attend(q, kc, vc, table, lens, 0.25, query_start_loc=starts, max_query_len=512)
+    finally:
+        hal_cpu.set_threads(None)
+        forget()
+    assert seen == [(2, 256), (2, 256)]
+    np.testing.assert_array_equal(registered, direct)
+    assert_close(registered, OPS["paged_attention"].reference(args), kind="attention", dtype="fp32",
+                 what="a decode row beside a prompt")

@@ -36,7 +36,6 @@ from ._worker_common import AnonSampler, emit, peak_rss_bytes, phase, prompt_arr
 
 __all__ = ["build_float_model", "greedy", "main", "prompt_ids"]
 
-_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _BLOCK_SIZE = 16
 _WARMUP_PROMPT = 16
 #: Progress lines per quantized width while preparing (the parent counts on it: :func:`._model.model_steps`).
@@ -178,7 +177,9 @@ def greedy(model: torch.nn.Module, attention: str, ids: torch.Tensor, new_tokens
 
 def _load(task: dict[str, Any]) -> torch.nn.Module:
     contender = task["contender"]
-    dtype = _TORCH_DTYPES[contender["dtype"]]
+    from ..torch._dtypes import TORCH_DTYPES
+
+    dtype = TORCH_DTYPES[contender["dtype"]]
     if contender["bits"] is None:
         return build_float_model(task["config"], dtype, task["seed"], contender["attention"])
     from ..torch import QuantLinear, load_quantized

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from types import MethodType
 from typing import TYPE_CHECKING, Any
@@ -167,6 +167,17 @@ class Ops:
                 self._watchers.remove(events)
 
     # -- dispatch ---------------------------------------------------------
+
+    def call(self, op: str, args: Mapping[str, Any]) -> Any:
+        """``ops.<op>(**args)`` for an op named at run time (the torch operators use it); ``args`` is left unchanged.
+
+        Raises :class:`ArgumentError` naming ``op`` when no op of that name is catalogued, and, as the op's
+        method does, ``TypeError`` naming an argument the op does not declare or a required one left out.
+        """
+        spec = OPS.get(op)
+        if spec is None:
+            raise ArgumentError(f"argument 'op': no op named {op!r} (ops: {', '.join(sorted(OPS))})")
+        return method_for(spec)(self, **args)
 
     def _call(self, op: str, args: dict[str, Any]) -> Any:
         spec = OPS[op]
@@ -359,7 +370,7 @@ class Ops:
         def run(host_args: dict[str, Any]) -> Any:
             if fallback is not None:
                 return fallback.ops._execute(OpCall(spec=spec, args=host_args, backend=fallback))
-            return _reference_result(OpCall(spec=spec, args=host_args, backend=backend))
+            return spec.run_reference(host_args)
 
         if backend.is_host or call.host_arrays:
             result = run(dict(call.args))
@@ -389,15 +400,3 @@ def _check_writable(name: str, value: Any) -> None:
     """Refuse a read-only ``value`` the op would write (None: not given; a writable numpy array: at once)."""
     if value is not None and (type(value) is not np.ndarray or not value.flags.writeable):
         check_writable(name, value)
-
-
-def _reference_result(call: OpCall) -> Any:
-    """The float64 reference cast to the op's dtype, writing in-place outputs (given ones; output first when both)."""
-    spec = call.spec
-    result = spec.reference(call.args)
-    if spec.inplace_args:
-        written, result = (result, None) if spec.output is None else (result[1:], result[0])
-        for name, value in zip(spec.inplace_args, written, strict=False):
-            if value is not None and call.args.get(name) is not None:
-                call.args[name][...] = value.astype(call.args[name].dtype)
-    return None if result is None else result.astype(spec.output_dtype(call.args))

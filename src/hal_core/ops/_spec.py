@@ -283,6 +283,18 @@ class OpSpec(ABC):
                 args[name][...] = back(moved[name])
         return None if result is None else back(result)
 
+    def run_reference(self, args: Mapping[str, Any]) -> Any:
+        """The float64 reference on host ``args``, cast to the op's dtype; in-place arguments given are written
+        (from the reference's results after the output, when the op has both). What a call with no host backend
+        to fall back to returns."""
+        result = self.reference(args)
+        if self.inplace_args:
+            written, result = (result, None) if self.output is None else (result[1:], result[0])
+            for name, value in zip(self.inplace_args, written, strict=False):
+                if value is not None and args.get(name) is not None:
+                    args[name][...] = value.astype(args[name].dtype)
+        return None if result is None else result.astype(self.output_dtype(args))
+
     def signature(self) -> inspect.Signature:
         """The front door's signature: required arguments positional, the others keyword-only."""
         params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]

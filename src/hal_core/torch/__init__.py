@@ -24,7 +24,8 @@ Quantized models: :class:`QuantLinear` (an ``nn.Module`` over hal's packed
 weight), :func:`quantize_model` (every ``nn.Linear`` of a model, in place)
 and :func:`load_quantized` (a GPTQ or AWQ checkpoint directory, as
 transformers users have them). :func:`kernelize` runs a loaded model's norms,
-gated MLP activations and rotary embedding on hal ops.
+gated MLP activations and rotary embedding on hal ops. :data:`FLOAT_DTYPE_NAMES` names the torch
+float dtypes hal's ops compute in as hal does (``torch.bfloat16`` -> ``"bf16"``).
 ``import hal_core`` never imports this module (nor torch); the transformers
 attention backend lives in :mod:`hal_core.torch.transformers`. See
 docs/engine-guide.md, "hal from PyTorch".
@@ -39,6 +40,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
 
 from ._checkpoints import CheckpointFormat, checkpoint_format, load_quantized
 from ._convert import to_tensor
+from ._dtypes import FLOAT_DTYPE_NAMES
 from ._kernelize import KernelizeReport, kernelize
 from ._modules import QuantLinear
 from ._ops import (
@@ -58,6 +60,7 @@ from ._weights import weight_from_tensors, weight_to_tensors
 __all__ = [
     "DEFAULT_LAYER_BITS",
     "DEFAULT_SKIP",
+    "FLOAT_DTYPE_NAMES",
     "CheckpointFormat",
     "KernelizeReport",
     "QuantLinear",

@@ -36,5 +36,5 @@ def host_call(op: str, args: Mapping[str, Any]) -> torch.Tensor | None:
     lead = next(value for value in args.values() if isinstance(value, torch.Tensor))
     hal_args = {name: host_view(value, name) if isinstance(value, torch.Tensor) else value
                 for name, value in args.items()}
-    result = backend_for(lead).ops._call(op, hal_args)
+    result = backend_for(lead).ops.call(op, hal_args)
     return None if result is None else to_tensor(result)

@@ -30,27 +30,26 @@ from __future__ import annotations
 from operator import is_not
 from typing import Any
 
-import numpy as np
 import torch
 
 from .._errors import ArgumentError, ArgumentTypeError
-from ..arrays import BFLOAT16
+from ..arrays import numpy_dtype
 from ..interop import host_view
 from ..ops.quantized_gemm import ACTIVATIONS
 from ..quant import QuantizedWeight, quantize
 from ..quant._args import as_bool, as_int
 from ._convert import to_tensor
+from ._dtypes import FLOAT_DTYPE_NAMES
 from ._routing import backend_for
 from ._weights import _weight, weight_to_tensors
 
 __all__ = ["QuantLinear"]
 
 #: torch dtype of each scale dtype hal reads, to the numpy dtype ``quantize`` takes.
-_SCALE_DTYPES = {torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(BFLOAT16),
-                 torch.float32: np.dtype(np.float32)}
+_SCALE_DTYPES = {dtype: numpy_dtype(name) for dtype, name in FLOAT_DTYPE_NAMES.items()}
 _BUFFERS = ("qweight", "scales", "zeros", "g_idx")
 #: The activation dtypes hal's quantized_gemm takes.
-_ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_ACTIVATION_DTYPES = tuple(FLOAT_DTYPE_NAMES)
 
 
 def check_activations(activations: str | None) -> str | None:
@@ -281,7 +280,7 @@ class QuantLinear(torch.nn.Module):
         args = {"x": host_view(rows, "x"), "qweight": cached[1]}
         if self.activations is not None:
             args["activations"] = self.activations
-        result = backend_for(rows).ops._call("quantized_gemm", args)
+        result = backend_for(rows).ops.call("quantized_gemm", args)
         return to_tensor(result) if rows.dtype is torch.bfloat16 else torch.from_numpy(result)
 
     def extra_repr(self) -> str:

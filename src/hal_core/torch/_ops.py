@@ -35,6 +35,7 @@ from ..ops import OPS, OpSpec
 from ..ops._validate import check_shapes
 from ._autograd import refuse_grad_into_out, register_autograd
 from ._convert import to_tensor
+from ._dtypes import TORCH_DTYPES
 from ._routing import backend_for, on_torch_stream
 from ._schema import WEIGHT_FIELDS, TorchOp, torch_ops
 from ._weights import _weight, host_weight
@@ -115,7 +116,7 @@ def _real(op: TorchOp) -> Callable[..., Any]:
         if lead.is_cpu:
             # numpy views of every tensor (a weight's built once per set of tensors): the front door then
             # converts nothing; hal's own result array is handed to torch as a view (no output copy)
-            result = backend.ops._call(spec.name, host_args(values))
+            result = backend.ops.call(spec.name, host_args(values))
             return to_tensor(result) if op.returns_tensor else None
         given = dict(zip(names, values, strict=False))  # defaults are not passed
         args = _op_args(spec, given, fake=False)
@@ -127,7 +128,7 @@ def _real(op: TorchOp) -> Callable[..., Any]:
             out = torch.empty(shape, dtype=_output_dtype(spec, values, names), device=lead.device)
             args["out"] = out
         with on_torch_stream(backend, lead):
-            backend.ops._call(spec.name, args)
+            backend.ops.call(spec.name, args)
         return out
 
     run.__name__ = op.name
@@ -157,13 +158,9 @@ def _output_dtype(spec: OpSpec, values: tuple[Any, ...], names: tuple[str, ...])
     """The torch dtype of the op's result: its declared fixed dtype, else that of the argument it follows."""
     assert spec.output is not None
     if spec.output.dtype:
-        return _FIXED_DTYPES[spec.output.dtype]
+        return TORCH_DTYPES[spec.output.dtype]  # a fixed dtype (``Output(dtype=...)``)
     dtype: torch.dtype = values[names.index(spec.output.dtype_of)].dtype
     return dtype
-
-
-#: torch dtypes of the fixed output dtypes an op may declare (``Output(dtype=...)``).
-_FIXED_DTYPES = {"int64": torch.int64, "int32": torch.int32, "fp32": torch.float32}
 
 
 def _one_device(values: Mapping[str, Any]) -> None:

@@ -24,12 +24,12 @@ from transformers.cache_utils import CacheLayerMixin
 from .._errors import ArgumentError, OutOfBlocksError
 from ..kvcache import CacheConfig, PagedKVCache
 from ._convert import to_tensor
+from ._dtypes import FLOAT_DTYPE_NAMES
 from ._routing import backend_for
 from ._tf_plan import Plan, Seen, make_plan, new_positions
 
 __all__ = ["HalPagedCache"]
 
-_HAL_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 #: The layer whose new keys and values the next ``"hal"`` attention call consumes: ``(cache, layer, key)``.
 _context = threading.local()
 
@@ -116,14 +116,14 @@ class HalPagedCache(Cache):
         heads = text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
         head_size = getattr(text, "head_dim", None) or text.hidden_size // heads
-        if dtype not in _HAL_DTYPES:
-            raise TypeError(f"HalPagedCache: dtype must be one of {sorted(map(str, _HAL_DTYPES))}, got {dtype}")
+        if dtype not in FLOAT_DTYPE_NAMES:
+            raise TypeError(f"HalPagedCache: dtype must be one of {sorted(map(str, FLOAT_DTYPE_NAMES))}, got {dtype}")
         device = torch.device(device)
         backend = backend_for(torch.empty(0, device=device))
         index = device.index if device.index is not None else (
             0 if device.type == "cpu" else torch.get_device_module(device).current_device())
         hal_config = CacheConfig(num_layers=text.num_hidden_layers, num_kv_heads=kv_heads, head_size=head_size,
-                                 block_size=block_size, dtype=_HAL_DTYPES[dtype])
+                                 block_size=block_size, dtype=FLOAT_DTYPE_NAMES[dtype])
         self.paged = PagedKVCache(backend, hal_config, num_blocks=num_blocks, device=index)
         self.key_caches = [to_tensor(a) for a in self.paged.key_caches]
         self.value_caches = [to_tensor(a) for a in self.paged.value_caches]

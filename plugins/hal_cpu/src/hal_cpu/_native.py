@@ -22,7 +22,7 @@ import numpy as np
 
 from hal_core import env
 
-from . import _abi, _pool, _threads
+from . import _abi, _threads
 
 __all__ = ["Native", "NativeUnavailable", "check_abi", "load", "pointer", "try_load"]
 
@@ -40,6 +40,9 @@ DEFAULT_SPIN_US = 100
 #: Environment variable: whether bf16/fp16 attention and many-row W4A8 may use AMX tiles where the CPU and the
 #: OS allow it (default on; off runs the vector paths, which give the same W4A8 bits, for testing and diagnosis).
 AMX_ENV = "HAL_CPU_AMX"
+#: Environment variable: whether parallel jobs may run on an OpenMP runtime the process loaded (default on;
+#: :mod:`hal_cpu._pool` says which pool runs them).
+HOST_POOL_ENV = "HAL_CPU_HOST_POOL"
 
 _i64 = ctypes.c_int64
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
@@ -124,7 +127,7 @@ def _open() -> Native:
         chosen = lib.hal_cpu_select_isa(b"")
     lib.hal_cpu_set_spin_us(env.integer(SPIN_ENV, DEFAULT_SPIN_US, minimum=0, maximum=1_000_000))
     lib.hal_cpu_set_attention_amx(int(env.flag(AMX_ENV, True)))
-    _pool.configure(lib)
+    lib.hal_cpu_set_host_pool(int(env.flag(HOST_POOL_ENV, True)))
     _threads.current()  # a bad HAL_CPU_THREADS is reported when the library loads
     return Native(lib=lib, isa=chosen.decode(), available=available)
 

@@ -8,28 +8,21 @@ torch op, take hal's tasks instead of competing with hal's workers for the
 cores. The library looks for such a runtime itself, at each parallel job when
 the count of loaded libraries changed: the first job after ``import torch``
 moves. Nothing is loaded for it and no environment variable is changed.
-``HAL_CPU_HOST_POOL=0`` keeps every job on the own pool (diagnosis).
+``HAL_CPU_HOST_POOL=0`` keeps every job on the own pool (diagnosis); the
+library reads it when it loads (:mod:`hal_cpu._native`).
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import Any
 
-from hal_core import env
+from . import _native
+from ._native import HOST_POOL_ENV
 
-__all__ = ["COUNTERS", "HOST_POOL_ENV", "configure", "host_runtime", "pool_stats"]
-
-#: Environment variable: whether parallel jobs may run on an OpenMP runtime the process loaded (default on).
-HOST_POOL_ENV = "HAL_CPU_HOST_POOL"
+__all__ = ["COUNTERS", "HOST_POOL_ENV", "host_runtime", "pool_stats"]
 
 #: The keys of :func:`pool_stats`, in the order ``hal_cpu_pool_stats`` writes them.
 COUNTERS = ("starved_jobs", "serial_jobs", "own_pool_jobs", "host_pool_jobs", "nested_jobs")
-
-
-def configure(lib: Any) -> None:
-    """Apply ``HAL_CPU_HOST_POOL`` to the freshly loaded library (raises ``EnvironmentVariableError`` if bad)."""
-    lib.hal_cpu_set_host_pool(int(env.flag(HOST_POOL_ENV, True)))
 
 
 def pool_stats() -> dict[str, int]:
@@ -42,8 +35,6 @@ def pool_stats() -> dict[str, int]:
     calling thread alone because it was inside an OpenMP parallel region. All
     0 when the compiled kernels are not loaded or never ran a parallel job.
     """
-    from . import _native
-
     native = _native.try_load()
     if native is None:
         return dict.fromkeys(COUNTERS, 0)
@@ -58,8 +49,6 @@ def host_runtime() -> str | None:
     None without the compiled kernels, without a loaded OpenMP runtime, in a
     forked child, and with ``HAL_CPU_HOST_POOL=0``.
     """
-    from . import _native
-
     native = _native.try_load()
     if native is None:
         return None

@@ -31,15 +31,12 @@ import hal_core
 import hal_core.torch as hal_torch
 from hal_core import Backend, env
 from hal_core.interop import to_native
-from hal_core.torch import backend_for
+from hal_core.torch import FLOAT_DTYPE_NAMES, backend_for
 
-__all__ = ["HAL_DTYPES", "LayerPlan", "Route", "check_cache_spec", "device_type", "plan_layer", "serving_backend"]
+__all__ = ["LayerPlan", "Route", "check_cache_spec", "device_type", "plan_layer", "serving_backend"]
 
 #: The logger of the plugin: a child of vLLM's, so its messages appear with vLLM's own.
 log = logging.getLogger("vllm.hal_vllm")
-
-#: torch dtypes hal's attention ops run, by hal dtype name.
-HAL_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 #: The arguments of ``paged_attention`` vLLM's metadata and layers need beyond the decode form.
 _VARLEN_ARGUMENTS = ("query_start_loc", "max_query_len", "window", "softcap", "sinks", "alibi_slopes")
@@ -167,7 +164,7 @@ def plan_layer(
     if attn_type != "decoder":  # vLLM's AttentionType is a str enum
         raise _refuse(f"attention of type {str.__str__(attn_type)!r} (hal runs causal decoder attention over "
                       f"the paged cache)")
-    if dtype not in HAL_DTYPES:
+    if dtype not in FLOAT_DTYPE_NAMES:
         raise _refuse(f"dtype {dtype} (hal's attention runs float32, float16 and bfloat16)",
                       "run with --dtype float32, float16 or bfloat16, or unset HAL_VLLM")
     if kv_cache_dtype not in ("auto", str(dtype).removeprefix("torch.")):
@@ -182,7 +179,7 @@ def plan_layer(
     used = {"window": sliding_window is not None, "softcap": bool(logits_soft_cap), "sinks": has_sinks,
             "alibi": alibi_slopes is not None}
     variants = frozenset({"prefill", "strided_cache"} | {name for name, on in used.items() if on})
-    _check_covered(backend, {"dtype": HAL_DTYPES[dtype], "head_size": head_size}, variants)
+    _check_covered(backend, {"dtype": FLOAT_DTYPE_NAMES[dtype], "head_size": head_size}, variants)
     route = Route(backend)
     slopes = None
     if alibi_slopes is not None:
@@ -205,8 +202,8 @@ def check_cache_spec(kv_cache_spec: Any, vllm_config: Any) -> None:
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
         raise _refuse("a KV connector (hal-vllm has not been tested with KV transfer between instances)")
     dtype = kv_cache_spec.dtype
-    if dtype not in HAL_DTYPES:
+    if dtype not in FLOAT_DTYPE_NAMES:
         raise _refuse(f"a KV cache of dtype {dtype}")
     backend = serving_backend(device_type())
-    _check_covered(backend, {"dtype": HAL_DTYPES[dtype], "head_size": head_size,
+    _check_covered(backend, {"dtype": FLOAT_DTYPE_NAMES[dtype], "head_size": head_size,
                              "block_size": kv_cache_spec.block_size})

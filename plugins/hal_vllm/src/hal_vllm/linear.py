@@ -33,7 +33,9 @@ from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import (
 )
 from vllm.scalar_type import scalar_types
 
-from ._startup import HAL_DTYPES, Route, device_type, serving_backend
+from hal_core.torch import FLOAT_DTYPE_NAMES
+
+from ._startup import Route, device_type, serving_backend
 
 __all__ = ["HalWNA16LinearKernel", "unpack_zero_points"]
 
@@ -61,7 +63,7 @@ class HalWNA16LinearKernel(MPLinearKernel):  # type: ignore[misc, unused-ignore]
             return False, f"hal runs int4 weights (uint4b8, uint4), not {c.weight_type}"
         if c.zero_points != _WEIGHT_TYPES[weight_type]:
             return False, f"{weight_type} {'without' if _WEIGHT_TYPES[weight_type] else 'with'} zero points"
-        if c.act_type not in HAL_DTYPES:
+        if c.act_type not in FLOAT_DTYPE_NAMES:
             return False, f"activations of dtype {c.act_type}"
         k = c.partition_weight_shape[0]
         group = k if c.group_size == -1 else c.group_size
@@ -71,7 +73,7 @@ class HalWNA16LinearKernel(MPLinearKernel):  # type: ignore[misc, unused-ignore]
             return False, f"an output dtype {c.out_type} other than the activations' {c.act_type}"
         backend = serving_backend(device_type())
         verdict = backend.ops.coverage("quantized_gemm").covers(
-            {"dtype": HAL_DTYPES[c.act_type], "group_size": group, "bits": 4})
+            {"dtype": FLOAT_DTYPE_NAMES[c.act_type], "group_size": group, "bits": 4})
         if verdict is not True:
             return False, f"hal backend {backend.name!r} does not run quantized_gemm here ({verdict})"
         return True, None

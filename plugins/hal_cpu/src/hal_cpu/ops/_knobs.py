@@ -16,7 +16,8 @@ from hal_core.tuning import Knob
 from .. import _native
 from . import _rules
 
-__all__ = ["GEMM_KERNEL", "PARTITION_TOKENS", "host_isa", "host_threads", "partition_tokens"]
+__all__ = ["GEMM_KERNEL", "PARTITION_TOKENS", "attention_partition", "attention_threads", "host_isa", "host_threads",
+           "partition_tokens"]
 
 
 def host_threads() -> int:
@@ -25,16 +26,32 @@ def host_threads() -> int:
     return native.threads if native is not None else 1
 
 
+def attention_threads(seq_lens: np.ndarray, q_lens: np.ndarray | None, num_heads: int, num_kv_heads: int,
+                      head_size: int, itemsize: int, host: int) -> int:
+    """Threads a ``paged_attention`` call runs on (:func:`._rules.threads_for`), by the larger of the K/V bytes
+    it reads and an eighth of its FLOPs; ``q_lens``: new tokens per sequence (None: one each)."""
+    kv_bytes = 2 * int(seq_lens.sum(dtype=np.int64)) * num_kv_heads * head_size * itemsize
+    flops = 0 if q_lens is None else 4 * head_size * num_heads * int((q_lens * seq_lens).sum(dtype=np.int64))
+    return _rules.threads_for(max(kv_bytes, flops // 8), host)
+
+
+def attention_partition(seq_lens: np.ndarray, q_lens: np.ndarray | None, num_kv_heads: int, block_size: int,
+                        threads: int) -> int:
+    """Tokens per split-KV partition of a ``paged_attention`` call run on ``threads`` threads (the rule:
+    :func:`._rules.attention_partition_tokens` over its decode rows, the sequences with one new token)."""
+    decode = seq_lens.shape[0] if q_lens is None else int((q_lens == 1).sum())
+    return _rules.attention_partition_tokens(decode, num_kv_heads, int(seq_lens.max(initial=0)), block_size, threads)
+
+
 def _partition_rule(call: OpCall) -> int:
+    # Sized for the threads the kernel will run on: the wrapper's own default (attention_threads), the same rule.
     key_cache, seq_lens = call["key_cache"], np.asarray(call["seq_lens"])
     starts = call.args.get("query_start_loc")
-    # decode rows: sequences with one new token (every sequence without query_start_loc)
-    decode = seq_lens.shape[0] if starts is None else int((np.diff(np.asarray(starts)) == 1).sum())
+    q_lens = None if starts is None else np.diff(np.asarray(starts, dtype=np.int64))
     _, num_kv_heads, block_size, head_size = key_cache.shape
-    total = int(seq_lens.sum(dtype=np.int64))
-    threads = _rules.threads_for(2 * total * num_kv_heads * head_size * key_cache.itemsize, host_threads())
-    max_len = int(seq_lens.max(initial=0))
-    return _rules.attention_partition_tokens(decode, num_kv_heads, max_len, block_size, threads)
+    threads = attention_threads(seq_lens, q_lens, call["query"].shape[1], num_kv_heads, head_size,
+                                key_cache.itemsize, host_threads())
+    return attention_partition(seq_lens, q_lens, num_kv_heads, block_size, threads)
 
 
 def host_isa() -> str:

@@ -74,9 +74,10 @@ def attend(
     bfloat16 (default: the query's dtype; the kernel rounds once, from float32).
     The knobs ``partition_tokens`` (0: no split), ``query_tile`` (tokens per
     prefill task) and ``threads`` default to
-    :func:`~hal_cpu.ops._rules.attention_partition_tokens`,
+    :func:`~hal_cpu.ops._knobs.attention_partition` (for the threads the call
+    runs on; the registered implementation's knob rule is the same function),
     :func:`~hal_cpu.ops._rules.attention_query_tile` and
-    :func:`~hal_cpu.ops._rules.threads_for`.
+    :func:`~hal_cpu.ops._knobs.attention_threads`.
     """
     out_dtype = query.dtype if out_dtype is None else np.dtype(out_dtype)
     native = _native.try_load()
@@ -107,17 +108,13 @@ def attend(
     q_lens = None if query_start_loc is None else np.diff(np.asarray(query_start_loc, dtype=np.int64))
     if max_query_len is None:
         max_query_len = 1 if q_lens is None else int(q_lens.max(initial=0))
-    if threads is None or partition_tokens is None or query_tile is None:
-        total = int(seq_lens.sum(dtype=np.int64))
-        kv_bytes = 2 * total * num_kv_heads * head_size * key_cache.itemsize
-        flops = 0 if q_lens is None else 4 * head_size * num_heads * int((q_lens * seq_lens).sum(dtype=np.int64))
-        threads = _rules.threads_for(max(kv_bytes, flops // 8), native.threads) if threads is None else threads
-        if partition_tokens is None:
-            decode = num_seqs if q_lens is None else int((q_lens == 1).sum())
-            max_len = int(seq_lens.max(initial=0))
-            partition_tokens = _rules.attention_partition_tokens(decode, num_kv_heads, max_len, block_size, threads)
-        if query_tile is None:
-            query_tile = _rules.attention_query_tile(num_heads, num_kv_heads)
+    if threads is None:
+        threads = _knobs.attention_threads(seq_lens, q_lens, num_heads, num_kv_heads, head_size, key_cache.itemsize,
+                                           native.threads)
+    if partition_tokens is None:
+        partition_tokens = _knobs.attention_partition(seq_lens, q_lens, num_kv_heads, block_size, threads)
+    if query_tile is None:
+        query_tile = _rules.attention_query_tile(num_heads, num_kv_heads)
     qs, qh, _ = element_strides(query)
     kb, kh, kt, _ = element_strides(key_cache)
     vb, vh, vt, _ = element_strides(value_cache)
