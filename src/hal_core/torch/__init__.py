@@ -41,6 +41,7 @@ from ._checkpoints import CheckpointFormat, checkpoint_format, load_quantized
 from ._convert import to_tensor
 from ._kernelize import KernelizeReport, kernelize
 from ._modules import QuantLinear
+from ._moe import QuantMoE
 from ._ops import (
     gated_activation,
     paged_attention,
@@ -61,6 +62,7 @@ __all__ = [
     "CheckpointFormat",
     "KernelizeReport",
     "QuantLinear",
+    "QuantMoE",
     "QuantizeReport",
     "backend_for",
     "checkpoint_format",
