@@ -7,7 +7,9 @@ float64 computations on the dequantized experts and with eager transformers hold
 from __future__ import annotations
 
 import copy
+import gc
 import types
+import weakref
 from typing import Any
 
 import numpy as np
@@ -40,7 +42,8 @@ def _model(kind: str, rng: np.random.Generator, norm_topk_prob: bool = True, lay
                                              num_experts=EXPERTS, norm_topk_prob=norm_topk_prob)
     else:
         config = transformers.MixtralConfig(**common, intermediate_size=INTER, num_local_experts=EXPERTS)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                          experts_implementation="eager").eval()
     with torch.no_grad():
         for layer in model.model.layers:
             layer.mlp.gate.weight.normal_(0.0, HIDDEN ** -0.5)
@@ -85,7 +88,10 @@ def test_quantize_model_replaces_each_moe_block_and_reports_it(hal_rng: np.rando
     """Each sparse MoE block becomes a QuantMoE with the config's routing; no float expert weight is left."""
     model = _model(kind, hal_rng, norm)
     router = model.model.layers[0].mlp.gate
+    float_experts = weakref.ref(model.model.layers[0].mlp.experts)
     report = quantize_model(model, bits=4, group_size=GROUP)
+    gc.collect()
+    assert float_experts() is None, "the float experts are still referenced"
     assert report.moe_blocks == ("model.layers.0.mlp", "model.layers.1.mlp")
     assert report.moe_bits == (4, 4) and report.moe_skipped == ()
     assert report.moe_float_bytes == 2 * EXPERTS * 3 * INTER * HIDDEN * 4

@@ -132,6 +132,15 @@ def quantize_model(model: torch.nn.Module, *, bits: int = 4, group_size: int = 1
     is left as it was after any error. A layer held at several places is
     quantized once and every place gets the same ``QuantLinear``. Layers
     stay on their devices. Returns a :class:`QuantizeReport`.
+
+    Sparse MoE blocks of a transformers model (Qwen3-MoE, Mixtral) become a
+    :class:`QuantMoE` each (:mod:`._quantize_moe`): every expert quantized
+    with ``bits`` (or its ``layer_bits`` pattern), ``group_size``,
+    ``symmetric`` and ``scale_dtype``, the router kept in float, the
+    settings read from ``model.config`` (a ``ConfigurationError`` names a
+    field it lacks); no float expert weight is kept. ``skip`` leaves a block
+    in float by its name. Other MoE block types stay in float and are listed
+    in ``moe_skipped`` with the reason.
     """
     _check_arguments(model, bits, group_size, symmetric, scale_dtype)
     try:
