@@ -241,6 +241,30 @@ def test_config_that_disagrees_with_the_router_is_refused_naming_it(hal_rng: np.
     assert not _blocks(model)
 
 
+def test_config_norm_topk_prob_that_disagrees_with_the_router_is_refused(hal_rng: np.random.Generator) -> None:
+    """norm_topk_prob other than the router's: ConfigurationError naming the field (the routing would differ)."""
+    model = _model("qwen3_moe", hal_rng, norm_topk_prob=True)
+    model.config.norm_topk_prob = False
+    with pytest.raises(ConfigurationError, match="'norm_topk_prob' is False, but the block's router has "
+                                                 "norm_topk_prob=True"):
+        quantize_model(model, bits=4, group_size=GROUP)
+    assert not _blocks(model)
+
+
+def test_quant_moe_refuses_bad_settings_naming_them(hal_rng: np.random.Generator) -> None:
+    """QuantMoE's top_k outside [1, num_experts], an unknown routing or activation: ArgumentError naming each."""
+    model = _model("mixtral", hal_rng)
+    quantize_model(model, bits=4, group_size=GROUP)
+    block = model.model.layers[0].mlp
+    experts = block.expert_weights()
+    for kwargs, name in (({"top_k": 9}, "top_k"), ({"top_k": 0}, "top_k"), ({"top_k": 2, "routing": "sigmoid"},
+                          "routing"), ({"top_k": 2, "activation": "relu"}, "activation")):
+        with pytest.raises(ArgumentError, match=f"argument '{name}'"):
+            QuantMoE(block.gate, experts, **kwargs)
+    with pytest.raises(ArgumentTypeError, match="argument 'experts'"):
+        QuantMoE(block.gate, [experts], top_k=2)
+
+
 def test_unsupported_hidden_act_is_refused_naming_it(hal_rng: np.random.Generator) -> None:
     """A hidden_act hal has no gated activation for: ConfigurationError naming 'hidden_act'."""
     model = _model("mixtral", hal_rng)

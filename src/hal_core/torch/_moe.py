@@ -63,7 +63,7 @@ def _stacked(weights: tuple[QuantizedWeight, ...], what: str) -> dict[str, torch
     fields = set(per_expert[0])
     for e, tensors in enumerate(per_expert):
         if set(tensors) != fields:
-            raise ValueError(f"argument 'experts': {what}[{e}] has arrays {sorted(tensors)}, expert 0 "
+            raise ArgumentError(f"argument 'experts': {what}[{e}] has arrays {sorted(tensors)}, expert 0 "
                              f"{sorted(fields)}; QuantMoE needs zero points and act-order alike in every expert")
     return {field: torch.stack([t[field] for t in per_expert]) for field in _FIELDS if field in fields}
 

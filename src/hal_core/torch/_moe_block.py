@@ -91,10 +91,15 @@ def moe_settings(block: torch.nn.Module, config: Any, name: str | None = None) -
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
         raise ConfigurationError(f"{where}: config field 'num_experts_per_tok': expected an int in [1, {experts}] "
                                  f"(the block's experts), got {top_k!r}")
-    router_k = getattr(getattr(block, "gate", None), "top_k", top_k)
+    router = getattr(block, "gate", None)
+    router_k = getattr(router, "top_k", top_k)
     if router_k != top_k:
         raise ConfigurationError(f"{where}: config field 'num_experts_per_tok' is {top_k}, but the block's router "
                                  f"takes top_k={router_k}; pass the config the model was built with")
+    router_norm = getattr(router, "norm_topk_prob", None)
+    if router_norm is not None and bool(router_norm) != (routing == "softmax_topk_renorm"):
+        raise ConfigurationError(f"{where}: config field 'norm_topk_prob' is {not router_norm}, but the block's "
+                                 f"router has norm_topk_prob={router_norm}; pass the config the model was built with")
     if not isinstance(act, str) or act not in ACTIVATIONS:
         raise ConfigurationError(f"{where}: config field 'hidden_act': {act!r} is not one of {', '.join(ACTIVATIONS)}")
     return MoeSettings(top_k=top_k, routing=routing, activation=ACTIVATIONS[act])
