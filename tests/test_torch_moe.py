@@ -328,3 +328,37 @@ def test_save_quantized_refuses_quantized_experts_before_writing(hal_rng: np.ran
     with pytest.raises(CheckpointError, match=r"MoE block 'model\.layers\.0\.mlp' is a QuantMoE"):
         save_quantized(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_bf16_model_block_matches_float64_on_its_router_logits(hal_rng: np.random.Generator) -> None:
+    """After .to(bfloat16) the experts keep their scales' dtype, and the block's bf16 output matches float64 on the
+    router's own bf16 logits and the dequantized experts."""
+    model = _model("qwen3_moe", hal_rng, True)
+    quantize_model(model, bits=4, group_size=GROUP)
+    block = model.model.layers[0].mlp
+    scales = block.w13_scales.clone()
+    model.to(torch.bfloat16)
+    assert block.gate.weight.dtype == torch.bfloat16 and torch.equal(block.w13_scales, scales)
+    x = torch.from_numpy(hal_rng.uniform(-1.0, 1.0, (2, 9, HIDDEN)).astype(np.float32)).to(torch.bfloat16)
+    with torch.no_grad():
+        got = block(x)
+        logits = block.gate(x.reshape(-1, HIDDEN))[0]
+    assert got.dtype == torch.bfloat16
+    rows = host_view(x.reshape(-1, HIDDEN))
+    expected = OPS["fused_moe"].reference({"hidden_states": rows, "router_logits": logits.double().numpy(),
+                                           "experts": _host_experts(block), "top_k": TOP_K,
+                                           "routing": "softmax_topk_renorm", "activation": "silu"})
+    assert_close(got.reshape(-1, HIDDEN).double().numpy(), expected, kind="gemm", dtype="bf16", what="bf16 block")
+
+
+def test_compiled_block_runs_the_composition_with_the_same_output(hal_rng: np.random.Generator) -> None:
+    """Under torch.compile the block runs quantized_gemm per expert (fused_moe has no operator): same output."""
+    model = _model("mixtral", hal_rng)
+    quantize_model(model, bits=4, group_size=GROUP)
+    block = model.model.layers[0].mlp
+    x = torch.from_numpy(hal_rng.uniform(-1.0, 1.0, (1, 5, HIDDEN)).astype(np.float32))
+    with torch.no_grad():
+        fused = block(x)
+        compiled = torch.compile(block, backend="eager")(x)
+    assert_close(compiled.numpy(), fused.double().numpy(), kind="gemm", dtype="fp32", what="compiled block")
+    assert any("torch.compile" in reason for reason in block.fallbacks), block.fallbacks
