@@ -275,8 +275,11 @@ def test_unsupported_hidden_act_is_refused_naming_it(hal_rng: np.random.Generato
 
 
 def test_from_block_refuses_a_block_type_it_does_not_run(hal_rng: np.random.Generator) -> None:
-    """QuantMoE.from_block on another module: ArgumentTypeError naming 'block', its class and the types hal runs."""
+    """QuantMoE.from_block on another module: ArgumentTypeError naming 'block', its class and the types hal runs;
+    bits other than 4 or 8: ArgumentError naming 'bits'."""
     model = _model("qwen3_moe", hal_rng)
+    with pytest.raises(ArgumentError, match="argument 'bits': expected 4 or 8, got 3"):
+        QuantMoE.from_block(model.model.layers[0].mlp, model.config, bits=3, group_size=GROUP)
     with pytest.raises(ArgumentTypeError, match=r"argument 'block' \('x'\): Qwen3MoeMLP is not a sparse MoE "
                                                 r"block hal runs \(it runs Qwen3MoeSparseMoeBlock"):
         QuantMoE.from_block(transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeMLP(model.config),

@@ -44,10 +44,10 @@ from ..ops.gated_activation import ACTIVATIONS
 from ..quant import ExpertWeights, QuantizedWeight, quantize
 from ._host import host_call
 from ._modules import _SCALE_DTYPES
-from ._moe_block import block_problem, expert_tensors, moe_settings
+from ._moe_block import MoeSettings, block_problem, expert_tensors, moe_settings
 from ._weights import _weight, weight_to_tensors
 
-__all__ = ["QuantMoE"]
+__all__ = ["QuantMoE", "quantize_block"]
 
 log = logging.getLogger("hal")
 
@@ -144,6 +144,8 @@ class QuantMoE(torch.nn.Module):
         was. Each expert's float weight is read once (its float64 copy on the host is the only transient).
         """
         settings = moe_settings(block, config, name)
+        if bits not in (4, 8) or isinstance(bits, bool):
+            raise ArgumentError(f"argument 'bits': expected 4 or 8, got {bits!r}")
         if scale_dtype not in _SCALE_DTYPES:
             raise ArgumentTypeError(f"argument 'scale_dtype': expected torch.float16, torch.bfloat16 or "
                                     f"torch.float32, got {scale_dtype}")
@@ -151,17 +153,8 @@ class QuantMoE(torch.nn.Module):
                                 scale_dtype=scale_dtype)
         if problem is not None:
             raise ArgumentError(f"MoE block {name or type(block).__name__!r} cannot be quantized: {problem}")
-        gate_up, down = expert_tensors(block)
-        group = gate_up.shape[2] if group_size == -1 else group_size
-        options = {"bits": bits, "group_size": group, "symmetric": symmetric,
-                   "scale_dtype": _SCALE_DTYPES[scale_dtype]}
-        experts = ExpertWeights(tuple(quantize(gate_up[e].T, **options) for e in range(gate_up.shape[0])),
-                                tuple(quantize(down[e].T, **options) for e in range(down.shape[0])))
-        gate: Any = block.gate
-        module = cls(gate, experts, top_k=settings.top_k, routing=settings.routing,
-                     activation=settings.activation, name=name,
-                     jitter_noise=float(getattr(block, "jitter_noise", 0.0) or 0.0))
-        return module.to(gate.weight.device)
+        return quantize_block(block, settings, bits=bits, group_size=group_size, symmetric=symmetric,
+                              scale_dtype=scale_dtype, name=name)
 
     # -- the experts ----------------------------------------------------------------
 
@@ -282,6 +275,21 @@ class QuantMoE(torch.nn.Module):
             if moved is not None and before is not None and moved.dtype != before.dtype:
                 self._buffers[name] = before.to(moved.device)
         return self
+
+
+def quantize_block(block: torch.nn.Module, settings: MoeSettings, *, bits: int, group_size: int, symmetric: bool,
+                   scale_dtype: torch.dtype, name: str | None) -> QuantMoE:
+    """:meth:`QuantMoE.from_block` after its checks (``block_problem`` found nothing): the experts quantized one at
+    a time, the module on the router's device."""
+    gate_up, down = expert_tensors(block)
+    group = gate_up.shape[2] if group_size == -1 else group_size
+    options = {"bits": bits, "group_size": group, "symmetric": symmetric, "scale_dtype": _SCALE_DTYPES[scale_dtype]}
+    experts = ExpertWeights(tuple(quantize(gate_up[e].T, **options) for e in range(gate_up.shape[0])),
+                            tuple(quantize(down[e].T, **options) for e in range(down.shape[0])))
+    gate: Any = block.gate
+    module = QuantMoE(gate, experts, top_k=settings.top_k, routing=settings.routing, activation=settings.activation,
+                      name=name, jitter_noise=float(getattr(block, "jitter_noise", 0.0) or 0.0))
+    return module.to(gate.weight.device)
 
 
 def _fallback_reason(rows: torch.Tensor, logits: torch.Tensor) -> str | None:

@@ -175,8 +175,7 @@ def quantize_model(model: torch.nn.Module, *, bits: int = 4, group_size: int = 1
             quantized_bytes += _nbytes(quantized)
             step(layer.name)
         blocks, moe_float, moe_quantized = quantize_blocks(moe, group_size=group_size, symmetric=symmetric,
-                                                           scale_dtype=scale_dtype, config=model.config, step=step
-                                                           ) if moe.blocks else ([], 0, 0)
+                                                           scale_dtype=scale_dtype, step=step)
     replace_blocks(moe, blocks)
     for layer, quantized in zip(plan.layers, done, strict=True):
         for parent, attr in layer.places:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ._moe import QuantMoE
+from ._moe import QuantMoE, quantize_block
 from ._moe_block import BLOCKS, MoeSettings, block_problem, expert_tensors, moe_blocks, moe_settings
 from ._quantize_plan import _children
 
@@ -92,13 +92,14 @@ def block_problems(plan: MoePlan, *, group_size: int, symmetric: bool, scale_dty
 
 
 def quantize_blocks(plan: MoePlan, *, group_size: int, symmetric: bool, scale_dtype: torch.dtype,
-                    config: Any, step: Callable[[str], None]) -> tuple[list[QuantMoE], int, int]:
-    """``(the new modules, the experts' float bytes, their quantized bytes)``; nothing in the model changed yet."""
+                    step: Callable[[str], None]) -> tuple[list[QuantMoE], int, int]:
+    """``(the new modules, the experts' float bytes, their quantized bytes)`` for a plan whose
+    :func:`block_problems` found nothing; nothing in the model changed yet."""
     done: list[QuantMoE] = []
     float_bytes = quantized_bytes = 0
     for planned in plan.blocks:
-        module = QuantMoE.from_block(planned.block, config, bits=planned.bits, group_size=group_size,
-                                     symmetric=symmetric, scale_dtype=scale_dtype, name=planned.name)
+        module = quantize_block(planned.block, planned.settings, bits=planned.bits, group_size=group_size,
+                                symmetric=symmetric, scale_dtype=scale_dtype, name=planned.name)
         done.append(module)
         float_bytes += sum(t.numel() * t.element_size() for t in expert_tensors(planned.block))
         quantized_bytes += sum(t.numel() * t.element_size() for t in module.buffers())
