@@ -23,6 +23,7 @@ import numpy as np
 from ..arrays import numpy_dtype
 from ..quant import QuantizedWeight
 from ._cases import Case
+from ._moe_peer import MOE_PEERS
 from ._peer_base import Peer, PeerUnavailable, Runner, inference, rotating, to_torch, torch_module
 from ._step_peers import STEP_PEERS
 
@@ -163,6 +164,7 @@ PEERS: tuple[Peer, ...] = (
     Peer("device matmul fp16 (unquantised w)", _is_gemm(host=False), _device_matmul("fp16")),
     Peer("device matmul bf16 (unquantised w)", _is_gemm(host=False), _device_matmul("bf16")),
     *STEP_PEERS,
+    *MOE_PEERS,
 )
 
 

@@ -21,7 +21,9 @@ The Python functions of the same names are thin wrappers with each op's signatur
 (``paged_attention(..., out=None, query_start_loc=None, ...)``, ``quantized_gemm(x, weight_tensors, bits)``).
 
 Quantized models: :class:`QuantLinear` (an ``nn.Module`` over hal's packed
-weight), :func:`quantize_model` (every ``nn.Linear`` of a model, in place)
+weight), :class:`QuantMoE` (a sparse MoE block whose quantized experts run
+in one ``fused_moe`` call), :func:`quantize_model` (every ``nn.Linear`` and
+Qwen3-MoE / Mixtral MoE block of a model, in place)
 and :func:`load_quantized` (a GPTQ or AWQ checkpoint directory, as
 transformers users have them). :func:`kernelize` runs a loaded model's norms,
 gated MLP activations and rotary embedding on hal ops. :data:`FLOAT_DTYPE_NAMES` names the torch
@@ -43,6 +45,7 @@ from ._convert import to_tensor
 from ._dtypes import FLOAT_DTYPE_NAMES
 from ._kernelize import KernelizeReport, kernelize
 from ._modules import QuantLinear
+from ._moe import QuantMoE
 from ._ops import (
     gated_activation,
     paged_attention,
@@ -64,6 +67,7 @@ __all__ = [
     "CheckpointFormat",
     "KernelizeReport",
     "QuantLinear",
+    "QuantMoE",
     "QuantizeReport",
     "backend_for",
     "checkpoint_format",

@@ -32,6 +32,7 @@ from ..quant._args import as_bool, as_int
 from ._layer_progress import ProgressArg, layer_progress
 from ._modules import _SCALE_DTYPES, QuantLinear, check_activations
 from ._quantize_checks import layer_problem
+from ._quantize_moe import block_problems, plan_moe, quantize_blocks, replace_blocks
 from ._quantize_plan import Layer, LayerBitsArg, SkipArg, bits_chooser, plan_layers, skip_predicate
 from ._release import move_out_of_file_mappings, return_free_heap
 
@@ -66,6 +67,11 @@ class QuantizeReport:
     aliases: tuple[tuple[str, str], ...] = ()   #: (another name of a quantized layer, the name it is reported under)
     tied: tuple[tuple[str, str], ...] = ()      #: (quantized layer, parameter still holding its float weight)
     unmapped_bytes: int = 0  #: float tensors copied out of file mappings (so the mapped checkpoint could go)
+    moe_blocks: tuple[str, ...] = ()  #: sparse MoE blocks whose experts became a :class:`QuantMoE`
+    moe_bits: tuple[int, ...] = ()    #: each block's bits, in the order of ``moe_blocks``
+    moe_float_bytes: int = 0          #: those blocks' float expert weights, as they were (routers excluded)
+    moe_quantized_bytes: int = 0      #: the same experts now (the QuantMoE buffers)
+    moe_skipped: tuple[tuple[str, str], ...] = ()  #: (MoE block left in float, why)
 
 
 def _nbytes(module: torch.nn.Module) -> int:
@@ -126,6 +132,15 @@ def quantize_model(model: torch.nn.Module, *, bits: int = 4, group_size: int = 1
     is left as it was after any error. A layer held at several places is
     quantized once and every place gets the same ``QuantLinear``. Layers
     stay on their devices. Returns a :class:`QuantizeReport`.
+
+    Sparse MoE blocks of a transformers model (Qwen3-MoE, Mixtral) become a
+    :class:`QuantMoE` each (:mod:`._quantize_moe`): every expert quantized
+    with ``bits`` (or its ``layer_bits`` pattern), ``group_size``,
+    ``symmetric`` and ``scale_dtype``, the router kept in float, the
+    settings read from ``model.config`` (a ``ConfigurationError`` names a
+    field it lacks); no float expert weight is kept. ``skip`` leaves a block
+    in float by its name. Other MoE block types stay in float and are listed
+    in ``moe_skipped`` with the reason.
     """
     _check_arguments(model, bits, group_size, symmetric, scale_dtype)
     try:
@@ -133,17 +148,20 @@ def quantize_model(model: torch.nn.Module, *, bits: int = 4, group_size: int = 1
     except ValueError as exc:
         raise ArgumentError(str(exc)) from None
     unmap = bool(as_bool("unmap", unmap))
-    plan = plan_layers(model, skip_predicate(skip), bits_chooser(bits, layer_bits))
+    skips, bits_for = skip_predicate(skip), bits_chooser(bits, layer_bits)
+    plan = plan_layers(model, skips, bits_for)
+    moe = plan_moe(model, skips, bits_for)
     problems = [f"{_describe(layer)}: {problem}" for layer in plan.layers
                 if (problem := layer_problem(layer.linear, bits=layer.bits, group_size=group_size,
                                              symmetric=symmetric, scale_dtype=scale_dtype)) is not None]
+    problems += block_problems(moe, group_size=group_size, symmetric=symmetric, scale_dtype=scale_dtype)
     if problems:
         raise ArgumentError(f"quantize_model: {len(problems)} layer(s) cannot be quantized, nothing was changed "
                             f"(leave a layer in float with skip=): " + "; ".join(problems))
 
     done: list[QuantLinear] = []
     float_bytes = quantized_bytes = 0
-    with layer_progress(progress, len(plan.layers), "quantizing") as step:
+    with layer_progress(progress, len(plan.layers) + len(moe.blocks), "quantizing") as step:
         for layer in plan.layers:
             try:
                 quantized = QuantLinear.from_linear(layer.linear, bits=layer.bits, group_size=group_size,
@@ -156,6 +174,9 @@ def quantize_model(model: torch.nn.Module, *, bits: int = 4, group_size: int = 1
             float_bytes += _nbytes(layer.linear)
             quantized_bytes += _nbytes(quantized)
             step(layer.name)
+        blocks, moe_float, moe_quantized = quantize_blocks(moe, group_size=group_size, symmetric=symmetric,
+                                                           scale_dtype=scale_dtype, step=step)
+    replace_blocks(moe, blocks)
     for layer, quantized in zip(plan.layers, done, strict=True):
         for parent, attr in layer.places:
             setattr(parent, attr, quantized)
@@ -164,8 +185,10 @@ def quantize_model(model: torch.nn.Module, *, bits: int = 4, group_size: int = 1
         quantized=tuple(layer.name for layer in plan.layers), skipped=tuple(plan.skipped),
         float_bytes=float_bytes, quantized_bytes=quantized_bytes, bits=tuple(layer.bits for layer in plan.layers),
         aliases=tuple((alias, layer.name) for layer in plan.layers for alias in layer.names[1:]),
-        tied=tuple((layer.name, other) for layer in plan.layers for other in layer.tied))
-    del plan, done  # hal's last references to the float layers: their weights go now
+        tied=tuple((layer.name, other) for layer in plan.layers for other in layer.tied),
+        moe_blocks=tuple(b.name for b in moe.blocks), moe_bits=tuple(b.bits for b in moe.blocks),
+        moe_float_bytes=moe_float, moe_quantized_bytes=moe_quantized, moe_skipped=tuple(moe.skipped))
+    del plan, done, moe, blocks  # hal's last references to the float layers and experts: their weights go now
     if unmap:
         report = replace(report, unmapped_bytes=move_out_of_file_mappings(model))
     return_free_heap()
@@ -181,3 +204,8 @@ def _log(report: QuantizeReport, group_size: int) -> None:
              "".join(f"; {layer} also at {', '.join(a for a, n in report.aliases if n == layer)}"
                      for layer in dict.fromkeys(n for _, n in report.aliases)),
              "".join(f"; {other} keeps {layer}'s float weight" for layer, other in report.tied))
+    if report.moe_blocks or report.moe_skipped:
+        log.info("hal: quantized the experts of %d MoE blocks (%s): %.1f MB -> %.1f MB%s", len(report.moe_blocks),
+                 "/".join(f"int{b}" for b in sorted(set(report.moe_bits))) or "none",
+                 report.moe_float_bytes / 1e6, report.moe_quantized_bytes / 1e6,
+                 "".join(f"; {name} left in float: {why}" for name, why in report.moe_skipped))

@@ -39,6 +39,7 @@ from ..interop import host_view
 from ..quant import QuantizedWeight, to_gptq
 from ..quant._gptq_export import check_gptq
 from ._modules import QuantLinear
+from ._moe import QuantMoE
 from ._safetensors_write import ENTRY_DTYPES, Entry, write_safetensors
 from ._weights import _weight
 
@@ -91,6 +92,10 @@ def save_quantized(model: torch.nn.Module, path: str | os.PathLike[str], *, chec
     target = Path(path)
     _check_target(target, overwrite)
 
+    experts = [name for name, module in model.named_modules() if isinstance(module, QuantMoE)]
+    if experts:
+        raise CheckpointError(f"MoE block {experts[0]!r} is a QuantMoE: saving quantized experts is not supported "
+                              f"(hal writes GPTQ linear layers only); nothing was written")
     layers, float_linears = _linear_layers(model)
     if not layers:
         raise CheckpointError("argument 'model': it has no QuantLinear layers; quantize it first "
