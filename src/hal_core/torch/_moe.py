@@ -283,7 +283,8 @@ def quantize_block(block: torch.nn.Module, settings: MoeSettings, *, bits: int, 
     a time, the module on the router's device."""
     gate_up, down = expert_tensors(block)
     group = gate_up.shape[2] if group_size == -1 else group_size
-    options = {"bits": bits, "group_size": group, "symmetric": symmetric, "scale_dtype": _SCALE_DTYPES[scale_dtype]}
+    options: dict[str, Any] = {"bits": bits, "group_size": group, "symmetric": symmetric,
+                               "scale_dtype": _SCALE_DTYPES[scale_dtype]}
     experts = ExpertWeights(tuple(quantize(gate_up[e].T, **options) for e in range(gate_up.shape[0])),
                             tuple(quantize(down[e].T, **options) for e in range(down.shape[0])))
     gate: Any = block.gate
