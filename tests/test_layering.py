@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = [ROOT / "src" / "hal_core", *sorted((ROOT / "plugins").glob("*/src/hal_*"))]
+PACKAGES = [ROOT / "src" / "hal_core",
+            *sorted(p.parent for p in (ROOT / "plugins").glob("*/src/hal_*/__init__.py"))]
 
 #: hal-core's bottom layers (docs/architecture.md): the plugin contract, then values, errors and settings.
 CONTRACT = ("_backend", "_device", "_stream", "_memory", "_launch")
