@@ -222,8 +222,8 @@ def test_targets_are_ratios_of_the_results(rng: np.random.Generator) -> None:
 
 
 def test_the_w4a8_contender_loads_the_int4_checkpoint_with_int8_activations(tmp_path) -> None:
-    """hal-int4-a8 runs the int4 checkpoint with every QuantLinear's activations='int8', hal-int4-auto with 'auto';
-    hal-int4 keeps W4A16."""
+    """hal-int4 runs the int4 checkpoint as load_quantized gives it (activations='auto'), hal-int4-a8 with every
+    QuantLinear's activations='int8', hal-int4-a16 with 'float'."""
     import dataclasses
 
     from hal_core.bench._model_spec import CONTENDERS as ALL
@@ -236,7 +236,7 @@ def test_the_w4a8_contender_loads_the_int4_checkpoint_with_int8_activations(tmp_
     model = transformers.AutoModelForCausalLM.from_config(config)
     quantize_model(model, bits=4, group_size=32, skip="lm_head")
     save_quantized(model, tmp_path / "int4")
-    for name, expected in (("hal-int4-a8", "int8"), ("hal-int4-auto", "auto"), ("hal-int4", None)):
+    for name, expected in (("hal-int4-a8", "int8"), ("hal-int4", "auto"), ("hal-int4-a16", "float")):
         loaded = _load({"contender": dataclasses.asdict(ALL[name]), "checkpoint": str(tmp_path / "int4")})
         layers = [m for m in loaded.modules() if isinstance(m, QuantLinear)]
         assert len(layers) == 7 and {m.activations for m in layers} == {expected}

@@ -166,20 +166,21 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
     Contender("sdpa-bf16", "sdpa", "bf16", None, "transformers, attn_implementation='sdpa', bf16"),
     Contender("hal-fp32", "hal", "fp32", None, "transformers with hal attention and paged cache, fp32"),
     Contender("hal-bf16", "hal", "bf16", None, "transformers with hal attention and paged cache, bf16"),
-    Contender("hal-int4", "hal", "bf16", 4, "hal attention + hal W4A16 linears (GPTQ checkpoint), bf16"),
+    Contender("hal-int4", "hal", "bf16", 4, "hal attention + hal int4 linears as load_quantized gives them "
+              "(activations='auto': W4A16 for one row, W4A8 from two), bf16", "auto"),
+    Contender("hal-int4-a16", "hal", "bf16", 4, "hal attention + hal W4A16 linears (the int4 checkpoint, "
+              "activations='float'), bf16", "float"),
     Contender("hal-int8", "hal", "bf16", 8, "hal attention + hal W8A8 linears (GPTQ checkpoint), bf16"),
     Contender("hal-int4-a8", "hal", "bf16", 4, "hal attention + hal W4A8 linears (the int4 checkpoint, "
               "activations='int8'), bf16", "int8"),
-    Contender("hal-int4-auto", "hal", "bf16", 4, "hal attention + hal int4 linears with activations='auto' (the "
-              "default of quantize_model and load_quantized: W4A16 for one row, W4A8 from two), bf16", "auto"),
     Contender("hal-int4-k", "hal", "bf16", 4, "hal-int4 with kernelize(): norms, MLP activation and rotary on hal "
-              "ops, bf16", kernelize=True),
+              "ops, bf16", "auto", kernelize=True),
     Contender("engine-int4", "engine", "bf16", 4, "hal_core.engine on the int4 checkpoint: every op of the step on "
-              "hal, no torch, bf16"),
+              "hal, no torch, activations='auto' (its default), bf16", "auto"),
+    Contender("engine-int4-a16", "engine", "bf16", 4, "engine-int4 with activations='float' (W4A16 projections), bf16",
+              "float"),
     Contender("engine-int4-a8", "engine", "bf16", 4, "engine-int4 with activations='int8' (W4A8 projections), bf16",
               "int8"),
-    Contender("engine-int4-auto", "engine", "bf16", 4, "engine-int4 with activations='auto' (the engine's "
-              "default: W4A16 for one row, W4A8 from two), bf16", "auto"),
 )}
 
 
