@@ -30,6 +30,7 @@ struct W4a8Panel {
                                // (the tile path pads to whole row tiles), those past m zero
     std::vector<int32_t> sum;  // [m, groups] sum of q over each group
     std::vector<float> sx;     // [m] the token scale; NaN for a row holding NaN or Inf (q and sums stay 0)
+    std::vector<int8_t> tiles; // the tile path's copy of q: [rows / 16][k / 64][16][64], one AMX tile per 1 KiB
 };
 
 // Row r of x quantised into the panel (dst: its k bytes in the panel's order, sums: its groups); row: k + 16
@@ -218,6 +219,9 @@ int w4a8_t(const hal_cpu_w4a8_gemm_args &a) {
     W4a8Panel p;
     const bool amx = w4a8_amx_applies(a);
     w4a8_quantise(a, p, amx ? (m + 31) / 32 * 32 : m);
+#if defined(HAL_ISA_VNNI)
+    if (amx) w4a8_amx_tile_panel(a, p);
+#endif
     const int64_t cols = amx ? kW4a8AmxCols : kW4a8Cols;
     const int64_t blocks = (n + cols - 1) / cols;
     std::atomic<bool> failed{false};

@@ -9,7 +9,8 @@
 // so this path gives the bits of every other variant.
 //
 // A: 16 rows of the activation panel, 64 bytes of K each, in the panel's own order (each 8-row step
-//    as q0, q2, q4, q6, q1, q3, q5, q7; rows past M are zero).
+//    as q0, q2, q4, q6, q1, q3, q5, q7; rows past M are zero), copied once per call into contiguous
+//    1 KiB tiles (rows of the panel 4 KiB apart would share L1 sets: a tile load would miss).
 // B: 16 tile rows of 64 bytes, four bytes per column: tile row 2w holds the low nibbles of code row w
 //    (rows 8w, 8w + 2, 8w + 4, 8w + 6 of K: the A order's first four), tile row 2w + 1 the high
 //    nibbles (rows 8w + 1, 3, 5, 7). A code row masked and shifted is a tile row: unpacking is two
@@ -48,6 +49,18 @@ inline bool amx_int8_usable() {
 inline bool w4a8_amx_applies(const hal_cpu_w4a8_gemm_args &a) {
     return a.m >= kW4a8AmxMinRows && a.group_size % 64 == 0 && a.n >= 32 && hal_cpu_attention_amx_allowed() &&
            amx_int8_usable();
+}
+
+// The panel's rows as contiguous A tiles (W4a8Panel::tiles), for rows [0, panel rows).
+inline void w4a8_amx_tile_panel(const hal_cpu_w4a8_gemm_args &a, W4a8Panel &p) {
+    const int64_t k = a.k, steps = k / 64, row_tiles = int64_t(p.q.size()) / k / 16;
+    p.tiles.resize(p.q.size());
+    parallel_for(row_tiles, a.threads, [&](int64_t rt) {
+        for (int64_t s = 0; s < steps; ++s)
+            for (int64_t r = 0; r < 16; ++r)
+                std::memcpy(p.tiles.data() + ((rt * steps + s) * 16 + r) * 64, p.q.data() + (rt * 16 + r) * k + s * 64,
+                            64);
+    });
 }
 
 // Rows of K per unpacked chunk: whole groups, about kW4a8AmxChunk.
@@ -109,7 +122,7 @@ HAL_AMX_INT8 void w4a8_amx_block_t(const hal_cpu_w4a8_gemm_args &a, const W4a8Pa
         HAL_AMX_BARRIER();
         for (int64_t r0 = 0; r0 < m; r0 += 32) {
             const bool two = m - r0 > 16;
-            const int8_t *q0 = p.q.data() + r0 * k;
+            const int8_t *q0 = p.tiles.data() + r0 * k, *q1 = q0 + 16 * k;  // row tiles r0 / 16 and the next
             for (int64_t g = k0 / group; g < (k0 + kc) / group; ++g) {
                 for (int64_t t = 0; t < tiles; t += 2) {
                     _tile_zero(0);
@@ -118,7 +131,7 @@ HAL_AMX_INT8 void w4a8_amx_block_t(const hal_cpu_w4a8_gemm_args &a, const W4a8Pa
                     _tile_zero(3);
                     for (int64_t kk = g * group; kk < (g + 1) * group; kk += 64) {
                         const uint8_t *b = strip + (((kk - k0) / 64) * tiles + t) * 1024;
-                        _tile_loadd(4, q0 + kk, k);
+                        _tile_loadd(4, q0 + kk * 16, 64);
                         _tile_loadd(6, b, 64);
                         _tile_loadd(7, b + 1024, 64);
                         if (Signed) {
@@ -129,7 +142,7 @@ HAL_AMX_INT8 void w4a8_amx_block_t(const hal_cpu_w4a8_gemm_args &a, const W4a8Pa
                             _tile_dpbsud(1, 4, 7);
                         }
                         if (two) {
-                            _tile_loadd(5, q0 + 16 * k + kk, k);
+                            _tile_loadd(5, q1 + kk * 16, 64);
                             if (Signed) {
                                 _tile_dpbssd(2, 5, 6);
                                 _tile_dpbssd(3, 5, 7);
