@@ -37,6 +37,19 @@ inline bool amx_usable() {
     return usable;
 }
 
+// Whether this CPU has AMX-TILE and AMX-INT8 and the OS granted this process the tile state (asked once): the
+// integer GEMMs' tile paths (w4a8_amx.inl, w8a8_amx.inl).
+inline bool amx_int8_usable() {
+    static const bool usable = [] {
+        unsigned eax, ebx, ecx, edx;
+        if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+        if (!(edx & (1u << 24)) || !(edx & (1u << 25))) return false;  // AMX-TILE, AMX-INT8
+        constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+        return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+    }();
+    return usable;
+}
+
 // hal_cpu_set_attention_amx (HAL_CPU_AMX) may turn it off for the whole process.
 inline bool attention_amx() { return hal_cpu_attention_amx_allowed() && amx_usable(); }
 
@@ -45,6 +58,7 @@ inline bool attention_amx() { return hal_cpu_attention_amx_allowed() && amx_usab
 constexpr int kKeyTileAmx = 128;
 
 #define HAL_AMX __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
+#define HAL_AMX_INT8 __attribute__((target("amx-tile,amx-int8,amx-bf16,avx512bf16")))
 #define HAL_AMX_BARRIER() __asm__ volatile("" ::: "memory")  // tile loads are asm without memory operands
 
 struct alignas(64) TileConfig {

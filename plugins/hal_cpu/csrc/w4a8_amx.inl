@@ -25,26 +25,12 @@
 // last multiple of 32 run the vector kernel.
 // ---------------------------------------------------------------------------------------------
 
-#define HAL_AMX_INT8 __attribute__((target("amx-tile,amx-int8,amx-bf16,avx512bf16")))
-
 //: Columns per task: four pairs of B tiles, so one row tile of activations (32 rows) serves 128 columns.
 constexpr int64_t kW4a8AmxCols = 128;
 //: Fewest rows for the tile path (below, the vector kernel's register tiles waste nothing).
 constexpr int64_t kW4a8AmxMinRows = 32;
 //: Rows of K whose codes a task unpacks at once (kW4a8AmxChunk * 128 bytes, 64 KiB; whole groups).
 constexpr int64_t kW4a8AmxChunk = 512;
-
-// Whether this CPU has AMX-TILE and AMX-INT8 and the OS granted this process the tile state (asked once).
-inline bool amx_int8_usable() {
-    static const bool usable = [] {
-        unsigned eax, ebx, ecx, edx;
-        if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-        if (!(edx & (1u << 24)) || !(edx & (1u << 25))) return false;  // AMX-TILE, AMX-INT8
-        constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-        return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-    }();
-    return usable;
-}
 
 inline bool w4a8_amx_applies(const hal_cpu_w4a8_gemm_args &a) {
     return a.m >= kW4a8AmxMinRows && a.group_size % 64 == 0 && a.n >= 32 && hal_cpu_attention_amx_allowed() &&

@@ -17,7 +17,8 @@
 //   M <= kVnniGemvRows: the codes are read straight from [K, N]; each step reads 8 rows across a wide
 //     column tile (contiguous bytes), interleaves them in registers and accumulates into an int32
 //     [M, tile] workspace in L1 (columns in a lane-blocked order, put back per segment).
-//   larger M: a task owns a block of up to 32 panels of 64 columns (the blocks spread evenly over a
+//   larger M (from 32 rows on AMX-INT8, w8a8_amx.inl, with the same panels and epilogue): a task owns a block of
+//     up to 32 panels of 64 columns (the blocks spread evenly over a
 //     multiple of the thread count) and walks K in chunks of whole segments (one group of 128 rows):
 //     it packs the chunk's codes into dot-product layout ([rows / 4, 64, 4] bytes per panel, natural
 //     column order) in a per-task workspace of at most 320 KiB, reading 4 code rows at a time as runs
@@ -382,6 +383,8 @@ inline void w8_panel_rows(const W8Panel &p, const std::vector<Segment> &segs, in
     }
 }
 
+#include "w8a8_amx.inl"
+
 template <class SS>
 int w8a8_vnni_t(const hal_cpu_w8a8_gemm_args &a, const std::vector<Segment> &segs) {
     const int32_t k_parts = a.k_parts, threads = a.threads;
@@ -412,6 +415,8 @@ int w8a8_vnni_t(const hal_cpu_w8a8_gemm_args &a, const std::vector<Segment> &seg
         // in L2), then runs every row tile over each panel. One workspace per running task, all allocated
         // before any output is written.
         const int64_t nseg = int64_t(segs.size());
+        const bool amx = w8a8_amx_applies(a, p, nseg);
+        const std::vector<int8_t> tiles = amx ? w8_amx_tiles(p, m, threads) : std::vector<int8_t>();
         std::vector<int64_t> chunk{0};  // chunk c: segments [chunk[c], chunk[c + 1])
         for (int64_t sg = 1; sg <= nseg; ++sg)
             if (sg == nseg || p.pstart[sg + 1] - p.pstart[chunk.back()] > kVnniChunkRows) chunk.push_back(sg);
@@ -447,9 +452,15 @@ int w8a8_vnni_t(const hal_cpu_w8a8_gemm_args &a, const std::vector<Segment> &seg
             }
             for (size_t c = 0; c + 1 < chunk.size(); ++c) {
                 w8_pack_block<SS>(p, segs, chunk[c], chunk[c + 1], w, k, c0, width, buffer, pitch);
-                for (int64_t j = 0; j * 64 < width; ++j)
-                    w8_panel_rows<SS>(p, segs, chunk[c], chunk[c + 1], w, buffer + j * pitch, m, c0 + 64 * j,
-                                      std::min<int64_t>(64, width - 64 * j), y);
+                for (int64_t j = 0; j * 64 < width; ++j) {
+                    const int64_t valid = std::min<int64_t>(64, width - 64 * j);
+                    if (amx)
+                        w8_amx_panel<SS>(p, segs, chunk[c], chunk[c + 1], w, buffer + j * pitch, tiles.data(), m,
+                                         c0 + 64 * j, valid, y);
+                    else
+                        w8_panel_rows<SS>(p, segs, chunk[c], chunk[c + 1], w, buffer + j * pitch, m, c0 + 64 * j,
+                                          valid, y);
+                }
             }
             slots.release(slot);
         });

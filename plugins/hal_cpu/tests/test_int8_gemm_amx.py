@@ -1,4 +1,5 @@
-"""W4A8 on AMX-INT8 tiles (csrc/w4a8_amx.inl): the bits of the vector kernel, for every shape the tile path takes."""
+"""W4A8 and W8A8 on AMX-INT8 tiles (csrc/w4a8_amx.inl, csrc/w8a8_amx.inl): the bits of the vector kernels, for
+every shape the tile paths take."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def amx() -> Iterator[_native.Native]:
 
 
 def _both(native: _native.Native, x: np.ndarray, qweight, threads: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """(tile path, vector path) results of the same call."""
+    """(tile path, vector path) results of the same call (int4 weights as W4A8, int8 ones as W8A8)."""
     tiles = quantized_gemm.gemm(x, qweight, activations="int8", threads=threads)
     native.lib.hal_cpu_set_attention_amx(0)
     try:
@@ -95,3 +96,31 @@ def test_non_finite_rows_are_nan_on_the_tile_path(amx: _native.Native) -> None:
     clean = [r for r in range(48) if r not in (3, 20, 40)]
     again = quantized_gemm.gemm(np.ascontiguousarray(x[clean]), args["qweight"], activations="int8")
     np.testing.assert_array_equal(got[clean].view(np.uint32), again.view(np.uint32))
+
+
+@pytest.mark.parametrize(("m", "k", "n", "group"), [(32, 256, 64, 64), (33, 512, 200, 128), (47, 768, 96, 256),
+                                                   (100, 1024, 130, 512), (64, 1024, 1000, 1024)])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_w8a8_tiles_give_the_vector_kernels_bits(amx: _native.Native, m: int, k: int, n: int, group: int,
+                                                 symmetric: bool, threads: int) -> None:
+    """W8A8 from 32 rows: segments of 64..512 rows, groups split into segments, partial panels and row tiles: bit
+    for bit the vector kernel, and within the op's tolerance of the float64 reference."""
+    seed = 7000 + m * 100 + group + symmetric
+    print(f"seed={seed}")
+    rng = np.random.default_rng(seed)
+    args = quantized_gemm_inputs(rng, m=m, k=k, n=n, bits=8, group_size=group, symmetric=symmetric, dtype="fp32")
+    tiles, vector = _both(amx, args["x"], args["qweight"], threads)
+    np.testing.assert_array_equal(tiles.view(np.uint32), vector.view(np.uint32))
+    expected = REFERENCE(args)
+    np.testing.assert_allclose(tiles, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def test_w8a8_act_order_stays_on_the_vector_kernel(amx: _native.Native) -> None:
+    """Act-order int8 weights (a permutation of K) keep the vector kernel: the same result with AMX on or off."""
+    rng = np.random.default_rng(11)
+    print("seed=11")
+    args = quantized_gemm_inputs(rng, m=40, k=256, n=64, bits=8, group_size=64, symmetric=True, dtype="fp32",
+                                 act_order=True)
+    tiles, vector = _both(amx, args["x"], args["qweight"], None)
+    np.testing.assert_array_equal(tiles.view(np.uint32), vector.view(np.uint32))
