@@ -347,10 +347,10 @@ int hal_cpu_paged_attention(const hal_cpu_attention_args *args);
 /* Whether bf16/fp16 prefill attention runs on AMX tiles here (1: the CPU has AMX-BF16, the OS granted the tile
  * state, and it is not turned off) or on vector FMAs (0). */
 int hal_cpu_attention_amx(void);
-/* Allows (1, the default) or forbids (0) AMX in this process, for attention and for hal_cpu_gemm_amx's W4A8;
- * returns the previous setting. */
+/* Allows (1, the default) or forbids (0) AMX in this process, for attention and for the integer GEMMs
+ * (hal_cpu_gemm_amx); returns the previous setting. */
 int hal_cpu_set_attention_amx(int enabled);
-/* Whether W4A8 (hal_cpu_w4a8_gemm) with many rows runs on AMX-INT8 tiles here (1: the selected variant has the
+/* Whether W4A8 and W8A8 (hal_cpu_w4a8_gemm, hal_cpu_w8a8_gemm) with many rows run on AMX-INT8 tiles here (1: the selected variant has the
  * tile path, the CPU has AMX-INT8, the OS granted the tile state, and AMX is not turned off) or on vector dot
  * products (0). */
 int hal_cpu_gemm_amx(void);

@@ -206,7 +206,7 @@ constexpr int64_t kW4a8AmxCols = kW4a8Cols;
 inline bool w4a8_amx_applies(const hal_cpu_w4a8_gemm_args &) { return false; }
 #endif
 
-// Whether W4A8 with at least kW4a8AmxMinRows rows runs on AMX-INT8 tiles here (hal_cpu_gemm_amx).
+// Whether W4A8 and W8A8 with many rows run on AMX-INT8 tiles here (hal_cpu_gemm_amx; each has its own conditions).
 #if defined(HAL_ISA_VNNI)
 inline int gemm_amx_enabled() { return hal_cpu_attention_amx_allowed() && amx_int8_usable() ? 1 : 0; }
 #else

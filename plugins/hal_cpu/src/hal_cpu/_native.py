@@ -37,8 +37,8 @@ SPIN_ENV = "HAL_CPU_SPIN_US"
 #: Its default: long enough to bridge the Python between back-to-back op calls (waking a blocked
 #: worker costs 20-50 us on a virtual machine), short enough to leave idle cores to other runtimes.
 DEFAULT_SPIN_US = 100
-#: Environment variable: whether bf16/fp16 attention and many-row W4A8 may use AMX tiles where the CPU and the
-#: OS allow it (default on; off runs the vector paths, which give the same W4A8 bits, for testing and diagnosis).
+#: Environment variable: whether bf16/fp16 attention and many-row W4A8/W8A8 may use AMX tiles where the CPU and the
+#: OS allow it (default on; off runs the vector paths, which give the same W4A8/W8A8 bits, for testing and diagnosis).
 AMX_ENV = "HAL_CPU_AMX"
 #: Environment variable: whether parallel jobs may run on an OpenMP runtime the process loaded (default on;
 #: :mod:`hal_cpu._pool` says which pool runs them).
