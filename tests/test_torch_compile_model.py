@@ -1,0 +1,136 @@
+"""A quantized transformers model on hal (int4 QuantLinear, ``attn_implementation="hal"``, HalPagedCache) under
+torch.compile: the compiled forward's graph breaks are the one planning break per forward, whatever the number of
+layers; its greedy tokens are eager's; decoding further compiles nothing."""
+
+from __future__ import annotations
+
+import pytest
+from torch_helpers import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (make test installs it)")
+
+from transformers_helpers import VOCAB, hal_calls, prompts  # noqa: E402
+
+import hal_core.torch.transformers as hal_hf  # noqa: E402
+from hal_core.torch import quantize_model  # noqa: E402
+
+#: Graph breaks ``torch._dynamo.explain`` counts in a compiled forward: the step's planning, one eager call
+#: (docs/engine-guide.md, "Compiling a model"), seen from each frame it is nested in: LlamaForCausalLM.forward,
+#: LlamaModel.forward, transformers' create_causal_mask, and hal's mask function that makes the call.
+BREAKS = 3
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: q, k, v, o, gate, up, down per layer, and lm_head.
+PROJECTIONS = 7
+
+
+def _model(seed: int, layers: int, dtype: torch.dtype) -> torch.nn.Module:
+    """A random Llama of ``layers`` layers, every linear layer int4 (group 32), hal attention, in ``dtype``."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=256, initializer_range=0.2,
+                                      attn_implementation=hal_hf.ATTN_IMPLEMENTATION)
+    model = transformers.LlamaForCausalLM(config).eval()
+    quantize_model(model, bits=4, group_size=32, layer_bits=None)
+    return model.to(dtype)
+
+
+def _cache(model: torch.nn.Module) -> hal_hf.HalPagedCache:
+    return hal_hf.HalPagedCache(model.config, num_blocks=48, block_size=4, dtype=model.dtype)
+
+
+def _explain(model: torch.nn.Module) -> object:
+    """``torch._dynamo.explain`` of one forward: a left-padded prefill of three prompts into a new cache."""
+    ids, mask = prompts(5)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        return torch._dynamo.explain(model)(input_ids=ids, attention_mask=mask, past_key_values=_cache(model),
+                                            use_cache=True)
+
+
+def _hal_nodes(explained: object) -> dict[str, int]:
+    """How many calls of each hal operator the traced graphs hold."""
+    found: dict[str, int] = {}
+    for graph in explained.graphs:
+        for node in graph.graph.nodes:
+            if node.op == "call_function" and str(node.target).startswith("hal."):
+                name = str(node.target).split(".")[1]
+                found[name] = found.get(name, 0) + 1
+    return found
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_graph_breaks_are_the_planning_break_whatever_the_layer_count(dtype: str) -> None:
+    """2 and 4 layers: the same breaks, all at hal's one planning call, and every layer's ops in the graphs."""
+    counts = {}
+    for layers in (2, 4):
+        explained = _explain(_model(3, layers, DTYPES[dtype]))
+        counts[layers] = (explained.graph_break_count, explained.graph_count)
+        for reason in explained.break_reasons:
+            assert reason.user_stack[-1].name == "hal_attention_mask", reason
+            assert "_plan_ahead" in reason.reason, reason.reason
+        assert _hal_nodes(explained) == {"paged_attention": layers, "write_kv_cache": layers,
+                                         "quantized_gemm": PROJECTIONS * layers + 1}
+    assert counts[2] == counts[4], counts
+    assert counts[2][0] <= BREAKS, counts
+
+
+def test_compiled_model_generates_the_eager_tokens() -> None:
+    """fp32 greedy generate of left-padded prompts: compiled (aot_eager) tokens = eager tokens, through hal's paged
+    attention; a second generate compiles nothing more (decode steps do not recompile)."""
+    seed = 11
+    print(f"seed={seed}")
+    model = _model(seed, 2, torch.float32)
+    ids, mask = prompts(seed)
+
+    def generate() -> torch.Tensor:
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=mask, past_key_values=_cache(model), max_new_tokens=8,
+                                  min_new_tokens=8, do_sample=False, pad_token_id=0)
+
+    eager = generate()
+    frames = []
+
+    def backend(graph: torch.fx.GraphModule, inputs: list) -> object:
+        frames.append(graph)
+        return torch._dynamo.lookup_backend("aot_eager")(graph, inputs)
+
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend=backend)
+    before = hal_calls()
+    compiled = generate()
+    assert hal_calls() - before == 2 * 8, "each of the 8 forwards calls hal's paged attention once per layer"
+    assert torch.equal(compiled, eager), (compiled, eager)
+    compiled_frames = len(frames)
+    assert any("paged_attention" in str(g.graph) for g in frames)
+    again = generate()
+    assert torch.equal(again, eager)
+    assert len(frames) == compiled_frames, "a second generate recompiled"
+
+
+def test_compiled_forward_refuses_a_wrong_cache_before_planning() -> None:
+    """Under compile the step is planned at the mask stage: a cache of another model, or too few blocks, is refused
+    there (ArgumentError / OutOfBlocksError) with the cache left empty, and the cache then serves a forward."""
+    import hal_core
+
+    model = _model(7, 2, torch.float32)
+    model.forward = torch.compile(model.forward, backend="aot_eager")
+    ids, mask = prompts(7)
+    other = transformers.LlamaConfig(**{**model.config.to_dict(), "num_hidden_layers": 3})
+    heads = transformers.LlamaConfig(**{**model.config.to_dict(), "num_key_value_heads": 1})
+    small = hal_hf.HalPagedCache(model.config, num_blocks=3, block_size=4, dtype=torch.float32)
+    cases = ((hal_hf.HalPagedCache(other, num_blocks=48, block_size=4), hal_core.ArgumentError,
+              "3 layers, the model 2"),
+             (hal_hf.HalPagedCache(heads, num_blocks=48, block_size=4), hal_core.ArgumentError, "1 kv heads of 16"),
+             (small, hal_core.OutOfBlocksError, "blocks"))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        for cache, error, message in cases:
+            with pytest.raises(error, match=message):
+                model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            usage = cache.paged.usage()
+            assert (usage.sequences, usage.tokens, cache.get_seq_length()) == (0, 0, 0)
+        got = model(input_ids=ids[2:], attention_mask=mask[2:], past_key_values=small, use_cache=True).logits
+        expected = model(input_ids=ids[2:], attention_mask=mask[2:], past_key_values=_cache(model),
+                         use_cache=True).logits
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
