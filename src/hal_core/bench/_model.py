@@ -277,6 +277,11 @@ def format_model_table(report: dict[str, Any]) -> str:
             limits = ", ".join(f"batch {b} {_num(c['decode'][b]['limit_tokens_per_s'])} "
                                f"({c['decode'][b]['bytes'] / s['new_tokens'] / 1e6:.0f} MB a step)" for b in batches)
             lines.append(f"  {c['name']:<11} {limits}")
+    compiled = [c for c in report["contenders"] if "compile_s" in c]
+    if compiled:
+        lines += ["", "compiled (an untimed round of the timed shapes first; its time, compilation included):"]
+        lines += [f"  {c['name']:<11} {c['compile']}: {c['compile_s']:.1f} s, {c['compiled_graphs']} graph(s); "
+                  f"{c['compiled_graphs_timed']} compiled in the timed rounds" for c in compiled]
     lines.append("")
     lines.append("targets (ratios of this run):")
     for t in report["targets"]:
