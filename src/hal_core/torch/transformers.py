@@ -32,9 +32,9 @@ Gemma 2) and attention sinks (``s_aux``: gpt-oss).
 Under ``torch.compile`` (``model.forward = torch.compile(model.forward)``) the
 step is planned, eagerly, by the mask function (which transformers calls before
 the layers, right after the cache's ``get_mask_sizes``): that is the forward's
-one graph break, and every layer's projections, ``hal::write_kv_cache`` and
-``hal::paged_attention`` trace into one graph (docs/engine-guide.md,
-"Compiling a model").
+one graph break (one per kind of mask the model builds), and every layer's
+projections, ``hal::write_kv_cache`` and ``hal::paged_attention`` trace into one
+graph (docs/engine-guide.md, "Compiling a model").
 
 What falls back: without a :class:`HalPagedCache` (a ``DynamicCache``, or no
 cache) the ``"hal"`` attention runs torch's scaled-dot-product attention on the
@@ -88,12 +88,12 @@ def hal_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset:
     cache longer than what it has seen (a ``StaticCache``) gets an all-ones
     mask of the positions seen, so the attention knows where its queries are.
     """
-    check_mask_function(mask_function)
-    if torch.compiler.is_compiling():  # plan the step of the HalPagedCache that sized this mask (if one did)
+    if torch.compiler.is_compiling():  # the HalPagedCache that sized this mask (if one did) plans its step here
         cache = getattr(_context, "masking", None)
         _context.masking = None
-        if cache is not None:
-            _plan_ahead(cache, attention_mask, batch_size, q_length, kwargs.get("config"))
+        _mask_stage(mask_function, cache, attention_mask, batch_size, q_length, kwargs.get("config"))
+    else:
+        check_mask_function(mask_function)
     if kv_offset:  # a sliding layer that dropped old keys: only the SDPA fallback meets it, and refuses windows
         return attention_mask
     seen = int(q_offset) + q_length
@@ -168,10 +168,14 @@ def hal_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
 
 
 @torch.compiler.disable
-def _plan_ahead(cache: HalPagedCache, attention_mask: torch.Tensor | None, batch: int, q_len: int,
-                config: Any) -> None:
-    """A compiled forward's step, planned eagerly at the mask stage, after what the layers would refuse of the
-    model's config (its layer count, key/value heads, head size) is checked."""
+def _mask_stage(mask_function: Any, cache: HalPagedCache | None, attention_mask: torch.Tensor | None, batch: int,
+                q_len: int, config: Any) -> None:
+    """A compiled forward's mask stage, run eagerly (the forward's graph break): the mask function checked (it
+    is read through its closure, which a trace cannot), then ``cache``'s step planned, once the model's config
+    (its layer count, key/value heads, head size) is checked against what the layers would refuse."""
+    check_mask_function(mask_function)
+    if cache is None:
+        return
     problem = _model_problem(cache, config)
     if problem is None and config is not None:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
