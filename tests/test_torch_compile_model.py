@@ -12,13 +12,13 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 from transformers_helpers import VOCAB, hal_calls, prompts  # noqa: E402
 
 import hal_core.torch.transformers as hal_hf  # noqa: E402
-from hal_core.torch import quantize_model  # noqa: E402
+from hal_core.torch import kernelize, quantize_model  # noqa: E402
 
 #: Graph breaks ``torch._dynamo.explain`` counts in a compiled forward (docs/engine-guide.md, "Compiling a
 #: model"): the mask stage, one eager call per kind of mask, seen from each frame it is nested in (the model's
 #: forward, its decoder's, transformers' mask builder): 3 for Llama (causal masks only), one more for Gemma 2 (its
 #: sliding layers' mask too).
-BREAKS = {"llama": 3, "gemma2": 4}
+BREAKS = {"llama": 3, "gemma2": 4, "llama-kernelized": 3}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: q, k, v, o, gate, up, down per layer, and lm_head.
 PROJECTIONS = 7
@@ -26,18 +26,21 @@ PROJECTIONS = 7
 
 def _model(seed: int, layers: int, dtype: torch.dtype, family: str = "llama") -> torch.nn.Module:
     """A random Llama (or Gemma 2: a window of 4 on alternate layers, logit softcap 2) of ``layers`` layers, every
-    linear layer int4 (group 32), hal attention, in ``dtype``."""
+    linear layer int4 (group 32), hal attention, in ``dtype``; ``llama-kernelized``: norms, the MLP activation and
+    rotary on hal ops too (:func:`hal_core.torch.kernelize`)."""
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2,
                   attn_implementation=hal_hf.ATTN_IMPLEMENTATION)
-    if family == "llama":
+    if family.startswith("llama"):
         config = transformers.LlamaConfig(**common)
     else:
         config = transformers.Gemma2Config(head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
                                            attn_logit_softcapping=2.0, final_logit_softcapping=None, **common)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     quantize_model(model, bits=4, group_size=32, layer_bits=None)
+    if family.endswith("kernelized"):
+        kernelize(model)
     return model.to(dtype)
 
 
@@ -65,7 +68,8 @@ def _hal_nodes(explained: object) -> dict[str, int]:
     return found
 
 
-@pytest.mark.parametrize(("family", "dtype"), [("llama", "fp32"), ("llama", "bf16"), ("gemma2", "fp32")])
+@pytest.mark.parametrize(("family", "dtype"), [("llama", "fp32"), ("llama", "bf16"), ("gemma2", "fp32"),
+                                               ("llama-kernelized", "bf16")])
 def test_graph_breaks_are_the_mask_stage_whatever_the_layer_count(family: str, dtype: str) -> None:
     """2 and 4 layers: the same breaks, all at hal's mask stage (where the step is planned), and every layer's ops
     in the graphs."""
@@ -76,8 +80,10 @@ def test_graph_breaks_are_the_mask_stage_whatever_the_layer_count(family: str, d
         for reason in explained.break_reasons:
             assert reason.user_stack[-1].name == "hal_attention_mask", reason
             assert "_mask_stage" in reason.reason, reason.reason
-        assert _hal_nodes(explained) == {"paged_attention": layers, "write_kv_cache": layers,
-                                         "quantized_gemm": PROJECTIONS * layers + 1}
+        expected = {"paged_attention": layers, "write_kv_cache": layers, "quantized_gemm": PROJECTIONS * layers + 1}
+        if family.endswith("kernelized"):  # two norms a layer and the final one, an activation a layer (kernelize's
+            expected |= {"rms_norm": 2 * layers + 1, "gated_activation": layers}  # rotary is torch's in a trace)
+        assert _hal_nodes(explained) == expected
     assert counts[2] == counts[4], counts
     assert counts[2][0] <= BREAKS[family], counts
 
@@ -86,7 +92,7 @@ def test_graph_breaks_are_the_mask_stage_whatever_the_layer_count(family: str, d
 def test_compiled_model_generates_the_eager_tokens(family: str) -> None:
     """fp32 greedy generate of left-padded prompts: compiled (aot_eager) tokens = eager tokens, through hal's paged
     attention; a second generate compiles nothing more (decode steps do not recompile). Gemma 2 plans once from two
-    kinds of mask, its window cutting keys off."""
+    kinds of mask, its window cutting keys off; the kernelized Llama runs its norms, activation and rotary on hal."""
     seed = 11
     print(f"seed={seed}")
     model = _model(seed, 2, torch.float32, family)
