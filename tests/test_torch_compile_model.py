@@ -149,3 +149,16 @@ def test_compiled_forward_refuses_a_wrong_cache_before_planning() -> None:
         expected = model(input_ids=ids[2:], attention_mask=mask[2:], past_key_values=_cache(model),
                          use_cache=True).logits
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+def test_the_sdpa_fallback_compiles_without_a_break() -> None:
+    """"hal" attention without a HalPagedCache (a DynamicCache: torch SDPA) traces whole: the mask stage's eager
+    call is made only for a HalPagedCache."""
+    model = _model(5, 2, torch.float32)
+    ids, mask = prompts(5)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)  # the fallback's one-time warning, outside the trace
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(model)(input_ids=ids, attention_mask=mask, use_cache=True,
+                                                 past_key_values=transformers.DynamicCache(config=model.config))
+    assert (explained.graph_break_count, explained.graph_count) == (0, 1), explained.break_reasons

@@ -88,8 +88,8 @@ def hal_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset:
     cache longer than what it has seen (a ``StaticCache``) gets an all-ones
     mask of the positions seen, so the attention knows where its queries are.
     """
-    if torch.compiler.is_compiling():  # the HalPagedCache that sized this mask (if one did) plans its step here
-        cache = getattr(_context, "masking", None)
+    cache = getattr(_context, "masking", None) if torch.compiler.is_compiling() else None
+    if cache is not None:  # compiled: the HalPagedCache that sized this mask plans its step here
         _context.masking = None
         _mask_stage(mask_function, cache, attention_mask, batch_size, q_length, kwargs.get("config"))
     else:
@@ -168,14 +168,12 @@ def hal_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
 
 
 @torch.compiler.disable
-def _mask_stage(mask_function: Any, cache: HalPagedCache | None, attention_mask: torch.Tensor | None, batch: int,
+def _mask_stage(mask_function: Any, cache: HalPagedCache, attention_mask: torch.Tensor | None, batch: int,
                 q_len: int, config: Any) -> None:
     """A compiled forward's mask stage, run eagerly (the forward's graph break): the mask function checked (it
     is read through its closure, which a trace cannot), then ``cache``'s step planned, once the model's config
     (its layer count, key/value heads, head size) is checked against what the layers would refuse."""
     check_mask_function(mask_function)
-    if cache is None:
-        return
     problem = _model_problem(cache, config)
     if problem is None and config is not None:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
