@@ -256,12 +256,16 @@ def test_the_compiled_contender_compiles_before_the_timed_rounds(tmp_path: Path,
                  str(out), "-q"])
     printed = capsys.readouterr().out
     assert code == 0, printed
-    by_name = {c["name"]: c for c in json.loads(out.read_text())["contenders"]}
+    report = json.loads(out.read_text())
+    by_name = {c["name"]: c for c in report["contenders"]}
     eager, compiled = by_name["hal-int4"], by_name["hal-int4-c"]
     assert "error" not in compiled, compiled
     assert compiled["tokens"] == eager["tokens"]
     assert compiled["compile"] == "aot_eager" and compiled["compile_s"] > 0
     assert compiled["compiled_graphs"] > 0 and compiled["compiled_graphs_timed"] == 0
     assert eager["compile"] is None and "compile_s" not in eager
+    target = next(t for t in report["targets"] if t["ratio"] == "int4 compiled decode batch 1 / int4 decode batch 1")
+    assert target["value"] == pytest.approx(compiled["decode"]["1"]["tokens_per_s"]
+                                            / eager["decode"]["1"]["tokens_per_s"])
     line = f"hal-int4-c  aot_eager: {compiled['compile_s']:.1f} s, {compiled['compiled_graphs']} graph(s); 0 compiled"
     assert line in printed

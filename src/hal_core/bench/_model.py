@@ -174,8 +174,11 @@ def model_targets(results: dict[str, dict[str, Any]], batches: Sequence[int]) ->
                                                                           "tokens_per_s"), 1.0),
         ("engine int4 decode batch 1 / transformers int4 decode batch 1",
          _get(results, "engine-int4", "decode", "1", "tokens_per_s"),
-         max(filter(None, (_get(results, name, "decode", "1", "tokens_per_s") for name in ("hal-int4", "hal-int4-k"))),
-             default=None), 1.0),
+         max(filter(None, (_get(results, name, "decode", "1", "tokens_per_s")
+                           for name in ("hal-int4", "hal-int4-k", "hal-int4-c"))), default=None), 1.0),
+        ("int4 compiled decode batch 1 / int4 decode batch 1",
+         _get(results, "hal-int4-c", "decode", "1", "tokens_per_s"), _get(results, "hal-int4", "decode", "1",
+                                                                          "tokens_per_s"), 1.0),
     ]
     out = []
     for label, top, bottom, target in pairs:
