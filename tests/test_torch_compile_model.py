@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 from transformers_helpers import VOCAB, hal_calls, prompts  # noqa: E402
 
+import hal_core  # noqa: E402
 import hal_core.torch.transformers as hal_hf  # noqa: E402
 from hal_core.torch import kernelize, quantize_model  # noqa: E402
 
@@ -22,6 +23,16 @@ BREAKS = {"llama": 3, "gemma2": 4, "llama-kernelized": 3}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: q, k, v, o, gate, up, down per layer, and lm_head.
 PROJECTIONS = 7
+
+
+@pytest.fixture(autouse=True)
+def _transformers_rotary(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' own rotary in every test (kernelize replaces it process-wide; a compiled forward runs torch's
+    code there, so an eager run must too), and kernelize's replacement undone afterwards."""
+    from transformers.models.llama import modeling_llama
+
+    current = modeling_llama.apply_rotary_pos_emb
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", getattr(current, "__hal_original__", current))
 
 
 def _model(seed: int, layers: int, dtype: torch.dtype, family: str = "llama") -> torch.nn.Module:
@@ -126,8 +137,6 @@ def test_compiled_model_generates_the_eager_tokens(family: str) -> None:
 def test_compiled_forward_refuses_a_wrong_cache_before_planning() -> None:
     """Under compile the step is planned at the mask stage: a cache of another model, or too few blocks, is refused
     there (ArgumentError / OutOfBlocksError) with the cache left empty, and the cache then serves a forward."""
-    import hal_core
-
     model = _model(7, 2, torch.float32)
     model.forward = torch.compile(model.forward, backend="aot_eager")
     ids, mask = prompts(7)
@@ -162,3 +171,37 @@ def test_the_sdpa_fallback_compiles_without_a_break() -> None:
         explained = torch._dynamo.explain(model)(input_ids=ids, attention_mask=mask, use_cache=True,
                                                  past_key_values=transformers.DynamicCache(config=model.config))
     assert (explained.graph_break_count, explained.graph_count) == (0, 1), explained.break_reasons
+
+
+def test_a_compiled_forward_that_breaks_off_after_planning() -> None:
+    """A forward that fails between the mask stage (its step planned) and its layers: the same forward again runs on
+    that plan and gives a fresh cache's logits; another one is refused (ArgumentError) until cache.reset()."""
+    model = _model(9, 2, torch.float32)
+    ids, mask = prompts(9)
+    rotary, failures = model.model.rotary_emb.forward, []
+
+    def failing_rotary(*args: object, **kwargs: object) -> object:  # runs after the masks, before the layers
+        if failures:
+            raise RuntimeError("interrupted")
+        return rotary(*args, **kwargs)
+
+    model.model.rotary_emb.forward = failing_rotary
+    model.forward = torch.compile(model.forward, backend="aot_eager")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask, past_key_values=_cache(model), use_cache=True).logits
+        for retry in (ids, ids[:, :-1]):
+            cache = _cache(model)
+            failures[:] = [1]
+            with pytest.raises(RuntimeError, match="interrupted"):
+                model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            failures.clear()
+            if retry is ids:  # the same forward: the waiting plan is its own
+                got = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+                torch.testing.assert_close(got, expected, atol=0, rtol=0)
+            else:
+                with pytest.raises(hal_core.ArgumentError, match="broke off before its layers"):
+                    model(input_ids=retry, attention_mask=mask[:, :-1], past_key_values=cache, use_cache=True)
+                cache.reset()
+                got = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+                torch.testing.assert_close(got, expected, atol=0, rtol=0)
