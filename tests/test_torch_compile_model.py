@@ -175,7 +175,8 @@ def test_the_sdpa_fallback_compiles_without_a_break() -> None:
 
 def test_a_compiled_forward_that_breaks_off_after_planning() -> None:
     """A forward that fails between the mask stage (its step planned) and its layers: the same forward again runs on
-    that plan and gives a fresh cache's logits; another one is refused (ArgumentError) until cache.reset()."""
+    that plan and gives a fresh cache's logits; another one (other sizes, or the same sizes with other padding) is
+    refused (ArgumentError) until cache.reset()."""
     model = _model(9, 2, torch.float32)
     ids, mask = prompts(9)
     rotary, failures = model.model.rotary_emb.forward, []
@@ -190,18 +191,17 @@ def test_a_compiled_forward_that_breaks_off_after_planning() -> None:
     torch._dynamo.reset()
     with torch.no_grad():
         expected = model(input_ids=ids, attention_mask=mask, past_key_values=_cache(model), use_cache=True).logits
-        for retry in (ids, ids[:, :-1]):
+        repadded = mask.clone()
+        repadded[0, 0] = 0  # the longest prompt one token shorter: the same sizes, another padding
+        for retry_ids, retry_mask in ((ids, mask), (ids[:, :-1], mask[:, :-1]), (ids, repadded)):
             cache = _cache(model)
             failures[:] = [1]
             with pytest.raises(RuntimeError, match="interrupted"):
                 model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
             failures.clear()
-            if retry is ids:  # the same forward: the waiting plan is its own
-                got = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
-                torch.testing.assert_close(got, expected, atol=0, rtol=0)
-            else:
+            if retry_mask is not mask:
                 with pytest.raises(hal_core.ArgumentError, match="broke off before its layers"):
-                    model(input_ids=retry, attention_mask=mask[:, :-1], past_key_values=cache, use_cache=True)
+                    model(input_ids=retry_ids, attention_mask=retry_mask, past_key_values=cache, use_cache=True)
                 cache.reset()
-                got = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
-                torch.testing.assert_close(got, expected, atol=0, rtol=0)
+            got = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+            torch.testing.assert_close(got, expected, atol=0, rtol=0)

@@ -25,7 +25,7 @@ from .._errors import ArgumentError, OutOfBlocksError
 from ..kvcache import CacheConfig, PagedKVCache
 from ._convert import to_tensor
 from ._routing import backend_for
-from ._tf_plan import Plan, Seen, make_plan, new_positions
+from ._tf_plan import Plan, Seen, make_plan, new_positions, same_mask
 
 __all__ = ["HalPagedCache"]
 
@@ -151,9 +151,9 @@ class HalPagedCache(Cache):
         self._written: set[int] = set()
         self._most_written = 0  # the most layers one step wrote: a step that wrote fewer broke off
         self._broken: str | None = None  # why the cache no longer matches the tokens it counts
-        #: Under torch.compile, the step planned at the mask stage, before its layers (``(batch, q_len, seen)``; None:
-        #: none waits), and whether the running forward's plan was made so (its layers then read ``_plan`` as it is).
-        self._ahead_pending: tuple[int, int, int] | None = None
+        #: Under torch.compile, the step planned at the mask stage, before its layers (``(batch, q_len, seen, mask)``;
+        #: None: none waits), and whether the running forward's plan was made so (its layers read ``_plan`` as is).
+        self._ahead_pending: tuple[int, int, int, torch.Tensor | None] | None = None
         self._ahead_plan = False
         self._layers = [_HalLayer(self, i) for i in range(text.num_hidden_layers)]
         super().__init__(layers=list(self._layers))
@@ -211,10 +211,12 @@ class HalPagedCache(Cache):
         Planning is host work (the mask read, blocks allocated, index arrays), so it runs eagerly; done
         here, outside the loop over the layers, it is the compiled forward's one graph break and every layer
         traces into one graph. A model whose masks come in two kinds (full and sliding) calls this twice
-        per forward: the second call, with the same sizes while the plan waits for the layers, keeps it.
+        per forward: the second call, with the same sizes and mask while the plan waits for the layers, keeps
+        it (the plan is all they decide; comparing a device mask reads it back, only on such a second call).
         """
         seen = self._layers[0].length
-        if self._ahead_pending == (batch, q_len, seen):
+        pending = self._ahead_pending
+        if pending is not None and pending[:3] == (batch, q_len, seen) and same_mask(pending[3], attention_mask):
             return
         if not self.key_caches:
             raise ArgumentError("past_key_values: this HalPagedCache was closed (memory given back); make a new one")
@@ -225,7 +227,7 @@ class HalPagedCache(Cache):
             raise ArgumentError(f"HalPagedCache: {self._broken}; call cache.reset() (or use a new cache)")
         self._step += 1
         self._plan_for(None, attention_mask, batch, q_len)
-        self._ahead_pending = (batch, q_len, seen)
+        self._ahead_pending = (batch, q_len, seen, attention_mask)
 
     def _end_step(self) -> None:
         """Between forwards: a forward that broke off after hal planned its step leaves layers unwritten."""
