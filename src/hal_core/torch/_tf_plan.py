@@ -155,7 +155,7 @@ def device_mask_read(mask: torch.Tensor, seen: np.ndarray, remembered: torch.Ten
 
 def same_mask(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     """Whether two 2D masks (or None: no padding) mark the same positions as real."""
-    if a is None or b is None:
+    if a is None or b is None or a is b:
         return a is b
     return a.shape == b.shape and bool(torch.equal(a != 0, b.to(a.device) != 0))
 
