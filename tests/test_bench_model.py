@@ -240,3 +240,33 @@ def test_the_w4a8_contender_loads_the_int4_checkpoint_with_int8_activations(tmp_
         loaded = _load({"contender": dataclasses.asdict(ALL[name]), "checkpoint": str(tmp_path / "int4")})
         layers = [m for m in loaded.modules() if isinstance(m, QuantLinear)]
         assert len(layers) == 7 and {m.activations for m in layers} == {expected}
+
+
+def test_the_compiled_contender_compiles_before_the_timed_rounds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """hal-int4-c (its backend set to aot_eager here: inductor takes too long for a test) decodes hal-int4's tokens
+    at every batch, reports its untimed compiling round, and compiles nothing in the timed rounds."""
+    import dataclasses
+
+    from hal_core.bench._model_spec import CONTENDERS as ALL
+
+    monkeypatch.setitem(ALL, "hal-int4-c", dataclasses.replace(ALL["hal-int4-c"], compile="aot_eager"))
+    out = tmp_path / "model.json"
+    code = main(["bench", "--model", "tiny", "--contenders", "hal-int4,hal-int4-c", "--prompt-len", "20",
+                 "--new-tokens", "4", "--batches", "1,3", "--seed", "5", "--threads", "2", "--quick", "--json",
+                 str(out), "-q"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    report = json.loads(out.read_text())
+    by_name = {c["name"]: c for c in report["contenders"]}
+    eager, compiled = by_name["hal-int4"], by_name["hal-int4-c"]
+    assert "error" not in compiled, compiled
+    assert compiled["tokens"] == eager["tokens"]
+    assert compiled["compile"] == "aot_eager" and compiled["compile_s"] > 0
+    assert compiled["compiled_graphs"] > 0 and compiled["compiled_graphs_timed"] == 0
+    assert eager["compile"] is None and "compile_s" not in eager
+    target = next(t for t in report["targets"] if t["ratio"] == "int4 compiled decode batch 1 / int4 decode batch 1")
+    assert target["value"] == pytest.approx(compiled["decode"]["1"]["tokens_per_s"]
+                                            / eager["decode"]["1"]["tokens_per_s"])
+    line = f"hal-int4-c  aot_eager: {compiled['compile_s']:.1f} s, {compiled['compiled_graphs']} graph(s); 0 compiled"
+    assert line in printed

@@ -174,8 +174,11 @@ def model_targets(results: dict[str, dict[str, Any]], batches: Sequence[int]) ->
                                                                           "tokens_per_s"), 1.0),
         ("engine int4 decode batch 1 / transformers int4 decode batch 1",
          _get(results, "engine-int4", "decode", "1", "tokens_per_s"),
-         max(filter(None, (_get(results, name, "decode", "1", "tokens_per_s") for name in ("hal-int4", "hal-int4-k"))),
-             default=None), 1.0),
+         max(filter(None, (_get(results, name, "decode", "1", "tokens_per_s")
+                           for name in ("hal-int4", "hal-int4-k", "hal-int4-c"))), default=None), 1.0),
+        ("int4 compiled decode batch 1 / int4 decode batch 1",
+         _get(results, "hal-int4-c", "decode", "1", "tokens_per_s"), _get(results, "hal-int4", "decode", "1",
+                                                                          "tokens_per_s"), 1.0),
     ]
     out = []
     for label, top, bottom, target in pairs:
@@ -277,6 +280,11 @@ def format_model_table(report: dict[str, Any]) -> str:
             limits = ", ".join(f"batch {b} {_num(c['decode'][b]['limit_tokens_per_s'])} "
                                f"({c['decode'][b]['bytes'] / s['new_tokens'] / 1e6:.0f} MB a step)" for b in batches)
             lines.append(f"  {c['name']:<11} {limits}")
+    compiled = [c for c in report["contenders"] if "compile_s" in c]
+    if compiled:
+        lines += ["", "compiled (an untimed round of the timed shapes first; its time, compilation included):"]
+        lines += [f"  {c['name']:<11} {c['compile']}: {c['compile_s']:.1f} s, {c['compiled_graphs']} graph(s); "
+                  f"{c['compiled_graphs_timed']} compiled in the timed rounds" for c in compiled]
     lines.append("")
     lines.append("targets (ratios of this run):")
     for t in report["targets"]:

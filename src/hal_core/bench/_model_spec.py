@@ -154,6 +154,8 @@ class Contender:
     description: str
     activations: str | None = None  #: the QuantLinear layers' ``activations`` (``"int8"``: W4A8)
     kernelize: bool = False  #: norms, gated activations and rotary on hal ops (:func:`hal_core.torch.kernelize`)
+    #: The ``torch.compile`` backend the model's forward runs under (None: eager); compiled in an untimed round.
+    compile: str | None = None
 
     @property
     def dtype_bytes(self) -> int:
@@ -175,6 +177,8 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
               "activations='int8'), bf16", "int8"),
     Contender("hal-int4-k", "hal", "bf16", 4, "hal-int4 with kernelize(): norms, MLP activation and rotary on hal "
               "ops, bf16", "auto", kernelize=True),
+    Contender("hal-int4-c", "hal", "bf16", 4, "hal-int4 with the model's forward under torch.compile (inductor), "
+              "bf16", "auto", compile="inductor"),
     Contender("engine-int4", "engine", "bf16", 4, "hal_core.engine on the int4 checkpoint: every op of the step on "
               "hal, no torch, activations='auto' (its default), bf16", "auto"),
     Contender("engine-int4-a16", "engine", "bf16", 4, "engine-int4 with activations='float' (W4A16 projections), bf16",

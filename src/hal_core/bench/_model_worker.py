@@ -17,7 +17,9 @@ Tasks (the parent, :mod:`._model`, writes them):
 - ``run``: build the contender's model (a float one from the config with the
   same seed, or :func:`hal_core.torch.load_quantized` of a checkpoint), warm
   it up, then time prefill, the first token and greedy decoding
-  (:func:`greedy`).
+  (:func:`greedy`). A compiled contender's forward goes under
+  ``torch.compile`` and its warm-up is one untimed round of the timed
+  shapes (every graph compiled there, its time reported as ``compile_s``).
 """
 
 from __future__ import annotations
@@ -195,6 +197,20 @@ def _load(task: dict[str, Any]) -> torch.nn.Module:
     return model
 
 
+def _compile(model: torch.nn.Module, backend: str) -> list[int]:
+    """Put ``model.forward`` under ``torch.compile`` with ``backend``; the list returned grows by one for each graph
+    compiled."""
+    graphs: list[int] = []
+    inner = torch._dynamo.lookup_backend(backend)
+
+    def counting(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        graphs.append(len(graph.graph.nodes))
+        return inner(graph, example_inputs)
+
+    model.forward = torch.compile(model.forward, backend=counting)
+    return graphs
+
+
 def _model_bytes(model: torch.nn.Module) -> int:
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
     return sum(t.numel() * t.element_size() for t in tensors.values())
@@ -216,9 +232,16 @@ def run(task: dict[str, Any]) -> dict[str, Any]:
         load_s = time.perf_counter() - start
         loaded = {"load_peak_rss_bytes": peak_rss_bytes(), "load_peak_anon_bytes": sampler.peak,
                   "after_load_anon_bytes": sampler.sample()}
-        phase(f"{name}: warming up")
-        for batch in sorted(set(batches) | {1}):  # a short prompt: a prefill costs as much as the decode steps
-            greedy(model, attention, prompts[:batch, :_WARMUP_PROMPT], 2)
+        graphs = _compile(model, contender["compile"]) if contender.get("compile") else None
+        phase(f"{name}: warming up" if graphs is None else f"{name}: compiling (an untimed round)")
+        start = time.perf_counter()
+        for batch in sorted(set(batches) | {1}):
+            if graphs is None:  # a short prompt: a prefill costs as much as the decode steps
+                greedy(model, attention, prompts[:batch, :_WARMUP_PROMPT], 2)
+            else:  # every shape the timed rounds meet, so that they compile nothing
+                greedy(model, attention, prompts[:batch], new_tokens)
+        warmup_s = time.perf_counter() - start
+        warm_graphs = len(graphs or ())
         timed = timed_rounds(task, name, sampler, lambda b: greedy(model, attention, prompts[:b], new_tokens))
     memory = {"peak_rss_bytes": peak_rss_bytes(), "peak_anon_bytes": sampler.peak, **loaded,
               "peak_after_batch": timed.pop("peak_after_batch")}
@@ -227,6 +250,8 @@ def run(task: dict[str, Any]) -> dict[str, Any]:
         "model_bytes": _model_bytes(model),
         "quantized_layers": sum(isinstance(m, QuantLinear) for m in model.modules()),
         **timed, "memory": memory,
+        **({} if graphs is None else {"compile_s": warmup_s, "compiled_graphs": warm_graphs,
+                                      "compiled_graphs_timed": len(graphs) - warm_graphs}),
     }
 
 

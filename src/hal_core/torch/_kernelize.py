@@ -56,9 +56,16 @@ class KernelizeReport:
     skipped: dict[str, str] = field(default_factory=dict)  #: module name -> why it kept its code
 
 
-@functools.cache
+#: Each op's torch-operator function, made once (:func:`kernelize` makes them, so a compiled forward only reads this
+#: dict: making one registers operators under a lock, which a trace cannot enter).
+_made_ops: dict[str, Callable[..., Any]] = {}
+
+
 def _op(name: str) -> Callable[..., Any]:
-    return wrapper(OPS[name])
+    found = _made_ops.get(name)
+    if found is None:
+        found = _made_ops[name] = wrapper(OPS[name])
+    return found
 
 
 def _eligible(*tensors: torch.Tensor) -> bool:
@@ -154,6 +161,8 @@ def kernelize(model: torch.nn.Module) -> KernelizeReport:
     Returns a :class:`KernelizeReport`; layers hal does not run are listed in ``skipped`` with the reason.
     """
     report = KernelizeReport()
+    for op in ("rms_norm", "gated_activation", "rotary_embedding"):
+        _op(op)
     for name, module in model.named_modules():
         if getattr(module, "__hal_kernelized__", False):
             continue

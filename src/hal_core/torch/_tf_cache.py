@@ -26,12 +26,17 @@ from ..kvcache import CacheConfig, PagedKVCache
 from ._convert import to_tensor
 from ._dtypes import FLOAT_DTYPE_NAMES
 from ._routing import backend_for
-from ._tf_plan import Plan, Seen, make_plan, new_positions
+from ._tf_plan import Plan, Seen, make_plan, new_positions, same_mask
 
 __all__ = ["HalPagedCache"]
 
-#: The layer whose new keys and values the next ``"hal"`` attention call consumes: ``(cache, layer, key)``.
+#: Per thread: ``current``, the layer whose new keys and values the next ``"hal"`` attention call consumes
+#: (``(cache, layer, key)``); ``masking``, the cache that sized the mask the ``"hal"`` mask function makes next
+#: (set under torch.compile only). Set here for the importing thread, so that its compiled forwards meet them in
+#: one state from the first (a thread's first compiled forward sees them unset, then set: one more compile).
 _context = threading.local()
+_context.current = None
+_context.masking = None
 
 
 class _HalLayer(CacheLayerMixin):
@@ -40,6 +45,8 @@ class _HalLayer(CacheLayerMixin):
     The row operations act on every layer at once, so they live on the cache; a layer refuses them.
     """
 
+    #: generate()'s own compilation wants static shapes (and CUDA graphs); this cache plans every step on the host.
+    #: Compile the model's forward instead (docs/engine-guide.md, "Compiling a model").
     is_compileable = False
     is_croppable = True
     supports_early_init = False
@@ -143,6 +150,10 @@ class HalPagedCache(Cache):
         self._written: set[int] = set()
         self._most_written = 0  # the most layers one step wrote: a step that wrote fewer broke off
         self._broken: str | None = None  # why the cache no longer matches the tokens it counts
+        #: Under torch.compile, the step planned at the mask stage, before its layers (``(batch, q_len, seen, mask)``;
+        #: None: none waits), and whether the running forward's plan was made so (its layers read ``_plan`` as is).
+        self._ahead_pending: tuple[int, int, int, torch.Tensor | None] | None = None
+        self._ahead_plan = False
         self._layers = [_HalLayer(self, i) for i in range(text.num_hidden_layers)]
         super().__init__(layers=list(self._layers))
 
@@ -163,7 +174,8 @@ class HalPagedCache(Cache):
                     f"on {tensor.device}, the cache holds {config.num_kv_heads} kv heads of {config.head_size} "
                     f"{self.key_caches[layer].dtype} on {self.key_caches[layer].device}: build the cache from this "
                     f"model's config, dtype and device")
-        if layer == 0:
+        ahead = layer == 0 and self._ahead_pending is not None  # the step was planned at the mask stage
+        if layer == 0 and not ahead:
             self._end_step()
         if self._broken is not None:
             raise ArgumentError(f"HalPagedCache: {self._broken}; call cache.reset() (or use a new cache)")
@@ -176,15 +188,45 @@ class HalPagedCache(Cache):
                 f"would see only the new tokens)"
             )
         if layer == 0:
-            self._step += 1
+            self._ahead_pending, self._ahead_plan = None, ahead
+            if not ahead:
+                self._step += 1
         self._entered.add(layer)
         _context.current = (self, layer, key)
 
-    def _undo_enter(self, layer: int, q_len: int) -> None:
-        """A refusal right after ``layer`` handed over its keys: as if the forward had not happened."""
+    def _undo_enter(self, layer: int | None, q_len: int) -> None:
+        """A refusal right after ``layer`` handed over its keys (None: while planning at the mask stage, before any
+        layer): as if the forward had not happened."""
+        if layer is None:
+            self._step -= 1
+            return
         self._layers[layer].length -= q_len
         self._entered.discard(layer)
         _context.current = None
+
+    def _plan_ahead(self, attention_mask: torch.Tensor | None, batch: int, q_len: int) -> None:
+        """Under torch.compile, the forward's step planned at the mask stage, before the model's layers.
+
+        Planning is host work (the mask read, blocks allocated, index arrays), so it runs eagerly; done
+        here, outside the loop over the layers, it is the compiled forward's one graph break and every layer
+        traces into one graph. A model whose masks come in two kinds (full and sliding) calls this twice
+        per forward: the second call, with the same sizes and mask while the plan waits for the layers, keeps
+        it (the plan is all they decide; comparing a device mask reads it back, only on such a second call).
+        """
+        seen = self._layers[0].length
+        pending = self._ahead_pending
+        if pending is not None and pending[:3] == (batch, q_len, seen) and same_mask(pending[3], attention_mask):
+            return
+        if not self.key_caches:
+            raise ArgumentError("past_key_values: this HalPagedCache was closed (memory given back); make a new one")
+        if self._ahead_pending is not None:  # a forward planned here never reached its layers
+            self._broken = "a forward broke off before its layers after its step was planned"
+        self._end_step()
+        if self._broken is not None:
+            raise ArgumentError(f"HalPagedCache: {self._broken}; call cache.reset() (or use a new cache)")
+        self._step += 1
+        self._plan_for(None, attention_mask, batch, q_len)
+        self._ahead_pending = (batch, q_len, seen, attention_mask)
 
     def _end_step(self) -> None:
         """Between forwards: a forward that broke off after hal planned its step leaves layers unwritten."""
@@ -197,7 +239,7 @@ class HalPagedCache(Cache):
         self._most_written = max(self._most_written, len(self._written))
         self._entered, self._written = set(), set()
 
-    def _plan_for(self, layer: int, attention_mask: torch.Tensor | None, batch: int, q_len: int) -> Plan:
+    def _plan_for(self, layer: int | None, attention_mask: torch.Tensor | None, batch: int, q_len: int) -> Plan:
         """The step's plan, made by the first layer's attention call; a refusal leaves the cache as it was."""
         plan = self._plan
         if plan is not None and plan.step == self._step:
@@ -235,6 +277,13 @@ class HalPagedCache(Cache):
         self._mask_seen = mask
         self._plan = make_plan(self._step, real, all_real, step, self.device, plan)
         return self._plan
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        """transformers' mask sizes; under torch.compile the cache is named to the ``"hal"`` mask function that
+        follows, which plans the forward's step there, before its layers."""
+        if torch.compiler.is_compiling():
+            _context.masking = self
+        return super().get_mask_sizes(query_length, layer_idx)
 
     def _new_id(self) -> Hashable:
         self._next_id += 1
@@ -296,6 +345,7 @@ class HalPagedCache(Cache):
         self._seq_ids, self._seen, self._plan = None, Seen(), None
         self._mask_seen = None
         self._entered, self._written, self._broken = set(), set(), None
+        self._ahead_pending, self._ahead_plan = None, False
         _context.current = None
         for layer in self._layers:
             layer.length = 0

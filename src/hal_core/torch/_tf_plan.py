@@ -23,7 +23,7 @@ from .._errors import ArgumentError
 from ..kvcache import StepInputs
 from ._convert import to_tensor
 
-__all__ = ["Plan", "Seen", "device_mask_read", "make_plan", "new_positions"]
+__all__ = ["Plan", "Seen", "device_mask_read", "make_plan", "new_positions", "same_mask"]
 
 
 class Plan(NamedTuple):
@@ -151,6 +151,13 @@ def device_mask_read(mask: torch.Tensor, seen: np.ndarray, remembered: torch.Ten
         return host[:, :-1], host[:, -1]
     host = mask.cpu().numpy()
     return host[:, past:], (host[:, :past] != seen).any(axis=1) if past else None
+
+
+def same_mask(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Whether two 2D masks (or None: no padding) mark the same positions as real."""
+    if a is None or b is None or a is b:
+        return a is b
+    return a.shape == b.shape and bool(torch.equal(a != 0, b.to(a.device) != 0))
 
 
 def _check_left_padding(real: np.ndarray, seen: np.ndarray) -> None:

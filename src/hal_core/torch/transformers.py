@@ -29,6 +29,13 @@ every layer. What the model's layers declare passes through: a sliding window
 (``sliding_window``: Mistral, Qwen2, Gemma 2/3), a logit softcap (``softcap``:
 Gemma 2) and attention sinks (``s_aux``: gpt-oss).
 
+Under ``torch.compile`` (``model.forward = torch.compile(model.forward)``) the
+step is planned, eagerly, by the mask function (which transformers calls before
+the layers, right after the cache's ``get_mask_sizes``): that is the forward's
+one graph break (one per kind of mask the model builds), and every layer's
+projections, ``hal::write_kv_cache`` and ``hal::paged_attention`` trace into one
+graph (docs/engine-guide.md, "Compiling a model").
+
 What falls back: without a :class:`HalPagedCache` (a ``DynamicCache``, or no
 cache) the ``"hal"`` attention runs torch's scaled-dot-product attention on the
 keys and values transformers passes (logged once; ``HAL_STRICT=1`` raises
@@ -81,7 +88,12 @@ def hal_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset:
     cache longer than what it has seen (a ``StaticCache``) gets an all-ones
     mask of the positions seen, so the attention knows where its queries are.
     """
-    check_mask_function(mask_function)
+    cache = getattr(_context, "masking", None) if torch.compiler.is_compiling() else None
+    if cache is not None:  # compiled: the HalPagedCache that sized this mask plans its step here
+        _context.masking = None
+        _mask_stage(mask_function, cache, attention_mask, batch_size, q_length, kwargs.get("config"))
+    else:
+        check_mask_function(mask_function)
     if kv_offset:  # a sliding layer that dropped old keys: only the SDPA fallback meets it, and refuses windows
         return attention_mask
     seen = int(q_offset) + q_length
@@ -121,15 +133,15 @@ def hal_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
         return _torch_attention(query, key, value, attention_mask, scale, window, softcap, sinks)
     cache, layer, _ = current
     _context.current = None
-    if layer == 0 and config is not cache._layers_checked:  # a model's layer count is checked once
-        model_layers = getattr(config, "num_hidden_layers", None)
-        if model_layers is not None and model_layers != len(cache.layers):
-            cache._undo_enter(layer, q_len)
-            raise ArgumentError(f"past_key_values: the HalPagedCache has {len(cache.layers)} layers, the model "
-                                f"{model_layers}: build the cache from this model's config")
-        cache._layers_checked = config
+    problem = _model_problem(cache, config) if layer == 0 else None
+    if problem is not None:
+        cache._undo_enter(layer, q_len)
+        raise ArgumentError(problem)
     cache._checked_config = config
-    plan = cache._plan_for(layer, attention_mask, batch, q_len)
+    if not torch.compiler.is_compiling():
+        plan = cache._plan_for(layer, attention_mask, batch, q_len)
+    else:  # planned at the mask stage (one graph break before the layers), else here: a break in every layer
+        plan = cache._plan if cache._ahead_plan else _plan_eager(cache, layer, attention_mask, batch, q_len)
     if plan.rows is None and cache._host and not torch.compiler.is_compiling():
         out = _host_attention(cache, layer, plan, query, key, value, scale, window, softcap, sinks)
         cache._written.add(layer)
@@ -153,6 +165,48 @@ def hal_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     if plan.rows is not None:  # pad rows get zeros (transformers never reads them)
         out = query.new_zeros(batch * q_len, heads, head_size).index_copy_(0, plan.rows, out)
     return out.view(batch, q_len, heads, head_size), None
+
+
+@torch.compiler.disable
+def _mask_stage(mask_function: Any, cache: HalPagedCache, attention_mask: torch.Tensor | None, batch: int,
+                q_len: int, config: Any) -> None:
+    """A compiled forward's mask stage, run eagerly (the forward's graph break): the mask function checked (it
+    is read through its closure, which a trace cannot), then ``cache``'s step planned, once the model's config
+    (its layer count, key/value heads, head size) is checked against what the layers would refuse."""
+    check_mask_function(mask_function)
+    problem = _model_problem(cache, config)
+    if problem is None and config is not None:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = text.num_attention_heads
+        shape = (getattr(text, "num_key_value_heads", None) or heads,
+                 getattr(text, "head_dim", None) or text.hidden_size // heads)
+        if shape != cache._states[:2]:
+            problem = (f"past_key_values: the HalPagedCache holds {cache._states[0]} kv heads of "
+                       f"{cache._states[1]}, the model {shape[0]} of {shape[1]}: build the cache from this "
+                       f"model's config")
+    if problem is not None:
+        raise ArgumentError(problem)
+    cache._plan_ahead(attention_mask, batch, q_len)
+
+
+def _model_problem(cache: HalPagedCache, config: Any) -> str | None:
+    """Why ``cache`` cannot serve the model of ``config`` (its layer count differs), or None; checked once a
+    config."""
+    if config is None or config is cache._layers_checked:
+        return None
+    model_layers = getattr(config, "num_hidden_layers", None)
+    if model_layers is not None and model_layers != len(cache.layers):
+        return (f"past_key_values: the HalPagedCache has {len(cache.layers)} layers, the model {model_layers}: "
+                f"build the cache from this model's config")
+    cache._layers_checked = config
+    return None
+
+
+@torch.compiler.disable
+def _plan_eager(cache: HalPagedCache, layer: int, attention_mask: torch.Tensor | None, batch: int,
+                q_len: int) -> Plan:
+    """A compiled layer's step planned eagerly (a forward whose mask stage did not plan it)."""
+    return cache._plan_for(layer, attention_mask, batch, q_len)
 
 
 def _check_options(module: torch.nn.Module, dropout: float, kwargs: dict[str, Any], checked: Any) -> Any:
