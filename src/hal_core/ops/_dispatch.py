@@ -122,12 +122,9 @@ class Ops:
         return self._prepare(spec, native)[0]
 
     def explain(self, call: OpCall) -> list[tuple[str, str]]:
-        """``(implementation, verdict)`` for every candidate of ``call``, in the order tried.
-
-        The verdict is ``'runs'`` for the one :meth:`choose` picks, else why
-        it was passed over; first, when the caller left a setting ``"auto"``, ``("auto", what was chosen
-        and why)``.
-        """
+        """``(implementation, verdict)`` for every candidate of ``call``, in the order tried: ``'runs'`` for the one
+        :meth:`choose` picks, else why it was passed over; first ``("auto", what was chosen and why)`` when the
+        caller left a setting ``"auto"``."""
         chosen, reasons = self.choose(call)
         rows = [("auto", call.settled)] if call.settled else []
         for impl in self.registry.implementations(call.op):
