@@ -272,6 +272,7 @@ def _w4a8_cases() -> list[dict[str, Any]]:
 QuantizedGemm.bench = BenchCases(
     params={"m": 1, "k": 4096, "n": 11008, "bits": 4, "abits": 16, "group": 128, "dtype": "fp16"},
     aliases={"group_size": "group"},
+    may_be_zero=frozenset({"abits"}),
     label=_label,
     check=_check_case,
     inputs=_bench_inputs,
