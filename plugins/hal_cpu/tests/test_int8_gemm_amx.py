@@ -45,8 +45,9 @@ def _both(native: _native.Native, x: np.ndarray, qweight, threads: int | None) -
     return tiles, vector
 
 
-@pytest.mark.parametrize(("m", "k", "n", "group"), [(32, 256, 32, 64), (33, 512, 83, 128), (47, 1024, 200, 256),
-                                                   (100, 640, 300, 64), (64, 2048, 130, 2048)])
+@pytest.mark.parametrize(("m", "k", "n", "group"), [(16, 256, 32, 64), (20, 512, 600, 128), (32, 256, 32, 64),
+                                                   (33, 512, 83, 128), (47, 1024, 200, 256), (100, 640, 300, 64),
+                                                   (64, 2048, 130, 2048)])
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_tiles_give_the_vector_kernels_bits(amx: _native.Native, m: int, k: int, n: int, group: int,
