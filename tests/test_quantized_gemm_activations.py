@@ -62,10 +62,10 @@ def test_default_is_w4a16_bit_for_bit() -> None:
 @pytest.mark.parametrize(("value", "error"), [("int4", ArgumentError), ("INT8", ArgumentError), ("", ArgumentError),
                                               (8, ArgumentTypeError), (b"int8", ArgumentTypeError)])
 def test_a_bad_setting_is_refused_naming_the_argument(value: object, error: type) -> None:
-    """A value outside 'float' / 'int8' raises before any work, naming 'activations' and the choices."""
+    """A value outside 'float' / 'int8' / 'auto' raises before any work, naming 'activations' and the choices."""
     args = _args(13)
     out = np.full((5, 24), 7.0, dtype=np.float32)
-    with pytest.raises(error, match=r"argument 'activations': expected one of \['float', 'int8'\]"):
+    with pytest.raises(error, match=r"argument 'activations': expected one of \['float', 'int8', 'auto'\]"):
         hal_core.get_backend("cpu").ops.quantized_gemm(args["x"], args["qweight"], activations=value, out=out)
     assert (out == 7.0).all()
 
@@ -73,7 +73,7 @@ def test_a_bad_setting_is_refused_naming_the_argument(value: object, error: type
 def test_arg_choice_declares_an_optional_keyword_setting() -> None:
     """Arg.choice: optional, keyword-only, a str with its choices; a declaration without string choices is refused."""
     arg = next(a for a in SPEC.args if a.name == "activations")
-    assert (arg.kind, arg.required, arg.keyword_only, arg.choices) == (str, False, True, ("float", "int8"))
+    assert (arg.kind, arg.required, arg.keyword_only, arg.choices) == (str, False, True, ("float", "int8", "auto"))
     assert SPEC.signature().parameters["activations"].default is None
     for bad in ((), ("a", 1)):
         with pytest.raises(ValueError, match=r"Arg\.choice"):
