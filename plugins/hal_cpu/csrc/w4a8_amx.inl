@@ -2,7 +2,8 @@
 // ---------------------------------------------------------------------------------------------
 // W4A8 for many rows on AMX-INT8 tiles: tdpbsud multiplies a 16 x 64 tile of signed bytes (the
 // quantised activations) by a 64 x 16 tile of unsigned bytes (the int4 codes) into 16 x 16 int32
-// sums, exactly, 16384 multiply-adds per instruction (vpdpbusd: 64).
+// sums, exactly, 16384 multiply-adds per instruction (vpdpbusd: 64); for symmetric weights tdpbssd
+// takes the codes minus the zero point as signed bytes, so the sums need no zero-point term.
 //
 // The integer sums of a group are the ones w4a8.inl's kernels form (exact in int32), and each group
 // is applied in the same order with the same operations, y = fma(scale, float(sum - z * sum(q)), y),
