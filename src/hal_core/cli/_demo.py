@@ -107,8 +107,11 @@ class _Demo:
         self.w_o = self._weights(heads * d, a.hidden)
         self.dev_w_qkv = self.w_qkv.map_arrays(self.be.asarray)
         self.dev_w_o = self.w_o.map_arrays(self.be.asarray)
-        self.log(f"quantised W4A16 projections: qkv {self.w_qkv.shape}, o {self.w_o.shape}, "
-                 f"group size {a.group_size}")
+        self.activations = self.be.ops.prepare("quantized_gemm", x=np.zeros((a.seqs, a.hidden), self.dtype),
+                                               qweight=self.w_qkv, activations="auto").args["activations"]
+        self.log(f"quantised int4 projections: qkv {self.w_qkv.shape}, o {self.w_o.shape}, "
+                 f"group size {a.group_size}; activations='auto' runs them "
+                 f"{'W4A8' if self.activations == 'int8' else 'W4A16'} at M = {a.seqs}")
 
     # one op, timed and checked -----------------------------------------
 
@@ -147,8 +150,8 @@ class _Demo:
 
         x = self.rng.standard_normal((n, a.hidden)).astype(self.dtype)
         dx = be.asarray(x)  # copies to the device stay outside the timed calls
-        qkv = self._run("qkv", lambda: be.ops.quantized_gemm(dx, self.dev_w_qkv),
-                        {"x": x, "qweight": self.w_qkv},
+        qkv = self._run("qkv", lambda: be.ops.quantized_gemm(dx, self.dev_w_qkv, activations="auto"),
+                        {"x": x, "qweight": self.w_qkv, "activations": self.activations},
                         f"x[{n},{a.hidden}] @ int4[{a.hidden},{(heads + 2 * kv) * d}]")
         host = self._host(qkv)
         q = np.ascontiguousarray(host[:, : heads * d].reshape(n, heads, d))
@@ -176,8 +179,9 @@ class _Demo:
         )
         flat = np.ascontiguousarray(self._host(attn).reshape(n, heads * d))
         dflat = be.asarray(flat)
-        self._run("out", lambda: be.ops.quantized_gemm(dflat, self.dev_w_o),
-                  {"x": flat, "qweight": self.w_o}, f"x[{n},{heads * d}] @ int4[{heads * d},{a.hidden}]")
+        self._run("out", lambda: be.ops.quantized_gemm(dflat, self.dev_w_o, activations="auto"),
+                  {"x": flat, "qweight": self.w_o, "activations": self.activations},
+                  f"x[{n},{heads * d}] @ int4[{heads * d},{a.hidden}]")
 
 
 def run_demo(backend: hal_core.Backend, args: argparse.Namespace, log: Callable[[str], None]) -> list[OpResult]:
