@@ -155,3 +155,16 @@ def only_cpu_real(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
         hal_core.reset()
 
     return disable
+
+
+@pytest.fixture
+def private_tune_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A private, empty tune store (HAL_TUNE_DIR) with tuning on; no loaded table leaks in or out of the test."""
+    from hal_core import tuning
+
+    folder = tmp_path / "tune-store"
+    monkeypatch.setenv("HAL_TUNE_DIR", str(folder))
+    monkeypatch.delenv("HAL_TUNE", raising=False)
+    tuning.forget()
+    yield folder
+    tuning.forget()

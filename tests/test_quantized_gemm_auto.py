@@ -19,14 +19,9 @@ K, N, GROUP = 256, 48, 64
 
 
 @pytest.fixture(autouse=True)
-def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def store(private_tune_store: Path) -> Path:
     """A private, empty tune store for every test (the built-in rule applies unless a test persists a choice)."""
-    folder = tmp_path / "tune-store"
-    monkeypatch.setenv("HAL_TUNE_DIR", str(folder))
-    monkeypatch.delenv("HAL_TUNE", raising=False)
-    tuning.forget()
-    yield folder
-    tuning.forget()
+    return private_tune_store
 
 
 @pytest.fixture

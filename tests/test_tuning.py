@@ -79,14 +79,9 @@ CASE = make_case("write_kv_cache", tokens=64, kv_heads=2, head=16, block=8, dtyp
 
 
 @pytest.fixture(autouse=True)
-def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def store(private_tune_store: Path) -> Path:
     """A private tune store for every test; no loaded table leaks between tests."""
-    folder = tmp_path / "tune-store"
-    monkeypatch.setenv("HAL_TUNE_DIR", str(folder))
-    monkeypatch.delenv("HAL_TUNE", raising=False)
-    tuning.forget()
-    yield folder
-    tuning.forget()
+    return private_tune_store
 
 
 @pytest.fixture
