@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 
-from .._errors import ArgumentError, ArgumentTypeError
 from ..arrays import numpy_dtype
 from ..interop import host_view
 from ..ops.quantized_gemm import ACTIVATIONS
@@ -40,6 +39,7 @@ from ..quant import QuantizedWeight, quantize
 from ..quant._args import as_bool, as_int
 from ._convert import to_tensor
 from ._dtypes import FLOAT_DTYPE_NAMES
+from ._input_checks import check_activation
 from ._routing import backend_for
 from ._weights import _weight, weight_to_tensors
 
@@ -48,8 +48,6 @@ __all__ = ["QuantLinear"]
 #: torch dtype of each scale dtype hal reads, to the numpy dtype ``quantize`` takes.
 _SCALE_DTYPES = {dtype: numpy_dtype(name) for dtype, name in FLOAT_DTYPE_NAMES.items()}
 _BUFFERS = ("qweight", "scales", "zeros", "g_idx")
-#: The activation dtypes hal's quantized_gemm takes.
-_ACTIVATION_DTYPES = tuple(FLOAT_DTYPE_NAMES)
 
 
 def check_activations(activations: str | None) -> str | None:
@@ -246,20 +244,8 @@ class QuantLinear(torch.nn.Module):
 
     def _check_input(self, x: torch.Tensor) -> None:
         """ArgumentError / ArgumentTypeError naming ``x`` and this layer, before any work."""
-        if not isinstance(x, torch.Tensor):
-            raise ArgumentTypeError(f"argument 'x' of {self._describe()}: expected a torch.Tensor, "
-                                    f"got {type(x).__name__}")
-        if x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise ArgumentError(f"argument 'x' of {self._describe()}: expected shape [..., {self.in_features}], "
-                                f"got {tuple(x.shape)}")
-        if x.dtype not in _ACTIVATION_DTYPES:
-            raise ArgumentTypeError(f"argument 'x' of {self._describe()}: expected dtype torch.float16, "
-                                    f"torch.bfloat16 or torch.float32, got {x.dtype} (hal's quantized_gemm "
-                                    f"has no such path; cast it, e.g. x.float())")
-        qweight: torch.Tensor = self._buffers["qweight"]  # type: ignore[assignment]  # never None
-        if x.device != qweight.device:
-            raise ArgumentError(f"argument 'x' of {self._describe()}: is on {x.device}, the layer's weight on "
-                                f"{qweight.device}; move one of them with .to()")
+        check_activation(x, "x", self._describe(), self.in_features, self._buffers["qweight"],  # type: ignore[arg-type]
+                         "the layer's weight")
 
     def _host_gemm(self, rows: torch.Tensor) -> torch.Tensor:
         """Eager CPU calls go straight to hal's front door with the weight's numpy views built once.

@@ -43,6 +43,7 @@ from ..ops.fused_moe import ROUTINGS
 from ..ops.gated_activation import ACTIVATIONS
 from ..quant import ExpertWeights, QuantizedWeight, quantize
 from ._host import host_call
+from ._input_checks import check_activation
 from ._modules import _SCALE_DTYPES
 from ._moe_block import MoeSettings, block_problem, expert_tensors, moe_settings
 from ._weights import _weight, weight_to_tensors
@@ -52,7 +53,6 @@ __all__ = ["QuantMoE", "quantize_block"]
 log = logging.getLogger("hal")
 
 _FIELDS = ("qweight", "scales", "zeros", "g_idx")
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 #: Fallback reasons already logged in this process.
 _logged: set[str] = set()
 
@@ -191,20 +191,8 @@ class QuantMoE(torch.nn.Module):
 
     def _check_input(self, x: Any) -> None:
         """ArgumentError / ArgumentTypeError naming ``hidden_states`` and this block, before any work."""
-        if not isinstance(x, torch.Tensor):
-            raise ArgumentTypeError(f"argument 'hidden_states' of {self._describe()}: expected a torch.Tensor, "
-                                    f"got {type(x).__name__}")
-        if x.dim() == 0 or x.shape[-1] != self.hidden_size:
-            raise ArgumentError(f"argument 'hidden_states' of {self._describe()}: expected shape "
-                                f"[..., {self.hidden_size}], got {tuple(x.shape)}")
-        if x.dtype not in _FLOATS:
-            raise ArgumentTypeError(f"argument 'hidden_states' of {self._describe()}: expected dtype torch.float32, "
-                                    f"torch.float16 or torch.bfloat16, got {x.dtype}")
-        qweight = self._buffers["w13_qweight"]
-        assert qweight is not None
-        if x.device != qweight.device:
-            raise ArgumentError(f"argument 'hidden_states' of {self._describe()}: is on {x.device}, the experts "
-                                f"on {qweight.device}; move one of them with .to()")
+        check_activation(x, "hidden_states", self._describe(), self.hidden_size,
+                         self._buffers["w13_qweight"], "the experts")  # type: ignore[arg-type]
 
     def _logits(self, rows: torch.Tensor) -> torch.Tensor:
         out = self.gate(rows)
