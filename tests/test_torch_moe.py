@@ -144,7 +144,7 @@ def test_quantized_experts_hold_the_blocks_weights_in_hals_layout(hal_rng: np.ra
     with torch.no_grad():
         got, expected = model.model.layers[0].mlp(x), original(x)
     error = torch.linalg.norm(got - expected) / torch.linalg.norm(expected)
-    assert error < 0.2, error
+    assert error < 0.3, error  # int4 (G = 32) on random weights: up to 0.20 over 70 run seeds; a layout error ~1
 
 
 @pytest.mark.parametrize(("kind", "norm"), MODELS)
