@@ -19,11 +19,11 @@ from torch_helpers import torch
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (make test installs it)")
 
 import hal_core  # noqa: E402
-from hal_core import ArgumentError, ArgumentTypeError, CheckpointError, ConfigurationError, FallbackError  # noqa: E402
+from hal_core import ArgumentError, ArgumentTypeError, ConfigurationError, FallbackError  # noqa: E402
 from hal_core.interop import host_view  # noqa: E402
 from hal_core.ops import OPS  # noqa: E402
 from hal_core.testing.inputs import assert_close  # noqa: E402
-from hal_core.torch import QuantLinear, QuantMoE, quantize_model, save_quantized  # noqa: E402
+from hal_core.torch import QuantLinear, QuantMoE, quantize_model  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K, GROUP = 64, 32, 8, 2, 32
 MODELS = [("qwen3_moe", True), ("qwen3_moe", False), ("mixtral", True)]
@@ -322,15 +322,6 @@ def test_forward_refuses_hidden_states_of_the_wrong_size(hal_rng: np.random.Gene
     with pytest.raises(ArgumentError, match=r"argument 'hidden_states' of QuantMoE 'model.layers.0.mlp': expected "
                                             r"shape \[..., 64\], got \(2, 32\)"):
         model.model.layers[0].mlp(torch.zeros(2, 32))
-
-
-def test_save_quantized_refuses_quantized_experts_before_writing(hal_rng: np.random.Generator, tmp_path: Any) -> None:
-    """save_quantized on a model with a QuantMoE: CheckpointError naming the block, and no file written."""
-    model = _model("mixtral", hal_rng)
-    quantize_model(model, bits=4, group_size=GROUP)
-    with pytest.raises(CheckpointError, match=r"MoE block 'model\.layers\.0\.mlp' is a QuantMoE"):
-        save_quantized(model, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
 
 
 def test_bf16_model_block_matches_float64_on_its_router_logits(hal_rng: np.random.Generator) -> None:

@@ -35,7 +35,10 @@ from .._errors import ArgumentError, CheckpointError
 from ..quant._checkpoint_format import FLOATS, KEY, CheckpointFormat, TensorSpec, checkpoint_format
 from ._checkpoint_files import Folder, Tensors
 from ._layer_progress import ProgressArg, layer_progress
+from ._load_moe import load_moe, plan_moe
 from ._modules import QuantLinear, check_activations
+from ._moe_layout import stored_name
+from ._stored_layers import check_header, check_stored_layer, read_stored_layer
 
 __all__ = ["CheckpointFormat", "checkpoint_format", "load_quantized"]
 
@@ -136,7 +139,10 @@ def load_quantized(path: str | os.PathLike[str], *, dtype: torch.dtype | str = "
 
     Which layers are quantized is read from the tensors (a ``.qweight``),
     not from ``modules_to_not_convert``; every other float tensor is cast to
-    ``dtype``. A layer's ``.bias`` is loaded when the model's layer has one.
+    ``dtype``. A sparse MoE block (Qwen3-MoE, Mixtral) whose experts are
+    stored quantized, one layer per expert and projection as MoE checkpoints
+    hold them (:mod:`hal_core.torch._moe_layout`), becomes a
+    :class:`QuantMoE` run by ``fused_moe``. A layer's ``.bias`` is loaded when the model's layer has one.
 
     Raises :class:`hal_core.CheckpointError` (a ``ValueError``), naming the
     file and the key or layer, for: a file that resolves outside the
@@ -191,11 +197,17 @@ def load_quantized(path: str | os.PathLike[str], *, dtype: torch.dtype | str = "
         tensors = Tensors(folder, stack)
         layers = _quantized_layers(model, tensors)
         _check_layers(fmt, layers, tensors)
-        plan = _plan_others(model, tensors, {id(getattr(*places[0])) for places in layers.values()})
-        with layer_progress(progress, len(layers), "loading") as step:  # from here on, only values can fail
+        blocks = plan_moe(model, tensors, fmt, config)
+        replaced = {id(getattr(*places[0])) for places in layers.values()} | {id(b.block.experts) for b in blocks}
+        renames = {b.name: b.prefix for b in blocks if b.prefix != b.name}
+        plan = _plan_others(model, tensors, replaced, renames)
+        with layer_progress(progress, len(layers) + len(blocks), "loading") as step:  # now only values can fail
             for name in list(layers):
                 _load_layer(fmt, name, layers.pop(name), tensors, torch_dtype, device, activations)
                 step(name)
+            for block in blocks:
+                block.replace(model, load_moe(block, fmt, tensors, device))
+                step(block.name)
         _load_others(plan, tensors, torch_dtype, device)
         unused = sorted(set(tensors.where) - tensors.used)
     if unused:
@@ -205,64 +217,41 @@ def load_quantized(path: str | os.PathLike[str], *, dtype: torch.dtype | str = "
     return model.eval()
 
 
-def _check_header(tensors: Tensors, key: str, spec: TensorSpec, prefix: str = "") -> None:
-    """Refuse ``key`` if its stored shape or dtype is not ``spec``'s, from its header alone."""
-    shape, dtype = tensors.header(key)
-    if shape != spec.shape:
-        raise CheckpointError(f"{prefix}{tensors.show(key)} has shape {shape}, expected {spec.shape} "
-                              f"({spec.layout})")
-    if dtype not in spec.dtypes:
-        raise CheckpointError(f"{prefix}{tensors.show(key)} has dtype {dtype}, expected "
-                              f"{' or '.join(sorted(spec.dtypes))} ({spec.layout})")
-
-
 def _check_layers(base: CheckpointFormat, layers: Mapping[str, list[tuple[torch.nn.Module, str]]],
                   tensors: Tensors) -> None:
     """Each quantized layer's stored tensors are all there, each of the shape and dtype its layer needs."""
     for name, places in layers.items():
         linear = getattr(*places[0])
-        fmt = base.for_layer(name)
-        for part in ("qzeros", "scales"):
-            if f"{name}.{part}" not in tensors:
-                raise CheckpointError(f"layer {name!r}: the checkpoint has {name}.qweight but no {name}.{part}")
-        if fmt.desc_act and f"{name}.g_idx" not in tensors:
-            raise CheckpointError(f"{KEY}.desc_act is true (act-order), but layer {name!r} has no {name}.g_idx: "
-                                  f"its rows' groups are unknown")
-        if linear.bias is not None and f"{name}.bias" not in tensors:
-            raise CheckpointError(f"layer {name!r}: the model's layer has a bias, the checkpoint no {name}.bias")
-        specs = fmt.layer_specs(name, linear.in_features, linear.out_features)
-        parts = (*fmt.parts, "bias") if linear.bias is not None else fmt.parts
-        for part in parts:
-            if f"{name}.{part}" in tensors:
-                _check_header(tensors, f"{name}.{part}", specs[part], f"layer {name!r}: ")
+        check_stored_layer(base, name, linear.in_features, linear.out_features, tensors, bias=linear.bias is not None)
 
 
 def _load_layer(fmt: CheckpointFormat, name: str, places: list[tuple[torch.nn.Module, str]], tensors: Tensors,
                 dtype: torch.dtype, device: torch.device, activations: str | None) -> None:
     linear = getattr(*places[0])
-    fmt = fmt.for_layer(name)
-    parts = {part: tensors.read(f"{name}.{part}") for part in fmt.parts if f"{name}.{part}" in tensors}
-    weight = fmt.convert(name, parts)
-    del parts
+    weight = read_stored_layer(fmt, name, tensors)
     bias = tensors.read(f"{name}.bias").to(dtype) if linear.bias is not None else None
     layer = QuantLinear.from_weight(weight, bias, device=device, name=name, activations=activations)
     for parent, attr in places:
         setattr(parent, attr, layer)
 
 
-def _plan_others(model: torch.nn.Module, tensors: Tensors, replaced: set[int]) -> list[tuple[str, list[Place]]]:
+def _plan_others(model: torch.nn.Module, tensors: Tensors, replaced: set[int],
+                 renames: dict[str, str]) -> list[tuple[str, list[Place]]]:
     """The checkpoint name each float parameter and persistent buffer is read from, its header checked.
+
+    A tensor under a MoE block stored under another name (``renames``: the block's name in the model -> in the
+    checkpoint, :func:`~._moe_layout.stored_name`) is looked up under both.
 
     CheckpointError if one has none, or one of another shape (or a dtype of
     another kind: a float for a float, the same integer type for an integer).
     """
     plan = []
     for names, where, meta in _places(model, replaced):
-        key = next((n for n in names if n in tensors), None)
+        key = next((n for n in (*names, *(stored_name(n, renames) for n in names)) if n in tensors), None)
         if key is None:
             raise CheckpointError(f"the checkpoint has no tensor for {' / '.join(names)}")
         dtypes = FLOATS if meta.is_floating_point() else frozenset({_STORED_DTYPES.get(meta.dtype, str(meta.dtype))})
-        _check_header(tensors, key, TensorSpec(tuple(meta.shape), dtypes, f"the model's {' / '.join(names)}"))
+        check_header(tensors, key, TensorSpec(tuple(meta.shape), dtypes, f"the model's {' / '.join(names)}"))
         plan.append((key, where))
     return plan
 

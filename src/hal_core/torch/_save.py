@@ -9,7 +9,9 @@ quantized layer ``<name>`` is stored as ``<name>.qweight``, ``.qzeros``,
 ``.scales``, ``.g_idx`` (and ``.bias``), converted by
 :func:`~hal_core.quant.to_gptq`, the exact inverse of the importer; every
 other parameter and persistent buffer under its usual name (a tied weight
-once, under its first name), in its own dtype.
+once, under its first name), in its own dtype. A :class:`QuantMoE` block's
+experts are stored as one GPTQ layer per expert and projection, under the
+names MoE checkpoints use (:mod:`._moe_layout`).
 
 Everything GPTQ cannot express is refused with :class:`~hal_core.CheckpointError`,
 naming the layer, before anything is written; the files are written into a
@@ -35,13 +37,13 @@ import numpy as np
 import torch
 
 from .._errors import CheckpointError
-from ..interop import host_view
-from ..quant import QuantizedWeight, to_gptq
+from ..quant import to_gptq
 from ..quant._gptq_export import check_gptq
 from ._modules import QuantLinear
 from ._moe import QuantMoE
+from ._moe_layout import moe_export_layers, moe_layout, stored_name
 from ._safetensors_write import ENTRY_DTYPES, Entry, write_safetensors
-from ._weights import _weight
+from ._save_layers import ExportLayer, linear_export
 
 __all__ = ["save_quantized"]
 
@@ -53,7 +55,8 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "m
 
 def save_quantized(model: torch.nn.Module, path: str | os.PathLike[str], *, checkpoint_format: str = "gptq",
                    max_shard_size: int | str = "5GB", tokenizer: Any = None, overwrite: bool = False) -> Path:
-    """Write ``model`` (its linear layers :class:`QuantLinear`) as a GPTQ checkpoint directory ``path``; return it.
+    """Write ``model`` (its linear layers :class:`QuantLinear`, its MoE blocks :class:`QuantMoE`) as a GPTQ
+    checkpoint directory ``path``; return it.
 
     ``model``: a transformers model, as :func:`quantize_model` or
     :func:`load_quantized` leave it (its ``config`` becomes ``config.json``).
@@ -74,7 +77,8 @@ def save_quantized(model: torch.nn.Module, path: str | os.PathLike[str], *, chec
     that GPTQ kernels do not take; a zero point the chosen format cannot
     store; scales not exact in float16; int8 layers whose ``in_features``
     is not a multiple of 4; a model without :class:`QuantLinear` layers or
-    with tensors on the meta device.
+    with tensors on the meta device; a :class:`QuantMoE` in a model whose
+    ``model_type`` has no known MoE layout (``qwen3_moe``, ``mixtral``).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"argument 'model': expected a torch.nn.Module, got {type(model).__name__}")
@@ -92,24 +96,29 @@ def save_quantized(model: torch.nn.Module, path: str | os.PathLike[str], *, chec
     target = Path(path)
     _check_target(target, overwrite)
 
-    experts = [name for name, module in model.named_modules() if isinstance(module, QuantMoE)]
-    if experts:
-        raise CheckpointError(f"MoE block {experts[0]!r} is a QuantMoE: saving quantized experts is not supported "
-                              f"(hal writes GPTQ linear layers only); nothing was written")
-    layers, float_linears = _linear_layers(model)
+    linears, float_linears = _linear_layers(model)
+    layers = {name: linear_export(layer) for name, layer in linears.items()}
+    renames: dict[str, str] = {}  # a MoE block's name in the model -> its stored name, where they differ
+    blocks = {id(module): (name, module) for name, module in model.named_modules() if isinstance(module, QuantMoE)}
+    for name, block in blocks.values():
+        layout = moe_layout(config, name)
+        if layout.stored_prefix(name) != name:
+            renames[name] = layout.stored_prefix(name)
+        layers.update(moe_export_layers(name, block, layout))
     if not layers:
         raise CheckpointError("argument 'model': it has no QuantLinear layers; quantize it first "
                               "(hal_core.torch.quantize_model)")
     for name, layer in layers.items():
         try:
-            check_gptq(_host_weight(layer, codes=False), fmt)
+            check_gptq(layer.weight(False), fmt)
         except ValueError as exc:
             raise CheckpointError(f"layer {name!r}: {exc}") from None
     document = config.to_dict()
     document["quantization_config"] = _quantization_config(model, layers, float_linears, fmt)
     if hasattr(type(model), "config_class"):  # a transformers model: what save_pretrained records
         document["architectures"] = [type(model).__name__]
-    entries = _layer_entries(layers, fmt) + _other_entries(model, layers)
+    skip = {id(layer) for layer in linears.values()} | set(blocks)
+    entries = _layer_entries(layers, fmt) + _other_entries(model, skip, renames)
     dtype = next((e.dtype for e in entries if e.dtype.is_floating_point and e.name.endswith(".weight")), None)
     if dtype is not None:
         document["dtype"] = str(dtype).removeprefix("torch.")
@@ -184,20 +193,7 @@ def _linear_layers(model: torch.nn.Module) -> tuple[dict[str, QuantLinear], list
     return layers, floats
 
 
-def _host_weight(layer: QuantLinear, *, codes: bool = True) -> QuantizedWeight:
-    """The layer's weight over host views of its buffers (copied one at a time from another device).
-
-    ``codes=False`` stands a meta tensor in for ``qweight``: the checks read only its shape.
-    """
-    def host(tensor: torch.Tensor | None, name: str) -> Any:
-        return None if tensor is None else host_view(tensor.detach().cpu(), name)
-
-    qweight = host(layer.qweight, "qweight") if codes else torch.empty_like(layer.qweight, device="meta")
-    return _weight(qweight, host(layer.scales, "scales"), host(layer.zeros, "zeros"), host(layer.g_idx, "g_idx"),
-                   layer.bits, layer.group_size)
-
-
-def _layer_group_size(name: str, layer: QuantLinear) -> int:
+def _layer_group_size(name: str, layer: ExportLayer) -> int:
     """The group size GPTQ stores for one layer: its own when GPTQ kernels take it, else -1 (one group over K)."""
     if layer.group_size in GPTQ_GROUP_SIZES:
         return layer.group_size
@@ -207,12 +203,12 @@ def _layer_group_size(name: str, layer: QuantLinear) -> int:
                           f"group) or {', '.join(map(str, GPTQ_GROUP_SIZES))}")
 
 
-def _fits(layer: QuantLinear, bits: int, group_size: int) -> bool:
+def _fits(layer: ExportLayer, bits: int, group_size: int) -> bool:
     return layer.bits == bits and (layer.group_size == group_size
                                    or (group_size == -1 and layer.group_size == layer.in_features))
 
 
-def _bits_and_groups(layers: dict[str, QuantLinear]) -> tuple[tuple[int, int], dict[str, dict[str, int]]]:
+def _bits_and_groups(layers: dict[str, ExportLayer]) -> tuple[tuple[int, int], dict[str, dict[str, int]]]:
     """The config's ``bits`` and ``group_size`` (the most common pair), and ``dynamic`` rules for the others.
 
     ``group_size`` is -1 when every layer holds one group over its K. A
@@ -234,15 +230,15 @@ def _bits_and_groups(layers: dict[str, QuantLinear]) -> tuple[tuple[int, int], d
     return base, dynamic
 
 
-def _quantization_config(model: torch.nn.Module, layers: dict[str, QuantLinear], float_linears: list[str],
+def _quantization_config(model: torch.nn.Module, layers: dict[str, ExportLayer], float_linears: list[str],
                          fmt: str) -> dict[str, Any]:
     (bits, group_size), dynamic = _bits_and_groups(layers)
     get_output = getattr(model, "get_output_embeddings", None)
     output = get_output() if callable(get_output) else None
     config: dict[str, Any] = {
         "quant_method": "gptq", "bits": bits, "group_size": group_size,
-        "desc_act": any(layer.g_idx is not None for layer in layers.values()),
-        "sym": all(layer.zeros is None for layer in layers.values()),
+        "desc_act": any(layer.has_g_idx for layer in layers.values()),
+        "sym": not any(layer.has_zeros for layer in layers.values()),
         "checkpoint_format": fmt, "lm_head": isinstance(output, QuantLinear),
     }
     if dynamic:
@@ -261,7 +257,7 @@ def _quantization_config(model: torch.nn.Module, layers: dict[str, QuantLinear],
 class _LayerExport:
     """The GPTQ tensors of one layer at a time: converted when its first tensor is written, dropped at the next."""
 
-    def __init__(self, layers: dict[str, QuantLinear], fmt: str) -> None:
+    def __init__(self, layers: dict[str, ExportLayer], fmt: str) -> None:
         self.layers, self.fmt = layers, fmt
         self.name: str | None = None
         self.tensors: dict[str, np.ndarray] = {}
@@ -270,13 +266,13 @@ class _LayerExport:
         def read() -> np.ndarray:
             if self.name != name:
                 self.tensors = {}  # the previous layer's arrays go before this one's are made
-                self.tensors = to_gptq(_host_weight(self.layers[name]), checkpoint_format=self.fmt)
+                self.tensors = to_gptq(self.layers[name].weight(True), checkpoint_format=self.fmt)
                 self.name = name
             return self.tensors[part]
         return read
 
 
-def _layer_entries(layers: dict[str, QuantLinear], fmt: str) -> list[Entry]:
+def _layer_entries(layers: dict[str, ExportLayer], fmt: str) -> list[Entry]:
     export = _LayerExport(layers, fmt)
     entries = []
     for name, layer in layers.items():
@@ -300,9 +296,9 @@ def _tensor_entry(name: str, tensor: torch.Tensor) -> Entry:
     return Entry(name, tensor.dtype, tuple(tensor.shape), lambda: tensor)
 
 
-def _other_entries(model: torch.nn.Module, layers: dict[str, QuantLinear]) -> list[Entry]:
-    """Every parameter and persistent buffer outside the quantized layers, once each, under its first name."""
-    skip = {id(layer) for layer in layers.values()}
+def _other_entries(model: torch.nn.Module, skip: set[int], renames: dict[str, str]) -> list[Entry]:
+    """Every parameter and persistent buffer outside the ``skip`` modules (the quantized layers, the MoE blocks'
+    own expert buffers), once each, under its first name as stored (``renames``: :func:`stored_name`)."""
     seen: set[int] = set()
     entries = []
     for module_name, module in model.named_modules(remove_duplicate=False):
@@ -315,7 +311,7 @@ def _other_entries(model: torch.nn.Module, layers: dict[str, QuantLinear]) -> li
             if tensor is None or id(tensor) in seen:
                 continue
             seen.add(id(tensor))
-            entries.append(_tensor_entry(prefix + attr, tensor))
+            entries.append(_tensor_entry(stored_name(prefix + attr, renames), tensor))
     return entries
 
 
