@@ -1,11 +1,13 @@
 """What ``hal bench --model`` runs: the model's config (a built-in size or a Hugging Face config), the contenders,
 and the bytes a decode step must read (no torch needed).
 
-A model is a Llama-architecture config: a built-in size (:data:`BUILTIN_MODELS`)
+A model is a Llama-architecture config, or a Qwen3-MoE one (every MLP a
+sparse MoE block, which hal's quantized contenders run as
+:class:`~hal_core.torch.QuantMoE`): a built-in size (:data:`BUILTIN_MODELS`)
 or a path to a ``config.json`` (or a directory holding one) whose
-``model_type`` is one of :data:`LLAMA_TYPES`. Its weights are random
-(seeded): nothing is downloaded, and a checkpoint's own weights are never
-read, only its config.
+``model_type`` is one of :data:`LLAMA_TYPES` or :data:`MOE_TYPES`. Its
+weights are random (seeded): nothing is downloaded, and a checkpoint's own
+weights are never read, only its config.
 """
 
 from __future__ import annotations
@@ -18,11 +20,15 @@ from typing import Any
 
 from ._cases import BenchArgumentError
 
-__all__ = ["BUILTIN_MODELS", "CONTENDERS", "LLAMA_TYPES", "Contender", "ModelSpec", "check_sizes", "decode_bytes",
-           "decode_limit", "linear_shapes", "resolve_contenders", "resolve_model", "step_bytes"]
+__all__ = ["BUILTIN_MODELS", "CONTENDERS", "LLAMA_TYPES", "MOE_TYPES", "Contender", "ModelSpec", "active_experts",
+           "check_sizes", "decode_bytes", "decode_limit", "expert_shapes", "linear_shapes", "resolve_contenders",
+           "resolve_model", "step_bytes"]
 
 #: ``model_type`` values whose layers are Llama's (RMSNorm, rotary GQA attention, gated MLP, no biases needed).
 LLAMA_TYPES = ("llama", "mistral")
+#: ``model_type`` values of sparse MoE models: Llama's attention (with per-head q/k norms), every MLP a routed block
+#: of ``num_experts`` gated experts of ``moe_intermediate_size``, ``num_experts_per_tok`` of them per token.
+MOE_TYPES = ("qwen3_moe",)
 
 _COMMON = {"model_type": "llama", "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
            "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
@@ -38,8 +44,23 @@ BUILTIN_MODELS: dict[str, dict[str, Any]] = {
            "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128,
            "max_position_embeddings": 4096, "initializer_range": 0.02},
 }
+_MOE_COMMON = {**_COMMON, "model_type": "qwen3_moe", "norm_topk_prob": True, "decoder_sparse_step": 1,
+               "mlp_only_layers": []}
+#: ``moe``: a Qwen3-MoE of 0.49 B parameters, 50 M of them experts active per token (hidden 1024, 8 layers, GQA
+#: 16/4 heads of 64, 32 experts of 512, 4 per token, vocabulary 32000); ``tiny-moe``: a few MB for tests.
+BUILTIN_MODELS.update({
+    "moe": {**_MOE_COMMON, "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2048,
+            "moe_intermediate_size": 512, "num_experts": 32, "num_experts_per_tok": 4, "num_hidden_layers": 8,
+            "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64, "max_position_embeddings": 4096,
+            "initializer_range": 0.02},
+    "tiny-moe": {**_MOE_COMMON, "vocab_size": 512, "hidden_size": 256, "intermediate_size": 512,
+                 "moe_intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128,
+                 "max_position_embeddings": 2048, "initializer_range": 0.1},
+})
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_MOE_REQUIRED = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 #: Keys of a checkpoint's config that describe its stored weights, not the architecture: dropped.
 _DROPPED = ("quantization_config", "architectures", "auto_map", "_name_or_path", "transformers_version",
             "torch_dtype", "dtype")
@@ -82,18 +103,42 @@ class ModelSpec:
     def tied(self) -> bool:
         return bool(self.config.get("tie_word_embeddings", False))
 
+    @property
+    def moe(self) -> bool:
+        """Whether every MLP is a sparse MoE block (:data:`MOE_TYPES`)."""
+        return self.config["model_type"] in MOE_TYPES
+
+    @property
+    def experts(self) -> int:
+        return int(self.config.get("num_experts") or 0)
+
+    @property
+    def top_k(self) -> int:
+        return int(self.config.get("num_experts_per_tok") or 0)
+
+    @property
+    def moe_intermediate(self) -> int:
+        return int(self.config.get("moe_intermediate_size") or 0)
+
+    def norm_weights(self) -> int:
+        """Elements of every norm's weight: two per layer and the final one (and Qwen3's per-head q/k norms)."""
+        return (2 * self.layers + 1) * self.hidden + (2 * self.layers * self.head_size if self.moe else 0)
+
     def parameters(self) -> int:
-        """Parameters of the model (a tied embedding counted once)."""
+        """Parameters of the model (a tied embedding counted once; every expert and router)."""
         linear = sum(k * n for _, k, n in linear_shapes(self))
-        norms = (2 * self.layers + 1) * self.hidden
-        return linear + norms + self.vocab * self.hidden * (1 if self.tied else 2)
+        experts = self.layers * self.experts * (3 * self.hidden * self.moe_intermediate + self.hidden)
+        return linear + experts + self.norm_weights() + self.vocab * self.hidden * (1 if self.tied else 2)
 
     def summary(self) -> dict[str, Any]:
-        """The figures a report shows: sizes, heads, parameters."""
-        return {"name": self.name, "layers": self.layers, "hidden": self.hidden,
-                "intermediate": int(self.config["intermediate_size"]), "heads": self.heads,
-                "kv_heads": self.kv_heads, "head_size": self.head_size, "vocab": self.vocab,
-                "tied_embeddings": self.tied, "parameters": self.parameters()}
+        """The figures a report shows: sizes, heads, parameters (and the experts of a MoE model)."""
+        found = {"name": self.name, "layers": self.layers, "hidden": self.hidden,
+                 "intermediate": int(self.config["intermediate_size"]), "heads": self.heads,
+                 "kv_heads": self.kv_heads, "head_size": self.head_size, "vocab": self.vocab,
+                 "tied_embeddings": self.tied, "parameters": self.parameters()}
+        if self.moe:
+            found.update(experts=self.experts, experts_per_token=self.top_k, moe_intermediate=self.moe_intermediate)
+        return found
 
 
 def resolve_model(text: str) -> ModelSpec:
@@ -118,13 +163,15 @@ def resolve_model(text: str) -> ModelSpec:
     if not isinstance(config, dict):
         raise BenchArgumentError(f"argument --model: {path} holds no JSON object")
     text_config = config.get("text_config")
-    if config.get("model_type") not in LLAMA_TYPES and isinstance(text_config, dict):
+    known = LLAMA_TYPES + MOE_TYPES
+    if config.get("model_type") not in known and isinstance(text_config, dict):
         config = text_config  # a multimodal model's language model
     kind = config.get("model_type")
-    if kind not in LLAMA_TYPES:
+    if kind not in known:
         raise BenchArgumentError(f"argument --model: {path}: model_type {kind!r} is not a Llama architecture "
-                                 f"(expected one of {', '.join(LLAMA_TYPES)})")
-    missing = [k for k in _REQUIRED if not isinstance(config.get(k), int) or isinstance(config.get(k), bool)
+                                 f"(expected one of {', '.join(known)})")
+    required = _REQUIRED + (_MOE_REQUIRED if kind in MOE_TYPES else ())
+    missing = [k for k in required if not isinstance(config.get(k), int) or isinstance(config.get(k), bool)
                or config[k] <= 0]
     if missing:
         raise BenchArgumentError(f"argument --model: {path}: missing or not a positive integer: "
@@ -135,6 +182,11 @@ def resolve_model(text: str) -> ModelSpec:
                                  f"num_attention_heads={spec.heads}")
     if spec.config.get("attention_bias") or spec.config.get("mlp_bias"):
         raise BenchArgumentError(f"argument --model: {path}: attention_bias / mlp_bias are not Llama's layers")
+    if spec.moe and (spec.config.get("mlp_only_layers") or spec.config.get("decoder_sparse_step", 1) != 1
+                     or spec.top_k > spec.experts):
+        raise BenchArgumentError(f"argument --model: {path}: hal's MoE benchmark needs every layer a MoE block "
+                                 f"(mlp_only_layers empty, decoder_sparse_step 1) and num_experts_per_tok <= "
+                                 f"num_experts")
     return spec
 
 
@@ -204,11 +256,29 @@ def resolve_contenders(text: str | None) -> tuple[Contender, ...]:
 
 
 def linear_shapes(spec: ModelSpec) -> list[tuple[str, int, int]]:
-    """``(name, in_features, out_features)`` of every linear layer of the decoder layers (not ``lm_head``)."""
+    """``(name, in_features, out_features)`` of every linear layer of the decoder layers (not ``lm_head``; of a MoE
+    model, the attention's: its experts are :func:`expert_shapes`)."""
     h, i, d = spec.hidden, int(spec.config["intermediate_size"]), spec.head_size
     one = [("q_proj", h, spec.heads * d), ("k_proj", h, spec.kv_heads * d), ("v_proj", h, spec.kv_heads * d),
-           ("o_proj", spec.heads * d, h), ("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h)]
+           ("o_proj", spec.heads * d, h)]
+    if not spec.moe:
+        one += [("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h)]
     return [(f"model.layers.{n}.{name}", k, m) for n in range(spec.layers) for name, k, m in one]
+
+
+def expert_shapes(spec: ModelSpec) -> list[tuple[str, int, int]]:
+    """``(name, in_features, out_features)`` of one expert's gate, up and down projections (none for a dense
+    model)."""
+    h, i = spec.hidden, spec.moe_intermediate
+    return [("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h)] if spec.moe else []
+
+
+def active_experts(spec: ModelSpec, batch: int) -> float:
+    """Experts of one MoE layer a decode step of ``batch`` tokens reads, expected for a router that picks each
+    token's ``top_k`` experts uniformly at random: ``E * (1 - (1 - top_k / E) ** batch)``."""
+    if not spec.moe:
+        return 0.0
+    return spec.experts * (1.0 - (1.0 - spec.top_k / spec.experts) ** batch)
 
 
 def _linear_bytes(k: int, n: int, contender: Contender, group_size: int) -> int:
@@ -224,12 +294,17 @@ def step_bytes(spec: ModelSpec, contender: Contender, batch: int, context: int, 
     Every weight once (the decoder's linear layers in the contender's format,
     ``lm_head`` and the norms in its dtype), each sequence's embedding row,
     and each sequence's keys and values of every layer over its context, in
-    the contender's dtype. What the step writes (one new key and value per
+    the contender's dtype. A MoE model reads every router (float) and, per
+    layer, the experts its tokens are routed to (:func:`active_experts`, in
+    the contender's format). What the step writes (one new key and value per
     layer, the logits) is left out: it is small against the reads.
     """
     size = contender.dtype_bytes
     weights = sum(_linear_bytes(k, n, contender, group_size) for _, k, n in linear_shapes(spec))
-    weights += spec.vocab * spec.hidden * size + (2 * spec.layers + 1) * spec.hidden * size
+    weights += spec.vocab * spec.hidden * size + spec.norm_weights() * size
+    if spec.moe:
+        expert = sum(_linear_bytes(k, n, contender, group_size) for _, k, n in expert_shapes(spec))
+        weights += spec.layers * (round(active_experts(spec, batch) * expert) + spec.experts * spec.hidden * size)
     kv = 2 * spec.layers * spec.kv_heads * spec.head_size * size * context
     return weights + batch * (spec.hidden * size + kv)
 
@@ -249,10 +324,15 @@ def decode_limit(spec: ModelSpec, contender: Contender, batch: int, prompt_len: 
 
 
 def check_sizes(spec: ModelSpec, contenders: Sequence[Contender], group_size: int) -> None:
-    """Refuse (naming the option) a model whose linear layers the quantized contenders cannot hold."""
+    """Refuse (naming the option) a model whose linear layers the quantized contenders cannot hold, and a MoE model
+    for the engine (it runs Llama-architecture models)."""
+    engines = [c.name for c in contenders if c.attention == "engine"]
+    if spec.moe and engines:
+        raise BenchArgumentError(f"argument --contenders: {', '.join(engines)} run Llama-architecture models; "
+                                 f"{spec.name} is a {spec.config['model_type']} model")
     if not any(c.bits for c in contenders):
         return
-    for name, k, _ in linear_shapes(spec)[:7]:
+    for name, k, _ in linear_shapes(spec)[:4 if spec.moe else 7] + expert_shapes(spec):
         if k % group_size or k % 8:
             raise BenchArgumentError(f"argument --group-size: {name.split('.')[-1]} has {k} input features, "
                                      f"which {group_size} (and 8, int4's packing) must divide")

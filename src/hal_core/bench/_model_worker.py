@@ -13,7 +13,10 @@ Tasks (the parent, :mod:`._model`, writes them):
   every decoder linear layer with :func:`hal_core.quant.quantize` (symmetric,
   group-wise, float16 scales) and write each requested width as a GPTQ
   checkpoint directory (``config.json`` with its ``quantization_config``,
-  ``model.safetensors``; embeddings, norms and ``lm_head`` in bf16);
+  ``model.safetensors``; embeddings, norms and ``lm_head`` in bf16); a MoE
+  model is quantized by :func:`hal_core.torch.quantize_model` (its experts
+  too, ``lm_head`` left float) and written by
+  :func:`hal_core.torch.save_quantized` (one layer per expert and projection);
 - ``run``: build the contender's model (a float one from the config with the
   same seed, or :func:`hal_core.torch.load_quantized` of a checkpoint), warm
   it up, then time prefill, the first token and greedy decoding
@@ -97,12 +100,51 @@ def _gptq_tensors(weight: Any) -> dict[str, torch.Tensor]:
             "g_idx": torch.from_numpy((np.arange(k) // group).astype(np.int32))}
 
 
+class _Quarters:
+    """A ``progress(done, total, name)`` for :func:`~hal_core.torch.quantize_model` giving :data:`_QUARTERS` phases."""
+
+    def __init__(self, text: str) -> None:
+        self.text, self.shown = text, 0
+
+    def __call__(self, done: int, total: int, name: str) -> None:
+        while self.shown < _QUARTERS and done * _QUARTERS >= (self.shown + 1) * total:
+            self.shown += 1
+            phase(f"{self.text}: {done}/{total} layers")
+
+    def finish(self) -> None:
+        """The phases not shown yet (every one counts in the parent's progress)."""
+        for _ in range(_QUARTERS - self.shown):
+            phase(self.text)
+        self.shown = _QUARTERS
+
+
+def _prepare_moe(task: dict[str, Any]) -> dict[str, Any]:
+    """:func:`prepare` for a MoE model: the model quantized whole, experts included, then saved."""
+    from ..torch import quantize_model, save_quantized
+
+    phase("building the fp32 model to quantize")
+    written = {}
+    for bits in task["bits"]:
+        model = build_float_model(task["config"], torch.float32, task["seed"], "eager")
+        quarters = _Quarters(f"quantizing to int{bits}")
+        quantize_model(model, bits=bits, group_size=task["group_size"], layer_bits=None, skip=["lm_head"],
+                       progress=quarters)
+        quarters.finish()
+        phase(f"writing the int{bits} checkpoint")
+        written[str(bits)] = str(save_quantized(model, Path(task["out"]) / f"int{bits}", overwrite=True))
+        del model
+    return {"checkpoints": written}
+
+
 def prepare(task: dict[str, Any]) -> dict[str, Any]:
     """Write one GPTQ checkpoint per entry of ``task["bits"]`` under ``task["out"]``; their paths by width."""
     from safetensors.torch import save_file
 
     from ..quant import quantize
+    from ._model_spec import MOE_TYPES
 
+    if task["config"]["model_type"] in MOE_TYPES:
+        return _prepare_moe(task)
     phase("building the fp32 model to quantize")
     model = build_float_model(task["config"], torch.float32, task["seed"])
     linears = [(name, module) for name, module in model.named_modules()
@@ -218,7 +260,7 @@ def _model_bytes(model: torch.nn.Module) -> int:
 
 def run(task: dict[str, Any]) -> dict[str, Any]:
     """One contender: load, warm up, then ``repeat`` rounds of prefill + decode at every batch size."""
-    from ..torch import QuantLinear
+    from ..torch import QuantLinear, QuantMoE
 
     contender = task["contender"]
     attention, name = contender["attention"], contender["name"]
@@ -249,6 +291,7 @@ def run(task: dict[str, Any]) -> dict[str, Any]:
         "contender": name, "threads": torch.get_num_threads(), "load_s": load_s,
         "model_bytes": _model_bytes(model),
         "quantized_layers": sum(isinstance(m, QuantLinear) for m in model.modules()),
+        "moe_blocks": sum(isinstance(m, QuantMoE) for m in model.modules()),
         **timed, "memory": memory,
         **({} if graphs is None else {"compile_s": warmup_s, "compiled_graphs": warm_graphs,
                                       "compiled_graphs_timed": len(graphs) - warm_graphs}),
