@@ -47,8 +47,8 @@ def _weight_bytes(model: torch.nn.Module, bits: int | None, size: int, group: in
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear):
             k, n = module.in_features, module.out_features
-            quantized = bits is not None and name != "lm_head"
-            total += (k * n * bits // 8 + (k // group) * n * 2) if quantized else k * n * size
+            layer_bits = 8 if bits is not None and name == "lm_head" else bits  # quantize_model's int8 lm_head
+            total += (k * n * layer_bits // 8 + (k // group) * n * 2) if layer_bits else k * n * size
         elif hasattr(module, "weight") and "norm" in type(module).__name__.lower():
             total += module.weight.numel() * size
     return total
@@ -97,8 +97,8 @@ def test_tiny_model_end_to_end(tmp_path: Path, rng: np.random.Generator, capsys:
         marks = [memory["load_peak_rss_bytes"],
                  *(memory["peak_after_batch"][str(b)]["peak_rss_bytes"] for b in BATCHES), memory["peak_rss_bytes"]]
         assert all(a <= b + slack for a, b in itertools.pairwise(marks))
-        # 2 layers x 7 linear layers; the engine joins q/k/v and gate/up and counts the lm_head: 2 x 4 + 1
-        layers = {"hal-int4": 14, "hal-int4-k": 14, "engine-int4": 9, "engine-int4-a8": 9}
+        # 2 layers x 7 linear layers and the int8 lm_head; the engine joins q/k/v and gate/up: 2 x 4 + 1
+        layers = {"hal-int4": 15, "hal-int4-k": 15, "engine-int4": 9, "engine-int4-a8": 9}
         assert c["quantized_layers"] == layers.get(name, 0)
         for batch in BATCHES:
             d = c["decode"][str(batch)]

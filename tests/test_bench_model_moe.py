@@ -32,14 +32,15 @@ def _meta_model() -> Any:
 
 def _step_bytes(model: Any, bits: int | None, size: int, batch: int, context: int) -> float:
     """One decode step's reads counted from the model's own modules: every linear layer (but the experts) in the
-    contender's format, norms, routers and lm_head in its dtype, the expected routed experts, the KV."""
+    contender's format (lm_head int8 when quantized), norms and routers in its dtype, the expected routed experts,
+    the KV."""
     c = model.config
     total = 0.0
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear):
             k, n = module.in_features, module.out_features
-            quantized = bits is not None and name != "lm_head"
-            total += (k * n * bits // 8 + (k // 128) * n * 2) if quantized else k * n * size
+            layer_bits = 8 if bits is not None and name == "lm_head" else bits  # quantize_model's int8 lm_head
+            total += (k * n * layer_bits // 8 + (k // 128) * n * 2) if layer_bits else k * n * size
         elif type(module).__name__.endswith(("RMSNorm", "Router")):  # norms (q/k per head too) and routers
             total += module.weight.numel() * size
         elif type(module).__name__.endswith("Experts"):
@@ -68,7 +69,7 @@ def test_tiny_moe_model_end_to_end(tmp_path: Path, rng: np.random.Generator,
     assert report["model"]["experts"] == 8 and report["model"]["experts_per_token"] == 2
     by_name = {c["name"]: c for c in report["contenders"]}
     assert list(by_name) == list(CONTENDERS) and not any("error" in c for c in by_name.values())
-    assert (by_name["hal-int4"]["moe_blocks"], by_name["hal-int4"]["quantized_layers"]) == (2, 8)  # 2 x q/k/v/o
+    assert (by_name["hal-int4"]["moe_blocks"], by_name["hal-int4"]["quantized_layers"]) == (2, 9)  # 2 x qkvo + lm_head
     assert by_name["hal-fp32"]["moe_blocks"] == 0
     model, copy = _meta_model(), report["limits"]["copy"]["gbps"] * 1e9
     for name, c in by_name.items():

@@ -288,11 +288,17 @@ def _linear_bytes(k: int, n: int, contender: Contender, group_size: int) -> int:
     return k * n * contender.bits // 8 + scales
 
 
+#: How a quantized contender holds ``lm_head``: int8 (W8A8), as ``quantize_model`` does by default.
+_INT8 = Contender("lm_head", "hal", "bf16", 8, "the int8 lm_head of a quantized contender")
+
+
 def step_bytes(spec: ModelSpec, contender: Contender, batch: int, context: int, group_size: int = 128) -> int:
     """Bytes one decode step of ``batch`` sequences, each attending over ``context`` positions, must read.
 
     Every weight once (the decoder's linear layers in the contender's format,
-    ``lm_head`` and the norms in its dtype), each sequence's embedding row,
+    the norms in its dtype, ``lm_head`` in int8 for a quantized contender --
+    as ``quantize_model`` leaves it, unless tied to the embedding -- else in
+    its dtype), each sequence's embedding row,
     and each sequence's keys and values of every layer over its context, in
     the contender's dtype. A MoE model reads every router (float) and, per
     layer, the experts its tokens are routed to (:func:`active_experts`, in
@@ -301,7 +307,9 @@ def step_bytes(spec: ModelSpec, contender: Contender, batch: int, context: int, 
     """
     size = contender.dtype_bytes
     weights = sum(_linear_bytes(k, n, contender, group_size) for _, k, n in linear_shapes(spec))
-    weights += spec.vocab * spec.hidden * size + spec.norm_weights() * size
+    quantized_head = contender.bits is not None and not spec.tied
+    head = _linear_bytes(spec.hidden, spec.vocab, _INT8 if quantized_head else contender, group_size)
+    weights += head + spec.norm_weights() * size
     if spec.moe:
         expert = sum(_linear_bytes(k, n, contender, group_size) for _, k, n in expert_shapes(spec))
         weights += spec.layers * (round(active_experts(spec, batch) * expert) + spec.experts * spec.hidden * size)

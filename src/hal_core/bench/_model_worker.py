@@ -11,12 +11,14 @@ Tasks (the parent, :mod:`._model`, writes them):
 
 - ``prepare``: build the seeded random fp32 model from the config, quantize
   every decoder linear layer with :func:`hal_core.quant.quantize` (symmetric,
-  group-wise, float16 scales) and write each requested width as a GPTQ
-  checkpoint directory (``config.json`` with its ``quantization_config``,
-  ``model.safetensors``; embeddings, norms and ``lm_head`` in bf16); a MoE
-  model is quantized by :func:`hal_core.torch.quantize_model` (its experts
-  too, ``lm_head`` left float) and written by
-  :func:`hal_core.torch.save_quantized` (one layer per expert and projection);
+  group-wise, float16 scales) and ``lm_head`` to int8 (what
+  :func:`hal_core.torch.quantize_model` does by default; an untied one), and
+  write each requested width as a GPTQ checkpoint directory (``config.json``
+  with its ``quantization_config``, the int8 ``lm_head`` as a ``dynamic``
+  rule; ``model.safetensors``, embeddings and norms in bf16); a MoE model is
+  quantized by :func:`hal_core.torch.quantize_model` (its experts too) and
+  written by :func:`hal_core.torch.save_quantized` (one layer per expert and
+  projection);
 - ``run``: build the contender's model (a float one from the config with the
   same seed, or :func:`hal_core.torch.load_quantized` of a checkpoint), warm
   it up, then time prefill, the first token and greedy decoding
@@ -127,8 +129,7 @@ def _prepare_moe(task: dict[str, Any]) -> dict[str, Any]:
     for bits in task["bits"]:
         model = build_float_model(task["config"], torch.float32, task["seed"], "eager")
         quarters = _Quarters(f"quantizing to int{bits}")
-        quantize_model(model, bits=bits, group_size=task["group_size"], layer_bits=None, skip=["lm_head"],
-                       progress=quarters)
+        quantize_model(model, bits=bits, group_size=task["group_size"], progress=quarters)
         quarters.finish()
         phase(f"writing the int{bits} checkpoint")
         written[str(bits)] = str(save_quantized(model, Path(task["out"]) / f"int{bits}", overwrite=True))
@@ -147,8 +148,9 @@ def prepare(task: dict[str, Any]) -> dict[str, Any]:
         return _prepare_moe(task)
     phase("building the fp32 model to quantize")
     model = build_float_model(task["config"], torch.float32, task["seed"])
+    tied = bool(task["config"].get("tie_word_embeddings"))
     linears = [(name, module) for name, module in model.named_modules()
-               if type(module) is torch.nn.Linear and name != "lm_head"]
+               if type(module) is torch.nn.Linear and not (tied and name == "lm_head")]
     floats = {name: t.detach().to(torch.bfloat16).contiguous() for name, t in model.state_dict().items()
               if name.rsplit(".", 1)[0] not in dict(linears)}
     written = {}
@@ -157,14 +159,18 @@ def prepare(task: dict[str, Any]) -> dict[str, Any]:
         for i, (name, linear) in enumerate(linears):
             if i * _QUARTERS // len(linears) != (i - 1) * _QUARTERS // len(linears):  # _QUARTERS phases
                 phase(f"quantizing to int{bits}: {i}/{len(linears)} layers")
-            weight = quantize(linear.weight.detach().T, bits=bits, group_size=task["group_size"], symmetric=True,
-                              scale_dtype=np.float16)
+            weight = quantize(linear.weight.detach().T, bits=8 if name == "lm_head" else bits,
+                              group_size=task["group_size"], symmetric=True, scale_dtype=np.float16)
             tensors.update({f"{name}.{part}": t for part, t in _gptq_tensors(weight).items()})
         folder = Path(task["out"]) / f"int{bits}"
         folder.mkdir(parents=True, exist_ok=True)
         document = _config(task["config"], torch.bfloat16).to_dict()
         document["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": task["group_size"],
-                                           "desc_act": False, "sym": True, "checkpoint_format": "gptq"}
+                                           "desc_act": False, "sym": True, "checkpoint_format": "gptq",
+                                           "lm_head": not tied}
+        if bits != 8 and not tied:
+            document["quantization_config"]["dynamic"] = {
+                "+:^lm_head$": {"bits": 8, "group_size": task["group_size"]}}
         (folder / "config.json").write_text(json.dumps(document, indent=1, default=str))
         phase(f"writing the int{bits} checkpoint")
         save_file(tensors, str(folder / "model.safetensors"))
