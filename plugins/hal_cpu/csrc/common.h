@@ -35,6 +35,7 @@ struct KernelTable {
     int (*gated_activation)(const hal_cpu_gated_activation_args *);
     int (*rotary_embedding)(const hal_cpu_rotary_embedding_args *);
     int (*gemm_amx)();
+    int (*from_float32)(const hal_cpu_from_float32_args *);
 };
 
 }  // namespace hal

@@ -533,6 +533,7 @@ const char *hal_cpu_abi(const char *name) {
 }
 
 int hal_cpu_to_float32(const hal_cpu_to_float32_args *args) { return kernels()->to_float32(args); }
+int hal_cpu_from_float32(const hal_cpu_from_float32_args *args) { return kernels()->from_float32(args); }
 
 int hal_cpu_w4a16_gemv(const hal_cpu_w4a16_gemv_args *args) { return kernels()->w4a16_gemv(args); }
 

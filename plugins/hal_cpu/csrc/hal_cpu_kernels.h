@@ -126,6 +126,18 @@ typedef struct hal_cpu_write_kv_cache_args {
     F(int32_t, dtype)                   /* of x: HAL_F32 / HAL_F16 / HAL_BF16 */                               \
     F(int32_t, threads)
 typedef struct hal_cpu_to_float32_args { HAL_CPU_TO_FLOAT32_FIELDS(HAL_CPU_DECLARE_FIELD) } hal_cpu_to_float32_args;
+/* out [n] = x [n] rounded to nearest even in fp16 or bf16 (numpy's and ml_dtypes' casts; a bf16 NaN becomes the
+ * quiet NaN of its sign), contiguous, in parallel tasks of `chunk` elements. */
+#define HAL_CPU_FROM_FLOAT32_FIELDS(F)                                                                         \
+    F(const float *, x)                                                                                        \
+    F(void *, out)                                                                                             \
+    F(int64_t, n)                                                                                              \
+    F(int64_t, chunk)                                                                                          \
+    F(int32_t, dtype)                   /* of out: HAL_F16 / HAL_BF16 */                                       \
+    F(int32_t, threads)
+typedef struct hal_cpu_from_float32_args {
+    HAL_CPU_FROM_FLOAT32_FIELDS(HAL_CPU_DECLARE_FIELD)
+} hal_cpu_from_float32_args;
 
 /* W4A16 without act-order, group_size % 8 == 0: y [M, N] fp32 = x @ dequant(w), int4 unpacked in registers.
  * The packed weight is qweight [K / 8, N] (8 codes per word, row 8r + j in nibble j), scales and zeros
@@ -335,7 +347,8 @@ typedef struct hal_cpu_rotary_embedding_args {
     X(sample, hal_cpu_sample_args, HAL_CPU_SAMPLE_FIELDS)                                                      \
     X(rms_norm, hal_cpu_rms_norm_args, HAL_CPU_RMS_NORM_FIELDS)                                                \
     X(gated_activation, hal_cpu_gated_activation_args, HAL_CPU_GATED_ACTIVATION_FIELDS)                        \
-    X(rotary_embedding, hal_cpu_rotary_embedding_args, HAL_CPU_ROTARY_EMBEDDING_FIELDS)
+    X(rotary_embedding, hal_cpu_rotary_embedding_args, HAL_CPU_ROTARY_EMBEDDING_FIELDS)                        \
+    X(from_float32, hal_cpu_from_float32_args, HAL_CPU_FROM_FLOAT32_FIELDS)
 
 /* "size=N;field=offset:size;..." for an argument struct of this ABI (the names of HAL_CPU_ABI_STRUCTS), NULL
  * for an unknown name: hal_cpu._abi compares it with its ctypes mirror when the library loads. */
@@ -366,6 +379,7 @@ int hal_cpu_sample(const hal_cpu_sample_args *args);
 int hal_cpu_rms_norm(const hal_cpu_rms_norm_args *args);
 int hal_cpu_gated_activation(const hal_cpu_gated_activation_args *args);
 int hal_cpu_rotary_embedding(const hal_cpu_rotary_embedding_args *args);
+int hal_cpu_from_float32(const hal_cpu_from_float32_args *args);
 
 /* 1 when hal_cpu_w4a16_gemv runs fp16/bf16 activations through AVX512_BF16 dot products on this CPU, else 0. */
 int hal_cpu_w4a16_half_dot(void);

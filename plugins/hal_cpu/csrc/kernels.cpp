@@ -42,11 +42,13 @@ inline V::f vload(const typename S::T *p) {
 #include "rms_norm.inl"
 #include "gated_activation.inl"
 #include "rotary_embedding.inl"
+#include "from_float32.inl"
 
 const KernelTable table = {paged_attention, attention_amx_enabled, to_float32, w4a16_gemv, dequant_tile, w8a8_gemm,
                            w4a16_blocked,
                            w4a16_half_dot, w4a8_gemm,
-                           sample, rms_norm, gated_activation, rotary_embedding, gemm_amx_enabled};
+                           sample, rms_norm, gated_activation, rotary_embedding, gemm_amx_enabled,
+                           from_float32};
 
 }  // namespace HAL_ISA_NAME
 }  // namespace hal

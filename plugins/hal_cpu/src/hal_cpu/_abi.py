@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import ctypes
 
-__all__ = ["STRUCTS", "AttentionArgs", "DequantTileArgs", "GatedActivationArgs", "RmsNormArgs", "RotaryEmbeddingArgs",
-           "SampleArgs", "ToFloat32Args", "W4a16BlockedArgs", "W4a16GemvArgs", "W8a8GemmArgs", "WriteKvCacheArgs",
-           "layout", "mismatch"]
+__all__ = ["STRUCTS", "AttentionArgs", "DequantTileArgs", "FromFloat32Args", "GatedActivationArgs", "RmsNormArgs",
+           "RotaryEmbeddingArgs", "SampleArgs", "ToFloat32Args", "W4a16BlockedArgs", "W4a16GemvArgs", "W8a8GemmArgs",
+           "WriteKvCacheArgs", "layout", "mismatch"]
 
 _i32, _i64, _f32, _p = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -53,6 +53,12 @@ class ToFloat32Args(ctypes.Structure):
     _fields_ = [
         ("x", _p), ("x_stride", _i64), ("m", _i64), ("k", _i64), ("out", _p), ("dtype", _i32), ("threads", _i32),
     ]
+
+
+class FromFloat32Args(ctypes.Structure):
+    """``hal_cpu_from_float32_args``: a contiguous float32 array rounded to fp16 or bf16 (numpy's bits), in parallel."""
+
+    _fields_ = [("x", _p), ("out", _p), ("n", _i64), ("chunk", _i64), ("dtype", _i32), ("threads", _i32)]
 
 
 class W4a16GemvArgs(ctypes.Structure):
@@ -160,6 +166,7 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "rms_norm": RmsNormArgs,
     "gated_activation": GatedActivationArgs,
     "rotary_embedding": RotaryEmbeddingArgs,
+    "from_float32": FromFloat32Args,
 }
 
 

@@ -72,6 +72,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "hal_cpu_rms_norm": (ctypes.c_int, [ctypes.POINTER(_abi.RmsNormArgs)]),
     "hal_cpu_gated_activation": (ctypes.c_int, [ctypes.POINTER(_abi.GatedActivationArgs)]),
     "hal_cpu_rotary_embedding": (ctypes.c_int, [ctypes.POINTER(_abi.RotaryEmbeddingArgs)]),
+    "hal_cpu_from_float32": (ctypes.c_int, [ctypes.POINTER(_abi.FromFloat32Args)]),
 }
 
 

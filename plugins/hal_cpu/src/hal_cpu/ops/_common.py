@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections.abc import Callable, Iterable
@@ -13,16 +14,45 @@ import numpy as np
 from hal_core.arrays import BFLOAT16
 from hal_core.ops import OpCall
 
-__all__ = ["finish", "parallel_for", "widen", "workspace"]
+from .. import _abi, _native
+
+__all__ = ["NARROW_CHUNK", "NARROW_NATIVE_MIN", "finish", "narrow", "parallel_for", "widen", "workspace"]
 
 _local = threading.local()
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 
 
+#: Elements from which a float32 result is rounded to fp16/bf16 by the compiled kernel (in parallel, vectorised)
+#: rather than numpy's single-threaded cast; below it the call costs more than the cast.
+NARROW_NATIVE_MIN = 1 << 15
+#: Elements per parallel task of that rounding.
+NARROW_CHUNK = 1 << 16
+#: The kernels' codes of the narrow dtypes (HAL_F16, HAL_BF16).
+_HALF_CODES = {np.dtype(np.float16): 1, np.dtype(BFLOAT16): 2}
+
+
 def finish(call: OpCall, result: np.ndarray) -> np.ndarray:
     """The finished ``result`` in the op's dtype (hal writes the caller's ``out`` from it)."""
-    return result.astype(call.spec.output_dtype(call.args), copy=False)
+    return narrow(result, call.spec.output_dtype(call.args))
+
+
+def narrow(result: np.ndarray, dtype: Any) -> np.ndarray:
+    """``result`` in ``dtype``: a large contiguous float32 result rounded to fp16/bf16 by the compiled kernel
+    (the bits numpy's ``astype`` gives: round to nearest even; a bf16 NaN is the quiet NaN of its sign), anything
+    else by ``astype`` (no copy when the dtype is already right)."""
+    dtype = np.dtype(dtype)
+    if result.dtype != np.float32 or dtype not in _HALF_CODES or result.size < NARROW_NATIVE_MIN \
+            or not result.flags.c_contiguous:
+        return result.astype(dtype, copy=False)
+    native = _native.try_load()
+    if native is None:
+        return result.astype(dtype, copy=False)
+    out = np.empty(result.shape, dtype)
+    args = _abi.FromFloat32Args(x=_native.pointer(result), out=_native.pointer(out), n=result.size,
+                                chunk=NARROW_CHUNK, dtype=_HALF_CODES[dtype], threads=native.threads)
+    native.lib.hal_cpu_from_float32(ctypes.byref(args))
+    return out
 
 
 def workspace(name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:

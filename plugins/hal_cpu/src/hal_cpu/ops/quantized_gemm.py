@@ -30,8 +30,9 @@
 What each kernel allocates per call (all freed when it returns; never a float
 copy of the weight):
 
-- every kernel: the float32 result ``[M, N]`` (cast to ``x``'s dtype by the
-  front door);
+- every kernel: the float32 result ``[M, N]``, then for fp16/bf16 ``x`` the
+  result in its dtype (:func:`hal_cpu.ops._common.narrow`: the compiled
+  ``hal_cpu_from_float32`` rounds a large one in parallel, numpy's bits);
 - ``'registers'`` W4A16: ``x`` in float32 and its group sums (``M * K + M * K/G``
   floats), then ``M * K`` pre-scaled floats (float32 loop) or ``M * K/2``
   (bf16 activations) / ``M * K`` (fp16: high and low parts) pair words
