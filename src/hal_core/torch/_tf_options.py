@@ -15,27 +15,29 @@ from typing import Any
 
 import torch
 
-from ..interop import host_view
 from ..ops import AttentionOptions
+from ._host import HostRoute
 
 __all__ = ["layer_options", "layer_values"]
 
-#: module -> (scale, window, softcap, host), the sinks tensor, its version, the options built from them.
+#: module -> (scale, window, softcap, route), the sinks tensor, its version, the options built from them.
 _LAYERS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[Any, ...], Any, int, AttentionOptions]] = \
     weakref.WeakKeyDictionary()
 
 
-def layer_options(module: torch.nn.Module, kwargs: dict[str, Any], scale: float, *, host: bool) -> AttentionOptions:
-    """The options of layer ``module`` (``host``: sinks as a numpy view for the host front door)."""
+def layer_options(module: torch.nn.Module, kwargs: dict[str, Any], scale: float,
+                  route: HostRoute | None) -> AttentionOptions:
+    """The options of layer ``module``: sinks as ``route`` takes them (:meth:`HostRoute.native`; None: the tensor,
+    for the torch operators)."""
     window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), _sinks(module, kwargs)
-    key = (scale, window, softcap, host)
+    key = (scale, window, softcap, route)
     held = _LAYERS.get(module)
     if held is not None and held[0] == key and held[1] is sinks and (sinks is None or held[2] == sinks._version):
         return held[3]
     native: Any = None
     if sinks is not None:
         native = sinks.detach().to(torch.float32).reshape(-1).contiguous()
-        native = host_view(native, "sinks") if host else native
+        native = native if route is None else route.native(native, "sinks")
     options = AttentionOptions(scale=scale, window=window, softcap=softcap, sinks=native)
     _LAYERS[module] = (key, sinks, 0 if sinks is None else sinks._version, options)
     return options

@@ -59,7 +59,6 @@ from transformers import AttentionInterface, AttentionMaskInterface
 
 from .. import _env
 from .._errors import ArgumentError, FallbackError
-from ..interop import host_view
 from ..ops import AttentionOptions
 from ._convert import to_tensor
 from ._ops import paged_attention, write_kv_cache
@@ -134,7 +133,7 @@ def hal_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
             window, softcap, sinks = layer_values(module, kwargs)
             options = AttentionOptions(scale=scale, window=window, softcap=softcap, sinks=sinks)
         else:  # built once per layer, the same object on every call
-            options = layer_options(module, kwargs, scale, host=host)
+            options = layer_options(module, kwargs, scale, current[0].route if current is not None and host else None)
     except BaseException:
         if current is not None:  # the layer's keys were handed over: the refused forward never happened
             current[0]._undo_enter(current[1], q_len)
@@ -257,8 +256,9 @@ def _host_attention(cache: HalPagedCache, layer: int, plan: Plan, query: torch.T
     """A step without pads on a host cache: ``[B, H, Q, D]`` in, ``[B, Q, H, D]`` out, on numpy views of the
     model's tensors (copied only where a layout is not contiguous), through hal's front door."""
     batch, heads, q_len, head_size = query.shape
-    q, k, v = (np.ascontiguousarray(host_view(t, name).transpose(0, 2, 1, 3).reshape(batch * q_len, t.shape[1],
-                                                                                     head_size))
+    native = cache.route.native
+    q, k, v = (np.ascontiguousarray(native(t, name).transpose(0, 2, 1, 3).reshape(batch * q_len, t.shape[1],
+                                                                                  head_size))
                for t, name in ((query, "query"), (key, "key"), (value, "value")))
     out = np.empty((batch, q_len, heads, head_size), dtype=q.dtype)
     _host_ops(cache, layer, plan, q, k, v, out.reshape(batch * q_len, heads, head_size), options)
@@ -269,18 +269,19 @@ def _host_packed_attention(cache: HalPagedCache, layer: int, plan: Plan, q: torc
                            v: torch.Tensor, options: AttentionOptions) -> torch.Tensor:
     """The packed real tokens ``[T, heads, D]`` of a step with pads, on a host cache."""
     out = torch.empty(q.shape, dtype=q.dtype)
-    _host_ops(cache, layer, plan, host_view(q, "query"), host_view(k, "key"), host_view(v, "value"),
-              host_view(out, "out"), options)
+    native = cache.route.native
+    _host_ops(cache, layer, plan, native(q, "query"), native(k, "key"), native(v, "value"), native(out, "out"),
+              options)
     return out
 
 
 def _host_ops(cache: HalPagedCache, layer: int, plan: Plan, q: np.ndarray, k: np.ndarray, v: np.ndarray,
               out: np.ndarray, options: AttentionOptions) -> None:
-    """Eager calls on a host cache: hal's front door on numpy arrays, the cache, the step's plan and the layer's
-    options as hal holds them (no per-call conversion; the same ops, checks and kernels as
-    ``hal::write_kv_cache`` / ``hal::paged_attention``)."""
+    """Eager calls on a host cache through its route (:class:`~hal_core.torch.HostRoute`: the front door on numpy
+    arrays), the cache, the step's plan and the layer's options as hal holds them (no per-call conversion; the
+    same ops, checks and kernels as ``hal::write_kv_cache`` / ``hal::paged_attention``)."""
     paged, native = cache.paged, plan.native
-    ops = paged.backend.ops
+    ops = cache.route.ops
     key_cache, value_cache = paged.key_caches[layer], paged.value_caches[layer]
     ops.write_kv_cache(k, v, key_cache, value_cache, native["slot_mapping"])
     ops.paged_attention(q, key_cache, value_cache, native["block_tables"], native["seq_lens"], out=out,

@@ -28,10 +28,8 @@ from typing import Any
 import torch
 
 import hal_core
-import hal_core.torch as hal_torch
 from hal_core import AttentionOptions, Backend, env
-from hal_core.interop import to_native
-from hal_core.torch import FLOAT_DTYPE_NAMES, backend_for
+from hal_core.torch import FLOAT_DTYPE_NAMES, HostRoute, backend_for
 
 __all__ = ["LayerPlan", "Route", "check_cache_spec", "device_type", "plan_layer", "serving_backend"]
 
@@ -103,28 +101,11 @@ def _check_varlen(backend: Backend) -> None:
                       f"(no {', '.join(missing)})", "upgrade hal-core, or unset HAL_VLLM")
 
 
-@dataclass(frozen=True)
-class Route:
-    """How vLLM's tensors reach the serving backend's ops.
-
-    On the host backend: its front door (``backend.ops``), with each tensor
-    viewed as a numpy array first (:meth:`native`, no copy), so a step's
-    metadata and a layer's cache halves are converted once, not per call.
-    On a device backend: hal's torch functions (:mod:`hal_core.torch`), which
-    enqueue on torch's current stream of the tensors' device, with the
-    tensors as they are.
-    """
-
-    backend: Backend
-
-    @property
-    def ops(self) -> Any:
-        """What the calls go through: ``paged_attention``, ``write_kv_cache``, with the ops' own signatures."""
-        return self.backend.ops if self.backend.is_host else hal_torch
-
-    def native(self, tensor: torch.Tensor, name: str) -> Any:
-        """``tensor`` as the calls take it (a numpy view on the host; the tensor itself on a device)."""
-        return to_native(tensor, self.backend, name) if self.backend.is_host else tensor
+#: How vLLM's tensors reach the serving backend's ops: hal's public route (:class:`hal_core.torch.HostRoute`).
+#: On the host backend its front door, each tensor viewed as a numpy array first (``native``, no copy), so a
+#: step's metadata and a layer's cache halves are converted once, not per call; on a device backend hal's
+#: torch functions, which enqueue on torch's current stream of the tensors' device.
+Route = HostRoute
 
 
 @dataclass(frozen=True)
