@@ -24,13 +24,14 @@ from ._validate import host_number
 __all__ = ["ATTENTION_OPTIONS", "AttentionOptions"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class AttentionOptions:
     """The softmax scale and the optional score modifiers of one attention layer (None: not used).
 
     ``sinks`` and ``alibi_slopes`` are float32 ``[num_heads]`` arrays of the backend that runs the calls
     (numpy for the host), so a call converts nothing; their length is checked against the query's heads
-    at each call.
+    at each call. A value is compared and hashed by identity (its arrays have no single truth value):
+    ``dataclasses.replace(options, window=...)`` makes a changed copy.
     """
 
     scale: float = field(metadata=grouped(
