@@ -70,17 +70,14 @@ def attend(
     :func:`~hal_cpu.ops._rules.attention_query_tile` and
     :func:`~hal_cpu.ops._knobs.attention_threads`.
     """
-    if not isinstance(options, AttentionOptions):
-        options = AttentionOptions(scale=options, **flat_options)
-    elif flat_options:
-        raise TypeError(f"attend(): options given as AttentionOptions and as keywords {sorted(flat_options)}")
-    given = ATTENTION_OPTIONS.flat(options)  # scale, window, softcap, sinks, alibi_slopes: by name
+    options = _fallback_attention.layer_options(options, flat_options)
     out_dtype = query.dtype if out_dtype is None else np.dtype(out_dtype)
     native = _native.try_load()
     if native is None:
-        result = _fallback_attention.attend(query, key_cache, value_cache, block_tables, seq_lens,
-                                            query_start_loc=query_start_loc, **given)
+        result = _fallback_attention.attend(query, key_cache, value_cache, block_tables, seq_lens, options,
+                                            query_start_loc=query_start_loc)
         return result.astype(out_dtype, copy=False)
+    given = ATTENTION_OPTIONS.flat(options)  # scale, window, softcap, sinks, alibi_slopes: the struct's names
     num_tokens, num_heads, head_size = query.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
