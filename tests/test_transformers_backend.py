@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 from torch_helpers import torch
 
@@ -323,3 +324,43 @@ def test_a_custom_4d_mask_without_a_hal_cache_matches_eager_and_sdpa() -> None:
     torch.testing.assert_close(got_bool, sdpa, atol=1e-4, rtol=1e-4)
     with pytest.raises(hal_core.ArgumentError, match="4D mask must have shape"), torch.no_grad():
         model(ids, attention_mask=additive[:, :, :5])
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt-oss"])
+def test_each_layer_passes_one_options_value_built_from_its_config(family: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every call of a layer hands hal's kernel the same AttentionOptions object, holding the layer's scale,
+    window, softcap and sinks as the config and weights give them."""
+    from hal_cpu.ops import paged_attention as cpu_attention
+
+    seen: list[hal_core.AttentionOptions] = []
+    real = cpu_attention.attend
+
+    def spy(*arrays: object, **knobs: object) -> object:
+        seen.append(arrays[5])  # type: ignore[arg-type]
+        return real(*arrays, **knobs)
+
+    monkeypatch.setattr(cpu_attention, "attend", spy)
+    seed = 60 + FAMILIES.index(family)
+    print(f"seed={seed}")
+    model = _model(family, seed)
+    model.set_attn_implementation(hal_hf.ATTN_IMPLEMENTATION)
+    ids, mask = _prompts(seed)
+    cache = hal_hf.HalPagedCache(model.config, num_blocks=24, block_size=8, dtype=torch.float32)
+    _generate(model, ids, mask, past_key_values=cache)
+    cache.close()
+    config, layers = model.config, model.config.num_hidden_layers
+    assert len(seen) == layers * NEW_TOKENS
+    for index in range(layers):
+        calls = seen[index::layers]
+        assert all(options is calls[0] for options in calls), f"layer {index}: a new options value per call"
+        options, attention = calls[0], model.model.layers[index].self_attn
+        assert options.scale == pytest.approx(attention.scaling)
+        sliding = config.layer_types[index] == "sliding_attention"
+        assert options.window == (config.sliding_window if sliding else None)
+        assert options.softcap == getattr(config, "attn_logit_softcapping", None)
+        if family == "gpt-oss":
+            np.testing.assert_array_equal(options.sinks, attention.sinks.detach().float().numpy())
+        else:
+            assert options.sinks is None
+    assert len({id(seen[index]) for index in range(layers)}) == layers

@@ -47,6 +47,7 @@ from ._version import API_VERSION, __version__
 
 if typing.TYPE_CHECKING:
     from ._capabilities import DeviceCapabilities, load_profile, profile_names
+    from .ops import AttentionOptions
 
 __all__ = [
     "API_VERSION",
@@ -55,6 +56,7 @@ __all__ = [
     "AllocatorStats",
     "ArgumentError",
     "ArgumentTypeError",
+    "AttentionOptions",
     "Availability",
     "Backend",
     "BackendConflictError",
@@ -105,7 +107,8 @@ def list_plugins() -> list[PluginRecord]:
 
 #: Public names whose module is imported on first use: pydantic (capabilities) costs as much as numpy to import,
 #: and selecting and running the CPU backend never needs it.
-_LAZY = {"DeviceCapabilities": "._capabilities", "load_profile": "._capabilities", "profile_names": "._capabilities"}
+_LAZY = {"DeviceCapabilities": "._capabilities", "load_profile": "._capabilities", "profile_names": "._capabilities",
+         "AttentionOptions": ".ops"}
 
 
 if not typing.TYPE_CHECKING:  # the type checker sees the imports above, and still flags a misspelt name
@@ -130,7 +133,7 @@ def __dir__() -> list[str]:
 
 def _claim(value: typing.Any) -> None:
     """A public name reports ``hal_core`` as its module (documented and pickled from here)."""
-    if getattr(value, "__module__", "").startswith(("hal_core._", "pluggy")):
+    if getattr(value, "__module__", "").startswith(("hal_core._", "hal_core.ops", "pluggy")):
         with contextlib.suppress(AttributeError, TypeError):  # a pluggy marker instance keeps its own
             value.__module__ = __name__
 

@@ -84,13 +84,13 @@ def test_the_knob_rule_sizes_partitions_for_the_threads_the_kernel_runs_on(cpu: 
     if _threads.available() < 2:
         pytest.skip("needs two cores: on one, no call is split")
     seen: list[tuple[int, int]] = []
-    struct = _abi.AttentionArgs
 
-    def spy(**fields: Any) -> Any:
-        seen.append((fields["threads"], fields["partition_tokens"]))
-        return struct(**fields)
+    class Spy(_abi.AttentionArgs):  # type: ignore[misc, valid-type]
+        def __init__(self, **fields: Any) -> None:
+            seen.append((fields["threads"], fields["partition_tokens"]))
+            super().__init__(**fields)
 
-    monkeypatch.setattr(_abi, "AttentionArgs", spy)
+    monkeypatch.setattr(_abi, "AttentionArgs", Spy)
     rng = np.random.default_rng(SEED + 7)
     print(f"seed={SEED + 7}")
     heads, kv_heads, d, block = 4, 1, 16, 16

@@ -16,6 +16,7 @@ from ._spec import OpCall, OpImpl, OpSpec
 from .fused_moe import FusedMoe
 from .gated_activation import GatedActivation
 from .paged_attention import PagedAttention
+from .paged_attention_options import AttentionOptions
 from .quantized_gemm import QuantizedGemm
 from .rms_norm import RmsNorm
 from .rotary_embedding import RotaryEmbedding
@@ -25,6 +26,7 @@ from .write_kv_cache import WriteKVCache
 __all__ = [
     "OPS",
     "Arg",
+    "AttentionOptions",
     "BenchCases",
     "Dim",
     "DispatchEvent",

@@ -118,8 +118,9 @@ class Ops:
     def prepare(self, op: str, **args: Any) -> OpCall:
         """The validated :class:`OpCall` for these arguments, without running anything."""
         spec = OPS[op]
-        native, _ = interop.import_arrays(spec, dict(args), self._backend)
-        return self._prepare(spec, native)[0]
+        options = args.pop("options", None)
+        native, _ = interop.import_arrays(spec, spec.merge_options(dict(args), options), self._backend)
+        return self._prepare(spec, native, options)[0]
 
     def explain(self, call: OpCall) -> list[tuple[str, str]]:
         """``(implementation, verdict)`` for every candidate of ``call``, in the order tried: ``'runs'`` for the one
@@ -176,15 +177,17 @@ class Ops:
             raise ArgumentError(f"argument 'op': no op named {op!r} (ops: {', '.join(sorted(OPS))})")
         return method_for(spec)(self, **args)
 
-    def _call(self, op: str, args: dict[str, Any]) -> Any:
+    def _call(self, op: str, args: dict[str, Any], options: Any = None) -> Any:
         spec = OPS[op]
+        if options is not None:  # the op's group (spec.options) given as one value: its fields become arguments
+            args = spec.merge_options(args, options)
         args, restore = interop.import_arrays(spec, args, self._backend)
-        call, out = self._prepare(spec, args)
+        call, out = self._prepare(spec, args, options)
         if spec.is_empty(call.args):
             return restore(self._empty_result(call, out))
         return restore(self._execute(call, out))
 
-    def _prepare(self, spec: OpSpec, args: dict[str, Any]) -> tuple[OpCall, Any]:
+    def _prepare(self, spec: OpSpec, args: dict[str, Any], options: Any = None) -> tuple[OpCall, Any]:
         """The validated call (without ``out``, which implementations never see) and the caller's ``out``."""
         backend = self._backend
         signature, host = signature_and_host(spec, args)
@@ -218,10 +221,7 @@ class Ops:
         index = device[1] if not host else 0
         settled = spec.settle(args, backend, index, self.registry.coverage(spec.name)) if spec.auto_settings else None
         return OpCall(spec=spec, args=args, backend=backend, device_index=index,
-                      host_arrays=host and not backend.is_host, settled=settled), out
-
-    def _to_numpy(self, array: Any) -> np.ndarray:
-        return array if type(array) is np.ndarray else self._backend.to_numpy(array)
+                      host_arrays=host and not backend.is_host, settled=settled, given_options=options), out
 
     def choose(self, call: OpCall) -> tuple[OpImpl | None, dict[str, str]]:
         """The implementation to run for ``call`` (None: the fallback path) and why others were passed over: the
@@ -366,7 +366,7 @@ class Ops:
 
         def run(host_args: dict[str, Any]) -> Any:
             if fallback is not None:
-                return fallback.ops._execute(OpCall(spec=spec, args=host_args, backend=fallback))
+                return fallback.ops._execute(OpCall(spec, host_args, fallback, given_options=call.given_options))
             return spec.run_reference(host_args)
 
         if backend.is_host or call.host_arrays:
@@ -377,8 +377,8 @@ class Ops:
                     spec.check_index_values(host_args)
                 return run(host_args)
 
-            result = spec.run_elsewhere(call.args, self._to_numpy, checked,
-                                        lambda array: backend.asarray(array, call.device_index))
+            result = spec.run_elsewhere(call.args, lambda a: a if type(a) is np.ndarray else backend.to_numpy(a),
+                                        checked, lambda array: backend.asarray(array, call.device_index))
         return (None if result is None else self._deliver(out, result)), answered_by
 
     def _empty_result(self, call: OpCall, out: Any) -> Any:

@@ -30,15 +30,20 @@ def front_door(spec: OpSpec) -> Callable[..., Any]:
     """
     params, items = [], []
     keyword_only = False
+    grouped = spec.group_names()
     for arg in spec.args:
         if arg.keyword_only and not keyword_only:
             params.append("*")
             keyword_only = True
-        params.append(arg.name if arg.required else f"{arg.name}=None")
+        params.append(arg.name if arg.required and arg.name not in grouped else f"{arg.name}=None")
         items.append(f"{arg.name!r}: {arg.name}")
     returns = "return " if spec.output is not None else ""
+    group = ""
+    if spec.options is not None:  # its value, when given, fills the fields (Ops._call)
+        params.append(f"{spec.options.name}=None")
+        group = f", {spec.options.name}"
     source = (f"def {spec.name}(self, {', '.join(params)}):\n"
-              f"    {returns}self._call({spec.name!r}, {{{', '.join(items)}}})\n")
+              f"    {returns}self._call({spec.name!r}, {{{', '.join(items)}}}{group})\n")
     namespace: dict[str, Any] = {}
     exec(compile(source, f"<hal op {spec.name}>", "exec"), namespace)
     method = namespace[spec.name]
@@ -55,4 +60,8 @@ def _method_doc(spec: OpSpec) -> str:
         what = arg.layout or arg.kind.__name__
         lines.append(f"- ``{arg.name}`` ({arg.role.value}{', optional' if not arg.required else ''}): {what}"
                      + (f" — {arg.doc}" if arg.doc else ""))
+    if spec.options is not None:
+        group = spec.options
+        lines.append(f"- ``{group.name}`` ({group.value_type.__name__}, optional): "
+                     f"{', '.join(group.names)} as one value, instead of those keywords")
     return "\n".join(lines)

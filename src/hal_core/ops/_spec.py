@@ -1,28 +1,27 @@
-"""What every op definition provides, and the request object implementations receive."""
+"""What every op definition provides (the request object implementations receive is in :mod:`._call`)."""
 
 from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
-from functools import cached_property
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from .._errors import ArgumentTypeError
 from ..arrays import dtype_name, numpy_dtype
 from ..tuning._lookup import setting_value
+from ._call import OpCall, OpImpl
 from ._declare import Arg, BenchCases, Feature, Output, Role
+from ._groups import ArgGroup
 from ._plans import host_signature
 from ._plans import validate as validate_planned
 from ._validate import Step, output_shape, plan
 
 if TYPE_CHECKING:
     from .._backend import Backend
-    from .._capabilities import DeviceCapabilities
-    from ..tuning import Knob
     from ._coverage import OpCoverage
 
 __all__ = ["OpCall", "OpImpl", "OpSpec"]
@@ -52,6 +51,9 @@ class OpSpec(ABC):
     #: Settings a caller may leave to the backend (``"auto"``), by argument name: the concrete values
     #: :meth:`settle` chooses between and ``hal tune`` times. Empty for most ops.
     auto_settings: ClassVar[Mapping[str, tuple[str, ...]]] = MappingProxyType({})
+    #: Arguments passed and received as one value (:class:`~hal_core.ops._groups.ArgGroup`: ``paged_attention``'s
+    #: :class:`~hal_core.ops.AttentionOptions`), appended to :attr:`args`; None for most ops.
+    options: ClassVar[ArgGroup | None] = None
 
     # Derived from the declaration when the class is created:
     #: Names of the array arguments (converted, device-checked and offloaded together).
@@ -80,7 +82,8 @@ class OpSpec(ABC):
         super().__init_subclass__(**kwargs)
         if "args" not in cls.__dict__:
             return  # an intermediate base, or a subclass that only overrides behaviour
-        args = tuple(cls._complete_out(arg) for arg in cls.args)
+        grouped = () if cls.options is None else cls.options.args
+        args = tuple(cls._complete_out(arg) for arg in (*cls.args, *grouped))
         names = [a.name for a in args]
         if len(set(names)) != len(names):
             raise TypeError(f"op {cls.name!r}: argument names must be distinct, got {names}")
@@ -296,13 +299,30 @@ class OpSpec(ABC):
         return None if result is None else result.astype(self.output_dtype(args))
 
     def signature(self) -> inspect.Signature:
-        """The front door's signature: required arguments positional, the others keyword-only."""
+        """The front door's signature: required arguments positional, the others keyword-only; an :attr:`options`
+        group's fields default to None (the group's value may give them) and its value is keyword ``options``."""
         params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        grouped = self.group_names()
         for arg in self.args:
             kind = inspect.Parameter.KEYWORD_ONLY if arg.keyword_only else inspect.Parameter.POSITIONAL_OR_KEYWORD
-            default = inspect.Parameter.empty if arg.required else arg.default
+            default = inspect.Parameter.empty if arg.required and arg.name not in grouped else arg.default
             params.append(inspect.Parameter(arg.name, kind, default=default))
+        if self.options is not None:
+            params.append(inspect.Parameter(self.options.name, inspect.Parameter.KEYWORD_ONLY, default=None))
         return inspect.Signature(params)
+
+    def merge_options(self, args: dict[str, Any], options: Any) -> dict[str, Any]:
+        """``args`` with the fields of the :attr:`options` value ``options`` filled in (None: ``args`` as given);
+        ``ArgumentError`` naming the fields also given flat."""
+        if options is None:
+            return args
+        if self.options is None:
+            raise ArgumentTypeError(f"op {self.name!r} takes no 'options' argument")
+        return self.options.merge(args, options)
+
+    def group_names(self) -> frozenset[str]:
+        """Names of the arguments of the :attr:`options` group (empty without one)."""
+        return frozenset(() if self.options is None else self.options.names)
 
     # -- what only the op knows ---------------------------------------------------------------------
 
@@ -326,73 +346,3 @@ class OpSpec(ABC):
         in-place argument not given (``rms_norm``'s ``residual``).
         """
         raise NotImplementedError("The 'reference' method must be implemented.")
-
-
-@dataclass(frozen=True)
-class OpCall:
-    """One validated call of an op, as implementations receive it.
-
-    ``args`` maps argument names to values. Implementations never receive
-    the caller's ``out``: they return a new array of the declared shape,
-    dtype and device, which hal checks and then writes into ``out``, so a
-    failing implementation leaves ``out`` untouched. In-place arguments
-    (the caches of ``write_kv_cache``) are given as they are, already
-    checked to be writable.
-    """
-
-    spec: OpSpec
-    args: Mapping[str, Any]
-    backend: Backend
-    device_index: int = 0
-    #: True when the arrays are host (numpy) arrays given to a device backend.
-    host_arrays: bool = False
-    #: What :meth:`OpSpec.settle` chose for the settings the caller left ``"auto"``, and why (None: none).
-    settled: str | None = None
-
-    @property
-    def op(self) -> str:
-        return self.spec.name
-
-    @cached_property
-    def flops(self) -> int:
-        return self.spec.flops(self.args)
-
-    @cached_property
-    def nbytes(self) -> int:
-        return self.spec.nbytes(self.args)
-
-    @property
-    def capabilities(self) -> DeviceCapabilities:
-        """The capabilities of the device the call runs on."""
-        return self.backend.device(self.device_index).capabilities
-
-    def __getitem__(self, name: str) -> Any:
-        return self.args[name]
-
-
-def _always(call: OpCall) -> bool:
-    return True
-
-
-@dataclass(frozen=True)
-class OpImpl:
-    """One implementation of an op.
-
-    ``supports(call)`` returns True when it can run the call, else False or
-    a string saying why not (logged with the fallback). Among those that
-    support a call, the highest ``priority`` runs, unless ``hal tune``
-    persisted another choice for the call's shape bucket on this device.
-    ``knobs`` are the implementation's tunable parameters
-    (:class:`hal_core.tuning.Knob`); ``fn`` reads each with ``knob.value(call)``.
-    """
-
-    op: str
-    fn: Callable[[OpCall], Any]
-    name: str = ""
-    priority: int = 0
-    supports: Callable[[OpCall], bool | str] = field(default=_always)
-    knobs: tuple[Knob, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            object.__setattr__(self, "name", getattr(self.fn, "__qualname__", repr(self.fn)))

@@ -28,6 +28,9 @@ and :func:`load_quantized` (a GPTQ or AWQ checkpoint directory, as
 transformers users have them). :func:`kernelize` runs a loaded model's norms,
 gated MLP activations and rotary embedding on hal ops. :data:`FLOAT_DTYPE_NAMES` names the torch
 float dtypes hal's ops compute in as hal does (``torch.bfloat16`` -> ``"bf16"``).
+:func:`route_for` gives the one public route from torch tensors to a hal backend's ops
+(:class:`HostRoute`: ``.ops``, ``.native(tensor, name)``, and ``.call(op, args)``, the fast path for
+eager CPU tensors), which all of the above use.
 ``import hal_core`` never imports this module (nor torch); the transformers
 attention backend lives in :mod:`hal_core.torch.transformers`. See
 docs/engine-guide.md, "hal from PyTorch".
@@ -43,6 +46,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
 from ._checkpoints import CheckpointFormat, checkpoint_format, load_quantized
 from ._convert import to_tensor
 from ._dtypes import FLOAT_DTYPE_NAMES
+from ._host import HostRoute, eager_host, route_for
 from ._kernelize import KernelizeReport, kernelize
 from ._modules import QuantLinear
 from ._moe import QuantMoE
@@ -65,12 +69,14 @@ __all__ = [
     "DEFAULT_SKIP",
     "FLOAT_DTYPE_NAMES",
     "CheckpointFormat",
+    "HostRoute",
     "KernelizeReport",
     "QuantLinear",
     "QuantMoE",
     "QuantizeReport",
     "backend_for",
     "checkpoint_format",
+    "eager_host",
     "gated_activation",
     "kernelize",
     "load_quantized",
@@ -80,6 +86,7 @@ __all__ = [
     "sample",
     "rms_norm",
     "rotary_embedding",
+    "route_for",
     "save_quantized",
     "to_tensor",
     "weight_from_tensors",

@@ -1,25 +1,39 @@
-"""Eager CPU calls straight to hal's front door: torch tensors in, numpy views to the op, a tensor view out.
+"""How torch tensors reach a hal backend's ops: one public route (:class:`HostRoute`, :func:`route_for`).
 
-``torch.ops.hal.*`` costs a dispatcher pass and tensor assembly on every call,
-more than a decode-sized norm or activation takes. On CPU tensors outside a
-trace and without autograd recording, :func:`host_call` hands numpy views of
-the tensors to the backend's front door (the same validation, selection and
-kernels as the operator) and returns hal's result as a tensor view (no copy).
-:func:`eager_host` says when that route applies.
+Every torch-facing piece of hal (:class:`~hal_core.torch.QuantLinear`, :class:`~hal_core.torch.QuantMoE`,
+:func:`~hal_core.torch.kernelize`, the transformers attention backend, the vLLM plugin) calls hal's ops
+through it:
+
+- on a **host** backend, :attr:`HostRoute.ops` is the backend's front door and :meth:`HostRoute.native`
+  views a CPU tensor as a numpy array (no copy). What a caller calls often with the same tensors (a layer's
+  weight, a step's block tables, a layer's :class:`~hal_core.AttentionOptions`) it converts once and keeps;
+- on a **device** backend, :attr:`HostRoute.ops` is :mod:`hal_core.torch` (``torch.ops.hal``: torch's
+  current stream, graph capture, ``torch.compile``) and :meth:`HostRoute.native` returns the tensor itself;
+- :meth:`HostRoute.call` is the fast path for eager CPU tensors (:meth:`HostRoute.eager`: a host backend,
+  outside a trace, without autograd recording): numpy views in, hal's result array out as a tensor view (no
+  ``torch.ops`` dispatch, no copy); anything else (a device, a trace, autograd) goes through the
+  ``torch.ops.hal`` operators (:mod:`hal_core.torch`'s functions).
+
+``torch.ops.hal.*`` costs a dispatcher pass and tensor assembly on every call, more than a decode-sized norm
+or activation takes: that is what the fast path saves. Its result is the operator's (the same front door,
+validation, selection and kernels).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .._backend import Backend
 from ..interop import host_view
 from ._convert import to_tensor
 from ._routing import backend_for
 
-__all__ = ["eager_host", "host_call"]
+__all__ = ["HostRoute", "eager_host", "route_for"]
 
 
 def eager_host(*tensors: torch.Tensor) -> bool:
@@ -30,11 +44,46 @@ def eager_host(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and not (recording and t.requires_grad) for t in tensors)
 
 
-def host_call(op: str, args: Mapping[str, Any]) -> torch.Tensor | None:
-    """Run ``op`` on the backend addressing the first tensor of ``args``; tensors become numpy views (mutated
-    in place where the op mutates them), other values pass unchanged. Returns the result as a tensor, if any."""
-    lead = next(value for value in args.values() if isinstance(value, torch.Tensor))
-    hal_args = {name: host_view(value, name) if isinstance(value, torch.Tensor) else value
-                for name, value in args.items()}
-    result = backend_for(lead).ops.call(op, hal_args)
-    return None if result is None else to_tensor(result)
+@dataclass(frozen=True)
+class HostRoute:
+    """How torch tensors reach ``backend``'s ops (see the module docs); :func:`route_for` gives the one for a tensor."""
+
+    backend: Backend
+
+    @property
+    def ops(self) -> Any:
+        """What calls go through, with the ops' own signatures (``ops.paged_attention(...)``): the backend's front
+        door on a host backend (give it :meth:`native` arrays), :mod:`hal_core.torch` on a device backend."""
+        return self.backend.ops if self.backend.is_host else sys.modules["hal_core.torch"]
+
+    def native(self, tensor: torch.Tensor, name: str) -> Any:
+        """``tensor`` as :attr:`ops` takes it: a numpy view on a host backend (no copy; ArgumentTypeError naming
+        ``name`` for a dtype numpy cannot view), the tensor itself on a device backend."""
+        return host_view(tensor, name) if self.backend.is_host else tensor
+
+    def eager(self, *tensors: torch.Tensor) -> bool:
+        """Whether a call on ``tensors`` may take :meth:`call`'s fast path: a host backend, and :func:`eager_host`."""
+        return self.backend.is_host and eager_host(*tensors)
+
+    def call(self, op: str, args: Mapping[str, Any]) -> torch.Tensor | None:
+        """The fast path (where :meth:`eager` says so): run ``op`` on the front door with each tensor of ``args``
+        as a numpy view (mutated in place where the op mutates it) and other values unchanged (arrays a caller
+        converted once with :meth:`native`, a weight of numpy views); returns hal's result as a tensor view, if
+        any. Elsewhere, call the ``torch.ops.hal`` operator (:mod:`hal_core.torch`'s function) with the tensors."""
+        hal_args = {name: host_view(value, name) if isinstance(value, torch.Tensor) else value
+                    for name, value in args.items()}
+        result = self.backend.ops.call(op, hal_args)
+        return None if result is None else to_tensor(result)
+
+
+#: backend -> its route (one per backend: a route holds nothing else).
+_routes: dict[int, HostRoute] = {}
+
+
+def route_for(tensor: torch.Tensor) -> HostRoute:
+    """The route to the hal backend addressing ``tensor``'s memory (:func:`~hal_core.torch.backend_for`)."""
+    backend = backend_for(tensor)
+    route = _routes.get(id(backend))
+    if route is None or route.backend is not backend:
+        route = _routes[id(backend)] = HostRoute(backend)
+    return route

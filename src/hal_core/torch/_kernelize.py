@@ -34,7 +34,7 @@ import torch
 
 from ..engine._config import ACTIVATIONS
 from ..ops import OPS
-from ._host import eager_host, host_call
+from ._host import eager_host, route_for
 from ._ops import wrapper
 
 __all__ = ["NORMS", "ROTARY", "KernelizeReport", "kernelize"]
@@ -84,7 +84,7 @@ def _norm_forward(module: Any, original: Callable[..., Any], offset: float) -> C
         rows = hidden_states.reshape(-1, weight.shape[0])
         options = {"weight_offset": offset} if offset else {}
         if eager_host(rows, weight):
-            out = host_call("rms_norm", {"x": rows, "weight": weight, "epsilon": eps, **options})
+            out = route_for(rows).call("rms_norm", {"x": rows, "weight": weight, "epsilon": eps, **options})
         else:
             out = _op("rms_norm")(rows, weight, eps, **options)
         assert out is not None
@@ -101,7 +101,7 @@ def _mlp_forward(module: Any, original: Callable[..., Any], activation: str) -> 
         shape = gate.shape
         g, u = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])
         if eager_host(g, u):
-            act = host_call("gated_activation", {"gate": g, "up": u, "activation": activation})
+            act = route_for(g).call("gated_activation", {"gate": g, "up": u, "activation": activation})
         else:
             act = _op("gated_activation")(g, u, activation=activation)
         assert act is not None
@@ -146,7 +146,8 @@ def _rotary(original: Callable[..., Any]) -> Callable[..., Any]:
         query = q.transpose(1, 2).clone(memory_format=torch.contiguous_format).view(b * s, -1, d)
         key = k.transpose(1, 2).clone(memory_format=torch.contiguous_format).view(b * s, -1, d)
         if eager_host(query, key):
-            host_call("rotary_embedding", {"positions": positions, "query": query, "cos_sin_cache": table, "key": key})
+            route_for(query).call("rotary_embedding", {"positions": positions, "query": query, "cos_sin_cache": table,
+                                                       "key": key})
         else:
             _op("rotary_embedding")(positions, query, table, key=key)
         return query.view(b, s, -1, d).transpose(1, 2), key.view(b, s, -1, d).transpose(1, 2)

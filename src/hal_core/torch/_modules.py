@@ -33,14 +33,12 @@ from typing import Any
 import torch
 
 from ..arrays import numpy_dtype
-from ..interop import host_view
 from ..ops.quantized_gemm import ACTIVATIONS
 from ..quant import QuantizedWeight, quantize
 from ..quant._args import as_bool, as_int
-from ._convert import to_tensor
 from ._dtypes import FLOAT_DTYPE_NAMES
+from ._host import route_for
 from ._input_checks import check_activation
-from ._routing import backend_for
 from ._weights import _weight, weight_to_tensors
 
 __all__ = ["QuantLinear"]
@@ -248,7 +246,8 @@ class QuantLinear(torch.nn.Module):
                          "the layer's weight")
 
     def _host_gemm(self, rows: torch.Tensor) -> torch.Tensor:
-        """Eager CPU calls go straight to hal's front door with the weight's numpy views built once.
+        """Eager CPU calls take the host route's fast path (:meth:`HostRoute.call`) with the weight's numpy views
+        built once (:meth:`HostRoute.native`).
 
         The result is what ``torch.ops.hal.quantized_gemm`` computes (the same front door, validation and
         kernels) without its per-call dispatch and weight assembly, which cost more than a decode-sized
@@ -256,18 +255,20 @@ class QuantLinear(torch.nn.Module):
         ``assign``); in-place changes to a buffer reach them, being views. hal's result is a new array the
         kernel just wrote, handed to torch as a view (no output tensor, no copy).
         """
+        route = route_for(rows)
         found = self._buffers
         buffers = (found["qweight"], found["scales"], found.get("zeros"), found.get("g_idx"))
         cached = self._host_weight
         if cached is None or any(map(is_not, cached[0], buffers)):
-            qweight, scales, zeros, g_idx = (None if t is None else host_view(t, name)
+            qweight, scales, zeros, g_idx = (None if t is None else route.native(t, name)
                                              for name, t in zip(_BUFFERS, buffers, strict=True))
             cached = self._host_weight = (buffers, _weight(qweight, scales, zeros, g_idx, self.bits, self.group_size))
-        args = {"x": host_view(rows, "x"), "qweight": cached[1]}
+        args = {"x": rows, "qweight": cached[1]}
         if self.activations is not None:
             args["activations"] = self.activations
-        result = backend_for(rows).ops.call("quantized_gemm", args)
-        return to_tensor(result) if rows.dtype is torch.bfloat16 else torch.from_numpy(result)
+        result = route.call("quantized_gemm", args)
+        assert result is not None
+        return result
 
     def extra_repr(self) -> str:
         kind = "symmetric" if self.zeros is None else "zero points"

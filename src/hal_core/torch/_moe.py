@@ -38,11 +38,10 @@ import torch
 
 from .. import _env
 from .._errors import ArgumentError, ArgumentTypeError, FallbackError
-from ..interop import host_view
 from ..ops.fused_moe import ROUTINGS
 from ..ops.gated_activation import ACTIVATIONS
 from ..quant import ExpertWeights, QuantizedWeight, quantize
-from ._host import host_call
+from ._host import HostRoute, route_for
 from ._input_checks import check_activation
 from ._modules import _SCALE_DTYPES
 from ._moe_block import MoeSettings, block_problem, expert_tensors, moe_settings
@@ -175,12 +174,13 @@ class QuantMoE(torch.nn.Module):
         """hal's :class:`~hal_core.quant.ExpertWeights` over this module's buffers (views, no copy)."""
         return self._experts(self._buffer_tuple())
 
-    def _host(self) -> ExpertWeights:
-        """The experts over numpy views of the buffers, built once and rebuilt when a buffer is replaced."""
+    def _host(self, route: HostRoute) -> ExpertWeights:
+        """The experts over numpy views of the buffers (:meth:`HostRoute.native`), built once and rebuilt when a
+        buffer is replaced."""
         buffers = self._buffer_tuple()
         cached = self._host_experts
         if cached is None or any(map(is_not, cached[0], buffers)):
-            views = tuple(None if t is None else host_view(t, "experts") for t in buffers)
+            views = tuple(None if t is None else route.native(t, "experts") for t in buffers)
             cached = self._host_experts = (buffers, self._experts(views))
         return cached[1]
 
@@ -214,9 +214,10 @@ class QuantMoE(torch.nn.Module):
             logits = logits.float()
         reason = _fallback_reason(rows, logits)
         if reason is None:
-            args = {"hidden_states": rows, "router_logits": logits.contiguous(), "experts": self._host(),
+            route = route_for(rows)
+            args = {"hidden_states": rows, "router_logits": logits.contiguous(), "experts": self._host(route),
                     "top_k": self.top_k, "routing": self.routing, "activation": self.activation}
-            out = host_call("fused_moe", args)
+            out = route.call("fused_moe", args)
             assert out is not None
         else:
             self._fall_back(reason)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .._errors import ArgumentError
+from .._errors import ArgumentError, ArgumentTypeError
 from ..interop import host_view
 from ..ops import OPS, OpSpec
 from ..ops._validate import check_shapes
@@ -194,7 +194,9 @@ def wrapper(spec: OpSpec) -> Callable[..., Any]:
     """A Python function with the op's signature calling its torch operators (``out=`` picks ``_out``).
 
     Required arguments are positional, the others keyword-only; a quantized weight is its tensor dict
-    followed by ``bits``. Returns the result tensor (``out`` when given), or None for in-place ops.
+    followed by ``bits``; an op's group (``paged_attention``'s :class:`~hal_core.ops.AttentionOptions`) may be
+    given as ``options=`` instead of its fields (spread into the flat schema). Returns the result tensor (``out``
+    when given), or None for in-place ops.
     """
     register_torch_ops(spec)
     ops = {op.writes_out: op for op in torch_ops(spec)}
@@ -208,22 +210,45 @@ def wrapper(spec: OpSpec) -> Callable[..., Any]:
             required.append(arg.name)
     keyword = [arg.name for arg in spec.args if not arg.required]
     optional = [name for name in keyword if name != "out"]
-    signature = ", ".join([*params, *(["*"] if keyword else []), *(f"{name}=None" for name in keyword)])
+    grouped = spec.group_names()
+    group = [] if spec.options is None else [spec.options.name]
+    params = [f"{name}=None" if name in grouped else name for name in params]  # the group's value may give them
+    signature = ", ".join([*params, *(["*"] if keyword or group else []),
+                           *(f"{name}=None" for name in (*keyword, *group))])
     call = ", ".join([*required, *optional])
     body = [f"def {spec.name}({signature}):"]
+    if spec.options is not None:  # the schema is flat: the group's value is spread into its fields
+        names = ", ".join(spec.options.names)
+        body += [f"    if {spec.options.name} is not None:",
+                 f"        {names}, = _spread(_spec, {spec.options.name}, {names})"]
+        body += [f"    if {arg.name} is None:\n        _required({arg.name!r})"
+                 for arg in spec.options.args if arg.required]
     if spec.output is None:
         body.append(f"    _hal.{ops[False].name}({call})")
     else:
         call_out = ", ".join([*required, "out", *optional])
         body += ["    if out is None:", f"        return _hal.{ops[False].name}({call})",
                  f"    _hal.{ops[True].name}({call_out})", "    return out"]
-    namespace: dict[str, Any] = {"_hal": torch.ops.hal, "_weight_params": _weight_params}
+    namespace: dict[str, Any] = {"_hal": torch.ops.hal, "_weight_params": _weight_params, "_spread": _spread,
+                                 "_spec": spec, "_required": _required}
     exec(compile("\n".join(body) + "\n", f"<hal torch op {spec.name}>", "exec"), namespace)
     function = namespace[spec.name]
     function.__module__ = __name__
     function.__doc__ = (f"{(type(spec).__doc__ or spec.name).strip().splitlines()[0]} "
                         f"(``torch.ops.hal.{spec.name}``; layout: :mod:`{type(spec).__module__}`).")
     return function
+
+
+def _spread(spec: OpSpec, options: Any, *flat: Any) -> tuple[Any, ...]:
+    """The fields of ``spec``'s group value ``options``, in order; ArgumentError naming those also given flat."""
+    assert spec.options is not None
+    names = spec.options.names
+    merged = spec.merge_options(dict(zip(names, flat, strict=True)), options)
+    return tuple(merged[name] for name in names)
+
+
+def _required(name: str) -> None:
+    raise ArgumentTypeError(f"argument {name!r} is required")
 
 
 def _weight_params(weight: Mapping[str, torch.Tensor], bits: int) -> tuple[Any, ...]:

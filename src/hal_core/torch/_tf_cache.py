@@ -25,7 +25,7 @@ from .._errors import ArgumentError, OutOfBlocksError
 from ..kvcache import CacheConfig, PagedKVCache
 from ._convert import to_tensor
 from ._dtypes import FLOAT_DTYPE_NAMES
-from ._routing import backend_for
+from ._host import route_for
 from ._tf_plan import Plan, Seen, make_plan, new_positions, same_mask
 
 __all__ = ["HalPagedCache"]
@@ -126,7 +126,8 @@ class HalPagedCache(Cache):
         if dtype not in FLOAT_DTYPE_NAMES:
             raise TypeError(f"HalPagedCache: dtype must be one of {sorted(map(str, FLOAT_DTYPE_NAMES))}, got {dtype}")
         device = torch.device(device)
-        backend = backend_for(torch.empty(0, device=device))
+        route = route_for(torch.empty(0, device=device))
+        backend = route.backend
         index = device.index if device.index is not None else (
             0 if device.type == "cpu" else torch.get_device_module(device).current_device())
         hal_config = CacheConfig(num_layers=text.num_hidden_layers, num_kv_heads=kv_heads, head_size=head_size,
@@ -135,7 +136,9 @@ class HalPagedCache(Cache):
         self.key_caches = [to_tensor(a) for a in self.paged.key_caches]
         self.value_caches = [to_tensor(a) for a in self.paged.value_caches]
         self.device = device
-        self._host = backend.is_host  # eager calls go through hal's front door on numpy views
+        #: How the layers' eager calls reach the backend (on the host: its front door, on numpy views).
+        self.route = route
+        self._host = backend.is_host
         #: What every layer's key and value states must be: kv heads, head size, dtype, device.
         self._states = (kv_heads, head_size, self.key_caches[0].dtype, self.key_caches[0].device)
         self._seq_ids: list[Hashable] | None = None  # hal sequence of each batch row; None: no forward yet

@@ -25,7 +25,9 @@ number of new tokens: the real new tokens of every sequence packed, with
 ``query_start_loc`` (a prompt is one causal prefill, not one decode per token).
 The step's slot mapping, block tables, lengths and packing come from
 :class:`hal_core.kvcache.PagedKVCache`, planned once per forward and shared by
-every layer. What the model's layers declare passes through: a sliding window
+every layer. What the model's layers declare passes through, as one
+:class:`~hal_core.AttentionOptions` per layer built at its first call and passed
+unchanged on every call (:mod:`._tf_options`): the scale, a sliding window
 (``sliding_window``: Mistral, Qwen2, Gemma 2/3), a logit softcap (``softcap``:
 Gemma 2) and attention sinks (``s_aux``: gpt-oss).
 
@@ -57,11 +59,12 @@ from transformers import AttentionInterface, AttentionMaskInterface
 
 from .. import _env
 from .._errors import ArgumentError, FallbackError
-from ..interop import host_view
+from ..ops import AttentionOptions
 from ._convert import to_tensor
 from ._ops import paged_attention, write_kv_cache
 from ._tf_cache import HalPagedCache, _context
 from ._tf_mask import check_mask_function
+from ._tf_options import layer_options, layer_values
 from ._tf_plan import Plan
 
 __all__ = ["ATTN_IMPLEMENTATION", "HalPagedCache", "hal_attention_forward", "hal_attention_mask", "register"]
@@ -120,17 +123,23 @@ def hal_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     current = getattr(_context, "current", None)
     if current is not None and current[2] is not key:
         current = None
+    scale = float(scaling) if scaling is not None else head_size ** -0.5
+    compiling = torch.compiler.is_compiling()
+    host = current is not None and current[0]._host and not compiling
     try:  # the config's options are checked by the forward's first layer (the layers share it)
         checked = current[0]._checked_config if current is not None and current[1] else None
         config = _check_options(module, dropout, kwargs, checked)
-        window, softcap, sinks = _variants(module, kwargs)
+        if compiling:  # traced once: the values become the graph's constants
+            window, softcap, sinks = layer_values(module, kwargs)
+            options = AttentionOptions(scale=scale, window=window, softcap=softcap, sinks=sinks)
+        else:  # built once per layer, the same object on every call
+            options = layer_options(module, kwargs, scale, current[0].route if current is not None and host else None)
     except BaseException:
         if current is not None:  # the layer's keys were handed over: the refused forward never happened
             current[0]._undo_enter(current[1], q_len)
         raise
-    scale = float(scaling) if scaling is not None else head_size ** -0.5
     if current is None:
-        return _torch_attention(query, key, value, attention_mask, scale, window, softcap, sinks)
+        return _torch_attention(query, key, value, attention_mask, options)
     cache, layer, _ = current
     _context.current = None
     problem = _model_problem(cache, config) if layer == 0 else None
@@ -138,12 +147,12 @@ def hal_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
         cache._undo_enter(layer, q_len)
         raise ArgumentError(problem)
     cache._checked_config = config
-    if not torch.compiler.is_compiling():
+    if not compiling:
         plan = cache._plan_for(layer, attention_mask, batch, q_len)
     else:  # planned at the mask stage (one graph break before the layers), else here: a break in every layer
         plan = cache._plan if cache._ahead_plan else _plan_eager(cache, layer, attention_mask, batch, q_len)
-    if plan.rows is None and cache._host and not torch.compiler.is_compiling():
-        out = _host_attention(cache, layer, plan, query, key, value, scale, window, softcap, sinks)
+    if plan.rows is None and host:
+        out = _host_attention(cache, layer, plan, query, key, value, options)
         cache._written.add(layer)
         return out, None
     kv_heads = key.shape[1]
@@ -153,14 +162,14 @@ def hal_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     if plan.rows is not None:
         q, k, v = (t.index_select(0, plan.rows) for t in (q, k, v))
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if cache._host and not torch.compiler.is_compiling():
-        out = _host_packed_attention(cache, layer, plan, q, k, v, scale, window, softcap, sinks)
+    if host:
+        out = _host_packed_attention(cache, layer, plan, q, k, v, options)
     else:
         key_cache, value_cache = cache.key_caches[layer], cache.value_caches[layer]
         write_kv_cache(k, v, key_cache, value_cache, plan.slot_mapping)
-        out = paged_attention(q, key_cache, value_cache, plan.block_tables, plan.seq_lens, scale,
+        out = paged_attention(q, key_cache, value_cache, plan.block_tables, plan.seq_lens,
                               query_start_loc=plan.query_start_loc, max_query_len=plan.max_query_len,
-                              max_seq_len=plan.max_seq_len, window=window, softcap=softcap, sinks=sinks)
+                              max_seq_len=plan.max_seq_len, options=options)
     cache._written.add(layer)
     if plan.rows is not None:  # pad rows get zeros (transformers never reads them)
         out = query.new_zeros(batch * q_len, heads, head_size).index_copy_(0, plan.rows, out)
@@ -243,65 +252,45 @@ def _check_options(module: torch.nn.Module, dropout: float, kwargs: dict[str, An
 
 
 def _host_attention(cache: HalPagedCache, layer: int, plan: Plan, query: torch.Tensor, key: torch.Tensor,
-                    value: torch.Tensor, scale: float, window: int | None, softcap: float | None,
-                    sinks: torch.Tensor | None) -> torch.Tensor:
+                    value: torch.Tensor, options: AttentionOptions) -> torch.Tensor:
     """A step without pads on a host cache: ``[B, H, Q, D]`` in, ``[B, Q, H, D]`` out, on numpy views of the
     model's tensors (copied only where a layout is not contiguous), through hal's front door."""
     batch, heads, q_len, head_size = query.shape
-    q, k, v = (np.ascontiguousarray(host_view(t, name).transpose(0, 2, 1, 3).reshape(batch * q_len, t.shape[1],
-                                                                                     head_size))
+    native = cache.route.native
+    q, k, v = (np.ascontiguousarray(native(t, name).transpose(0, 2, 1, 3).reshape(batch * q_len, t.shape[1],
+                                                                                  head_size))
                for t, name in ((query, "query"), (key, "key"), (value, "value")))
     out = np.empty((batch, q_len, heads, head_size), dtype=q.dtype)
-    _host_ops(cache, layer, plan, q, k, v, out.reshape(batch * q_len, heads, head_size), scale, window, softcap,
-              sinks)
+    _host_ops(cache, layer, plan, q, k, v, out.reshape(batch * q_len, heads, head_size), options)
     return to_tensor(out)
 
 
 def _host_packed_attention(cache: HalPagedCache, layer: int, plan: Plan, q: torch.Tensor, k: torch.Tensor,
-                           v: torch.Tensor, scale: float, window: int | None, softcap: float | None,
-                           sinks: torch.Tensor | None) -> torch.Tensor:
+                           v: torch.Tensor, options: AttentionOptions) -> torch.Tensor:
     """The packed real tokens ``[T, heads, D]`` of a step with pads, on a host cache."""
     out = torch.empty(q.shape, dtype=q.dtype)
-    _host_ops(cache, layer, plan, host_view(q, "query"), host_view(k, "key"), host_view(v, "value"),
-              host_view(out, "out"), scale, window, softcap, sinks)
+    native = cache.route.native
+    _host_ops(cache, layer, plan, native(q, "query"), native(k, "key"), native(v, "value"), native(out, "out"),
+              options)
     return out
 
 
 def _host_ops(cache: HalPagedCache, layer: int, plan: Plan, q: np.ndarray, k: np.ndarray, v: np.ndarray,
-              out: np.ndarray, scale: float, window: int | None, softcap: float | None,
-              sinks: torch.Tensor | None) -> None:
-    """Eager calls on a host cache: hal's front door on numpy arrays, the cache and the step's plan as hal holds
-    them (no per-call conversion; the same ops, checks and kernels as ``hal::write_kv_cache`` /
-    ``hal::paged_attention``)."""
+              out: np.ndarray, options: AttentionOptions) -> None:
+    """Eager calls on a host cache through its route (:class:`~hal_core.torch.HostRoute`: the front door on numpy
+    arrays), the cache, the step's plan and the layer's options as hal holds them (no per-call conversion; the
+    same ops, checks and kernels as ``hal::write_kv_cache`` / ``hal::paged_attention``)."""
     paged, native = cache.paged, plan.native
-    ops = paged.backend.ops
+    ops = cache.route.ops
     key_cache, value_cache = paged.key_caches[layer], paged.value_caches[layer]
     ops.write_kv_cache(k, v, key_cache, value_cache, native["slot_mapping"])
-    ops.paged_attention(q, key_cache, value_cache, native["block_tables"], native["seq_lens"], scale=scale, out=out,
+    ops.paged_attention(q, key_cache, value_cache, native["block_tables"], native["seq_lens"], out=out,
                         query_start_loc=native["query_start_loc"], max_query_len=plan.max_query_len,
-                        max_seq_len=plan.max_seq_len, window=window, softcap=softcap,
-                        sinks=None if sinks is None else host_view(sinks, "sinks"))
-
-
-def _variants(module: torch.nn.Module, kwargs: dict[str, Any]) -> tuple[int | None, float | None, torch.Tensor | None]:
-    """The layer's sliding window, logit softcap and attention sinks, as transformers passes them."""
-    window = kwargs.get("sliding_window")
-    softcap = kwargs.get("softcap")
-    sinks = kwargs.get("s_aux")
-    if sinks is None:  # the module's own (gpt-oss): read from its stores, not through Module.__getattr__
-        for store in (module._parameters, module._buffers, module.__dict__):
-            found = store.get("sinks")
-            if isinstance(found, torch.Tensor):
-                sinks = found
-                break
-    if sinks is not None:
-        sinks = sinks.detach().to(torch.float32).reshape(-1).contiguous()
-    return (int(window) if window is not None else None, float(softcap) if softcap is not None else None, sinks)
+                        max_seq_len=plan.max_seq_len, options=options)
 
 
 def _torch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, scale: float, window: int | None, softcap: float | None,
-                     sinks: torch.Tensor | None) -> tuple[torch.Tensor, None]:
+                     attention_mask: torch.Tensor | None, options: AttentionOptions) -> tuple[torch.Tensor, None]:
     """The fallback without a HalPagedCache: SDPA over what transformers passed (nothing through hal).
 
     A 2D padding mask covers the positions seen; the queries are its last
@@ -309,7 +298,7 @@ def _torch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     under a causal mask; a custom 4D mask is the whole mask (boolean: True attends; float: added to the scores), as with
     ``attn_implementation="sdpa"``.
     """
-    if window is not None or softcap is not None or sinks is not None:
+    if options.window is not None or options.softcap is not None or options.sinks is not None:
         raise ArgumentError("attn_implementation='hal' needs past_key_values=HalPagedCache(...) for a model with a "
                             "sliding window, logit softcap or attention sinks (torch SDPA, the fallback, has none)")
     batch, heads, q_len, _ = query.shape
@@ -342,7 +331,7 @@ def _torch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         if attention_mask is not None:  # keys past the positions seen (a StaticCache's empty slots) are padding
             padding = torch.nn.functional.pad(attention_mask.to(query.device, torch.bool), (0, kv_len - seen))
             mask = mask & padding[:, None, None, :]
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=options.scale,
                                                            enable_gqa=key.shape[1] != query.shape[1])
     return out.transpose(1, 2).contiguous(), None
 

@@ -30,6 +30,8 @@ from vllm.v1.attention.backend import (
     AttentionType,
 )
 
+from hal_core import AttentionOptions
+
 from ._startup import LayerPlan, Route, check_cache_spec, plan_layer, serving_backend
 
 __all__ = ["HalAttentionImpl", "HalAttentionMetadata", "HalAttentionMetadataBuilder", "HalBackendTraits",
@@ -119,13 +121,13 @@ class HalAttentionImpl(AttentionImpl):  # type: ignore[misc, unused-ignore]
             logits_soft_cap=logits_soft_cap, attn_type=attn_type, has_sinks=sinks is not None,
             unsupported=sorted(unsupported), dtype=torch.get_default_dtype(),
         )
-        self.scale = self.plan.scale
-        self.sliding_window = self.plan.window
+        self.scale = self.plan.options.scale
+        self.sliding_window = self.plan.options.window
         self._caches: tuple[torch.Tensor, Any, Any] | None = None  # vLLM's cache tensor, its K and V as hal arrays
-        self._sinks: Any = None  # the sinks as the backend's float32 array, made at the first step after loading
+        self._options: AttentionOptions | None = None  # built at the first step after loading, then passed unchanged
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
-        self._sinks = None  # the sinks (a weight of the layer) may have changed
+        self._options = None  # the sinks (a weight of the layer) may have changed
 
     def _kv(self, kv_cache: torch.Tensor) -> tuple[Any, Any]:
         """The K and V halves of ``kv_cache`` as the backend's arrays, made once per cache tensor."""
@@ -137,10 +139,13 @@ class HalAttentionImpl(AttentionImpl):  # type: ignore[misc, unused-ignore]
             self._caches = cached
         return cached[1], cached[2]
 
-    def _native_sinks(self) -> Any:
-        if self.sinks is not None and self._sinks is None:
-            self._sinks = self.plan.route.native(self.sinks.detach().float(), "sinks")
-        return self._sinks
+    def layer_options(self) -> AttentionOptions:
+        """The layer's :class:`~hal_core.AttentionOptions`, its sinks as the backend's float32 array: built once
+        (again after the weights are reloaded), the same object on every call."""
+        if self._options is None:
+            sinks = None if self.sinks is None else self.plan.route.native(self.sinks.detach().float(), "sinks")
+            self._options = self.plan.options_with(sinks)
+        return self._options
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -174,9 +179,8 @@ class HalAttentionImpl(AttentionImpl):  # type: ignore[misc, unused-ignore]
         route = self.plan.route
         route.ops.paged_attention(
             route.native(query[:num_tokens], "query"), key_cache, value_cache, meta.block_table, meta.seq_lens,
-            scale=self.plan.scale, query_start_loc=meta.query_start_loc, max_query_len=meta.max_query_len,
-            max_seq_len=meta.max_seq_len, out=route.native(output[:num_tokens], "out"),
-            **self.plan.features(self._native_sinks()),
+            query_start_loc=meta.query_start_loc, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+            out=route.native(output[:num_tokens], "out"), options=self.layer_options(),
         )
         return output
 

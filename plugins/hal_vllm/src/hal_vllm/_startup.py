@@ -22,16 +22,14 @@ import inspect
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 import hal_core
-import hal_core.torch as hal_torch
-from hal_core import Backend, env
-from hal_core.interop import to_native
-from hal_core.torch import FLOAT_DTYPE_NAMES, backend_for
+from hal_core import AttentionOptions, Backend, env
+from hal_core.torch import FLOAT_DTYPE_NAMES, HostRoute, backend_for
 
 __all__ = ["LayerPlan", "Route", "check_cache_spec", "device_type", "plan_layer", "serving_backend"]
 
@@ -103,43 +101,25 @@ def _check_varlen(backend: Backend) -> None:
                       f"(no {', '.join(missing)})", "upgrade hal-core, or unset HAL_VLLM")
 
 
-@dataclass(frozen=True)
-class Route:
-    """How vLLM's tensors reach the serving backend's ops.
-
-    On the host backend: its front door (``backend.ops``), with each tensor
-    viewed as a numpy array first (:meth:`native`, no copy), so a step's
-    metadata and a layer's cache halves are converted once, not per call.
-    On a device backend: hal's torch functions (:mod:`hal_core.torch`), which
-    enqueue on torch's current stream of the tensors' device, with the
-    tensors as they are.
-    """
-
-    backend: Backend
-
-    @property
-    def ops(self) -> Any:
-        """What the calls go through: ``paged_attention``, ``write_kv_cache``, with the ops' own signatures."""
-        return self.backend.ops if self.backend.is_host else hal_torch
-
-    def native(self, tensor: torch.Tensor, name: str) -> Any:
-        """``tensor`` as the calls take it (a numpy view on the host; the tensor itself on a device)."""
-        return to_native(tensor, self.backend, name) if self.backend.is_host else tensor
+#: How vLLM's tensors reach the serving backend's ops: hal's public route (:class:`hal_core.torch.HostRoute`).
+#: On the host backend its front door, each tensor viewed as a numpy array first (``native``, no copy), so a
+#: step's metadata and a layer's cache halves are converted once, not per call; on a device backend hal's
+#: torch functions, which enqueue on torch's current stream of the tensors' device.
+Route = HostRoute
 
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """How one attention layer runs on hal, decided once: the route and the features passed through."""
+    """How one attention layer runs on hal, decided once: the route and the layer's attention options."""
 
     route: Route
-    scale: float
-    window: int | None
-    softcap: float | None
-    alibi_slopes: Any  #: float32 [num_heads] as the route takes it, or None
+    #: scale, window, softcap and ALiBi slopes (float32 [num_heads] as the route takes them); the sinks, a weight
+    #: loaded later, are added by :meth:`options_with`.
+    options: AttentionOptions
 
-    def features(self, sinks: Any) -> dict[str, Any]:
-        """The optional ``paged_attention`` arguments of this layer (``sinks``: float32, as the route takes it)."""
-        return {"window": self.window, "softcap": self.softcap, "sinks": sinks, "alibi_slopes": self.alibi_slopes}
+    def options_with(self, sinks: Any) -> AttentionOptions:
+        """The layer's options with its ``sinks`` (float32 ``[num_heads]`` as the route takes them, or None)."""
+        return self.options if sinks is None else replace(self.options, sinks=sinks)
 
 
 def plan_layer(
@@ -187,8 +167,9 @@ def plan_layer(
             raise _refuse(f"{len(alibi_slopes)} ALiBi slopes for {num_heads} heads")
         slopes = route.native(torch.tensor(list(alibi_slopes), dtype=torch.float32, device=device_type()),
                               "alibi_slopes")
-    return LayerPlan(route=route, scale=float(scale), window=sliding_window,
-                     softcap=float(logits_soft_cap) if logits_soft_cap else None, alibi_slopes=slopes)
+    options = AttentionOptions(scale=float(scale), window=sliding_window,
+                               softcap=float(logits_soft_cap) if logits_soft_cap else None, alibi_slopes=slopes)
+    return LayerPlan(route=route, options=options)
 
 
 def check_cache_spec(kv_cache_spec: Any, vllm_config: Any) -> None:

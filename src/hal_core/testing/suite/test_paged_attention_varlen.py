@@ -4,7 +4,9 @@ The grid follows what engines run: decode-only, prefill-only and mixed batches; 
 (8,2), (9,3), (32,8); head sizes 64 to 256; block sizes 16, 32 and 128; sliding windows, logit softcap,
 attention sinks and ALiBi; caches as strided views (an engine's interleaved K/V halves); random block
 tables and contexts crossing block boundaries. A backend that leaves a variant to the fallback
-declares it (``OpCoverage(variants=...)``); the results must be right either way.
+declares it (``OpCoverage(variants=...)``); the results must be right either way. The options go in as
+one :class:`~hal_core.AttentionOptions` of the backend's arrays (as an engine passes a layer's), except in
+:func:`test_varlen_writes_out`, which passes them as flat keywords.
 """
 
 from __future__ import annotations
@@ -16,19 +18,40 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hal_core.ops import OPS
+from hal_core.ops import OPS, AttentionOptions
 from hal_core.testing.inputs import assert_close, paged_attention_inputs, to_backend
 from hal_core.testing.suite._strategies import DTYPES, OP_SETTINGS, seeds
 
 REFERENCE = OPS["paged_attention"].reference
 _ARRAYS = ("query", "key_cache", "value_cache", "block_tables", "seq_lens")
+_OPTIONS = OPS["paged_attention"].options.names  # type: ignore[union-attr]
+
+
+def _split(dev: dict[str, Any]) -> tuple[AttentionOptions, dict[str, Any]]:
+    """The layer's options as one value, and the other keywords."""
+    options = AttentionOptions(**{name: dev[name] for name in _OPTIONS if name in dev})
+    return options, {name: dev[name] for name in dev if name not in _ARRAYS and name not in _OPTIONS}
 
 
 def _run(backend: Any, args: dict[str, Any], **replace: Any) -> np.ndarray:
     """The op on ``args`` moved to the backend (``replace``: device arrays to use instead)."""
     dev = {**to_backend(backend, "paged_attention", args), **replace}
-    options = {name: dev[name] for name in dev if name not in _ARRAYS}
-    return backend.to_numpy(backend.ops.paged_attention(*(dev[name] for name in _ARRAYS), **options))
+    options, keywords = _split(dev)
+    return backend.to_numpy(backend.ops.paged_attention(*(dev[name] for name in _ARRAYS), options=options,
+                                                        **keywords))
+
+
+def test_varlen_calls_receive_the_options_whole(hal_backend: Any, hal_rng: np.random.Generator) -> None:
+    """The call the backend's implementations receive carries the caller's AttentionOptions object itself."""
+    args = paged_attention_inputs(hal_rng, seq_lens=[30, 4], num_heads=4, num_kv_heads=2, head_size=64,
+                                  block_size=16, dtype="fp32", query_lens=[10, 4])
+    args = _with_variants(hal_rng, args, {"window", "softcap", "sinks", "alibi"})
+    dev = to_backend(hal_backend, "paged_attention", args)
+    options, keywords = _split(dev)
+    call = hal_backend.ops.prepare("paged_attention", **{name: dev[name] for name in _ARRAYS}, **keywords,
+                                   options=options)
+    assert call.options is options
+    assert all(call.args[name] is getattr(options, name) for name in ("sinks", "alibi_slopes"))
 
 
 def _with_variants(rng: np.random.Generator, args: dict[str, Any], variants: set[str]) -> dict[str, Any]:

@@ -5,7 +5,8 @@ slower than the compiled kernel (it copies every used block into padded
 float32 workspaces), and a non-finite used key or value is not turned into
 NaN the way the float64 reference does.
 
-Decode batches without a window, softcap, sinks or ALiBi take the batched
+Decode batches without a window, softcap, sinks or ALiBi (no option of
+:class:`~hal_core.ops.AttentionOptions` but the scale) take the batched
 path below; any other call (prompts, prompt chunks, those options) runs
 :func:`_attend_varlen`, one sequence at a time in chunks of
 :data:`VARLEN_CHUNK_ROWS` query tokens.
@@ -25,9 +26,12 @@ from typing import Any
 
 import numpy as np
 
+from hal_core.ops import AttentionOptions
+from hal_core.ops.paged_attention_options import ATTENTION_OPTIONS
+
 from ._common import parallel_for, widen, workspace
 
-__all__ = ["CHUNK_BUDGET_BYTES", "PARTITION_TOKENS", "VARLEN_CHUNK_ROWS", "attend", "to_float32"]
+__all__ = ["CHUNK_BUDGET_BYTES", "PARTITION_TOKENS", "VARLEN_CHUNK_ROWS", "attend", "layer_options", "to_float32"]
 
 #: Bytes of gathered K/V (and scores) one chunk may hold; small enough to stay cache-warm.
 CHUNK_BUDGET_BYTES = 8 * 1024 * 1024
@@ -35,6 +39,16 @@ CHUNK_BUDGET_BYTES = 8 * 1024 * 1024
 PARTITION_TOKENS = 1024
 #: Variable-length path: query tokens of one sequence scored at once (bounds the [heads, rows, keys] scores).
 VARLEN_CHUNK_ROWS = 256
+
+
+def layer_options(options: AttentionOptions | float, flat: dict[str, Any]) -> AttentionOptions:
+    """``options`` itself, or an :class:`~hal_core.ops.AttentionOptions` of a scale and the other options given as
+    keywords (``flat``); a TypeError when both a value and keywords are given."""
+    if not isinstance(options, AttentionOptions):
+        return AttentionOptions(scale=options, **flat)
+    if flat:
+        raise TypeError(f"options given as AttentionOptions and as keywords {sorted(flat)}")
+    return options
 
 
 def to_float32(array: np.ndarray) -> np.ndarray:
@@ -50,20 +64,20 @@ def attend(
     value_cache: np.ndarray,
     block_tables: np.ndarray,
     seq_lens: np.ndarray,
-    scale: float,
+    options: AttentionOptions | float,
     *,
     query_start_loc: np.ndarray | None = None,
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: np.ndarray | None = None,
-    alibi_slopes: np.ndarray | None = None,
     budget: int | None = None,
     partition_tokens: int | None = None,
+    **flat_options: Any,
 ) -> np.ndarray:
-    """Paged attention of validated numpy inputs (hal-core's contract), as float32 ``[tokens, heads, head_size]``."""
-    if any(arg is not None for arg in (query_start_loc, window, softcap, sinks, alibi_slopes)):
-        return _attend_varlen(query, key_cache, value_cache, block_tables, seq_lens, scale, query_start_loc,
-                              window, softcap, sinks, alibi_slopes)
+    """Paged attention of validated numpy inputs (hal-core's contract), as float32 ``[tokens, heads, head_size]``;
+    ``options`` as for :func:`hal_cpu.ops.paged_attention.attend` (the layer's options, or a scale with the
+    others as keywords)."""
+    options = layer_options(options, flat_options)
+    scale = options.scale
+    if query_start_loc is not None or ATTENTION_OPTIONS.used_variants(ATTENTION_OPTIONS.flat(options)):
+        return _attend_varlen(query, key_cache, value_cache, block_tables, seq_lens, options, query_start_loc)
     budget = CHUNK_BUDGET_BYTES if budget is None else budget
     partition_tokens = PARTITION_TOKENS if partition_tokens is None else partition_tokens
     num_seqs, num_heads, head_size = query.shape
@@ -190,14 +204,12 @@ def _attend_varlen(
     value_cache: np.ndarray,
     block_tables: np.ndarray,
     seq_lens: np.ndarray,
-    scale: float,
+    options: AttentionOptions,
     query_start_loc: np.ndarray | None,
-    window: int | None,
-    softcap: float | None,
-    sinks: np.ndarray | None,
-    alibi_slopes: np.ndarray | None,
 ) -> np.ndarray:
     """The whole contract, one sequence at a time: its used K/V rows gathered in float32, scores per chunk of rows."""
+    scale, window, softcap = options.scale, options.window, options.softcap
+    sinks, alibi_slopes = options.sinks, options.alibi_slopes
     num_tokens, num_heads, head_size = query.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
     group = num_heads // num_kv_heads

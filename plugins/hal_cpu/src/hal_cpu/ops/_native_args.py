@@ -1,12 +1,18 @@
-"""Turning numpy arrays into the compiled kernels' arguments: dtype codes, element strides, pointers."""
+"""Turning numpy arrays into the compiled kernels' arguments: dtype codes, element strides, pointers, structs."""
 
 from __future__ import annotations
+
+import ctypes
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 
 from hal_core.arrays import BFLOAT16
 
-__all__ = ["DTYPE_CODES", "dtype_code", "element_strides", "last_contiguous"]
+__all__ = ["DTYPE_CODES", "dtype_code", "element_strides", "fill_struct", "last_contiguous"]
+
+_Struct = TypeVar("_Struct", bound=ctypes.Structure)
 
 #: The kernels' dtype codes (csrc/hal_cpu_kernels.h: HAL_F32, HAL_F16, HAL_BF16).
 DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(BFLOAT16): 2}
@@ -31,3 +37,28 @@ def element_strides(array: np.ndarray) -> tuple[int, ...]:
     """Strides of ``array`` in elements (see :func:`last_contiguous`)."""
     item = array.itemsize
     return tuple(s // item for s in array.strides)
+
+
+def fill_struct(struct: type[_Struct], values: Mapping[str, Any]) -> _Struct:
+    """An argument struct of the kernels with every field taken from ``values`` by name: a numpy array becomes
+    its data pointer (the caller keeps it alive for the call), None a null pointer or 0, a number its C type.
+
+    A field ``values`` does not name is a TypeError naming it (never a silent 0); so is a name no field has.
+    """
+    fields: list[tuple[str, Any]] = [(entry[0], entry[1]) for entry in struct._fields_]
+    unknown = set(values) - {name for name, _ in fields}
+    if unknown:
+        raise TypeError(f"{struct.__name__}: no field(s) {sorted(unknown)}")
+    filled: dict[str, Any] = {}
+    for name, ctype in fields:
+        if name not in values:
+            raise TypeError(f"{struct.__name__}: field {name!r} not given")
+        value = values[name]
+        if type(value) is np.ndarray:
+            value = value.__array_interface__["data"][0]
+        elif value is None:
+            value = None if ctype is ctypes.c_void_p else 0
+        elif ctype is not ctypes.c_void_p:
+            value = float(value) if ctype in (ctypes.c_float, ctypes.c_double) else int(value)
+        filled[name] = value
+    return struct(**filled)

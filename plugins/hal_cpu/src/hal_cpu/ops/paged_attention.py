@@ -19,32 +19,23 @@ from typing import Any
 
 import numpy as np
 
-from hal_core.ops import OpCall
+from hal_core.ops import AttentionOptions, OpCall
+from hal_core.ops.paged_attention_options import ATTENTION_OPTIONS
 
 from .. import _abi, _native
 from . import _fallback_attention, _knobs, _rules
 from ._common import finish
-from ._native_args import dtype_code, element_strides, last_contiguous
+from ._native_args import dtype_code, element_strides, fill_struct, last_contiguous
 
 __all__ = ["attend", "paged_attention"]
 
 
-#: Arguments of the variable-length contract, passed through when the call carries them.
-_VARLEN = ("query_start_loc", "max_query_len", "window", "softcap", "sinks", "alibi_slopes")
-
-
 def paged_attention(call: OpCall) -> np.ndarray:
     """The registered implementation: the result in the query's dtype; knobs from :mod:`._knobs`."""
-    extra = {name: call.args.get(name) for name in _VARLEN}
-    arrays = {name: None if extra[name] is None else np.asarray(extra[name])
-              for name in ("query_start_loc", "sinks", "alibi_slopes")}
-    result = attend(
-        np.asarray(call["query"]), np.asarray(call["key_cache"]), np.asarray(call["value_cache"]),
-        np.asarray(call["block_tables"]), np.asarray(call["seq_lens"]), call["scale"],
-        query_start_loc=arrays["query_start_loc"], max_query_len=extra["max_query_len"], window=extra["window"],
-        softcap=extra["softcap"], sinks=arrays["sinks"], alibi_slopes=arrays["alibi_slopes"],
-        partition_tokens=_knobs.partition_tokens(call),
-    )
+    args = call.args
+    result = attend(args["query"], args["key_cache"], args["value_cache"], args["block_tables"], args["seq_lens"],
+                    call.options, query_start_loc=args.get("query_start_loc"),
+                    max_query_len=args.get("max_query_len"), partition_tokens=_knobs.partition_tokens(call))
     return finish(call, result)
 
 
@@ -54,24 +45,24 @@ def attend(
     value_cache: np.ndarray,
     block_tables: np.ndarray,
     seq_lens: np.ndarray,
-    scale: float,
+    options: AttentionOptions | float,
     *,
     query_start_loc: np.ndarray | None = None,
     max_query_len: int | None = None,
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: np.ndarray | None = None,
-    alibi_slopes: np.ndarray | None = None,
     out_dtype: Any = None,
     partition_tokens: int | None = None,
     query_tile: int | None = None,
     threads: int | None = None,
+    **flat_options: Any,
 ) -> np.ndarray:
     """Paged attention of validated numpy inputs, as ``[num_tokens, num_heads, head_size]`` in ``out_dtype``.
 
     The arguments are hal-core's ``paged_attention`` contract (``query_start_loc``
-    None: one new token per sequence); ``out_dtype`` is float32, float16 or
-    bfloat16 (default: the query's dtype; the kernel rounds once, from float32).
+    None: one new token per sequence); ``options`` is the layer's
+    :class:`~hal_core.ops.AttentionOptions`, or its scale alone with the other
+    options as keywords (``attend(..., 0.125, window=64)``). The kernel's
+    argument struct takes each option by its field name. ``out_dtype`` is float32,
+    float16 or bfloat16 (default: the query's dtype; the kernel rounds once, from float32).
     The knobs ``partition_tokens`` (0: no split), ``query_tile`` (tokens per
     prefill task) and ``threads`` default to
     :func:`~hal_cpu.ops._knobs.attention_partition` (for the threads the call
@@ -79,13 +70,14 @@ def attend(
     :func:`~hal_cpu.ops._rules.attention_query_tile` and
     :func:`~hal_cpu.ops._knobs.attention_threads`.
     """
+    options = _fallback_attention.layer_options(options, flat_options)
     out_dtype = query.dtype if out_dtype is None else np.dtype(out_dtype)
     native = _native.try_load()
     if native is None:
-        result = _fallback_attention.attend(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                            query_start_loc=query_start_loc, window=window, softcap=softcap,
-                                            sinks=sinks, alibi_slopes=alibi_slopes)
+        result = _fallback_attention.attend(query, key_cache, value_cache, block_tables, seq_lens, options,
+                                            query_start_loc=query_start_loc)
         return result.astype(out_dtype, copy=False)
+    given = ATTENTION_OPTIONS.flat(options)  # scale, window, softcap, sinks, alibi_slopes: the struct's names
     num_tokens, num_heads, head_size = query.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -94,18 +86,13 @@ def attend(
         return out
     query = last_contiguous(query)
     key_cache, value_cache = last_contiguous(key_cache), last_contiguous(value_cache)
-    block_tables = np.ascontiguousarray(block_tables, dtype=np.int32)
     seq_lens = np.ascontiguousarray(seq_lens, dtype=np.int32)
-    keep: list[np.ndarray] = []  # arrays whose addresses the struct holds
-
-    def address(array: np.ndarray | None, dtype: Any) -> int | None:
-        if array is None:
-            return None
-        array = np.ascontiguousarray(array, dtype=dtype)
-        keep.append(array)
-        return _native.pointer(array)
-
-    q_lens = None if query_start_loc is None else np.diff(np.asarray(query_start_loc, dtype=np.int64))
+    if query_start_loc is not None:
+        query_start_loc = np.ascontiguousarray(query_start_loc, dtype=np.int32)
+    for name in ("sinks", "alibi_slopes"):  # float32 [num_heads] (an array the front door checked already is)
+        if given[name] is not None:
+            given[name] = np.ascontiguousarray(given[name], dtype=np.float32)
+    q_lens = None if query_start_loc is None else np.diff(query_start_loc.astype(np.int64))
     if max_query_len is None:
         max_query_len = 1 if q_lens is None else int(q_lens.max(initial=0))
     if threads is None:
@@ -113,24 +100,21 @@ def attend(
                                            native.threads)
     if partition_tokens is None:
         partition_tokens = _knobs.attention_partition(seq_lens, q_lens, num_kv_heads, block_size, threads)
-    if query_tile is None:
-        query_tile = _rules.attention_query_tile(num_heads, num_kv_heads)
     qs, qh, _ = element_strides(query)
     kb, kh, kt, _ = element_strides(key_cache)
     vb, vh, vt, _ = element_strides(value_cache)
-    args = _abi.AttentionArgs(
-        query=_native.pointer(query), q_token_stride=qs, q_head_stride=qh,
-        key_cache=_native.pointer(key_cache), value_cache=_native.pointer(value_cache),
-        k_block_stride=kb, k_head_stride=kh, k_token_stride=kt, v_block_stride=vb, v_head_stride=vh, v_token_stride=vt,
-        block_tables=_native.pointer(block_tables), bt_stride=block_tables.shape[1], seq_lens=_native.pointer(seq_lens),
-        query_start_loc=address(query_start_loc, np.int32), sinks=address(sinks, np.float32),
-        alibi_slopes=address(alibi_slopes, np.float32), out=_native.pointer(out),
-        out_token_stride=num_heads * head_size, out_dtype=dtype_code(out), num_seqs=num_seqs, num_tokens=num_tokens,
-        num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size, head_size=head_size,
-        dtype=dtype_code(query), max_query_len=int(max_query_len), window=int(window or 0), scale=scale,
-        softcap=float(softcap or 0.0), partition_tokens=int(partition_tokens), query_tile=int(query_tile),
-        threads=int(threads),
-    )
+    block_tables = np.ascontiguousarray(block_tables, dtype=np.int32)
+    args = fill_struct(_abi.AttentionArgs, {
+        **given, "query": query, "q_token_stride": qs, "q_head_stride": qh, "key_cache": key_cache,
+        "value_cache": value_cache, "k_block_stride": kb, "k_head_stride": kh, "k_token_stride": kt,
+        "v_block_stride": vb, "v_head_stride": vh, "v_token_stride": vt, "block_tables": block_tables,
+        "bt_stride": block_tables.shape[1], "seq_lens": seq_lens, "query_start_loc": query_start_loc, "out": out,
+        "out_token_stride": num_heads * head_size, "out_dtype": dtype_code(out), "num_seqs": num_seqs,
+        "num_tokens": num_tokens, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "block_size": block_size,
+        "head_size": head_size, "dtype": dtype_code(query), "max_query_len": max_query_len,
+        "partition_tokens": partition_tokens, "threads": threads,
+        "query_tile": _rules.attention_query_tile(num_heads, num_kv_heads) if query_tile is None else query_tile,
+    })
     if native.lib.hal_cpu_paged_attention(ctypes.byref(args)):
         raise MemoryError("paged_attention: the CPU kernel could not allocate its workspace")
     return out

@@ -1,0 +1,99 @@
+"""The request object implementations receive (:class:`OpCall`), and one implementation (:class:`OpImpl`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .._backend import Backend
+    from .._capabilities import DeviceCapabilities
+    from ..tuning import Knob
+    from ._spec import OpSpec
+
+__all__ = ["OpCall", "OpImpl"]
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """One validated call of an op, as implementations receive it.
+
+    ``args`` maps argument names to values. Implementations never receive
+    the caller's ``out``: they return a new array of the declared shape,
+    dtype and device, which hal checks and then writes into ``out``, so a
+    failing implementation leaves ``out`` untouched. In-place arguments
+    (the caches of ``write_kv_cache``) are given as they are, already
+    checked to be writable.
+    """
+
+    spec: OpSpec
+    args: Mapping[str, Any]
+    backend: Backend
+    device_index: int = 0
+    #: True when the arrays are host (numpy) arrays given to a device backend.
+    host_arrays: bool = False
+    #: What :meth:`OpSpec.settle` chose for the settings the caller left ``"auto"``, and why (None: none).
+    settled: str | None = None
+    #: The :attr:`OpSpec.options` value the caller passed (None: the fields came as flat keywords).
+    given_options: Any = None
+
+    @property
+    def op(self) -> str:
+        return self.spec.name
+
+    @cached_property
+    def flops(self) -> int:
+        return self.spec.flops(self.args)
+
+    @cached_property
+    def nbytes(self) -> int:
+        return self.spec.nbytes(self.args)
+
+    @property
+    def capabilities(self) -> DeviceCapabilities:
+        """The capabilities of the device the call runs on."""
+        return self.backend.device(self.device_index).capabilities
+
+    def __getitem__(self, name: str) -> Any:
+        return self.args[name]
+
+    @cached_property
+    def options(self) -> Any:
+        """The op's :attr:`~OpSpec.options` group as one value (``paged_attention``: an
+        :class:`~hal_core.ops.AttentionOptions`): the caller's own object when its fields reached the call
+        unchanged, else one made from the validated arguments (given flat, or arrays moved to another memory).
+        ``args`` holds the same fields by name."""
+        group = self.spec.options
+        if group is None:
+            raise AttributeError(f"op {self.op!r} declares no options group")
+        return group.value_of(self.args, self.given_options)
+
+
+def _always(call: OpCall) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class OpImpl:
+    """One implementation of an op.
+
+    ``supports(call)`` returns True when it can run the call, else False or
+    a string saying why not (logged with the fallback). Among those that
+    support a call, the highest ``priority`` runs, unless ``hal tune``
+    persisted another choice for the call's shape bucket on this device.
+    ``knobs`` are the implementation's tunable parameters
+    (:class:`hal_core.tuning.Knob`); ``fn`` reads each with ``knob.value(call)``.
+    """
+
+    op: str
+    fn: Callable[[OpCall], Any]
+    name: str = ""
+    priority: int = 0
+    supports: Callable[[OpCall], bool | str] = field(default=_always)
+    knobs: tuple[Knob, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            object.__setattr__(self, "name", getattr(self.fn, "__qualname__", repr(self.fn)))
