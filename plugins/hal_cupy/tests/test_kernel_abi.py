@@ -177,3 +177,33 @@ def test_readme_parameter_tables_match_the_declarations() -> None:
                 assert [n for n, _ in params[indices[0]:indices[-1] + 1]] == [n for n, _ in PA_SHARED], kernel
                 continue
             assert names == [params[i][0] for i in indices], f"{kernel}: row {indices} names {names}"
+
+
+def _readme_prose_lists() -> dict[str, list[str]]:
+    """``{kernel: names}`` from the README's ``Parameters: `a`, `b`, ...`` paragraphs (a backticked word in
+    order; ``P`` stands for the shared attention parameters; ``Parameters as `kernel``` names that kernel)."""
+    lists: dict[str, list[str]] = {}
+    kernel = None
+    for paragraph in README.read_text().split("\n\n"):
+        heading = re.match(r"#{2,3} `?(\w+)", paragraph)
+        if heading:
+            kernel = heading.group(1) if paragraph.startswith("### `") else None
+        found = re.search(r"Parameters(?::| as) (.*)", paragraph, re.S)
+        if kernel is not None and found and not paragraph.startswith("|"):
+            lists[kernel] = re.findall(r"`(\w+)`", found.group(1))
+    return lists
+
+
+def test_readme_parameter_paragraphs_match_the_declarations() -> None:
+    """The kernels the README describes in a ``Parameters:`` paragraph list the declared names in order (the
+    shared attention parameters as ``P``); a ``Parameters as `other``` kernel has the other's names."""
+    lists = _readme_prose_lists()
+    assert {"hal_paged_attention", "hal_paged_attention_split", "hal_w8a8_gemm_tc", "hal_w8_dequant"} <= set(lists)
+    shared = [n for n, _ in PA_SHARED]
+    for kernel, names in lists.items():
+        declared = [n for n, _ in KERNEL_PARAMS[kernel]]
+        if names and names[0] in KERNEL_PARAMS:  # "Parameters as `other` ..."
+            assert declared == [n for n, _ in KERNEL_PARAMS[names[0]]], kernel
+            continue
+        expanded = [x for n in names for x in (shared if n == "P" else [n])]
+        assert expanded == declared, f"{kernel}: the README lists {expanded}"
