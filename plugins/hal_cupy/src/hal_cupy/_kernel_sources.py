@@ -13,7 +13,9 @@ Every compile of a kernel goes through it: the runtime compiler and the
 warm-up (:func:`kernel_source`, with the platform's prelude), the offline
 NVRTC and HIP compile checks, the SASS budget and the kernel-resource report
 (:func:`kernel_source` too, with hal-cuda's or hal-rocm's platform), and the
-host-compiled tests (with the host prelude).
+host-compiled tests (with the host prelude).  :func:`kernel_source` also
+checks every entry point's parameter list against its declaration
+(:mod:`hal_cupy._kernel_params`) before anything is compiled.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from importlib import resources
 
 from hal_core import KernelSource
 
+from ._kernel_params import check_source
 from ._platform import GpuPlatform
 from ._specialization import Specialization
 
@@ -67,6 +70,12 @@ def translation_unit(source: str, prelude: str) -> str:
 @functools.cache
 def kernel_source(spec: Specialization, platform: GpuPlatform) -> KernelSource:
     """The :class:`~hal_core.KernelSource` of one specialisation: its translation unit after the platform's prelude,
-    its entry points, and its defines as options (the platform's compile options are added by the launcher)."""
+    its entry points, and its defines as options (the platform's compile options are added by the launcher).
+
+    Each entry point's parameter list is checked against its declaration first
+    (:func:`hal_cupy._kernel_params.check_source`): a mismatch raises
+    :class:`~hal_core.KernelCompileError` before anything is compiled.
+    """
     code = translation_unit(spec.source, platform.prelude())
+    check_source(spec.source, code, spec.kernels)
     return KernelSource(spec.source, code, spec.kernels, spec.options())

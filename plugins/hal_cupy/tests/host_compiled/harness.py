@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from hal_cupy._kernel_params import KERNEL_PARAMS
 from hal_cupy._kernel_sources import translation_unit
 
 __all__ = [
@@ -52,28 +53,12 @@ _SHIMS = {
     "rotary_embedding.cu": "rotary_embedding_host.cpp",
 }
 
-# ctypes parameter kinds after (grid, block), in kernel parameter order:
-# p = pointer (numpy array or None), f = float32, i = int32, q = int64.
+# ctypes parameter kinds after (grid, block), in kernel parameter order, from the kernels' declarations
+# (hal_cupy._kernel_params): p = pointer (numpy array or None), f = float32, i = int32, q = int64.
+_KINDS = {"float": "f", "int": "i", "hal_i64": "q", "long long": "q"}
 _SIGNATURES: dict[str, str] = {
-    "hal_paged_attention": "p" + "pppppppp" + "ff" + "iiiiiii" + "qqqqqq" + "iip",
-    "hal_paged_attention_split": "ppp" + "pppppppp" + "ff" + "iiiiiii" + "qqqqqq" + "iiiip",
-    "hal_paged_attention_reduce": "ppppppp" + "iiiii",
-    "hal_write_kv_cache": "pppppiiiip",
-    "hal_rms_norm": "pppp" + "qq" + "i" + "ff",
-    "hal_gated_activation": "ppp" + "qq" + "ii",
-    "hal_w4a16_gemm": "ppppppiiiii",
-    "hal_w8a8_gemm": "pppppppiiiii",
-    "hal_w4a16_dequant": "ppppiii",
-    "hal_w8_dequant": "ppppiii",
-    "hal_w8a8_quantize_rows": "pppi",
-    "hal_f32_to_dtype": "ppq",
-    "hal_f32_splits_to_dtype": "ppqi",
-    "hal_w4a16_gemm_tc": "ppppppiiiii",
-    "hal_w8a8_gemm_tc": "pppppppiiiii",
-    "hal_tc_reduce": "ppqi",
-    "hal_paged_attention_tc": "pppp" + "pppppppp" + "ff" + "iiiiiii" + "qqqqqq" + "iiiip",
-    "hal_sample": "pqi" + "ppppppp",
-    "hal_rotary_embedding": "pppp" + "qqqq" + "iiii" + "qp",
+    kernel: "".join("p" if ctype.endswith("*") else _KINDS[ctype] for _, ctype in params)
+    for kernel, params in KERNEL_PARAMS.items()
 }
 _CTYPES = {"p": ctypes.c_void_p, "f": ctypes.c_float, "i": ctypes.c_int, "q": ctypes.c_longlong}
 _UINT3 = ctypes.c_uint * 3

@@ -10,7 +10,7 @@ path.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 from hal_core import LaunchConfig
@@ -19,6 +19,7 @@ from hal_core.ops import OpCall, OpImpl
 from .. import _env
 from .._arrays import aligned, as_storage, to_device, to_host
 from .._cupy import cupy
+from .._kernel_params import pack
 from .._kernel_sources import kernel_source
 from .._platform import GpuPlatform
 from .._specialization import Launch, Specialization
@@ -49,11 +50,15 @@ def kernels_for(call: OpCall, device_index: int, spec: Specialization) -> dict[s
     return found
 
 
-def launch(call: OpCall, device_index: int, kernels: dict[str, Any], plan: Launch, args: Sequence[Any]) -> None:
-    """Validate and enqueue one launch planned by an op's launch rules on the current stream."""
+def launch(call: OpCall, device_index: int, kernels: dict[str, Any], plan: Launch, args: Mapping[str, Any]) -> None:
+    """Validate and enqueue one launch planned by an op's launch rules on the current stream.
+
+    ``args`` maps each of the kernel's parameter names (:mod:`hal_cupy._kernel_params`) to its value; the
+    argument tuple is built from the kernel's declaration (:func:`hal_cupy._kernel_params.pack`).
+    """
     launcher = call.backend.device(device_index).launcher
     config = LaunchConfig(grid=plan.grid, block=plan.block, shared_mem=plan.shared_mem)
-    launcher.launch(kernels[plan.kernel], config, args)
+    launcher.launch(kernels[plan.kernel], config, pack(plan.kernel, args))
 
 
 def storage_device(array: Any) -> int:

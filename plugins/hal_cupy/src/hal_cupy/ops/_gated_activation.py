@@ -6,8 +6,6 @@ with contiguous rows (the halves of a fused gate-up projection), read where they
 
 from __future__ import annotations
 
-import numpy as np
-
 from hal_core.arrays import dtype_name
 from hal_core.ops import OpCall
 from hal_core.ops.gated_activation import activation_of
@@ -54,8 +52,8 @@ def run(call: OpCall) -> object:
         out = empty_like_dtype((num_tokens, inter), hal_dtype)
         kernels = kernels_for(call, device_index, gated_activation_spec(kdtype, width))
         launch(call, device_index, kernels, gated_activation_launch(num_tokens, inter, kdtype),
-               (as_storage(out), gate, up, np.int64(row_stride(gate)), np.int64(row_stride(up)), np.int32(inter),
-                np.int32(ACTIVATION_CODES[activation_of(call.args)])))
+               dict(out=as_storage(out), gate=gate, up=up, gate_stride=row_stride(gate), up_stride=row_stride(up),
+                    intermediate_size=inter, activation=ACTIVATION_CODES[activation_of(call.args)]))
     return out
 
 

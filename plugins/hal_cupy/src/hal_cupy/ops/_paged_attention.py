@@ -121,22 +121,31 @@ def uses_tensor_cores(backend: Any, device_index: int, hal_dtype: str, num_heads
     return paged_attention_uses_tensor_cores(level, dtype, num_heads // num_kv_heads, head_size, prefill)
 
 
-def _run_tensor_cores(call: OpCall, device_index: int, out: Any, kdtype: str, params: tuple[Any, ...],
-                      rows: tuple[int, int], checks: tuple[Any, ...]) -> None:
+def _attention_options(call: OpCall) -> dict[str, Any]:
+    """The call's attention options as the kernels take them (README ``P``): ``scale``, ``softcap`` (0: none),
+    ``window`` (0: none), ``sinks`` and ``alibi_slopes`` (device arrays or None). The one place that reads them."""
+    sinks, slopes = (None if call.args.get(n) is None else as_storage(call[n]) for n in ("sinks", "alibi_slopes"))
+    softcap = call.args.get("softcap")
+    return {"scale": call["scale"], "softcap": 0.0 if softcap is None else softcap,
+            "window": call.args.get("window") or 0, "sinks": sinks, "alibi_slopes": slopes}
+
+
+def _run_tensor_cores(call: OpCall, device_index: int, out: Any, kdtype: str, shared: dict[str, Any],
+                      checks: dict[str, Any]) -> None:
     """The tensor-core kernel (and the reduce step when split); partitions sized without reading the device.
 
-    ``params`` are the kernels' shared parameters (README: ``P``), ``rows`` ``(num_tokens, max_query_len)`` and
-    ``checks`` the index-check parameters ``(num_blocks, seq_len_bound, error_flag)``.
+    ``shared`` holds the kernels' shared parameters by name (README: ``P``), ``checks`` the index-check parameters
+    (``num_blocks``, ``max_seq_len``, ``error_flag``).
     """
-    cp = cupy()
-    q, sl, qsl, sinks = params[0], params[4], params[5], params[6]
-    num_tokens, max_query_len = rows
+    q, sl = shared["query"], shared["seq_lens"]
+    num_tokens, max_query_len = shared["num_tokens"], shared["max_query_len"]
     num_seqs = sl.shape[0]
     num_heads, head_size = q.shape[1], q.shape[2]
-    num_kv_heads = params[1].shape[1]
+    num_kv_heads = shared["num_kv_heads"]
     device = call.backend.device(device_index)
     caps = device.capabilities
-    varlen = params[5] is not None or bool(_variants(call.args))  # prefill rows, a variant or strided caches
+    # prefill rows, a variant or strided caches
+    varlen = shared["query_start_loc"] is not None or bool(_variants(call.args))
     kernels = kernels_for(call, device_index, paged_attention_tc_spec(kdtype, head_size, varlen))
     registers = int(getattr(kernels["hal_paged_attention_tc"], "attributes", {}).get("num_regs", 0))
     occupancy = paged_attention_tc_ctas_per_cu(head_size, caps.shared_mem_per_cu, caps.max_threads_per_cu,
@@ -146,24 +155,32 @@ def _run_tensor_cores(call: OpCall, device_index: int, out: Any, kdtype: str, pa
     if measured is not None:
         occupancy = max(1, min(occupancy, int(measured(kernels["hal_paged_attention_tc"], 128))))
     # The bound covers every valid length (the kernels flag others); partitions past a sequence's end exit at once.
-    size, parts = paged_attention_tc_partitions(num_seqs, num_heads, num_kv_heads, int(checks[1]),
+    size, parts = paged_attention_tc_partitions(num_seqs, num_heads, num_kv_heads, checks["max_seq_len"],
                                                 head_size, caps.compute_units, occupancy,
                                                 max_query_len=max_query_len, num_tokens=num_tokens)
     plans = paged_attention_tc_launches(num_seqs, num_heads, num_kv_heads, parts, head_size, caps.compute_units,
                                         max_query_len=max_query_len, num_tokens=num_tokens)
-    tail = (np.int32(size), np.int32(parts), *checks)
+    common = {**shared, "partition_size": size, "max_partitions": parts, **checks}
     if parts == 1:
-        launch(call, device_index, kernels, plans[0], (out, None, None, None, *params, *tail))
+        launch(call, device_index, kernels, plans[0],
+               dict(out=out, tmp_out=None, max_logits=None, exp_sums=None, **common))
         return
-    tmp_out = cp.empty((num_tokens, num_heads, parts, head_size), dtype=np.float32)
-    max_logits = cp.empty((num_tokens, num_heads, parts), dtype=np.float32)
-    exp_sums = cp.empty((num_tokens, num_heads, parts), dtype=np.float32)
-    launch(call, device_index, kernels, plans[0], (None, tmp_out, max_logits, exp_sums, *params, *tail))
+    split = _split_workspaces(num_tokens, num_heads, parts, head_size)
+    launch(call, device_index, kernels, plans[0], dict(out=None, **split, **common))
     reduce = kernels_for(call, device_index,
                          paged_attention_spec(kdtype, head_size, num_heads // num_kv_heads, caps.simd_width))
     launch(call, device_index, reduce, plans[1],
-           (out, tmp_out, max_logits, exp_sums, sl, qsl, sinks, np.int32(num_heads), np.int32(num_seqs),
-            np.int32(max_query_len), np.int32(size), np.int32(parts)))
+           dict(out=out, **split, seq_lens=sl, query_start_loc=shared["query_start_loc"], sinks=shared["sinks"],
+                num_heads=num_heads, num_seqs=num_seqs, max_query_len=max_query_len, partition_size=size,
+                max_partitions=parts))
+
+
+def _split_workspaces(num_tokens: int, num_heads: int, parts: int, head_size: int) -> dict[str, Any]:
+    """The split kernels' fp32 workspaces ``tmp_out``, ``max_logits`` and ``exp_sums`` (uninitialised)."""
+    cp = cupy()
+    return {"tmp_out": cp.empty((num_tokens, num_heads, parts, head_size), dtype=np.float32),
+            "max_logits": cp.empty((num_tokens, num_heads, parts), dtype=np.float32),
+            "exp_sums": cp.empty((num_tokens, num_heads, parts), dtype=np.float32)}
 
 
 def check(call: OpCall) -> str:
@@ -214,23 +231,21 @@ def run(call: OpCall) -> Any:
     prefill = is_prefill(call.args)
     max_query_len = query_len_bound(call)
     with cp.cuda.Device(device_index):
-        checks = (np.int32(kc.shape[0]), np.int32(max_seq_len), error_flag(device_index))
+        checks = {"num_blocks": kc.shape[0], "max_seq_len": max_seq_len, "error_flag": error_flag(device_index)}
         # Rows of a sequence whose query_start_loc entries cannot place them are written by no CTA: zeros.
         out = (zeros_like_dtype if prefill else empty_like_dtype)(tuple(q.shape), hal_dtype)
-        qsl = as_storage(call["query_start_loc"]) if prefill else None
-        sinks, slopes = (None if call.args.get(n) is None else as_storage(call[n]) for n in ("sinks", "alibi_slopes"))
         k_strides, v_strides = cache_strides(kc), cache_strides(vc)
         assert k_strides is not None and v_strides is not None  # check() refused the others
-        softcap = call.args.get("softcap")
-        shared = (q, kc, vc, bt, sl, qsl, sinks, slopes, np.float32(call["scale"]),
-                  np.float32(0.0 if softcap is None else softcap), np.int32(num_heads), np.int32(num_kv_heads),
-                  np.int32(block_size), np.int32(max_blocks), np.int32(call.args.get("window") or 0),
-                  np.int32(num_tokens), np.int32(max_query_len), *(np.int64(x) for x in k_strides),
-                  *(np.int64(x) for x in v_strides))
+        shared = dict(query=q, key_cache=kc, value_cache=vc, block_tables=bt, seq_lens=sl,
+                      query_start_loc=as_storage(call["query_start_loc"]) if prefill else None,
+                      **_attention_options(call), num_heads=num_heads, num_kv_heads=num_kv_heads,
+                      block_size=block_size, max_blocks_per_seq=max_blocks, num_tokens=num_tokens,
+                      max_query_len=max_query_len,
+                      **dict(zip(("k_stride_block", "k_stride_head", "k_stride_token"), k_strides, strict=True)),
+                      **dict(zip(("v_stride_block", "v_stride_head", "v_stride_token"), v_strides, strict=True)))
         if k_strides == v_strides and uses_tensor_cores(call.backend, device_index, hal_dtype, num_heads,
                                                         num_kv_heads, head_size, prefill):
-            _run_tensor_cores(call, device_index, as_storage(out), KERNEL_DTYPES[hal_dtype], shared,
-                              (num_tokens, max_query_len), checks)
+            _run_tensor_cores(call, device_index, as_storage(out), KERNEL_DTYPES[hal_dtype], shared, checks)
             return out
         rows = paged_attention_rows(group, max_query_len)
         kernels = kernels_for(call, device_index,
@@ -243,17 +258,16 @@ def run(call: OpCall) -> Any:
                                          partition_size=PA_PARTITION_SIZE, max_query_len=max_query_len,
                                          num_tokens=num_tokens)
         if variant == "single":
-            launch(call, device_index, kernels, plans[0], (as_storage(out), *shared, *checks))
+            launch(call, device_index, kernels, plans[0], dict(out=as_storage(out), **shared, **checks))
             return out
         parts = paged_attention_partitions(max_seq_len, PA_PARTITION_SIZE)
-        tmp_out = cp.empty((num_tokens, num_heads, parts, head_size), dtype=np.float32)
-        max_logits = cp.empty((num_tokens, num_heads, parts), dtype=np.float32)
-        exp_sums = cp.empty((num_tokens, num_heads, parts), dtype=np.float32)
-        launch(call, device_index, kernels, plans[0],
-               (tmp_out, max_logits, exp_sums, *shared, np.int32(PA_PARTITION_SIZE), np.int32(parts), *checks))
+        split = _split_workspaces(num_tokens, num_heads, parts, head_size)
+        partitions = {"partition_size": PA_PARTITION_SIZE, "max_partitions": parts}
+        launch(call, device_index, kernels, plans[0], dict(**split, **shared, **partitions, **checks))
         launch(call, device_index, kernels, plans[1],
-               (as_storage(out), tmp_out, max_logits, exp_sums, sl, qsl, sinks, np.int32(num_heads),
-                np.int32(num_seqs), np.int32(max_query_len), np.int32(PA_PARTITION_SIZE), np.int32(parts)))
+               dict(out=as_storage(out), **split, seq_lens=sl, query_start_loc=shared["query_start_loc"],
+                    sinks=shared["sinks"], num_heads=num_heads, num_seqs=num_seqs, max_query_len=max_query_len,
+                    **partitions))
     return out
 
 

@@ -25,7 +25,7 @@ Selection, per call:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,7 @@ from hal_core.ops import OpCall
 from .. import _env
 from .._arrays import KERNEL_DTYPES, aligned, as_storage, empty_like_dtype
 from .._cupy import cupy
+from .._kernel_params import pack
 from .._tc_pack import PackedWeight, PackedWeightCache, pack_weight
 from ._common import GpuOp, kernels_for, launch, misaligned, storage_device, tensor_cores_available
 from ._quantized_gemm_rules import (
@@ -119,11 +120,12 @@ def _width(call: OpCall, device_index: int) -> int:
     return call.backend.device(device_index).capabilities.simd_width
 
 
-def _grid_stride(call: OpCall, device_index: int, kernel: Any, items: int, args: Sequence[Any]) -> None:
-    """Launch a quant_util grid-stride kernel (256 threads) with a grid from SM count and occupancy."""
+def _grid_stride(call: OpCall, device_index: int, kernel: Any, items: int, args: Mapping[str, Any]) -> None:
+    """Launch a quant_util grid-stride kernel (256 threads, arguments by parameter name) with a grid from SM count
+    and occupancy."""
     launcher = call.backend.device(device_index).launcher
     config = launcher.config_for(kernel, items, threads_per_block=256)
-    launcher.launch(kernel, config, args)
+    launcher.launch(kernel, config, pack(kernel.name, args))
 
 
 def _quantize_rows(call: OpCall, device_index: int, x: Any, kdtype: str) -> tuple[Any, Any]:
@@ -133,8 +135,16 @@ def _quantize_rows(call: OpCall, device_index: int, x: Any, kdtype: str) -> tupl
     sx = cp.empty((m,), dtype=np.float32)
     util = kernels_for(call, device_index, quant_util_spec(kdtype, _width(call, device_index)))
     plan = quant_util_launch("hal_w8a8_quantize_rows", m, call.backend.device(device_index).capabilities.compute_units)
-    launch(call, device_index, util, plan, (xq, sx, x, np.int32(k)))
+    launch(call, device_index, util, plan, dict(xq=xq, sx=sx, x=x, K=k))
     return xq, sx
+
+
+def _activations(call: OpCall, device_index: int, x: Any, kdtype: str) -> dict[str, Any]:
+    """The GEMM kernels' activation arguments: ``x``, or (W8A8) its rows quantised, ``xq`` and ``sx``."""
+    if call["qweight"].bits != 8:
+        return {"x": x}
+    xq, sx = _quantize_rows(call, device_index, x, kdtype)
+    return {"xq": xq, "sx": sx}
 
 
 def _small_m(call: OpCall, device_index: int, x: Any, out: Any, kdtype: str,
@@ -144,17 +154,17 @@ def _small_m(call: OpCall, device_index: int, x: Any, out: Any, kdtype: str,
     m, k = x.shape
     n, g = qw.shape[1], qw.group_size
     caps = call.backend.device(device_index).capabilities
-    activations = _quantize_rows(call, device_index, x, kdtype) if qw.bits == 8 else (x,)
+    activations = _activations(call, device_index, x, kdtype)
     gemm = kernels_for(call, device_index, quant_gemm_spec(kdtype, qw.bits, quant_gemm_m_tile(m), caps.simd_width))
     plan, ksplit, per_split = quant_gemm_launch(qw.bits, m, n, k, g, caps.compute_units, caps.simd_width)
     ws = cp.empty((ksplit, m, n), dtype=np.float32) if ksplit > 1 else None  # every element is written
     launch(call, device_index, gemm, plan,
-           (out, ws, *activations, *weights, np.int32(m), np.int32(n), np.int32(k), np.int32(g),
-            np.int32(per_split)))
+           dict(out=out, ws=ws, **activations, qweight=weights[0], scales=weights[1], zeros=weights[2], M=m, N=n,
+                K=k, group_size=g, groups_per_split=per_split))
     if ws is not None:  # the splits' partials, added in split order: deterministic
         util = kernels_for(call, device_index, quant_util_spec(kdtype, _width(call, device_index)))
         _grid_stride(call, device_index, util["hal_f32_splits_to_dtype"], m * n,
-                     (out, ws, np.int64(m * n), np.int32(ksplit)))
+                     dict(out=out, ws=ws, count=m * n, splits=ksplit))
 
 
 def _packed(call: OpCall, device_index: int) -> PackedWeight:
@@ -173,16 +183,16 @@ def _tensor_core(call: OpCall, device_index: int, x: Any, out: Any, kdtype: str)
     n, g = qw.shape[1], qw.group_size
     caps = call.backend.device(device_index).capabilities
     packed = _packed(call, device_index)
-    activations = _quantize_rows(call, device_index, x, kdtype) if qw.bits == 8 else (x,)
+    activations = _activations(call, device_index, x, kdtype)
     kernels = kernels_for(call, device_index, quant_gemm_tc_spec(kdtype, qw.bits, quant_gemm_tc_m_frags(m)))
     plan, ksplit, per_split = quant_gemm_tc_launch(qw.bits, m, n, k, g, caps.compute_units)
     ws = cp.empty((ksplit, m, n), dtype=np.float32) if ksplit > 1 else None  # every element is written
     launch(call, device_index, kernels, plan,
-           (out, ws, *activations, packed.qtc, packed.scales, packed.zeros, np.int32(m), np.int32(n), np.int32(k),
-            np.int32(g), np.int32(per_split)))
+           dict(out=out, ws=ws, **activations, qtc=packed.qtc, scales=packed.scales, zeros=packed.zeros, M=m, N=n,
+                K=k, group_size=g, kb_per_split=per_split))
     if ws is not None:
         launch(call, device_index, kernels, quant_gemm_tc_reduce_launch(m, n, caps.compute_units),
-               (out, ws, np.int64(m * n), np.int32(ksplit)))
+               dict(out=out, ws=ws, count=m * n, splits=ksplit))
 
 
 def slab_rows(k: int, n: int, group_size: int, elem_bytes: int, budget: int = QGEMM_SLAB_BYTES) -> int:
@@ -223,7 +233,7 @@ def _large_m(call: OpCall, device_index: int, x: Any, out: Any, hal_dtype: str, 
             a = deq
         else:
             a = cp.empty((m, k), dtype=np.uint16 if gdtype == "bf16" else np.float16)
-            _grid_stride(call, device_index, util_g["hal_f32_to_dtype"], m * k, (a, deq, np.int64(m * k)))
+            _grid_stride(call, device_index, util_g["hal_f32_to_dtype"], m * k, dict(out=a, ws=deq, count=m * k))
     elif gdtype == "fp32" and hal_dtype == "bf16":
         a = (x.astype(np.uint32) << np.uint32(16)).view(np.float32)  # bf16 bits -> fp32, exact
     else:
@@ -244,12 +254,12 @@ def _large_m(call: OpCall, device_index: int, x: Any, out: Any, hal_dtype: str, 
         z_slab = zeros[g0:g1] if zeros is not None else None
         items = (kr // 8) * (n // 4) if qw.bits == 4 else kr * (n // 4)
         _grid_stride(call, device_index, dequant, items,
-                     (w, q_slab, scales[g0:g1], z_slab, np.int32(kr), np.int32(n), np.int32(g)))
+                     dict(w=w, qweight=q_slab, scales=scales[g0:g1], zeros=z_slab, K=kr, N=n, group_size=g))
         _gemm_accumulate(a.data.ptr + k0 * a.dtype.itemsize, k, w, c, m, n, kr, _CUDA_R[gdtype], c_type,
                          0.0 if i == 0 else 1.0)
     if c is not out:
         util = kernels_for(call, device_index, quant_util_spec(kdtype, caps.simd_width))
-        _grid_stride(call, device_index, util["hal_f32_to_dtype"], m * n, (out, c, np.int64(m * n)))
+        _grid_stride(call, device_index, util["hal_f32_to_dtype"], m * n, dict(out=out, ws=c, count=m * n))
 
 
 def run(call: OpCall) -> Any:

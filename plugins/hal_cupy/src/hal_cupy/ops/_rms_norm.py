@@ -6,8 +6,6 @@ views with contiguous rows (they are read where they are); ``out`` is a new cont
 
 from __future__ import annotations
 
-import numpy as np
-
 from hal_core.arrays import dtype_name
 from hal_core.ops import OpCall
 
@@ -52,9 +50,9 @@ def run(call: OpCall) -> object:
         out = empty_like_dtype((num_tokens, hidden), hal_dtype)
         kernels = kernels_for(call, device_index, rms_norm_spec(KERNEL_DTYPES[hal_dtype], width))
         launch(call, device_index, kernels, rms_norm_launch(num_tokens),
-               (as_storage(out), x, weight, residual, np.int64(row_stride(x)),
-                np.int64(0 if residual is None else row_stride(residual)), np.int32(hidden),
-                np.float32(call["epsilon"]), np.float32(call.args.get("weight_offset") or 0.0)))
+               dict(out=as_storage(out), x=x, weight=weight, residual=residual, x_stride=row_stride(x),
+                    residual_stride=0 if residual is None else row_stride(residual), hidden_size=hidden,
+                    epsilon=call["epsilon"], weight_offset=call.args.get("weight_offset") or 0.0))
     return out
 
 

@@ -56,10 +56,11 @@ def run(call: OpCall) -> None:
     with cp.cuda.Device(device_index):
         kernels = kernels_for(call, device_index, spec)
         launch(call, device_index, kernels, rotary_embedding_launch(query.shape[0]),
-               (positions, query, key, table, np.int64(q_token), np.int64(q_head), np.int64(k_token),
-                np.int64(k_head), np.int32(query.shape[1]), np.int32(key.shape[1] if key is not None else 0),
-                np.int32(table.shape[1]), np.int32(call.args.get("style") == "gptj"), np.int64(table.shape[0]),
-                error_flag(device_index)))
+               dict(positions=positions, query=query, key=key, cos_sin_cache=table, q_token_stride=q_token,
+                    q_head_stride=q_head, k_token_stride=k_token, k_head_stride=k_head, num_heads=query.shape[1],
+                    num_kv_heads=key.shape[1] if key is not None else 0, rotary_dim=table.shape[1],
+                    gptj=int(call.args.get("style") == "gptj"), max_position=table.shape[0],
+                    error_flag=error_flag(device_index)))
     return None
 
 

@@ -44,9 +44,9 @@ def run(call: OpCall) -> object:
         out = cp.empty((num_seqs,), dtype=np.int64)
         kernels = kernels_for(call, device_index, sample_spec(kernel_dtype(call["logits"]), width))
         launch(call, device_index, kernels, sample_launch(num_seqs),
-               (logits, np.int64(logits.strides[0] // logits.itemsize), np.int32(vocab),
-                as_storage(call["temperature"]), top_k, top_p, min_p, as_storage(call["seeds"]), out,
-                error_flag(device_index)))
+               dict(logits=logits, row_stride=logits.strides[0] // logits.itemsize, vocab=vocab,
+                    temperature=as_storage(call["temperature"]), top_k=top_k, top_p=top_p, min_p=min_p,
+                    seeds=as_storage(call["seeds"]), out=out, error_flag=error_flag(device_index)))
     return out
 
 

@@ -51,8 +51,9 @@ def run(call: OpCall) -> None:
     with cp.cuda.Device(device_index):
         kernels = kernels_for(call, device_index, spec)
         launch(call, device_index, kernels, write_kv_cache_launch(num_tokens),
-               (key, value, key_cache, value_cache, slots, np.int32(num_kv_heads), np.int32(block_size),
-                np.int32(head_size * key.dtype.itemsize), np.int32(key_cache.shape[0]), error_flag(device_index)))
+               dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slots,
+                    num_kv_heads=num_kv_heads, block_size=block_size, row_bytes=head_size * key.dtype.itemsize,
+                    num_blocks=key_cache.shape[0], error_flag=error_flag(device_index)))
     return None
 
 
