@@ -122,12 +122,13 @@ def uses_tensor_cores(backend: Any, device_index: int, hal_dtype: str, num_heads
 
 
 def _attention_options(call: OpCall) -> dict[str, Any]:
-    """The call's attention options as the kernels take them (README ``P``): ``scale``, ``softcap`` (0: none),
-    ``window`` (0: none), ``sinks`` and ``alibi_slopes`` (device arrays or None). The one place that reads them."""
-    sinks, slopes = (None if call.args.get(n) is None else as_storage(call[n]) for n in ("sinks", "alibi_slopes"))
-    softcap = call.args.get("softcap")
-    return {"scale": call["scale"], "softcap": 0.0 if softcap is None else softcap,
-            "window": call.args.get("window") or 0, "sinks": sinks, "alibi_slopes": slopes}
+    """The call's :class:`~hal_core.ops.AttentionOptions` (``call.options``, received whole) as the kernels take
+    them (README ``P``): ``scale``, ``softcap`` (0: none), ``window`` (0: none), ``sinks`` and ``alibi_slopes``
+    (device arrays or None). The one place that reads them."""
+    options = call.options
+    sinks, slopes = (None if a is None else as_storage(a) for a in (options.sinks, options.alibi_slopes))
+    return {"scale": options.scale, "softcap": 0.0 if options.softcap is None else options.softcap,
+            "window": options.window or 0, "sinks": sinks, "alibi_slopes": slopes}
 
 
 def _run_tensor_cores(call: OpCall, device_index: int, out: Any, kdtype: str, shared: dict[str, Any],
@@ -198,7 +199,7 @@ def check(call: OpCall) -> str:
         if not call.host_arrays and cache_strides(as_storage(call[name])) is None:
             return f"argument {name!r}: the kernels need non-negative strides that keep every row on 16 bytes"
     for name in ("sinks", "alibi_slopes"):
-        value = call.args.get(name)
+        value = getattr(call.options, name)
         if value is not None and not is_c_contiguous(value):
             return f"argument {name!r}: the kernels read a contiguous array"
     caps = call.capabilities
