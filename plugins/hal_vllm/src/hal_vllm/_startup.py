@@ -36,8 +36,9 @@ __all__ = ["LayerPlan", "Route", "check_cache_spec", "device_type", "plan_layer"
 #: The logger of the plugin: a child of vLLM's, so its messages appear with vLLM's own.
 log = logging.getLogger("vllm.hal_vllm")
 
-#: The arguments of ``paged_attention`` vLLM's metadata and layers need beyond the decode form.
-_VARLEN_ARGUMENTS = ("query_start_loc", "max_query_len", "window", "softcap", "sinks", "alibi_slopes")
+#: The arguments of ``paged_attention`` vLLM's metadata and layers need beyond the decode form (the layer's
+#: AttentionOptions go whole as ``options``).
+_VARLEN_ARGUMENTS = ("query_start_loc", "max_query_len", "options")
 
 _announced: set[int] = set()
 _warned: set[tuple[int, str, str]] = set()
