@@ -15,6 +15,7 @@ from hal_core.arrays import BFLOAT16
 from hal_core.ops import OpCall
 
 from .. import _abi, _native
+from ._native_args import fill_struct
 
 __all__ = ["NARROW_CHUNK", "NARROW_NATIVE_MIN", "finish", "narrow", "parallel_for", "widen", "workspace"]
 
@@ -49,8 +50,8 @@ def narrow(result: np.ndarray, dtype: Any) -> np.ndarray:
     if native is None:
         return result.astype(dtype, copy=False)
     out = np.empty(result.shape, dtype)
-    args = _abi.FromFloat32Args(x=_native.pointer(result), out=_native.pointer(out), n=result.size,
-                                chunk=NARROW_CHUNK, dtype=_HALF_CODES[dtype], threads=native.threads)
+    args = fill_struct(_abi.FromFloat32Args, dict(x=_native.pointer(result), out=_native.pointer(out), n=result.size,
+                                chunk=NARROW_CHUNK, dtype=_HALF_CODES[dtype], threads=native.threads))
     native.lib.hal_cpu_from_float32(ctypes.byref(args))
     return out
 

@@ -28,7 +28,7 @@ from hal_core.quant import QuantizedWeight, quantize_activations
 
 from .. import _abi, _native
 from . import _rules
-from ._native_args import dtype_code
+from ._native_args import dtype_code, fill_struct
 from ._tiles import tiles
 
 __all__ = ["W4A8_MAX_GROUP", "gemm", "integer_kernel"]
@@ -56,10 +56,10 @@ def gemm(native: _native.Native, x: np.ndarray, qweight: QuantizedWeight, thread
     y = np.empty((m, n), dtype=np.float32)
     if integer_kernel(qweight):
         ptr = _native.pointer
-        args = _abi.W4a8GemmArgs(
+        args = fill_struct(_abi.W4a8GemmArgs, dict(
             x=ptr(x), x_stride=x.strides[0] // x.itemsize, m=m, k=k, n=n, qweight=ptr(qw), scales=ptr(scales),
             zeros=ptr(zeros), group_size=qweight.group_size, y=ptr(y), x_dtype=dtype_code(x),
-            s_dtype=dtype_code(scales), default_zero=qweight.default_zero, threads=int(threads))
+            s_dtype=dtype_code(scales), default_zero=qweight.default_zero, threads=int(threads)))
         if native.lib.hal_cpu_w4a8_gemm(ctypes.byref(args)):
             raise MemoryError("quantized_gemm: the CPU kernel could not allocate its activation workspace")
         return y

@@ -14,7 +14,7 @@ from hal_core.ops.gated_activation import ACTIVATIONS, activate, activation_of
 
 from .. import _abi, _native
 from . import _rules
-from ._native_args import dtype_code, last_contiguous
+from ._native_args import dtype_code, fill_struct, last_contiguous
 from .rms_norm import rows_per_task
 
 __all__ = ["activation_code", "gated", "gated_activation"]
@@ -42,10 +42,10 @@ def gated(gate: np.ndarray, up: np.ndarray, activation: str = "silu", *, threads
     num_tokens, inter = gate.shape
     if threads is None:
         threads = _rules.threads_for(3 * gate.size * gate.itemsize, native.threads)
-    args = _abi.GatedActivationArgs(
+    args = fill_struct(_abi.GatedActivationArgs, dict(
         gate=_native.pointer(gate), gate_stride=gate.strides[0] // gate.itemsize, up=_native.pointer(up),
         up_stride=up.strides[0] // up.itemsize, out=_native.pointer(out), out_stride=inter, num_tokens=num_tokens,
         intermediate_size=inter, rows_per_task=rows_per_task(num_tokens, int(threads)),
-        activation=activation_code(activation), dtype=dtype_code(gate), threads=int(threads))
+        activation=activation_code(activation), dtype=dtype_code(gate), threads=int(threads)))
     native.lib.hal_cpu_gated_activation(ctypes.byref(args))
     return out

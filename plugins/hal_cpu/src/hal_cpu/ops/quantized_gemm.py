@@ -70,7 +70,7 @@ from hal_core.quant import QuantizedWeight
 from .. import _abi, _native
 from . import _fallback_gemm, _knobs, _rules, _tiles, _w4a8
 from ._common import finish
-from ._native_args import dtype_code
+from ._native_args import dtype_code, fill_struct
 
 __all__ = ["W8A8_ACC_WORDS", "W8A8_SMALL_M_MAX", "gemm", "half_dot", "quantized_gemm", "w8a8_column_tile"]
 
@@ -153,16 +153,18 @@ def gemm(
               "default_zero": qweight.default_zero, "threads": int(threads)}
     if qweight.bits == 8:
         perm, starts, groups = _group_runs(k, qweight.group_size, g_idx)
-        w8 = _abi.W8a8GemmArgs(**common, perm=ptr(perm), group_starts=ptr(starts), group_of_run=ptr(groups),
-                               runs=groups.size, n_tile=n_tile, k_parts=k_parts)
+        w8 = fill_struct(_abi.W8a8GemmArgs, dict(**common, perm=ptr(perm), group_starts=ptr(starts),
+                                                 group_of_run=ptr(groups), runs=groups.size, n_tile=n_tile,
+                                                 k_parts=k_parts))
         rc = native.lib.hal_cpu_w8a8_gemm(ctypes.byref(w8))
     elif kernel == "registers":
         if g_idx is not None or qweight.group_size % 8:
             raise ValueError("quantized_gemm: kernel='registers' needs group_size % 8 == 0 and no act-order")
-        w4 = _abi.W4a16GemvArgs(**common, group_size=qweight.group_size, n_tile=n_tile, k_parts=k_parts)
+        w4 = fill_struct(_abi.W4a16GemvArgs, dict(**common, group_size=qweight.group_size, n_tile=n_tile,
+                                                  k_parts=k_parts))
         rc = native.lib.hal_cpu_w4a16_gemv(ctypes.byref(w4))
     elif kernel == "blocked":
-        blocked = _abi.W4a16BlockedArgs(**common, g_idx=ptr(g_idx), group_size=qweight.group_size)
+        blocked = fill_struct(_abi.W4a16BlockedArgs, dict(**common, g_idx=ptr(g_idx), group_size=qweight.group_size))
         rc = native.lib.hal_cpu_w4a16_blocked(ctypes.byref(blocked))
     elif kernel == "tiles":
         rc = _tiles.tiles(native, x, xs, qweight, qw, scales, zeros, g_idx, y, tile_bytes, threads)
@@ -194,11 +196,11 @@ def _redo_non_finite_rows(native: _native.Native, x: np.ndarray, qweight: Quanti
         return  # an overflow of finite inputs: the kernel's result stands
     rows = np.ascontiguousarray(x[bad])
     redo = np.empty((bad.size, y.shape[1]), dtype=np.float32)
-    args = _abi.W4a16BlockedArgs(
+    args = fill_struct(_abi.W4a16BlockedArgs, dict(
         x=_native.pointer(rows), x_stride=rows.strides[0] // rows.itemsize, m=bad.size, k=x.shape[1], n=y.shape[1],
         qweight=_native.pointer(qw), scales=_native.pointer(scales), zeros=_native.pointer(zeros),
         g_idx=_native.pointer(g_idx), group_size=qweight.group_size, y=_native.pointer(redo),
-        x_dtype=dtype_code(rows), s_dtype=dtype_code(scales), default_zero=qweight.default_zero, threads=threads)
+        x_dtype=dtype_code(rows), s_dtype=dtype_code(scales), default_zero=qweight.default_zero, threads=threads))
     rc = native.lib.hal_cpu_w4a16_blocked(ctypes.byref(args))
     if rc:
         raise MemoryError("quantized_gemm: the CPU kernel could not allocate its activation workspace")

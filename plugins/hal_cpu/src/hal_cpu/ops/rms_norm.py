@@ -15,7 +15,7 @@ from hal_core.ops import OpCall
 
 from .. import _abi, _native
 from . import _rules
-from ._native_args import dtype_code, last_contiguous
+from ._native_args import dtype_code, fill_struct, last_contiguous
 
 __all__ = ["norm", "rms_norm"]
 
@@ -43,12 +43,12 @@ def norm(x: np.ndarray, weight: np.ndarray, epsilon: float, *, residual: np.ndar
     num_tokens, hidden = x.shape
     if threads is None:
         threads = _rules.threads_for((4 if residual is not None else 2) * x.size * x.itemsize, native.threads)
-    args = _abi.RmsNormArgs(
+    args = fill_struct(_abi.RmsNormArgs, dict(
         x=_native.pointer(x), x_stride=x.strides[0] // x.itemsize, weight=_native.pointer(weight),
         residual=_native.pointer(residual), residual_stride=residual.strides[0] // x.itemsize if residual is not None
         else 0, out=_native.pointer(out), out_stride=hidden, num_tokens=num_tokens, hidden_size=hidden,
         rows_per_task=rows_per_task(num_tokens, int(threads)), epsilon=epsilon, weight_offset=weight_offset,
-        dtype=dtype_code(x), threads=int(threads))
+        dtype=dtype_code(x), threads=int(threads)))
     native.lib.hal_cpu_rms_norm(ctypes.byref(args))
     return out
 

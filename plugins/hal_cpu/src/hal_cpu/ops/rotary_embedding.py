@@ -15,7 +15,7 @@ from hal_core.ops.rotary_embedding import rotary_pairs
 
 from .. import _abi, _native
 from . import _rules
-from ._native_args import dtype_code, element_strides
+from ._native_args import dtype_code, element_strides, fill_struct
 
 __all__ = ["rotary_embedding", "rotate"]
 
@@ -50,12 +50,12 @@ def rotate(positions: np.ndarray, query: np.ndarray, cos_sin_cache: np.ndarray, 
         threads = _rules.threads_for(2 * rows * rotary_dim * query.itemsize, native.threads)
     qts, qhs, _ = element_strides(query)
     kts, khs, _ = element_strides(key) if key is not None else (0, 0, 0)
-    args = _abi.RotaryEmbeddingArgs(
+    args = fill_struct(_abi.RotaryEmbeddingArgs, dict(
         positions=_native.pointer(positions), query=_native.pointer(query), q_token_stride=qts, q_head_stride=qhs,
         key=_native.pointer(key) if key is not None else None, k_token_stride=kts, k_head_stride=khs,
         cos_sin_cache=_native.pointer(table), num_tokens=num_tokens, max_position=table.shape[0],
         position_bytes=positions.itemsize, num_heads=num_heads, num_kv_heads=key.shape[1] if key is not None else 0,
-        rotary_dim=rotary_dim, dtype=dtype_code(query), gptj=int(style == "gptj"), threads=int(threads))
+        rotary_dim=rotary_dim, dtype=dtype_code(query), gptj=int(style == "gptj"), threads=int(threads)))
     native.lib.hal_cpu_rotary_embedding(ctypes.byref(args))
 
 

@@ -15,7 +15,7 @@ from hal_core.ops import OPS, OpCall
 
 from .. import _abi, _native
 from . import _rules
-from ._native_args import dtype_code, last_contiguous
+from ._native_args import dtype_code, fill_struct, last_contiguous
 
 __all__ = ["draw_tokens", "sample"]
 
@@ -44,11 +44,11 @@ def draw_tokens(logits: np.ndarray, temperature: np.ndarray, seeds: np.ndarray, 
     top_k, top_p, min_p = (None if a is None else np.ascontiguousarray(a) for a in (top_k, top_p, min_p))
     if threads is None:
         threads = _rules.threads_for(logits.itemsize * num_seqs * vocab, native.threads)
-    args = _abi.SampleArgs(
+    args = fill_struct(_abi.SampleArgs, dict(
         logits=_native.pointer(logits), logits_stride=logits.strides[0] // logits.itemsize if num_seqs > 1 else vocab,
         temperature=_native.pointer(temperature), top_k=_native.pointer(top_k), top_p=_native.pointer(top_p),
         min_p=_native.pointer(min_p), seeds=_native.pointer(seeds), out=_native.pointer(out), num_seqs=num_seqs,
-        vocab_size=vocab, dtype=dtype_code(logits), threads=int(threads))
+        vocab_size=vocab, dtype=dtype_code(logits), threads=int(threads)))
     if native.lib.hal_cpu_sample(ctypes.byref(args)):
         raise MemoryError("sample: the CPU kernel could not allocate its workspace (one row of float32 per thread)")
     return out

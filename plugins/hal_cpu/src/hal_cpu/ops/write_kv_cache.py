@@ -15,7 +15,7 @@ from hal_core.ops import OpCall
 
 from .. import _abi, _native
 from . import _rules
-from ._native_args import element_strides, last_contiguous
+from ._native_args import element_strides, fill_struct, last_contiguous
 
 __all__ = ["scatter", "write_kv_cache"]
 
@@ -44,13 +44,13 @@ def scatter(key: np.ndarray, value: np.ndarray, key_cache: np.ndarray, value_cac
     kts, khs, _ = element_strides(key)
     vts, vhs, _ = element_strides(value)
     cb, ch, ct, _ = element_strides(key_cache)
-    args = _abi.WriteKvCacheArgs(
+    args = fill_struct(_abi.WriteKvCacheArgs, dict(
         key=_native.pointer(key), k_token_stride=kts, k_head_stride=khs,
         value=_native.pointer(value), v_token_stride=vts, v_head_stride=vhs,
         key_cache=_native.pointer(key_cache), value_cache=_native.pointer(value_cache),
         c_block_stride=cb, c_head_stride=ch, c_token_stride=ct, slots=_native.pointer(slots), num_tokens=num_tokens,
         slot_bytes=slots.itemsize, num_kv_heads=num_kv_heads, block_size=key_cache.shape[2], head_size=head_size,
-        elem_bytes=item, threads=int(threads))
+        elem_bytes=item, threads=int(threads)))
     native.lib.hal_cpu_write_kv_cache(ctypes.byref(args))
 
 
