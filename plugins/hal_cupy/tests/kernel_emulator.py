@@ -645,6 +645,109 @@ class Kernel:
         assert o.size == int(count)
         _store(o, _ptr(ws, np.float32), self.defines["HAL_DTYPE"])
 
+    # -- fused_moe.cu ------------------------------------------------------------------------
+
+    def hal_moe_route(self, grid: Any, block: Any, ids: Any, weights: Any, counts: Any, logits: Any, tokens: Any,
+                      experts: Any, top_k: Any, routing: Any) -> None:
+        from hal_core.ops.fused_moe import ROUTINGS, reference_routing
+
+        t, e, k = _i32(tokens), _i32(experts), _i32(top_k)
+        values = _ptr(logits, np.float32).reshape(t, e)
+        assert grid[0] * block[0] >= t
+        chosen, w = reference_routing(values, k, ROUTINGS[_i32(routing)])
+        _ptr(ids, np.int32)[...] = chosen.reshape(-1)
+        _ptr(weights, np.float32)[...] = w.reshape(-1).astype(np.float32)
+        _ptr(counts, np.int32)[...] += np.bincount(chosen.reshape(-1), minlength=e).astype(np.int32)
+
+    def hal_moe_align(self, grid: Any, block: Any, offsets: Any, tile_expert: Any, sorted_pairs: Any, cursor: Any,
+                      counts: Any, experts: Any, max_tiles: Any) -> None:
+        tile = self.defines.get("HAL_MOE_TILE", 8)
+        c = _ptr(counts, np.int32)
+        padded = -(-c // tile) * tile
+        o = _ptr(offsets, np.int32)
+        o[0], o[1:] = 0, np.cumsum(padded)
+        te = _ptr(tile_expert, np.int32)
+        te[...] = -1
+        te[: o[-1] // tile] = np.repeat(np.arange(_i32(experts)), padded // tile)
+        _ptr(sorted_pairs, np.int32)[...] = -1
+        _ptr(cursor, np.int32)[...] = 0
+        assert grid == (1, 1, 1) and te.size == _i32(max_tiles)
+
+    def hal_moe_scatter(self, grid: Any, block: Any, sorted_pairs: Any, cursor: Any, ids: Any, offsets: Any,
+                        pairs: Any) -> None:
+        sp, cur, o = _ptr(sorted_pairs, np.int32), _ptr(cursor, np.int32), _ptr(offsets, np.int32)
+        for p, e in enumerate(_ptr(ids, np.int32)[: _i32(pairs)]):
+            sp[o[e] + cur[e]] = p
+            cur[e] += 1
+
+    def _moe_weight(self, table: Any, e: int, k: int, n: int, g: int) -> np.ndarray:
+        """Expert ``e``'s [k, n] weight from the address table, dequantised in float32."""
+        q, s, z = (int(a) for a in _ptr(table, np.int64).reshape(-1, 3)[e])
+        bits = self.defines["HAL_QBITS"]
+        scales = _from_address(s, k // g * n, np.float16).reshape(k // g, n)
+        zeros = None if z == 0 else _from_address(z, k // g * n, np.uint8).reshape(k // g, n)
+        if bits == 4:
+            codes = _codes4(_from_address(q, k // 8 * n, np.uint32).reshape(k // 8, n))
+        else:
+            codes = _from_address(q, k * n, np.uint8).reshape(k, n)
+        return _dequant(codes, scales, zeros, g, 8 if bits == 4 else 128)
+
+    def _moe_tiles(self, sorted_pairs: Any, tile_expert: Any, offsets: Any, experts: Any) -> list[tuple[int, int]]:
+        """(tile, expert) of every tile within the padded total."""
+        tile = self.defines.get("HAL_MOE_TILE", 8)
+        total = int(_ptr(offsets, np.int32)[_i32(experts)])
+        return [(t, int(e)) for t, e in enumerate(_ptr(tile_expert, np.int32)) if t * tile < total]
+
+    def _moe_gate_up(self, act: Any, rows_of: Any, sorted_pairs: Any, tile_expert: Any, offsets: Any, w13: Any,
+                     hidden: Any, inter: Any, group: Any, top_k: Any, experts: Any, activation: Any) -> None:
+        from hal_core.ops.gated_activation import ACTIVATIONS, activate
+
+        tile, h, i, g = self.defines.get("HAL_MOE_TILE", 8), _i32(hidden), _i32(inter), _i32(group)
+        a, sp = _ptr(act, np.float32).reshape(-1, i), _ptr(sorted_pairs, np.int32)
+        for t, e in self._moe_tiles(sorted_pairs, tile_expert, offsets, experts):
+            pairs = sp[t * tile:(t + 1) * tile]
+            valid = pairs >= 0
+            y = rows_of(pairs[valid] // _i32(top_k)) @ self._moe_weight(w13, e, h, 2 * i, g)
+            a[t * tile:(t + 1) * tile] = 0
+            with np.errstate(invalid="ignore", over="ignore"):
+                a[t * tile:(t + 1) * tile][valid] = activate(y[:, :i], ACTIVATIONS[_i32(activation)]) * y[:, i:]
+
+    def hal_moe_w4_gate_up(self, grid: Any, block: Any, act: Any, x: Any, *rest: Any) -> None:
+        xf = _floats(_ptr(x), self.defines["HAL_DTYPE"])
+        self._moe_gate_up(act, lambda tokens: xf[tokens], *rest)
+
+    def hal_moe_w8_gate_up(self, grid: Any, block: Any, act: Any, xq: Any, sx: Any, *rest: Any) -> None:
+        q, s = _ptr(xq, np.int8), _ptr(sx, np.float32)
+        self._moe_gate_up(act, lambda tokens: q[tokens].astype(np.float32) * s[tokens][:, None], *rest)
+
+    def _moe_down(self, y: Any, rows_of: Any, sorted_pairs: Any, tile_expert: Any, offsets: Any, w2: Any,
+                  hidden: Any, inter: Any, group: Any, experts: Any) -> None:
+        tile, h, i, g = self.defines.get("HAL_MOE_TILE", 8), _i32(hidden), _i32(inter), _i32(group)
+        out, sp = _ptr(y, np.float32).reshape(-1, h), _ptr(sorted_pairs, np.int32)
+        for t, e in self._moe_tiles(sorted_pairs, tile_expert, offsets, experts):
+            slots = np.arange(t * tile, (t + 1) * tile)
+            valid = sp[slots] >= 0
+            out[sp[slots][valid]] = rows_of(slots[valid]) @ self._moe_weight(w2, e, i, h, g)
+
+    def hal_moe_w4_down(self, grid: Any, block: Any, y: Any, act: Any, *rest: Any) -> None:
+        a = _ptr(act, np.float32).reshape(-1, _i32(rest[5]))
+        self._moe_down(y, lambda slots: a[slots], *rest)
+
+    def hal_moe_w8_down(self, grid: Any, block: Any, y: Any, aq: Any, sa: Any, *rest: Any) -> None:
+        q, s = _ptr(aq, np.int8), _ptr(sa, np.float32)
+        self._moe_down(y, lambda slots: q[slots].astype(np.float32) * s[slots][:, None], *rest)
+
+    def hal_moe_combine(self, grid: Any, block: Any, out: Any, y: Any, weights: Any, hidden: Any,
+                        top_k: Any) -> None:
+        o, k = _ptr(out), _i32(top_k)
+        ys = _ptr(y, np.float32).reshape(o.shape[0], k, _i32(hidden))
+        w = _ptr(weights, np.float32).reshape(o.shape[0], k)
+        total = np.zeros(o.shape, np.float32)
+        with np.errstate(invalid="ignore", over="ignore"):
+            for j in range(k):  # in slot order, as the kernel adds
+                total = total + w[:, j:j + 1] * ys[:, j]
+        _store(o, total, self.defines["HAL_DTYPE"])
+
     # -- sample.cu ---------------------------------------------------------------------------
 
     def hal_sample(self, grid: Any, block: Any, logits: Any, row_stride: Any, vocab: Any, temperature: Any,

@@ -14,6 +14,7 @@ from hal_cuda import CUDA
 from hal_cupy import GpuPlatform, Specialization, all_specializations, kernel_source
 from hal_cupy._kernel_sources import assemble
 from hal_cupy._specialization import DTYPE_CODES
+from hal_cupy.ops import _fused_moe_rules as moe_rules
 from hal_cupy.ops import _gated_activation_rules as ga_rules
 from hal_cupy.ops import _paged_attention_rules as pa_rules
 from hal_cupy.ops import _quantized_gemm_rules as qg_rules
@@ -37,6 +38,8 @@ REPRESENTATIVE = [
     *(ga_rules.gated_activation_spec(dt) for dt in DTYPE_CODES),
     *(rot_rules.rotary_embedding_spec(dt, i64) for dt, i64 in [("float32", True), ("float16", False),
                                                                ("bfloat16", True)]),
+    *(moe_rules.moe_spec(dt, bits) for dt, bits in [("float32", 4), ("float16", 8), ("bfloat16", 4),
+                                                    ("bfloat16", 8)]),
 ]
 
 

@@ -30,6 +30,7 @@ import hal_core
 from hal_core.arrays import TaggedArray
 from hal_core.ops import OPS, Ops
 from hal_core.quant import quantize
+from hal_core.testing.inputs import fused_moe_inputs
 
 TOL = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 1.5e-2}
 #: DevArray methods through which CuPy copies device memory to the host.
@@ -143,6 +144,9 @@ def gpu(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Any:
     from hal_cupy.ops import _rotary_embedding
 
     monkeypatch.setattr(_rotary_embedding, "cupy", lambda: fake)
+    from hal_cupy.ops import _fused_moe
+
+    monkeypatch.setattr(_fused_moe, "cupy", lambda: fake)
     for name in _READS:
         monkeypatch.setattr(emu.DevArray, name, _counting(counter, f"DevArray.{name}", getattr(emu.DevArray, name)))
     monkeypatch.setattr(emu.Kernel, "__call__", _in_kernel(counter, emu.Kernel.__call__))
@@ -537,3 +541,25 @@ def test_rotary_embedding_reads_nothing_back_and_skips_a_bad_position(gpu: Any, 
     assert not np.array_equal(host(dev["query"])[0], before_q[0])
     with pytest.raises(hal_core.ArgumentError, match="argument 'positions'"):
         gpu.device(0).current_stream().synchronize()
+
+
+@pytest.mark.parametrize(("bits", "routing"), [(4, "softmax_topk"), (8, "softmax_topk_renorm"), (4, "topk_softmax")])
+def test_fused_moe_reads_nothing_back(gpu: Any, rng: np.random.Generator, bits: int, routing: str) -> None:
+    """fused_moe on device arrays (routing, grouping, grouped GEMMs, combine; int8: the row quantisations):
+    once the experts' address tables exist, nothing crosses and nothing waits; the result is the reference's."""
+    args = fused_moe_inputs(rng, num_tokens=9, num_experts=6, top_k=2, hidden=64, intermediate=32, bits=bits,
+                            group_size=32, dtype="bf16", routing=routing, activation="gelu")
+    x, logits = to_dev(args["hidden_states"]), to_dev(args["router_logits"])
+    experts = args["experts"].map_arrays(to_dev)
+
+    def call() -> Any:
+        return gpu.ops.fused_moe(x, logits, experts, top_k=2, routing=routing, activation="gelu")
+
+    call()  # the first call copies the experts' address tables to the device (once per set of expert arrays)
+    with gpu.counter.window() as crossed:
+        out = call()
+    assert crossed == []
+    assert gpu.ops.stats()["fused_moe"]["implementations"] == {"cuda.fused_moe": 2}
+    assert {"hal_moe_route", "hal_moe_align", "hal_moe_scatter", f"hal_moe_w{bits}_gate_up", f"hal_moe_w{bits}_down",
+            "hal_moe_combine"} <= set(emu.LAUNCHED)
+    assert rel_err(out, OPS["fused_moe"].reference(args)) < 2 * TOL["bf16"]

@@ -33,6 +33,9 @@ _PA_CHECKS = (("num_blocks", "int"), ("max_seq_len", "int"), ("error_flag", "int
 _PA_SPLIT_OUT = (("tmp_out", "float*"), ("max_logits", "float*"), ("exp_sums", "float*"))
 _PARTITIONS = (("partition_size", "int"), ("max_partitions", "int"))
 _GEMM_SIZES = (("M", "int"), ("N", "int"), ("K", "int"), ("group_size", "int"))
+#: The grouped MoE GEMMs' row-tile arguments and sizes.
+_MOE_TILES = (("sorted_pairs", "const int*"), ("tile_expert", "const int*"), ("offsets", "const int*"))
+_MOE_SIZES = (("hidden", "int"), ("inter", "int"), ("group_size", "int"))
 _DEQUANT_TAIL = (("scales", "const hal_u16*"), ("zeros", "const hal_u8*"), ("K", "int"), ("N", "int"),
                  ("group_size", "int"))
 
@@ -96,6 +99,27 @@ KERNEL_PARAMS: dict[str, tuple[Field, ...]] = {
         ("logits", "const hal_t*"), ("row_stride", "hal_i64"), ("vocab", "int"), ("temperature", "const float*"),
         ("top_k", "const int*"), ("top_p", "const float*"), ("min_p", "const float*"), ("seeds", "const hal_i64*"),
         ("out", "hal_i64*"), ("error_flag", "int*")),
+    # fused_moe.cu
+    "hal_moe_route": fields(
+        ("topk_ids", "int*"), ("topk_weights", "float*"), ("counts", "int*"), ("logits", "const float*"),
+        ("num_tokens", "int"), ("num_experts", "int"), ("top_k", "int"), ("routing", "int")),
+    "hal_moe_align": fields(
+        ("offsets", "int*"), ("tile_expert", "int*"), ("sorted_pairs", "int*"), ("cursor", "int*"),
+        ("counts", "const int*"), ("num_experts", "int"), ("max_tiles", "int")),
+    "hal_moe_scatter": fields(
+        ("sorted_pairs", "int*"), ("cursor", "int*"), ("topk_ids", "const int*"), ("offsets", "const int*"),
+        ("num_pairs", "int")),
+    "hal_moe_w4_gate_up": fields(("act", "float*"), ("x", "const hal_t*"), *_MOE_TILES, ("w13", "const hal_i64*"),
+                                 *_MOE_SIZES, ("top_k", "int"), ("num_experts", "int"), ("activation", "int")),
+    "hal_moe_w4_down": fields(("y", "float*"), ("act", "const float*"), *_MOE_TILES, ("w2", "const hal_i64*"),
+                              *_MOE_SIZES, ("num_experts", "int")),
+    "hal_moe_w8_gate_up": fields(("act", "float*"), ("xq", "const hal_i8*"), ("sx", "const float*"), *_MOE_TILES,
+                                 ("w13", "const hal_i64*"), *_MOE_SIZES, ("top_k", "int"), ("num_experts", "int"),
+                                 ("activation", "int")),
+    "hal_moe_w8_down": fields(("y", "float*"), ("aq", "const hal_i8*"), ("sa", "const float*"), *_MOE_TILES,
+                              ("w2", "const hal_i64*"), *_MOE_SIZES, ("num_experts", "int")),
+    "hal_moe_combine": fields(("out", "hal_t*"), ("y", "const float*"), ("topk_weights", "const float*"),
+                              ("hidden", "int"), ("top_k", "int")),
 }
 
 

@@ -51,6 +51,7 @@ _SHIMS = {
     "rms_norm.cu": "rms_norm_host.cpp",
     "gated_activation.cu": "gated_activation_host.cpp",
     "rotary_embedding.cu": "rotary_embedding_host.cpp",
+    "fused_moe.cu": "fused_moe_host.cpp",
 }
 
 # ctypes parameter kinds after (grid, block), in kernel parameter order, from the kernels' declarations

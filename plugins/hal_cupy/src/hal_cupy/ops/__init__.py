@@ -13,6 +13,7 @@ from hal_core.ops import OpCoverage, OpRegistry
 
 from .._specialization import Specialization
 from . import (
+    _fused_moe,
     _gated_activation,
     _paged_attention,
     _quantized_gemm,
@@ -22,15 +23,16 @@ from . import (
     _write_kv_cache,
 )
 from ._common import GpuOp
+from ._fused_moe_rules import MOE_BITS, MOE_GROUP_SIZES
 from ._paged_attention_rules import PA_BLOCK_SIZES, PA_HEAD_SIZES
 
 __all__ = ["FALLBACK_OPS", "OPS", "all_specializations", "register_ops"]
 
 #: Every GPU op implementation.
 OPS: tuple[GpuOp, ...] = (_paged_attention.OP, _write_kv_cache.OP, _quantized_gemm.OP, _sample.OP, _rms_norm.OP,
-                          _gated_activation.OP, _rotary_embedding.OP)
+                          _gated_activation.OP, _rotary_embedding.OP, _fused_moe.OP)
 #: hal ops without a GPU implementation yet, declared ``OpCoverage.none()``: every call runs on the host fallback.
-FALLBACK_OPS: tuple[str, ...] = ("fused_moe",)
+FALLBACK_OPS: tuple[str, ...] = ()
 
 
 def register_ops(registry: OpRegistry, backend: str) -> None:
@@ -39,7 +41,8 @@ def register_ops(registry: OpRegistry, backend: str) -> None:
     Attention is declared for its kernels' head sizes and block sizes with every variant (prefill and mixed
     batches, sliding window, softcap, sinks, ALiBi, strided cache views). ``quantized_gemm`` is declared for
     W4A16 and W8A8: there is no GPU W4A8 kernel, so int4 weights with ``activations='int8'`` fall back.
-    The ops of :data:`FALLBACK_OPS` (``fused_moe``) are declared left to the fallback.
+    ``fused_moe`` is declared for int4 and int8 experts of the kernels' group sizes (fp16 scales, no act-order).
+    The ops of :data:`FALLBACK_OPS` (none at present) are declared left to the fallback.
     """
     for op in OPS:
         registry.register(op.impl(backend))
@@ -47,6 +50,7 @@ def register_ops(registry: OpRegistry, backend: str) -> None:
         head_sizes=PA_HEAD_SIZES, block_sizes=PA_BLOCK_SIZES,
         variants=("prefill", "window", "softcap", "sinks", "alibi", "strided_cache")))
     registry.declare("quantized_gemm", OpCoverage(schemes=("w4a16", "w8a8")))
+    registry.declare("fused_moe", OpCoverage(bits=MOE_BITS, group_sizes=MOE_GROUP_SIZES))
     for name in FALLBACK_OPS:
         registry.declare(name, OpCoverage.none())
 
