@@ -62,6 +62,7 @@ def gpu_platform(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(vllm.platforms, "_current_platform", platform_class())
     monkeypatch.setenv("HAL_VLLM", "1")
     saved = dict(_ATTN_OVERRIDES)
+    _ATTN_OVERRIDES.clear()  # start as a GPU process does: an earlier test's CPU registration is not this one's
     yield platform_class
     _ATTN_OVERRIDES.clear()
     _ATTN_OVERRIDES.update(saved)
