@@ -41,6 +41,9 @@ SM_LIMITS = {
 #: The conversion's floor for nibbles packed 8 to a word (see markdown(): fp16 takes 2, bf16 4 views per word).
 MAX_CONVERSION_PER_2_WEIGHTS = {1: 1.25, 2: 1.75}  # HAL_DTYPE f16: 4 LOP3 + 1 shift per 8; bf16: 4 LOP3 + 3
 MAX_DEQUANT_PER_2_WEIGHTS = {1: 2.25, 2: 2.75}  # plus one HADD2/HFMA2 per pair for the zero point
+#: W4A8 (int4 weights, int8 MMA): per word 2 LOP3 (even and odd nibbles as int8 bytes) + 1 shift, whatever the
+#: dtype, and no zero-point subtraction (the row-sum MMA corrects for it): 3 per 8 weights.
+MAX_W4A8_CONVERSION_PER_2_WEIGHTS = 0.75
 MAX_ATTENTION_INSTR_PER_BYTE = 0.1  # decode attention main loop: warp instructions per byte of K/V
 #: The HAL_VARLEN build (prefill rows, window, softcap, ALiBi): per logit a row mask, softcap and ALiBi on top
 #: of the decode loop's work; its 16 rows are new tokens sharing each K/V byte, so per row it is 16x cheaper.
@@ -134,7 +137,8 @@ def main_loop(insns: list[Insn], labels: dict[str, int]) -> list[Insn]:
     return best
 
 
-_NIBBLE_MASKS = ("0xf000f,", "0xf000f0,")  # the conversion's LOP3 immediates ((w & mask) | magic)
+#: The conversion's LOP3 immediates: ``(w & mask) | magic`` (W4A16), ``w & 0x0f0f0f0f`` (W4A8).
+_NIBBLE_MASKS = ("0xf000f,", "0xf000f0,", "0xf0f0f0f,")
 _NIBBLE_SHIFTS = ("0x4,", "0x8,", "0xc,")  # w >> 4, 8, 12 feeding them
 
 
@@ -193,13 +197,14 @@ def budget(spec, arch: str, kernel: str, resources, insns: list[Insn], labels: d
     """Budget figures of one kernel (see the module docs)."""
     defines = dict(spec.defines)
     bits, frags = int(defines["HAL_QBITS"]), int(defines["HAL_M_FRAGS"])
+    int8_x = int(defines.get("HAL_ABITS", 8 if bits == 8 else 16)) == 8  # W8A8 and W4A8: int8 MMA on xq
     body = main_loop(insns, labels)
     mma_loop = sum(map(_is_mma, body))
-    # MMAs per warp and k-block: W4 2 k16 steps x 4 tiles x frags; W8 (4 tiles + 1 row-sum) x frags.
-    per_kblock = 8 * frags if bits == 4 else 5 * frags
+    # MMAs per warp and k-block: W4A16 2 k16 steps x 4 tiles x frags; int8 (4 tiles + 1 row-sum) x frags.
+    per_kblock = 5 * frags if int8_x else 8 * frags
     kblocks = mma_loop / per_kblock if mma_loop else 0.0
     # Global bytes a warp's share of one k-block moves: weights, x rows, scales and zero points of 128 columns.
-    cta_bytes = (128 * 32 // (2 if bits == 4 else 1)) + 16 * frags * 32 * (2 if bits == 4 else 1) + 256 + 128
+    cta_bytes = (128 * 32 // (2 if bits == 4 else 1)) + 16 * frags * 32 * (1 if int8_x else 2) + 256 + 128
     per_kb = len(body) / kblocks if kblocks else 0.0
     conv = deq = None
     if bits == 4 and kblocks:
@@ -337,11 +342,16 @@ def markdown(rows: list[KernelBudget]) -> str:
         "shifts per two weights, *deq/2w*: plus the HADD2/HFMA2 zero-point subtraction.",
         "",
         "Held by `plugins/hal_cuda/tests/test_tc_sass_budget.py` on every arch: no spill; HMMA (W4A16) / IMMA",
-        "(W8A8) in the main loop; at least 2 CTAs per SM; W4A16 conversion at most 1.25 (fp16) / 1.75 (bf16)",
+        "(W8A8, W4A8) in the main loop; at least 2 CTAs per SM; W4A16 conversion at most 1.25 (fp16) / 1.75 (bf16)",
         "instructions per two weights -- one LOP3 per two weights (the magic-number conversion) plus one shift per",
         "8 weights (bf16, whose 7-bit mantissa takes one nibble position per half: three) -- and at most 2.25 / 2.75",
         "with the zero point, one HADD2/HFMA2 per two weights. The zero point is subtracted per weight pair",
         "because feeding the MMA `1024 + q` and correcting afterwards cancels about ten bits of the fp32 sum.",
+        "",
+        "W4A8 (`ABITS=8`: int4 weights on the int8 MMA) is held to 0.75 per two weights for both: per 8-weight word",
+        "one LOP3 keeps the even nibbles and one shift plus one LOP3 the odd ones, each nibble already an int8",
+        "byte in [0, 15]; its zero point costs nothing in the loop (in int32, exactly, `sum xq (q - z) =",
+        "sum xq q - z sum xq`, the row sums from a fifth MMA per k-block, as W8A8 does for its offset 128).",
         "",
         "These conversion counts are the least a LOP3 conversion of densely packed nibbles can reach, so one",
         "instruction per two weights is not a reachable budget for it. A LOP3 is bitwise: each half of its",

@@ -1,8 +1,9 @@
 """The static budget of the tensor-core kernels, read from their SASS (NVRTC cubin + nvdisasm; no GPU).
 
 For every ``quant_gemm_tc.cu`` specialisation on sm_80, sm_90 and sm_120: no register spills, HMMA (W4A16) or
-IMMA (W8A8) instructions in the main loop, at least two CTAs per SM, and the W4A16 int4 conversion within its
-instruction budget (``benchmarks/sass_budget.py`` documents the counting; docs/kernel-resources.md the values).
+IMMA (W8A8, W4A8) instructions in the main loop, at least two CTAs per SM, and the int4 conversion (W4A16, W4A8)
+within its instruction budget (``benchmarks/sass_budget.py`` documents the counting; docs/kernel-resources.md the
+values).
 Skipped, with the reason, without the NVRTC or nvdisasm wheels.
 """
 
@@ -24,12 +25,18 @@ def budgets():
 @pytest.mark.parametrize("spec", SPECS, ids=[s.id for s in SPECS])
 def test_budget(budgets, spec, arch) -> None:
     b = budgets[(spec.id, arch)]
-    bits, dtype = int(dict(spec.defines)["HAL_QBITS"]), int(dict(spec.defines)["HAL_DTYPE"])
+    defines = dict(spec.defines)
+    bits, dtype = int(defines["HAL_QBITS"]), int(defines["HAL_DTYPE"])
+    w4a8 = bits == 4 and defines.get("HAL_ABITS") == "8"
+    hmma = bits == 4 and not w4a8
     assert b.spill_bytes == 0, f"{b.kernel} spills {b.spill_bytes} bytes on {arch}"
-    assert b.mma_main_loop > 0, f"no {'HMMA' if bits == 4 else 'IMMA'} in the main loop of {b.kernel} on {arch}"
+    assert b.mma_main_loop > 0, f"no {'HMMA' if hmma else 'IMMA'} in the main loop of {b.kernel} on {arch}"
     assert b.kblocks_per_iteration >= 1.0
     assert b.ctas_per_sm >= 2, f"{b.kernel}: {b.registers} registers, {b.static_shared_bytes} B shared"
-    if bits == 4:
+    if w4a8:  # int4 codes straight into int8 bytes: no zero-point arithmetic in the loop
+        assert b.conversion_per_2_weights <= sb.MAX_W4A8_CONVERSION_PER_2_WEIGHTS
+        assert b.dequant_per_2_weights <= sb.MAX_W4A8_CONVERSION_PER_2_WEIGHTS
+    elif bits == 4:
         assert b.conversion_per_2_weights <= sb.MAX_CONVERSION_PER_2_WEIGHTS[dtype]
         assert b.dequant_per_2_weights <= sb.MAX_DEQUANT_PER_2_WEIGHTS[dtype]
 

@@ -159,6 +159,15 @@ def _codes4(qweight: np.ndarray) -> np.ndarray:
     return ((qweight[:, None, :] >> shifts) & 15).reshape(qweight.shape[0] * 8, qweight.shape[1])
 
 
+def _w4a8_columns(k: int) -> np.ndarray:
+    """Column of hal_w4a8_quantize_rows' output holding each activation column: in every 32-column block, the byte
+    the int8 MMA pairs with that k in the int4 record (b[0] = even nibbles, b[1] = odd; README "W4A8")."""
+    c = np.arange(k)
+    b = c % 32
+    a, h, t, e = b // 16, (b // 8) % 2, (b // 2) % 4, b % 2
+    return c - b + 16 * h + 4 * t + 2 * e + a
+
+
 def _dequant(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, g: int, default: int) -> np.ndarray:
     groups = np.arange(codes.shape[0]) // g
     z = default if zeros is None else zeros.astype(np.float32)[groups]
@@ -595,6 +604,16 @@ class Kernel:
         acts = _ptr(xq, np.int8).astype(np.float32)
         self._tc_gemm(grid, out, ws, acts, w, _ptr(sx, np.float32), m, n, k, _i32(per_split))
 
+    def hal_w4a8_gemm_tc(self, grid: Any, block: Any, out: Any, ws: Any, xq: Any, sx: Any, qtc: Any, scales: Any,
+                         zeros: Any, m: Any, n: Any, k: Any, g: Any, per_split: Any) -> None:
+        assert self.defines["HAL_QBITS"] == 4 and self.defines["HAL_ABITS"] == 8 and block == (128, 1, 1)
+        m, n, k, g = _i32(m), _i32(n), _i32(k), _i32(g)
+        npad = grid[0] * 128
+        codes = self._tc_weight(_ptr(qtc, np.uint32), 4, k, npad)
+        w = _dequant(codes, _ptr(scales, np.float16), _ptr(zeros, np.uint8, nullable=True), g, 8)[:, :n]
+        acts = _ptr(xq, np.int8)[:, _w4a8_columns(k)].astype(np.float32)  # back to column order
+        self._tc_gemm(grid, out, ws, acts, w, _ptr(sx, np.float32), m, n, k, _i32(per_split))
+
     def hal_tc_reduce(self, grid: Any, block: Any, out: Any, ws: Any, count: Any, splits: Any) -> None:
         assert isinstance(count, np.int64) and block == (128, 1, 1)
         parts = _ptr(ws, np.float32)
@@ -628,6 +647,11 @@ class Kernel:
         scale = np.where(amax > 0, np.maximum(amax / np.float32(127), tiny), np.float32(1)).astype(np.float32)
         _ptr(sx, np.float32)[...] = np.where(finite, scale, np.float32(np.nan))
         _ptr(xq, np.int8)[...] = np.clip(np.rint(xf / scale[:, None]), -127, 127).astype(np.int8)
+
+    def hal_w4a8_quantize_rows(self, grid: Any, block: Any, xq: Any, sx: Any, x: Any, k: Any) -> None:
+        self.hal_w8a8_quantize_rows(grid, block, xq, sx, x, k)  # column order, then moved to the MMA's
+        codes = _ptr(xq, np.int8)
+        codes[:, _w4a8_columns(_i32(k))] = codes.copy()
 
     def hal_f32_splits_to_dtype(self, grid: Any, block: Any, out: Any, ws: Any, count: Any, splits: Any) -> None:
         assert isinstance(count, np.int64)

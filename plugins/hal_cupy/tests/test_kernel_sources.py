@@ -34,6 +34,7 @@ REPRESENTATIVE = [
                                                                   ("float32", 8, 4)]),
     *(qg_rules.quant_util_spec(dt) for dt in DTYPE_CODES),
     qg_rules.quant_gemm_tc_spec("float16", 4, 1), qg_rules.quant_gemm_tc_spec("bfloat16", 8, 4),
+    qg_rules.quant_gemm_tc_spec("float32", 4, 2, int8_activations=True),
     *(rn_rules.rms_norm_spec(dt) for dt in DTYPE_CODES),
     *(ga_rules.gated_activation_spec(dt) for dt in DTYPE_CODES),
     *(rot_rules.rotary_embedding_spec(dt, i64) for dt, i64 in [("float32", True), ("float16", False),

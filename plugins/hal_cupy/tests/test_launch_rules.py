@@ -367,7 +367,8 @@ def test_tensor_core_selection(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_tensor_core_specs_need_warp_matrix_instructions() -> None:
     """The tensor-core sources carry min_sm (builds without the instructions leave them out), 32-lane warps only."""
     tc = [s for s in all_specializations() if s.source == "quant_gemm_tc.cu"]
-    assert len(tc) == 2 * 2 * len(qg_rules.QGEMM_TC_M_FRAGS) and all(s.min_sm == 80 for s in tc)
+    # W4A16 and W8A8 for fp16/bf16, W4A8 for every dtype, W8A8 for fp32: per CTA tile
+    assert len(tc) == (2 * 2 + 3 + 1) * len(qg_rules.QGEMM_TC_M_FRAGS) and all(s.min_sm == 80 for s in tc)
     assert all(s.min_sm == 0 for s in all_specializations()
                if s.source not in ("quant_gemm_tc.cu", "paged_attention_tc.cu"))
     with pytest.raises(ValueError, match="float16 or bfloat16"):

@@ -243,14 +243,15 @@ def test_write_kv_cache_strided_key_value(backend: Any, rng: np.random.Generator
 @pytest.mark.parametrize("dtype", list(NP))
 @pytest.mark.parametrize("bits", [4, 8], ids=["W4A16", "W8A8"])
 def test_quantized_gemm(backend: Any, rng: np.random.Generator, bits: int, dtype: str, m: int) -> None:
-    """H200 (level 90): tensor cores for fp16/bf16 (W4A16 to M = 128, W8A8 always); else SIMT kernels, then K-slabs."""
+    """H200 (level 90): tensor cores for W8A8 always (int8 MMA, every dtype) and W4A16 in fp16/bf16 to M = 128;
+    else SIMT kernels, then K-slabs."""
     qw = quantize(rng.standard_normal((1024, 256)).astype(np.float32) * 0.1, bits=bits, group_size=64,
                   symmetric=False)
     x = rng.standard_normal((m, 1024)).astype(NP[dtype])
     args = dict(x=x, qweight=qw, out=None)
     out, _ = run("quantized_gemm", backend, args)
     names = set(emu.LAUNCHED)
-    tc = backend.platform.mma_level > 0 and dtype != "fp32" and (bits == 8 or m <= 128)
+    tc = backend.platform.mma_level > 0 and (bits == 8 or (dtype != "fp32" and m <= 128))
     kind = f"hal_w{bits}a{'16' if bits == 4 else '8'}"
     assert (f"{kind}_gemm_tc" in names) == tc
     assert (f"{kind}_gemm" in names) == (not tc and m <= 32)

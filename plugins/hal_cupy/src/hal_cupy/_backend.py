@@ -59,8 +59,9 @@ class CupyBackend(Backend):
 
     def register_ops(self, registry: OpRegistry) -> None:
         from .ops import register_ops
+        from .ops._quantized_gemm import w4a8_everywhere
 
-        register_ops(registry, self.name)
+        register_ops(registry, self.name, w4a8=w4a8_everywhere(self))
 
     def owns(self, array: Any) -> bool:
         """Arrays in this platform's memory (DLPack device type), or exposing ``__cuda_array_interface__``."""

@@ -71,11 +71,16 @@ KERNEL_PARAMS: dict[str, tuple[Field, ...]] = {
         ("out", "hal_t*"), ("ws", "float*"), ("xq", "const hal_i8*"), ("sx", "const float*"),
         ("qtc", "const hal_u32*"), ("scales", "const hal_u16*"), ("zeros", "const hal_u8*"), *_GEMM_SIZES,
         ("kb_per_split", "int")),
+    "hal_w4a8_gemm_tc": fields(
+        ("out", "hal_t*"), ("ws", "float*"), ("xq", "const hal_i8*"), ("sx", "const float*"),
+        ("qtc", "const hal_u32*"), ("scales", "const hal_u16*"), ("zeros", "const hal_u8*"), *_GEMM_SIZES,
+        ("kb_per_split", "int")),
     "hal_tc_reduce": fields(("out", "hal_t*"), ("ws", "const float*"), ("count", "hal_i64"), ("splits", "int")),
     # quant_util.cu
     "hal_w4a16_dequant": fields(("w", "hal_t*"), ("qweight", "const hal_u32*"), *_DEQUANT_TAIL),
     "hal_w8_dequant": fields(("w", "hal_t*"), ("qweight", "const hal_u8*"), *_DEQUANT_TAIL),
     "hal_w8a8_quantize_rows": fields(("xq", "hal_i8*"), ("sx", "float*"), ("x", "const hal_t*"), ("K", "int")),
+    "hal_w4a8_quantize_rows": fields(("xq", "hal_i8*"), ("sx", "float*"), ("x", "const hal_t*"), ("K", "int")),
     "hal_f32_splits_to_dtype": fields(("out", "hal_t*"), ("ws", "const float*"), ("count", "long long"),
                                       ("splits", "int")),
     "hal_f32_to_dtype": fields(("out", "hal_t*"), ("ws", "const float*"), ("count", "long long")),

@@ -28,6 +28,13 @@ extern "C" int launch_hal_w8a8_quantize_rows(const unsigned* grid, const unsigne
     });
 }
 
+extern "C" int launch_hal_w4a8_quantize_rows(const unsigned* grid, const unsigned* block, void* xq,
+                                             float* sx, const void* x, int K) {
+    return hal_host::launch_lambda(grid, block, [=] {
+        hal_w4a8_quantize_rows((hal_i8*)xq, sx, (const hal_t*)x, K);
+    });
+}
+
 extern "C" int launch_hal_f32_to_dtype(const unsigned* grid, const unsigned* block, void* out,
                                        const float* ws, long long count) {
     return hal_host::launch_lambda(grid, block,

@@ -1,9 +1,11 @@
 // Quantised GEMM on tensor cores (warp matrix instructions of level 80, HAL_MMA_SYNC): out[M, N] = x[M, K] @ w[K, N].
 //
-// Defines: HAL_DTYPE (1 f16, 2 bf16: x/out), HAL_QBITS (4: W4A16 with
-// mma.m16n8k16, 8: W8A8 with mma.m16n8k32.s8), HAL_M_FRAGS (16-row MMA
-// fragments per CTA: 1, 2 or 4), optional HAL_STAGES (cp.async pipeline
-// depth, default 4).  Weights come in the tensor-core layout that
+// Defines: HAL_DTYPE (x/out: 1 f16, 2 bf16; the int8-activation kernels also 0 f32),
+// HAL_QBITS (4: W4A16 with mma.m16n8k16, 8: W8A8 with mma.m16n8k32.s8),
+// optional HAL_ABITS (8 with HAL_QBITS 4: W4A8, int4 weights times int8
+// activations on mma.m16n8k32.s8; default 16 for HAL_QBITS 4, 8 for 8),
+// HAL_M_FRAGS (16-row MMA fragments per CTA: 1, 2 or 4), optional HAL_STAGES
+// (cp.async pipeline depth, default 4).  Weights come in the tensor-core layout that
 // hal_cupy._tc_pack builds once per QuantizedWeight (see README.md, "Tensor-core
 // weight layout"): for every 32-row k-block and 32-column group, one 16-byte
 // (W4) or 32-byte (W8) record per lane, holding exactly that lane's B fragments
@@ -19,19 +21,32 @@
 // Per k-block a CTA stages (cp.async, zero-filled past M) its x rows, the
 // weight records, and the k-block's group scales and zero points; each warp
 // reads A with ldmatrix.x4, its 4 weight words with one 16-byte shared load,
-// and runs 2 (W4) or 1 (W8) MMA k-steps per fragment and tile.  MMAs of one
-// quantisation group accumulate unscaled in float (W4: x * (q - z), exact
-// products) or int32 (W8: xq * (q - 128)); at the group's end the partial is
-// scaled by the group scale (and, W8, corrected for the zero point) into the
-// float accumulator.
+// and runs 2 (W4A16) or 1 (W8A8, W4A8) MMA k-steps per fragment and tile.  MMAs of one
+// quantisation group accumulate unscaled in float (W4A16: x * (q - z), exact
+// products) or int32 (W8A8: xq * (q - 128); W4A8: xq * q); at the group's end the
+// partial is scaled by the group scale (and, int8 activations, corrected for the
+// zero point) into the float accumulator.
 #include "hal_common.cuh"
 #include "hal_mma.cuh"
 
 #ifndef HAL_STAGES
 #define HAL_STAGES 4
 #endif
-#if HAL_DTYPE != HAL_F16 && HAL_DTYPE != HAL_BF16
-#error "quant_gemm_tc.cu: HAL_DTYPE must be 1 (f16) or 2 (bf16)"
+#ifndef HAL_ABITS
+#if HAL_QBITS == 8
+#define HAL_ABITS 8
+#else
+#define HAL_ABITS 16
+#endif
+#endif
+#if !((HAL_QBITS == 4 && (HAL_ABITS == 16 || HAL_ABITS == 8)) || (HAL_QBITS == 8 && HAL_ABITS == 8))
+#error "quant_gemm_tc.cu: HAL_QBITS / HAL_ABITS must be 4 / 16 (W4A16), 4 / 8 (W4A8) or 8 / 8 (W8A8)"
+#endif
+#if HAL_ABITS == 16 && HAL_DTYPE != HAL_F16 && HAL_DTYPE != HAL_BF16
+#error "quant_gemm_tc.cu: W4A16 takes HAL_DTYPE 1 (f16) or 2 (bf16)"
+#endif
+#if HAL_DTYPE != HAL_F32 && HAL_DTYPE != HAL_F16 && HAL_DTYPE != HAL_BF16
+#error "quant_gemm_tc.cu: HAL_DTYPE must be 0 (f32), 1 (f16) or 2 (bf16)"
 #endif
 
 // At least two CTAs per SM: without the hint ptxas caps some builds below what their
@@ -50,13 +65,8 @@ constexpr int KB = 32;     // k-block: rows of K per stage
 constexpr int MF = HAL_M_FRAGS;
 constexpr int MT = 16 * MF;  // rows of x per CTA
 constexpr int STAGES = HAL_STAGES;
-#if HAL_QBITS == 4
-constexpr int A_ELEM = 2;             // bytes per x element
-constexpr int B_BYTES = COLS * KB / 2;  // 2048: 4 bits per weight
-#else
-constexpr int A_ELEM = 1;  // int8 activations
-constexpr int B_BYTES = COLS * KB;  // 4096
-#endif
+constexpr int A_ELEM = HAL_ABITS == 16 ? 2 : 1;            // bytes per staged x element (int8: xq)
+constexpr int B_BYTES = HAL_QBITS == 4 ? COLS * KB / 2 : COLS * KB;  // 2048 (4 bits per weight) or 4096
 constexpr int A_ROW = KB * A_ELEM;        // bytes of one staged x row
 constexpr int A_STRIDE = A_ROW + 16;      // padded: 8 ldmatrix rows hit 8 distinct 16-byte bank groups
 constexpr int A_BYTES = MT * A_STRIDE;
@@ -104,7 +114,7 @@ HAL_DEVICE float stage_scale(const hal_u8* stage, int col) {
     return hal_half_to_float(*reinterpret_cast<const hal_u16*>(stage + S_OFF + 2 * col));
 }
 
-#if HAL_QBITS == 4
+#if HAL_ABITS == 16
 // int4 -> 16-bit (q - z) pairs for the B fragments of two k16 steps.  Word
 // nibble p (p = 0..3) and p + 4 hold the two rows of pair p = (step p / 2,
 // register p % 2).  f16: (w & 0x000f000f) | 0x64006400 is the pair 1024 + q
@@ -151,7 +161,38 @@ HAL_DEVICE void mma16(float* d, const hal_u32* a, const hal_u32* b) {
     hal_mma_m16n8k16_bf16(d, a, b, d);
 #endif
 }
-#endif  // HAL_QBITS == 4
+#else
+// The B fragments of the k-block's four 8-column tiles, as int8, and the zero point's offset zc: the group's
+// int32 partial plus zc * (the row's sum of xq) is sum_k xq (q - z).
+// W8A8: the record (32 bytes per lane) holds q - 128, so zc = 128 - z.  W4A8: the lane's W4A16 record word j
+// holds nibble p + 4e at k = 16 (p / 2) + 8 (p % 2) + 2 t + e; its even nibbles (w & 0x0f0f0f0f: k = 2t, 16+2t,
+// 2t+1, 17+2t) form b[0] and its odd ones (w >> 4: k = 8+2t, 24+2t, 9+2t, 25+2t) b[1], codes q in [0, 15] with
+// no subtraction (zc = -z) -- which is why hal_w4a8_quantize_rows stores xq in the matching k order.
+HAL_DEVICE void load_b_s8(const hal_u8* stage, int warp, int lane, hal_u32 (*b)[2]) {
+#if HAL_QBITS == 8
+    const hal_vec16* bw = reinterpret_cast<const hal_vec16*>(stage + B_OFF + 32 * (warp * 32 + lane));
+    const hal_vec16 w01 = bw[0], w23 = bw[1];
+    b[0][0] = w01.x, b[0][1] = w01.y, b[1][0] = w01.z, b[1][1] = w01.w;
+    b[2][0] = w23.x, b[2][1] = w23.y, b[3][0] = w23.z, b[3][1] = w23.w;
+#else
+    const hal_vec16 words = *reinterpret_cast<const hal_vec16*>(stage + B_OFF + 16 * (warp * 32 + lane));
+    const hal_u32 w[4] = {words.x, words.y, words.z, words.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        b[j][0] = w[j] & 0x0f0f0f0fu;
+        b[j][1] = (w[j] >> 4) & 0x0f0f0f0fu;
+    }
+#endif
+}
+
+HAL_DEVICE int zero_offset(const hal_u8* stage, const hal_u8* zeros, int col) {
+#if HAL_QBITS == 8
+    return 128 - (zeros ? (int)stage[Z_OFF + col] : 128);
+#else
+    return -(zeros ? (int)stage[Z_OFF + col] : 8);
+#endif
+}
+#endif  // HAL_ABITS
 
 // Writes the CTA's results: to out when ksplit == 1, else to its ws slice.
 HAL_DEVICE void store(float (*acc)[4][4], const float* sx, hal_t* HAL_RESTRICT out, float* HAL_RESTRICT ws,
@@ -178,7 +219,7 @@ HAL_DEVICE void store(float (*acc)[4][4], const float* sx, hal_t* HAL_RESTRICT o
 
 }  // namespace tc
 
-#if HAL_QBITS == 4
+#if HAL_ABITS == 16
 // W4A16.  qtc: the packed records; scales fp16 [K / G, npad]; zeros uint8
 // [K / G, npad] or null (zero point 8).
 HAL_GLOBAL void HAL_TC_LAUNCH_BOUNDS
@@ -270,18 +311,17 @@ hal_w4a16_gemm_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT ws, const hal_t* 
     hal_cp_async_wait_all();
     store(acc, nullptr, out, ws, m0, M, N);
 }
-#elif HAL_QBITS == 8
-// W8A8.  xq int8 [M, K] and sx float [M] from hal_w8a8_quantize_rows; qtc: the
-// packed records of (q - 128) as int8; scales fp16 and zeros uint8 (or null:
-// zero point 128) [K / G, npad].  Per group: sum_k xq (q - z) =
-// sum_k xq (q - 128) + (128 - z) sum_k xq, the row sums taken by one more MMA
-// against a B of ones.
-HAL_GLOBAL void HAL_TC_LAUNCH_BOUNDS
-hal_w8a8_gemm_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT ws, const hal_i8* HAL_RESTRICT xq,
-                 const float* HAL_RESTRICT sx, const hal_u32* HAL_RESTRICT qtc, const hal_u16* HAL_RESTRICT scales,
-                 const hal_u8* HAL_RESTRICT zeros, int M, int N, int K, int group_size, int kb_per_split) {
-    using namespace tc;
-    alignas(16) __shared__ hal_u8 smem[STAGES][STAGE_BYTES];
+#else
+namespace tc {
+// The int8-activation GEMM (W8A8 and W4A8): xq int8 [M, K] and sx float [M] from
+// hal_w8a8_quantize_rows / hal_w4a8_quantize_rows; qtc: the packed records (load_b_s8); scales fp16 and
+// zeros uint8 (or null: zero point 128 (W8), 8 (W4)) [K / G, npad].  Per group and output:
+// sum_k xq (q - z) = part + zc * rowsum in int32 (exact), the row sums taken by one more MMA against a B of
+// ones; then acc += scale * (float)(that sum), and at the end out = acc * sx[row].
+HAL_DEVICE void gemm_s8(hal_u8 (*smem)[STAGE_BYTES], hal_t* HAL_RESTRICT out, float* HAL_RESTRICT ws,
+                        const hal_i8* HAL_RESTRICT xq, const float* HAL_RESTRICT sx, const hal_u32* HAL_RESTRICT qtc,
+                        const hal_u16* HAL_RESTRICT scales, const hal_u8* HAL_RESTRICT zeros, int M, int N, int K,
+                        int group_size, int kb_per_split) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, tig = lane & 3;
     const int npad = gridDim.x * COLS;
     const int m0 = blockIdx.z * MT;
@@ -334,9 +374,8 @@ hal_w8a8_gemm_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT ws, const hal_i8* 
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf)
             hal_ldmatrix_x4(a[mf], stage + A_OFF + (mf * 16 + lane % 16) * A_STRIDE + 16 * (lane / 16));
-        const hal_vec16* bw = reinterpret_cast<const hal_vec16*>(stage + B_OFF + 32 * (warp * 32 + lane));
-        const hal_vec16 w01 = bw[0], w23 = bw[1];
-        const hal_u32 b[4][2] = {{w01.x, w01.y}, {w01.z, w01.w}, {w23.x, w23.y}, {w23.z, w23.w}};
+        hal_u32 b[4][2];
+        load_b_s8(stage, warp, lane, b);
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf) {
             hal_mma_m16n8k32_s8(rowsum[mf], a[mf], ones, rowsum[mf]);
@@ -350,7 +389,7 @@ hal_w8a8_gemm_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT ws, const hal_i8* 
                 for (int h = 0; h < 2; ++h) {
                     const int col = warp * 32 + j * 8 + 2 * tig + h;
                     const float s = stage_scale(stage, col);
-                    const int zc = 128 - (zeros ? (int)stage[Z_OFF + col] : 128);
+                    const int zc = zero_offset(stage, zeros, col);
 #pragma unroll
                     for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
@@ -364,9 +403,28 @@ hal_w8a8_gemm_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT ws, const hal_i8* 
     hal_cp_async_wait_all();
     store(acc, sx, out, ws, m0, M, N);
 }
+}  // namespace tc
+
+#if HAL_QBITS == 8
+// W8A8: int8 weights (records of q - 128), activations from hal_w8a8_quantize_rows (tc::gemm_s8).
+HAL_GLOBAL void HAL_TC_LAUNCH_BOUNDS
+hal_w8a8_gemm_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT ws, const hal_i8* HAL_RESTRICT xq,
+                 const float* HAL_RESTRICT sx, const hal_u32* HAL_RESTRICT qtc, const hal_u16* HAL_RESTRICT scales,
+                 const hal_u8* HAL_RESTRICT zeros, int M, int N, int K, int group_size, int kb_per_split) {
+    alignas(16) __shared__ hal_u8 smem[tc::STAGES][tc::STAGE_BYTES];
+    tc::gemm_s8(smem, out, ws, xq, sx, qtc, scales, zeros, M, N, K, group_size, kb_per_split);
+}
 #else
-#error "HAL_QBITS must be 4 or 8"
+// W4A8: int4 weights (the W4A16 records), activations from hal_w4a8_quantize_rows in its k order (tc::gemm_s8).
+HAL_GLOBAL void HAL_TC_LAUNCH_BOUNDS
+hal_w4a8_gemm_tc(hal_t* HAL_RESTRICT out, float* HAL_RESTRICT ws, const hal_i8* HAL_RESTRICT xq,
+                 const float* HAL_RESTRICT sx, const hal_u32* HAL_RESTRICT qtc, const hal_u16* HAL_RESTRICT scales,
+                 const hal_u8* HAL_RESTRICT zeros, int M, int N, int K, int group_size, int kb_per_split) {
+    alignas(16) __shared__ hal_u8 smem[tc::STAGES][tc::STAGE_BYTES];
+    tc::gemm_s8(smem, out, ws, xq, sx, qtc, scales, zeros, M, N, K, group_size, kb_per_split);
+}
 #endif
+#endif  // HAL_ABITS
 
 // out = sum over y of ws[y] (in the order y = 0, 1, ...), converted to HAL_DTYPE.
 // Grid-stride over count = M * N elements; any grid, 128-thread blocks.

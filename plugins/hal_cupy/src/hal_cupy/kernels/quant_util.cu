@@ -114,12 +114,22 @@ HAL_DEVICE float w8_row_scale(hal_u32 amax_bits) {
 // Flush-to-zero safe: max|x| is an integer maximum of magnitude bits (NaN and inf bits are above
 // every finite value's), the scale comes from w8_row_scale, and a division with a subnormal
 // operand is done in double (the float32 quotient rounded from the double one is the correctly
-// rounded float32 quotient).  Grid (M), block HAL_UTIL_THREADS.
-HAL_GLOBAL void HAL_LAUNCH_BOUNDS(HAL_UTIL_THREADS)
-hal_w8a8_quantize_rows(hal_i8* HAL_RESTRICT xq, float* HAL_RESTRICT sx,
-                       const hal_t* HAL_RESTRICT x, int K) {
-    constexpr int NWARPS = HAL_UTIL_THREADS / HAL_WARP_SIZE;
-    __shared__ hal_u32 s_red[NWARPS];
+// rounded float32 quotient).  Grid (M), block HAL_UTIL_THREADS.  W4A8_ORDER: column k of x goes to
+// column w4a8_column(k) of xq (below), else to column k.
+constexpr int QROW_WARPS = HAL_UTIL_THREADS / HAL_WARP_SIZE;
+
+// The column of hal_w4a8_gemm_tc's A operand that holds activation column k: within each 32-column block
+// (one k-block), k = 16 a + 8 h + 2 t + e goes to 16 h + 4 t + 2 e + a, so that the int8 MMA's k positions
+// 4t..4t+3 and 16+4t..16+4t+3 of lane t meet the weights that lane's int4 record holds (README.md, "W4A8").
+HAL_DEVICE int w4a8_column(int k) {
+    const int b = k & 31;
+    return (k & ~31) | ((b & 8) << 1) | ((b & 6) << 1) | ((b & 1) << 1) | (b >> 4);
+}
+
+template <bool W4A8_ORDER>
+HAL_DEVICE void quantize_row(hal_i8* HAL_RESTRICT xq, float* HAL_RESTRICT sx, const hal_t* HAL_RESTRICT x, int K,
+                             hal_u32* s_red) {
+    constexpr int NWARPS = QROW_WARPS;
     const int tid = threadIdx.x;
     const hal_t* xr = x + (hal_i64)blockIdx.x * K;
     hal_i8* qr = xq + (hal_i64)blockIdx.x * K;
@@ -148,8 +158,24 @@ hal_w8a8_quantize_rows(hal_i8* HAL_RESTRICT xq, float* HAL_RESTRICT sx,
                                 ? (float)(hal_f32_to_f64_exact(v) / hal_f32_to_f64_exact(scale))
                                 : v / scale;
         const float q = finite ? fminf(fmaxf(rintf(ratio), -127.f), 127.f) : 0.f;
-        qr[k] = static_cast<hal_i8>(static_cast<int>(q));
+        qr[W4A8_ORDER ? w4a8_column(k) : k] = static_cast<hal_i8>(static_cast<int>(q));
     }
+}
+
+HAL_GLOBAL void HAL_LAUNCH_BOUNDS(HAL_UTIL_THREADS)
+hal_w8a8_quantize_rows(hal_i8* HAL_RESTRICT xq, float* HAL_RESTRICT sx,
+                       const hal_t* HAL_RESTRICT x, int K) {
+    __shared__ hal_u32 s_red[QROW_WARPS];
+    quantize_row<false>(xq, sx, x, K, s_red);
+}
+
+// hal_w8a8_quantize_rows with each 32-column block of xq in the A order of hal_w4a8_gemm_tc
+// (w4a8_column; K a multiple of 32).  Grid (M), block HAL_UTIL_THREADS.
+HAL_GLOBAL void HAL_LAUNCH_BOUNDS(HAL_UTIL_THREADS)
+hal_w4a8_quantize_rows(hal_i8* HAL_RESTRICT xq, float* HAL_RESTRICT sx,
+                       const hal_t* HAL_RESTRICT x, int K) {
+    __shared__ hal_u32 s_red[QROW_WARPS];
+    quantize_row<true>(xq, sx, x, K, s_red);
 }
 
 // out[i] = ws[0][i] + ws[1][i] + ... + ws[splits - 1][i], added in that order and converted to

@@ -35,12 +35,14 @@ OPS: tuple[GpuOp, ...] = (_paged_attention.OP, _write_kv_cache.OP, _quantized_ge
 FALLBACK_OPS: tuple[str, ...] = ()
 
 
-def register_ops(registry: OpRegistry, backend: str) -> None:
+def register_ops(registry: OpRegistry, backend: str, *, w4a8: bool = False) -> None:
     """Register every implementation for ``backend`` (named ``<backend>.<op>``, priority 100).
 
     Attention is declared for its kernels' head sizes and block sizes with every variant (prefill and mixed
     batches, sliding window, softcap, sinks, ALiBi, strided cache views). ``quantized_gemm`` is declared for
-    W4A16 and W8A8: there is no GPU W4A8 kernel, so int4 weights with ``activations='int8'`` fall back.
+    W4A16 and W8A8, and W4A8 where ``w4a8`` (every device has the int8 tensor-core MMA,
+    :func:`hal_cupy.ops._quantized_gemm.w4a8_everywhere`): elsewhere int4 weights with
+    ``activations='int8'`` fall back and ``'auto'`` keeps them in float.
     ``fused_moe`` is declared for int4 and int8 experts of the kernels' group sizes (fp16 scales, no act-order).
     The ops of :data:`FALLBACK_OPS` (none at present) are declared left to the fallback.
     """
@@ -49,7 +51,7 @@ def register_ops(registry: OpRegistry, backend: str) -> None:
     registry.declare("paged_attention", OpCoverage(
         head_sizes=PA_HEAD_SIZES, block_sizes=PA_BLOCK_SIZES,
         variants=("prefill", "window", "softcap", "sinks", "alibi", "strided_cache")))
-    registry.declare("quantized_gemm", OpCoverage(schemes=("w4a16", "w8a8")))
+    registry.declare("quantized_gemm", OpCoverage(schemes=("w4a16", "w8a8", "w4a8") if w4a8 else ("w4a16", "w8a8")))
     registry.declare("fused_moe", OpCoverage(bits=MOE_BITS, group_sizes=MOE_GROUP_SIZES))
     for name in FALLBACK_OPS:
         registry.declare(name, OpCoverage.none())

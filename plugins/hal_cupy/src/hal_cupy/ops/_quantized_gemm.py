@@ -4,12 +4,16 @@ Selection, per call:
 
 - Tensor cores (the platform's warp matrix instructions at level
   ``QGEMM_TC_MIN_SM``, see :meth:`hal_cupy.GpuPlatform.warp_mma_level`;
-  fp16/bf16 activations; ``HAL_<BACKEND>_TENSOR_CORES`` not 0):
-  ``quant_gemm_tc.cu`` on the weight's tensor-core layout (packed once per
-  ``QuantizedWeight`` and cached, see :mod:`hal_cupy._tc_pack`). W4A16 up to
-  ``QGEMM_TC_M_MAX`` rows, W8A8 at every M (after ``hal_w8a8_quantize_rows``).
-  A K split writes fp32 partials that ``hal_tc_reduce`` sums in split order
-  (no atomics).
+  ``HAL_<BACKEND>_TENSOR_CORES`` not 0): ``quant_gemm_tc.cu`` on the weight's
+  tensor-core layout (packed once per ``QuantizedWeight`` and cached, see
+  :mod:`hal_cupy._tc_pack`). W4A16 (fp16/bf16) up to ``QGEMM_TC_M_MAX`` rows;
+  the int8 MMA at every M and dtype for W8A8 (after ``hal_w8a8_quantize_rows``)
+  and W4A8 (int4 weights with ``activations='int8'``, after
+  ``hal_w4a8_quantize_rows``). A K split writes fp32 partials that
+  ``hal_tc_reduce`` sums in split order (no atomics).
+- W4A8 runs only there: without those instructions :func:`check` refuses it
+  (the call falls back to the host), and the backend declares ``'w4a8'`` only
+  when every device has them (:func:`w4a8_everywhere`).
 - Otherwise, ``M <= HAL_<BACKEND>_SMALL_M_MAX`` (default ``QGEMM_SMALL_M_MAX``):
   the SIMT kernels ``hal_w4a16_gemm`` / ``hal_w8a8_gemm``, split over K when N
   alone does not fill the GPU; the splits' fp32 partials are summed in split
@@ -32,6 +36,7 @@ import numpy as np
 
 from hal_core.arrays import dtype_name, is_c_contiguous
 from hal_core.ops import OpCall
+from hal_core.ops.quantized_gemm import int8_activations
 
 from .. import _env
 from .._arrays import KERNEL_DTYPES, aligned, as_storage, empty_like_dtype
@@ -56,7 +61,8 @@ from ._quantized_gemm_rules import (
     specializations,
 )
 
-__all__ = ["OP", "PACKED", "check", "run", "small_m_threshold", "uses_small_m", "uses_tensor_cores"]
+__all__ = ["OP", "PACKED", "check", "run", "small_m_threshold", "uses_small_m", "uses_tensor_cores",
+           "w4a8_everywhere"]
 
 #: Tensor-core layouts of the weights seen, per (weight, device), one cache per backend name;
 #: each bounded by ``HAL_<BACKEND>_PACKED_CACHE_MB`` when first used.
@@ -83,13 +89,28 @@ def uses_small_m(m: int, backend: str) -> bool:
     return 0 < m <= small_m_threshold(backend)
 
 
-def uses_tensor_cores(backend: Any, device_index: int, hal_dtype: str, bits: int, m: int) -> bool:
-    """True when ``quant_gemm_tc.cu`` serves this call (see the module docs)."""
-    if hal_dtype not in ("fp16", "bf16") or m <= 0:
+def uses_tensor_cores(backend: Any, device_index: int, hal_dtype: str, bits: int, m: int,
+                      int8_act: bool = False) -> bool:
+    """True when ``quant_gemm_tc.cu`` serves this call (see the module docs); ``int8_act``: W4A8 (int4 weights,
+    int8 activations; int8 weights always have them)."""
+    if m <= 0 or not tensor_cores_available(backend, device_index, QGEMM_TC_MIN_SM):
         return False
-    if not tensor_cores_available(backend, device_index, QGEMM_TC_MIN_SM):
-        return False
-    return bits == 8 or m <= QGEMM_TC_M_MAX
+    if bits == 8 or int8_act:  # the int8 MMA: every dtype, every M
+        return True
+    return hal_dtype in ("fp16", "bf16") and m <= QGEMM_TC_M_MAX
+
+
+def w4a8_everywhere(backend: Any) -> bool:
+    """Whether every device of ``backend`` runs W4A8 on its int8 MMA (the ``'w4a8'`` coverage declaration): at
+    least one device, each with warp matrix instructions of level ``QGEMM_TC_MIN_SM``, tensor cores not switched
+    off."""
+    count = len(backend.devices())
+    return count > 0 and all(tensor_cores_available(backend, i, QGEMM_TC_MIN_SM) for i in range(count))
+
+
+def _device_index(call: OpCall) -> int:
+    """The device a call runs on: its activations', or (host inputs, copied in) the current one."""
+    return int(cupy().cuda.runtime.getDevice()) if call.host_arrays else storage_device(call["x"])
 
 
 def check(call: OpCall) -> str:
@@ -107,6 +128,10 @@ def check(call: OpCall) -> str:
                 "(quantize(..., scale_dtype=np.float16))")
     if max(m, n, k) > _INT32_MAX or m * n > _INT32_MAX * 4:
         return "dimensions too large for the kernels' 32-bit parameters"
+    if qw.bits == 4 and int8_activations(call.args) and k and not tensor_cores_available(
+            call.backend, _device_index(call), QGEMM_TC_MIN_SM):
+        return (f"W4A8 (activations='int8') runs on the int8 tensor-core MMA only (warp matrix instructions of "
+                f"level {QGEMM_TC_MIN_SM}); this device has none or they are switched off")
     for name, value in qw.arrays().items():
         if not is_c_contiguous(value):
             return f"argument 'qweight.{name}' is not C-contiguous; pass a contiguous copy"
@@ -128,22 +153,26 @@ def _grid_stride(call: OpCall, device_index: int, kernel: Any, items: int, args:
     launcher.launch(kernel, config, pack(kernel.name, args))
 
 
-def _quantize_rows(call: OpCall, device_index: int, x: Any, kdtype: str) -> tuple[Any, Any]:
+def _quantize_rows(call: OpCall, device_index: int, x: Any, kdtype: str,
+                   kernel: str = "hal_w8a8_quantize_rows") -> tuple[Any, Any]:
+    """``x``'s rows quantised per token on the device (``kernel``: in column order, or ``hal_w4a8_quantize_rows``
+    in the W4A8 GEMM's k order): ``xq`` int8 ``[M, K]`` and ``sx`` float32 ``[M]``."""
     cp = cupy()
     m, k = x.shape
     xq = cp.empty((m, k), dtype=np.int8)
     sx = cp.empty((m,), dtype=np.float32)
     util = kernels_for(call, device_index, quant_util_spec(kdtype, _width(call, device_index)))
-    plan = quant_util_launch("hal_w8a8_quantize_rows", m, call.backend.device(device_index).capabilities.compute_units)
+    plan = quant_util_launch(kernel, m, call.backend.device(device_index).capabilities.compute_units)
     launch(call, device_index, util, plan, dict(xq=xq, sx=sx, x=x, K=k))
     return xq, sx
 
 
 def _activations(call: OpCall, device_index: int, x: Any, kdtype: str) -> dict[str, Any]:
-    """The GEMM kernels' activation arguments: ``x``, or (W8A8) its rows quantised, ``xq`` and ``sx``."""
-    if call["qweight"].bits != 8:
+    """The GEMM kernels' activation arguments: ``x``, or (W8A8, W4A8) its rows quantised, ``xq`` and ``sx``."""
+    if not int8_activations(call.args):
         return {"x": x}
-    xq, sx = _quantize_rows(call, device_index, x, kdtype)
+    kernel = "hal_w8a8_quantize_rows" if call["qweight"].bits == 8 else "hal_w4a8_quantize_rows"
+    xq, sx = _quantize_rows(call, device_index, x, kdtype, kernel)
     return {"xq": xq, "sx": sx}
 
 
@@ -183,9 +212,12 @@ def _tensor_core(call: OpCall, device_index: int, x: Any, out: Any, kdtype: str)
     n, g = qw.shape[1], qw.group_size
     caps = call.backend.device(device_index).capabilities
     packed = _packed(call, device_index)
+    int8_act = int8_activations(call.args)
     activations = _activations(call, device_index, x, kdtype)
-    kernels = kernels_for(call, device_index, quant_gemm_tc_spec(kdtype, qw.bits, quant_gemm_tc_m_frags(m)))
-    plan, ksplit, per_split = quant_gemm_tc_launch(qw.bits, m, n, k, g, caps.compute_units)
+    kernels = kernels_for(call, device_index,
+                          quant_gemm_tc_spec(kdtype, qw.bits, quant_gemm_tc_m_frags(m), int8_activations=int8_act))
+    plan, ksplit, per_split = quant_gemm_tc_launch(qw.bits, m, n, k, g, caps.compute_units,
+                                                   int8_activations=int8_act)
     ws = cp.empty((ksplit, m, n), dtype=np.float32) if ksplit > 1 else None  # every element is written
     launch(call, device_index, kernels, plan,
            dict(out=out, ws=ws, **activations, qtc=packed.qtc, scales=packed.scales, zeros=packed.zeros, M=m, N=n,
@@ -276,7 +308,7 @@ def run(call: OpCall) -> Any:
         out = empty_like_dtype((m, qw.shape[1]), hal_dtype)
         if k == 0:  # an empty sum: zeros, no launch (the kernels' K-split needs at least one group)
             as_storage(out).fill(0)
-        elif uses_tensor_cores(call.backend, device_index, hal_dtype, qw.bits, m):
+        elif uses_tensor_cores(call.backend, device_index, hal_dtype, qw.bits, m, int8_activations(call.args)):
             _tensor_core(call, device_index, x, as_storage(out), kdtype)
         elif uses_small_m(m, call.backend.name):
             _small_m(call, device_index, x, as_storage(out), kdtype, weights)

@@ -29,6 +29,7 @@ __all__ = [
     "quant_gemm_tc_m_frags",
     "quant_gemm_tc_reduce_launch",
     "quant_gemm_tc_shared_bytes",
+    "quant_gemm_tc_kernel",
     "quant_gemm_tc_spec",
     "quant_util_launch",
     "quant_util_spec",
@@ -83,7 +84,7 @@ def quant_util_spec(dtype: str | int, warp_size: int = 32) -> Specialization:
     return Specialization(
         "quant_util.cu",
         ("hal_w4a16_dequant", "hal_w8_dequant", "hal_w8a8_quantize_rows", "hal_f32_to_dtype",
-         "hal_f32_splits_to_dtype"),
+         "hal_f32_splits_to_dtype", "hal_w4a8_quantize_rows"),
         (("HAL_DTYPE", str(dtype_code(dtype))), warp_define(warp_size)),
     )
 
@@ -146,11 +147,11 @@ def quant_util_launch(kernel: str, items: int, compute_units: int) -> Launch:
     """Launch for a quant_util kernel.
 
     ``items``: (K/8)*(N/4) for hal_w4a16_dequant, K*(N/4) for hal_w8_dequant,
-    M for hal_w8a8_quantize_rows (one CTA per row), element count (M * N) for
+    M for hal_w8a8_quantize_rows and hal_w4a8_quantize_rows (one CTA per row), element count (M * N) for
     hal_f32_to_dtype and hal_f32_splits_to_dtype.  Grid-stride kernels use at most 8 CTAs per compute unit.
     """
     block = (QUTIL_THREADS, 1, 1)
-    if kernel == "hal_w8a8_quantize_rows":
+    if kernel in ("hal_w8a8_quantize_rows", "hal_w4a8_quantize_rows"):
         return Launch(kernel, (items, 1, 1), block)
     blocks = max(1, min(-(-items // QUTIL_THREADS), 8 * compute_units))
     return Launch(kernel, (blocks, 1, 1), block)
@@ -161,23 +162,34 @@ def quant_util_launch(kernel: str, items: int, compute_units: int) -> Launch:
 # --------------------------------------------------------------------------
 
 
-def quant_gemm_tc_spec(dtype: str | int, bits: int, m_frags: int) -> Specialization:
-    """``quant_gemm_tc.cu`` for fp16/bf16 activations, W4A16 (bits 4) or W8A8 (bits 8), CTA tile 16 * m_frags rows.
-
-    Always 32-lane warps (``mma.sync`` is a warp instruction of 32 lanes).
-    """
-    code = dtype_code(dtype)
-    if code not in (1, 2):
-        raise ValueError("the tensor-core GEMM takes float16 or bfloat16 activations")
+def quant_gemm_tc_kernel(bits: int, int8_activations: bool = False) -> str:
+    """The tensor-core GEMM entry point: ``hal_w4a16_gemm_tc``, ``hal_w4a8_gemm_tc`` (int4 weights,
+    ``int8_activations``) or ``hal_w8a8_gemm_tc`` (bits 8, whose activations are always int8)."""
     if bits not in (4, 8):
         raise ValueError("bits must be 4 or 8")
+    if bits == 8:
+        return "hal_w8a8_gemm_tc"
+    return "hal_w4a8_gemm_tc" if int8_activations else "hal_w4a16_gemm_tc"
+
+
+def quant_gemm_tc_spec(dtype: str | int, bits: int, m_frags: int, int8_activations: bool = False) -> Specialization:
+    """``quant_gemm_tc.cu`` for W4A16 (bits 4, fp16/bf16 activations), W4A8 (bits 4, ``int8_activations``) or W8A8
+    (bits 8), CTA tile 16 * m_frags rows; the int8-activation GEMMs take every dtype (fp32 too: they read ``xq``).
+
+    Always 32-lane warps (``mma.sync`` is a warp instruction of 32 lanes).  W4A8 adds ``HAL_ABITS=8``.
+    """
+    code = dtype_code(dtype)
+    kernel = quant_gemm_tc_kernel(bits, int8_activations)
+    if kernel == "hal_w4a16_gemm_tc" and code not in (1, 2):
+        raise ValueError("the W4A16 tensor-core GEMM takes float16 or bfloat16 activations")
     if m_frags not in QGEMM_TC_M_FRAGS:
         raise ValueError(f"m_frags must be one of {QGEMM_TC_M_FRAGS}")
-    kernel = "hal_w4a16_gemm_tc" if bits == 4 else "hal_w8a8_gemm_tc"
+    abits = (("HAL_ABITS", "8"),) if kernel == "hal_w4a8_gemm_tc" else ()
     return Specialization(
         "quant_gemm_tc.cu",
         (kernel, "hal_tc_reduce"),
-        (("HAL_DTYPE", str(code)), ("HAL_QBITS", str(bits)), ("HAL_M_FRAGS", str(m_frags)), warp_define(32)),
+        (("HAL_DTYPE", str(code)), ("HAL_QBITS", str(bits)), *abits, ("HAL_M_FRAGS", str(m_frags)),
+         warp_define(32)),
         min_sm=QGEMM_TC_MIN_SM,
     )
 
@@ -191,9 +203,11 @@ def quant_gemm_tc_m_frags(m: int) -> int:
 
 
 def quant_gemm_tc_launch(
-    bits: int, m: int, n: int, k: int, group_size: int, compute_units: int, ctas_per_cu: int = 2
+    bits: int, m: int, n: int, k: int, group_size: int, compute_units: int, ctas_per_cu: int = 2,
+    int8_activations: bool = False,
 ) -> tuple[Launch, int, int]:
-    """(launch, ksplit, kb_per_split) for hal_w4a16_gemm_tc / hal_w8a8_gemm_tc.
+    """(launch, ksplit, kb_per_split) for hal_w4a16_gemm_tc / hal_w4a8_gemm_tc (``int8_activations``) /
+    hal_w8a8_gemm_tc.
 
     grid = (Npad / 128, ksplit, ceil(M / (16 * m_frags))), block 128.  The K
     blocks (32 rows each) are split into ``ksplit`` contiguous stripes until the
@@ -216,7 +230,7 @@ def quant_gemm_tc_launch(
         ksplit = max(1, min(ksplit, QGEMM_TC_MAX_WORKSPACE // (4 * m * n)))
     per_split = -(-kblocks // ksplit)
     ksplit = -(-kblocks // per_split)
-    kernel = "hal_w4a16_gemm_tc" if bits == 4 else "hal_w8a8_gemm_tc"
+    kernel = quant_gemm_tc_kernel(bits, int8_activations)
     return Launch(kernel, (n_tiles, ksplit, m_chunks), (QGEMM_TC_THREADS, 1, 1)), ksplit, per_split
 
 
@@ -226,10 +240,11 @@ def quant_gemm_tc_reduce_launch(m: int, n: int, compute_units: int) -> Launch:
     return Launch("hal_tc_reduce", (blocks, 1, 1), (QGEMM_TC_THREADS, 1, 1))
 
 
-def quant_gemm_tc_shared_bytes(bits: int, m_frags: int) -> int:
-    """Static shared memory of quant_gemm_tc.cu: ``stages * (B + 16 m_frags * stride + 256 + 128)``."""
+def quant_gemm_tc_shared_bytes(bits: int, m_frags: int, int8_activations: bool = False) -> int:
+    """Static shared memory of quant_gemm_tc.cu: ``stages * (B + 16 m_frags * stride + 256 + 128)`` (x rows of
+    2-byte elements in W4A16, of int8 in W4A8 and W8A8)."""
     b_bytes = QGEMM_TC_COLS * QGEMM_TC_KBLOCK // (2 if bits == 4 else 1)
-    stride = QGEMM_TC_KBLOCK * (2 if bits == 4 else 1) + 16
+    stride = QGEMM_TC_KBLOCK * (2 if bits == 4 and not int8_activations else 1) + 16
     return QGEMM_TC_STAGES * (b_bytes + 16 * m_frags * stride + 2 * QGEMM_TC_COLS + QGEMM_TC_COLS)
 
 
@@ -240,8 +255,8 @@ def quant_gemm_tc_shared_bytes(bits: int, m_frags: int) -> int:
 
 def specializations(warp_size: int) -> list[Specialization]:
     """Every specialisation ``quantized_gemm`` may request on a device of ``warp_size`` lanes: per dtype the SIMT
-    GEMMs (W4A16 and W8A8, every M tile) and the utility kernels, then (32-lane warps) the tensor-core GEMMs for
-    fp16/bf16 (``min_sm = QGEMM_TC_MIN_SM``)."""
+    GEMMs (W4A16 and W8A8, every M tile) and the utility kernels, then (32-lane warps) the tensor-core GEMMs
+    (``min_sm = QGEMM_TC_MIN_SM``): W4A16 and W8A8 for fp16/bf16, then W4A8 for every dtype and W8A8 for fp32."""
     specs: list[Specialization] = []
     for dtype in DTYPE_CODES:
         specs += [quant_gemm_spec(dtype, bits, mt, warp_size) for bits in (4, 8) for mt in QGEMM_M_TILES]
@@ -249,4 +264,7 @@ def specializations(warp_size: int) -> list[Specialization]:
     if warp_size == 32:  # mma.sync is a 32-lane warp instruction
         specs += [quant_gemm_tc_spec(dtype, bits, mf)
                   for dtype in ("float16", "bfloat16") for bits in (4, 8) for mf in QGEMM_TC_M_FRAGS]
+        specs += [quant_gemm_tc_spec(dtype, 4, mf, int8_activations=True)
+                  for dtype in DTYPE_CODES for mf in QGEMM_TC_M_FRAGS]
+        specs += [quant_gemm_tc_spec("float32", 8, mf) for mf in QGEMM_TC_M_FRAGS]
     return specs
