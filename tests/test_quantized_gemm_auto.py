@@ -1,9 +1,12 @@
-"""quantized_gemm's activations="auto": W4A16 for one row, W4A8 from INT8_ACTIVATIONS_FROM_M rows, tuned per bucket."""
+"""quantized_gemm's activations="auto": W4A16 for one row, W4A8 from INT8_ACTIVATIONS_FROM_M rows where the device has
+int8 dot products (feature 'int8_dot'), W4A16 at every M where it has none; tuned per bucket."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
+import hal_cpu._device as hal_cpu_device
 import numpy as np
 import pytest
 
@@ -11,7 +14,8 @@ import hal_core
 from hal_core import ArgumentError, bench, tuning
 from hal_core.bench import TimingPolicy, make_case
 from hal_core.cli import main
-from hal_core.ops import OPS, OpCoverage
+from hal_core.ops import OPS, OpCoverage, device_features
+from hal_core.ops._device_features import forget_device_features
 from hal_core.ops.quantized_gemm import INT8_ACTIVATIONS_FROM_M, quantized_gemm_inputs
 from hal_core.testing.tolerances import tolerance
 
@@ -25,8 +29,23 @@ def store(private_tune_store: Path) -> Path:
 
 
 @pytest.fixture
-def cpu() -> hal_core.Backend:
-    return hal_core.get_backend("cpu")
+def cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[hal_core.Backend]:
+    """The CPU backend reporting int8 dot products whatever this CPU has (what the built-in rule reads), so the rule's
+    int8 branch is tested on every machine; the kernels themselves run whatever variant this CPU runs."""
+    yield from _cpu_with(monkeypatch, {"int8_dot"})
+
+
+@pytest.fixture
+def plain_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[hal_core.Backend]:
+    """The CPU backend reporting no int8 dot products (the avx2, avx512 and baseline kernel variants)."""
+    yield from _cpu_with(monkeypatch, set())
+
+
+def _cpu_with(monkeypatch: pytest.MonkeyPatch, features: set[str]) -> Iterator[hal_core.Backend]:
+    monkeypatch.setattr(hal_cpu_device, "_kernel_features", lambda: set(features))
+    forget_device_features()
+    yield hal_core.get_backend("cpu")
+    forget_device_features()
 
 
 def _args(m: int, dtype: str = "fp32", bits: int = 4, seed: int = 0) -> dict:
@@ -53,6 +72,49 @@ def test_auto_runs_float_for_one_row_and_int8_activations_from_the_crossover(cpu
     np.testing.assert_allclose(got.astype(np.float64), reference, atol=atol * scale, rtol=rtol)
     stats = cpu.ops.stats()["quantized_gemm"]
     assert not stats["fallbacks"], stats
+
+
+@pytest.mark.parametrize("m", [1, 2, 512])
+def test_auto_keeps_float_activations_on_a_device_without_int8_dot_products(plain_cpu, m: int) -> None:
+    """Without 'int8_dot' W4A8's integer sums run on plain vector arithmetic, slower than W4A16 at every M
+    (measured on an AVX2 CPU: 0.3-0.8x): 'auto' is W4A16 for every M, saying why, and gives W4A16's bits."""
+    args = _args(m, "bf16", seed=2000 + m)
+    call = plain_cpu.ops.prepare("quantized_gemm", **args, activations="auto")
+    assert call.args["activations"] == "float" and "'int8_dot'" in call.settled
+    got = plain_cpu.ops.quantized_gemm(**args, activations="auto")
+    explicit = plain_cpu.ops.quantized_gemm(**args, activations="float")
+    np.testing.assert_array_equal(got.view(np.uint8), explicit.view(np.uint8))
+
+
+def test_the_cpu_reports_int8_dot_products_exactly_for_the_vnni_kernels() -> None:
+    """hal-cpu lists 'int8_dot' iff its loaded kernel variant is avx512vnni (the only one with vpdpbusd and AMX)."""
+    from hal_cpu import _native
+
+    native = _native.load()
+    print(f"isa={native.isa} available={native.available}")
+    cpu = hal_core.get_backend("cpu")
+    assert cpu.device(0).capabilities.has("int8_dot") == (native.isa == "avx512vnni")
+
+
+def test_device_features_are_read_once_and_a_broken_device_reads_as_none(caplog: pytest.LogCaptureFixture) -> None:
+    """device_features caches per backend object and device; a device whose capabilities raise gives no flags,
+    logged, and the call still gets the correct (float) choice."""
+    class Broken:
+        name = "broken"
+        reads = 0
+
+        def device(self, index: int) -> object:
+            Broken.reads += 1
+            raise RuntimeError("driver gone")
+
+    broken = Broken()
+    forget_device_features()
+    assert device_features(broken, 0) == frozenset() and device_features(broken, 0) == frozenset()
+    assert Broken.reads == 1 and "could not be read" in caplog.text
+    spec = OPS["quantized_gemm"]
+    args = {**_args(8), "activations": "auto"}
+    assert spec.auto_rule("activations", args, device_features(broken, 0))[0] == "float"
+    forget_device_features()
 
 
 def test_auto_takes_what_hal_tune_persisted_for_the_bucket(cpu) -> None:

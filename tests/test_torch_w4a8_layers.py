@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 from torch_helpers import torch
@@ -56,9 +58,23 @@ def test_quantize_model_sets_every_layer_and_refuses_a_bad_value() -> None:
         QuantLinear(64, 32, activations="fp8")
 
 
+@pytest.fixture(params=[True, False], ids=["int8_dot", "no_int8_dot"])
+def int8_dot(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[bool]:
+    """The CPU backend reporting int8 dot products or not (what 'auto' reads), whatever this CPU has."""
+    import hal_cpu._device as hal_cpu_device
+
+    from hal_core.ops._device_features import forget_device_features
+
+    monkeypatch.setattr(hal_cpu_device, "_kernel_features", lambda: {"int8_dot"} if request.param else set())
+    forget_device_features()
+    yield request.param
+    forget_device_features()
+
+
 @pytest.mark.parametrize("m", [1, 2, 9])
-def test_quantize_model_defaults_to_auto_float_for_one_row_int8_from_two(m: int) -> None:
-    """quantize_model's default 'auto': W4A16 for a decode row, W4A8 from INT8_ACTIVATIONS_FROM_M rows (bitwise)."""
+def test_quantize_model_defaults_to_auto_float_for_one_row_int8_from_two(m: int, int8_dot: bool) -> None:
+    """quantize_model's default 'auto': W4A16 for a decode row, W4A8 from INT8_ACTIVATIONS_FROM_M rows where the
+    device has int8 dot products, W4A16 for every row count where it has none (bitwise)."""
     from hal_core.ops.quantized_gemm import INT8_ACTIVATIONS_FROM_M
 
     seed = 500 + m
@@ -72,7 +88,7 @@ def test_quantize_model_defaults_to_auto_float_for_one_row_int8_from_two(m: int)
     with torch.no_grad():
         got = layer(x)
         weight = layer._host_weight[1]  # hal's weight over the layer's buffers, built by the first call
-        want = "int8" if m >= INT8_ACTIVATIONS_FROM_M else "float"
+        want = "int8" if int8_dot and m >= INT8_ACTIVATIONS_FROM_M else "float"
         explicit = QuantLinear.from_weight(weight, activations=want)(x)
     assert torch.equal(got, explicit)
     if want == "int8":

@@ -26,8 +26,11 @@ DTYPE_NAMES = frozenset(
      "fp8_e4m3fnuz", "fp8_e5m2fnuz", "fp6", "fp4_e2m1", "int8", "int4"}
 )
 
-#: Feature flags a device may list in ``DeviceCapabilities.features``.
-FEATURE_NAMES = frozenset({"tensor_cores", "unified_memory", "async_alloc", "managed_memory"})
+#: Feature flags a device may list in ``DeviceCapabilities.features``. ``int8_dot``: the backend's kernels multiply
+#: int8 values in hardware dot products summed in int32 on this device (AVX512-VNNI and AMX-INT8 on a CPU, the
+#: int8 tensor-core MMA on a GPU), several times their float rate: where integer activations pay
+#: (``quantized_gemm``'s ``activations="auto"``).
+FEATURE_NAMES = frozenset({"tensor_cores", "unified_memory", "async_alloc", "managed_memory", "int8_dot"})
 
 
 #: Upper bounds that no real device reaches; a value beyond one is a units mistake or corrupt data.
@@ -169,6 +172,7 @@ def load_profile(name: str) -> DeviceCapabilities:
             )
         entry = profiles[matches[0]]
     features = {"tensor_cores"} if entry.get("peak_fp16_tensor_tflops") else set()
+    features |= set(entry.get("features", ()))  # flags no other field implies (int8_dot)
     dtypes = set(entry["dtypes"]) | {"fp32"}
     return DeviceCapabilities(
         vendor=entry["vendor"],

@@ -100,3 +100,10 @@ def test_warp_mma_level_from_arch(arch: str, level: int) -> None:
 
     caps = hal_core.load_profile("NVIDIA A100-SXM4-80GB").model_copy(update={"arch": arch})
     assert CUDA.warp_mma_level(caps) == level
+
+
+@pytest.mark.parametrize(("major", "minor", "expected"), [(6, 1, False), (7, 5, False), (8, 0, True), (9, 0, True)])
+def test_int8_dot_from_sm_80(major: int, minor: int, expected: bool) -> None:
+    """'int8_dot' (what quantized_gemm's activations='auto' reads) from sm_80, where hal's int8 mma.sync runs."""
+    props = {**props_from_profile("NVIDIA A100-SXM4-80GB"), "major": major, "minor": minor}
+    assert capabilities_from_properties(props).has("int8_dot") is expected

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import configuration_error
-from ..ops import OPS, OpCall
+from ..ops import OPS, OpCall, device_features
 from ..tuning import TuneTable, forget, key_for, load_table, override, save_table
 from ._inputs import build_inputs
 from ._timing import TimingPolicy, measure
@@ -155,7 +155,9 @@ def tune(
         for slot, value, variant in _setting_variants(backend, call):
             chosen_impl = next(iter(_supported(impls, variant)), None)
             if chosen_impl is not None:
-                builtin.setdefault(slot, call.spec.auto_rule(slot[3], {**call.args, slot[3]: "auto"})[0])
+                rule = call.spec.auto_rule(slot[3], {**call.args, slot[3]: "auto"},
+                                           device_features(backend, call.device_index))
+                builtin.setdefault(slot, rule[0])
                 totals.setdefault(slot, {}).setdefault(value, []).append(timed(chosen_impl.fn, variant))
     for slot, per_candidate in totals.items():
         runs = max(len(v) for v in per_candidate.values())

@@ -10,6 +10,7 @@ from __future__ import annotations
 from ._catalog import OPS, register_op, unregister_op
 from ._coverage import OpCoverage, call_features
 from ._declare import Arg, BenchCases, Dim, Feature, Output, Role
+from ._device_features import device_features
 from ._dispatch import DispatchEvent, Ops, OpStats
 from ._registry import OpRegistry
 from ._spec import OpCall, OpImpl, OpSpec
@@ -49,6 +50,7 @@ __all__ = [
     "RotaryEmbedding",
     "WriteKVCache",
     "call_features",
+    "device_features",
     "register_op",
     "unregister_op",
 ]

@@ -15,6 +15,7 @@ from ..arrays import dtype_name, numpy_dtype
 from ..tuning._lookup import setting_value
 from ._call import OpCall, OpImpl
 from ._declare import Arg, BenchCases, Feature, Output, Role
+from ._device_features import device_features
 from ._groups import ArgGroup
 from ._plans import host_signature
 from ._plans import validate as validate_planned
@@ -205,7 +206,8 @@ class OpSpec(ABC):
         Called by the front door after validation and before an implementation is chosen, so
         implementations, references, coverage and stats only ever see concrete values. A setting
         with one possible value (:meth:`auto_candidates`) takes it; else the value ``hal tune``
-        persisted for the call's bucket on this device, else :meth:`auto_rule`'s. ``coverage`` is
+        persisted for the call's bucket on this device, else :meth:`auto_rule`'s for the device's
+        feature flags (:func:`~hal_core.ops._device_features.device_features`). ``coverage`` is
         the backend's declaration for the op (``"auto"`` never picks a value it leaves to the
         fallback). Returns what was chosen and why (``hal info --explain`` shows it), or None when
         nothing was left open. Only ops declaring :attr:`auto_settings` are called.
@@ -221,7 +223,7 @@ class OpSpec(ABC):
                 if tuned in values:
                     choice, why = tuned, f"hal tune's choice for bucket {bucket!r} on this device"
                 else:
-                    choice, why = self.auto_rule(name, args)
+                    choice, why = self.auto_rule(name, args, device_features(backend, device_index))
             else:
                 choice = values[0]
             args[name] = choice
@@ -233,8 +235,9 @@ class OpSpec(ABC):
         and why when there is only one. The default: every value of :attr:`auto_settings`."""
         return self.auto_settings[name], ""
 
-    def auto_rule(self, name: str, args: Mapping[str, Any]) -> tuple[str, str]:
-        """The built-in choice for setting ``name`` left ``"auto"`` (when ``hal tune`` persisted none), and why."""
+    def auto_rule(self, name: str, args: Mapping[str, Any], features: frozenset[str]) -> tuple[str, str]:
+        """The built-in choice for setting ``name`` left ``"auto"`` (when ``hal tune`` persisted none) on a device
+        with the feature flags ``features`` (``DeviceCapabilities.features``), and why."""
         return self.auto_settings[name][0], "the first value (no rule declared)"
 
     def bucket(self, args: Mapping[str, Any]) -> str:

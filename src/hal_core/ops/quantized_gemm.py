@@ -4,9 +4,11 @@
   activations kept in float.
 - ``bits=4``, ``activations='auto'``: the backend chooses per call (:meth:`QuantizedGemm.settle`):
   int8 activations (W4A8) from ``M >= INT8_ACTIVATIONS_FROM_M`` rows where the backend declares
-  W4A8, float below (a decode step keeps W4A16's accuracy, batches and prompts get integer dot
-  products); ``hal tune`` replaces the crossover per shape bucket on a device, ``hal info --explain``
-  says what was chosen and why.
+  W4A8 and the device has int8 dot products (capability feature ``int8_dot``), float below (a
+  decode step keeps W4A16's accuracy, batches and prompts get integer dot products) and on a device
+  without them (there W4A8's integer sums run on plain vector arithmetic, slower than W4A16 at every
+  M); ``hal tune`` replaces the choice per shape bucket on a device, ``hal info --explain`` says what
+  was chosen and why.
 - ``bits=4``, ``activations='int8'`` (W4A8) and ``bits=8`` whatever ``activations``
   says (W8A8): activations are quantised per token first
   (:func:`~hal_core.quant.quantize_activations`, in float32: ``sx = amax / 127``,
@@ -75,7 +77,8 @@ class QuantizedGemm(OpSpec):
         Arg.out(),
         Arg.choice("activations", ACTIVATIONS,
                    doc="int4 weights: 'float' (W4A16, the default), 'int8' (W4A8: x quantised per token) or "
-                       "'auto' (int8 from INT8_ACTIVATIONS_FROM_M rows where the backend declares W4A8); "
+                       "'auto' (int8 from INT8_ACTIVATIONS_FROM_M rows where the backend declares W4A8 and "
+                       "the device has int8 dot products); "
                        "int8 weights always run W8A8"),
     )
     auto_settings: ClassVar[Mapping[str, tuple[str, ...]]] = MappingProxyType({"activations": ("float", "int8")})
@@ -103,8 +106,11 @@ class QuantizedGemm(OpSpec):
             return ("float",), "the backend does not declare W4A8 (OpCoverage schemes)"
         return self.auto_settings[name], ""
 
-    def auto_rule(self, name: str, args: Mapping[str, Any]) -> tuple[str, str]:
-        """int8 activations from :data:`INT8_ACTIVATIONS_FROM_M` rows up, float below."""
+    def auto_rule(self, name: str, args: Mapping[str, Any], features: frozenset[str]) -> tuple[str, str]:
+        """int8 activations from :data:`INT8_ACTIVATIONS_FROM_M` rows up where the device has int8 dot products
+        (feature ``int8_dot``), float below and on every other device."""
+        if "int8_dot" not in features:
+            return "float", "the device has no int8 dot products (capability feature 'int8_dot'): W4A16 is faster"
         rows = int(args["x"].shape[0])
         if rows >= INT8_ACTIVATIONS_FROM_M:
             return "int8", f"M = {rows} >= {INT8_ACTIVATIONS_FROM_M} (the built-in rule)"

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from hal_core import DeviceHandle
 
+from . import _native
 from ._launcher import CpuLauncher
 from ._memory import CpuAllocator
 from ._stream import CpuEvent, CpuStream, _WorkQueue
@@ -117,8 +118,16 @@ def _cache_bytes(level: int, default: int) -> int:
     return default
 
 
+def _kernel_features() -> set[str]:
+    """``{"int8_dot"}`` where the loaded kernels are the avx512vnni variant (``vpdpbusd``, AMX-INT8 where the CPU has
+    it): only that variant multiplies int8 in dot-product instructions (the others sum int8 products with plain
+    vector arithmetic, slower than their float kernels); none without the compiled kernels."""
+    native = _native.try_load()
+    return {"int8_dot"} if native is not None and native.isa == "avx512vnni" else set()
+
+
 def host_capabilities() -> DeviceCapabilities:
-    """The capabilities of this machine's CPU, read from the OS."""
+    """The capabilities of this machine's CPU, read from the OS (``int8_dot`` from the loaded kernel variant)."""
     from hal_core import DeviceCapabilities  # imported on first use: pydantic is slow to import
 
     info = _cpuinfo()
@@ -148,7 +157,7 @@ def host_capabilities() -> DeviceCapabilities:
         memory_total=total,
         memory_free=free,
         dtypes=frozenset({"fp64", "fp32", "fp16", "bf16", "int8", "int4"}),
-        features=frozenset({"unified_memory"}),
+        features=frozenset({"unified_memory", *_kernel_features()}),
         allocation_granularity=ALLOCATION_GRANULARITY,
     )
 

@@ -60,10 +60,13 @@ def dtypes_for(major: int, minor: int) -> frozenset[str]:
 
 
 def features_for(major: int, props: Mapping[str, Any]) -> frozenset[str]:
-    """Feature flags: tensor cores from sm_70; async alloc, managed and unified memory as the device reports."""
+    """Feature flags: tensor cores from sm_70, ``int8_dot`` from sm_80 (the int8 ``mma.sync`` shape hal's W4A8 and
+    W8A8 kernels use); async alloc, managed and unified memory as the device reports."""
     flags = set()
     if major >= 7:
         flags.add("tensor_cores")
+    if major >= 8:
+        flags.add("int8_dot")
     if props.get("memoryPoolsSupported"):
         flags.add("async_alloc")
     if props.get("managedMemory"):
