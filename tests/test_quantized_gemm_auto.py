@@ -37,7 +37,7 @@ def cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[hal_core.Backend]:
 
 @pytest.fixture
 def plain_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[hal_core.Backend]:
-    """The CPU backend reporting no int8 dot products (the avx2, avx512 and baseline kernel variants)."""
+    """The CPU backend reporting no int8 dot products (the baseline kernel variant)."""
     yield from _cpu_with(monkeypatch, set())
 
 
@@ -76,8 +76,8 @@ def test_auto_runs_float_for_one_row_and_int8_activations_from_the_crossover(cpu
 
 @pytest.mark.parametrize("m", [1, 2, 512])
 def test_auto_keeps_float_activations_on_a_device_without_int8_dot_products(plain_cpu, m: int) -> None:
-    """Without 'int8_dot' W4A8's integer sums run on plain vector arithmetic, slower than W4A16 at every M
-    (measured on an AVX2 CPU: 0.3-0.8x): 'auto' is W4A16 for every M, saying why, and gives W4A16's bits."""
+    """Without 'int8_dot' W4A8's integer sums run on plain arithmetic, slower than W4A16 at every M (measured with
+    that loop on an AVX2 CPU: 0.3-0.8x): 'auto' is W4A16 for every M, saying why, and gives W4A16's bits."""
     args = _args(m, "bf16", seed=2000 + m)
     call = plain_cpu.ops.prepare("quantized_gemm", **args, activations="auto")
     assert call.args["activations"] == "float" and "'int8_dot'" in call.settled
@@ -86,14 +86,15 @@ def test_auto_keeps_float_activations_on_a_device_without_int8_dot_products(plai
     np.testing.assert_array_equal(got.view(np.uint8), explicit.view(np.uint8))
 
 
-def test_the_cpu_reports_int8_dot_products_exactly_for_the_vnni_kernels() -> None:
-    """hal-cpu lists 'int8_dot' iff its loaded kernel variant is avx512vnni (the only one with vpdpbusd and AMX)."""
+def test_the_cpu_reports_int8_dot_products_exactly_for_its_simd_kernels() -> None:
+    """hal-cpu lists 'int8_dot' iff its loaded kernel variant multiplies bytes in dot-product instructions (avx512vnni:
+    vpdpbusd, AMX; avx512 and avx2: vpmaddubsw), not for the baseline variant's plain loop."""
     from hal_cpu import _native
 
     native = _native.load()
     print(f"isa={native.isa} available={native.available}")
     cpu = hal_core.get_backend("cpu")
-    assert cpu.device(0).capabilities.has("int8_dot") == (native.isa == "avx512vnni")
+    assert cpu.device(0).capabilities.has("int8_dot") == (native.isa in ("avx512vnni", "avx512", "avx2"))
 
 
 def test_device_features_are_read_once_and_a_broken_device_reads_as_none(caplog: pytest.LogCaptureFixture) -> None:

@@ -18,7 +18,9 @@
 //   avx512vnni: vpdpbusd (4 unsigned code bytes x 4 signed q bytes summed into an int32 lane) over
 //     register tiles of up to kW4a8TileRows rows x 64 columns (16 words of a code row per vector), one
 //     group at a time; columns past the last full vector of 16 run the plain loop below.
-//   other variants: the same integer sums in plain C++ (the compiler vectorises the column loop).
+//   avx2 and avx512 (without VNNI): vpmaddubsw byte-pair products summed in int16 over four code rows, then
+//     vpmaddwd into int32 (w4a8_avx2.inl), 4 rows x 16 columns per register tile.
+//   baseline: the same integer sums in plain C++ (the compiler vectorises the column loop).
 // Tasks own kW4a8Cols columns of every row (avx512vnni: kW4a8WideCols where N gives every thread two tasks or
 // more, so each code row is read as one 1 KiB run, and the next group's codes are prefetched): one group of
 // their codes (G / 8 rows of 256 bytes per 64 columns) is read once per row tile from L1.
@@ -218,6 +220,10 @@ constexpr bool kW4a8VnniTiles = false;  // the plain loop takes at most kW4a8Col
 constexpr int64_t kW4a8AmxCols = kW4a8Cols;
 inline bool w4a8_amx_applies(const hal_cpu_w4a8_gemm_args &) { return false; }
 #endif
+#if defined(HAL_ISA_AVX2) || (defined(HAL_ISA_AVX512) && !defined(HAL_ISA_VNNI))
+#define HAL_W4A8_AVX2 1
+#include "w4a8_avx2.inl"
+#endif
 
 // Whether W4A8 and W8A8 with many rows run on AMX-INT8 tiles here (hal_cpu_gemm_amx; each has its own conditions).
 #if defined(HAL_ISA_VNNI)
@@ -260,6 +266,10 @@ int w4a8_t(const hal_cpu_w4a8_gemm_args &a) {
         const int64_t vectors = (c1 - done) / 16;
         if (vectors) w4a8_vnni_block<SS>(a, p, done, vectors);
         done += 16 * vectors;
+#elif defined(HAL_W4A8_AVX2)
+        const int64_t vectors = (c1 - done) / 8;
+        if (vectors) w4a8_avx2_block<SS>(a, p, done, vectors);
+        done += 8 * vectors;
 #endif
         if (done < c1) w4a8_plain<SS>(a, p, 0, m, done, c1);
     });

@@ -77,15 +77,16 @@ def test_integer_sums_are_exact(variant: str, rng: np.random.Generator, m: int, 
 
 
 @pytest.mark.parametrize("m", [3, 16, 40])
-@pytest.mark.parametrize("case", ["g32-zeros", "g128", "fp16-x", "bf16-x", "bf16-scales", "fp32-scales"])
+@pytest.mark.parametrize("case", ["g32-zeros", "g40-zeros", "g128", "fp16-x", "bf16-x", "bf16-scales", "fp32-scales"])
 def test_variants_and_threads_agree_bit_for_bit(select_isa: Callable[[str], AbstractContextManager[None]],
                                                 rng: np.random.Generator, m: int, case: str) -> None:
-    """vpdpbusd (avx512vnni) and the plain integer loop of every other variant give the same bits, at any
-    thread count: integer sums are exact and the float epilogue is the same fma chain."""
+    """vpdpbusd (avx512vnni), vpmaddubsw (avx2; g40: 5 code rows a group, a partial batch of int16 sums) and the
+    plain integer loop of the other variants give the same bits, at any thread count: integer sums are exact
+    and the float epilogue is the same fma chain."""
     dtype = {"fp16-x": "fp16", "bf16-x": "bf16"}.get(case, "fp32")
-    group = 32 if case == "g32-zeros" else 128
-    args = quantized_gemm_inputs(rng, m=m, k=512, n=200, bits=4, group_size=group,
-                                 symmetric=case != "g32-zeros", dtype=dtype)
+    group = {"g32-zeros": 32, "g40-zeros": 40}.get(case, 128)
+    args = quantized_gemm_inputs(rng, m=m, k=520 if group == 40 else 512, n=200, bits=4, group_size=group,
+                                 symmetric=not case.endswith("zeros"), dtype=dtype)
     qw = args["qweight"]
     if case.endswith("scales"):
         wanted = BFLOAT16 if case == "bf16-scales" else np.float32

@@ -118,12 +118,17 @@ def _cache_bytes(level: int, default: int) -> int:
     return default
 
 
+#: The kernel variants whose W4A8 multiplies int8 in dot-product instructions: ``vpdpbusd`` (and AMX-INT8 where the
+#: CPU has it) in avx512vnni, ``vpmaddubsw``/``vpmaddwd`` in avx512 and avx2. The baseline variant (every non-x86
+#: CPU too) sums int8 products in plain C++, slower than its float kernels.
+INT8_DOT_VARIANTS = frozenset({"avx512vnni", "avx512", "avx2"})
+
+
 def _kernel_features() -> set[str]:
-    """``{"int8_dot"}`` where the loaded kernels are the avx512vnni variant (``vpdpbusd``, AMX-INT8 where the CPU has
-    it): only that variant multiplies int8 in dot-product instructions (the others sum int8 products with plain
-    vector arithmetic, slower than their float kernels); none without the compiled kernels."""
+    """``{"int8_dot"}`` where the loaded kernel variant is one of :data:`INT8_DOT_VARIANTS`; none for the baseline
+    variant or without the compiled kernels."""
     native = _native.try_load()
-    return {"int8_dot"} if native is not None and native.isa == "avx512vnni" else set()
+    return {"int8_dot"} if native is not None and native.isa in INT8_DOT_VARIANTS else set()
 
 
 def host_capabilities() -> DeviceCapabilities:
