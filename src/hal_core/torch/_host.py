@@ -66,10 +66,11 @@ class HostRoute:
         return self.backend.is_host and eager_host(*tensors)
 
     def call(self, op: str, args: Mapping[str, Any]) -> torch.Tensor | None:
-        """The fast path (where :meth:`eager` says so): run ``op`` on the front door with each tensor of ``args``
-        as a numpy view (mutated in place where the op mutates it) and other values unchanged (arrays a caller
-        converted once with :meth:`native`, a weight of numpy views); returns hal's result as a tensor view, if
-        any. Elsewhere, call the ``torch.ops.hal`` operator (:mod:`hal_core.torch`'s function) with the tensors."""
+        """The fast path, for calls where :meth:`eager` is True (the caller checks): run ``op`` on the front door
+        with each tensor of ``args`` as a numpy view (mutated in place where the op mutates it) and other values
+        unchanged (arrays a caller converted once with :meth:`native`, a weight of numpy views); returns hal's
+        result as a tensor view, if any. Where :meth:`eager` is False the caller calls the ``torch.ops.hal``
+        operator (:mod:`hal_core.torch`'s function) with the tensors instead."""
         hal_args = {name: host_view(value, name) if isinstance(value, torch.Tensor) else value
                     for name, value in args.items()}
         result = self.backend.ops.call(op, hal_args)
