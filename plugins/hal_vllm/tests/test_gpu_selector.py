@@ -6,8 +6,10 @@ CUSTOM`` calls while the worker builds the model) resolves the backend and
 asks its ``validate_configuration``. Only what needs a device is stood in
 for: the device capability, vLLM's compiled extension that the CUDA
 platform module imports first (absent from vLLM's CPU build, and built for
-a CUDA torch in its GPU build), and the GPU architecture the ROCm platform
-module reads when imported. ``make test-vllm`` runs this file with the
+a CUDA torch in its GPU build), and the GPU architecture and compiled
+extension (``vllm._C``: the CPU build's is for AVX-512 CPUs and stops the
+process with SIGILL on others; a GPU wheel's is built for a GPU torch) the
+ROCm platform module reads when imported. ``make test-vllm`` runs this file with the
 installed vLLM and again over the Python code of each GPU wheel of the
 tested range (``VLLM_GPU_RELEASES`` in the Makefile).
 """
@@ -43,6 +45,7 @@ def _platform_class(name: str, monkeypatch: pytest.MonkeyPatch) -> Any:
     if name == "cuda":  # imported first thing by the CUDA platform module; built for a CUDA torch, if present
         monkeypatch.setitem(sys.modules, "vllm._C_stable_libtorch", types.ModuleType("vllm._C_stable_libtorch"))
     else:  # the ROCm platform module reads the GPU's architecture (MI300's here) once, when imported
+        monkeypatch.setitem(sys.modules, "vllm._C", types.ModuleType("vllm._C"))
         monkeypatch.setattr(torch.cuda, "get_device_properties",
                             lambda *args, **kwargs: types.SimpleNamespace(gcnArchName="gfx942"))
     module_name, class_name = PLATFORMS[name]

@@ -134,6 +134,15 @@ def save_quantized_llama(path: Path, method: str, config: Any = None, group_size
     return config.num_hidden_layers
 
 
+def vllm_has_cpu_int4_kernel() -> bool:
+    """Whether vLLM's CPU build has its own int4 GEMM on this CPU (``cpu_gemm_wna16``, what its
+    ``CPUWNA16LinearKernel`` calls): the build vLLM loads for a CPU without AVX-512 (``vllm._C_AVX2``) has none."""
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()  # what each vLLM worker does first: this CPU's build of vLLM's kernels
+    return hasattr(torch.ops._C, "cpu_gemm_wna16")
+
+
 def prompts() -> list[Any]:
     """Five token prompts of :data:`PROMPT_LENGTHS`, seeded."""
     from vllm.inputs import TokensPrompt
