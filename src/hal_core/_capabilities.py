@@ -29,8 +29,7 @@ DTYPE_NAMES = frozenset(
 #: Feature flags a device may list in ``DeviceCapabilities.features``. ``int8_dot``: the backend's kernels multiply
 #: int8 values in hardware dot products summed in int32 on this device (VNNI, AMX-INT8 or AVX2's byte
 #: multiply-adds on a CPU, the int8 tensor-core MMA on a GPU), several times their float rate: where integer
-#: activations pay
-#: (``quantized_gemm``'s ``activations="auto"``).
+#: activations pay (``quantized_gemm``'s ``activations="auto"``).
 FEATURE_NAMES = frozenset({"tensor_cores", "unified_memory", "async_alloc", "managed_memory", "int8_dot"})
 
 

@@ -6,8 +6,8 @@
   int8 activations (W4A8) from ``M >= INT8_ACTIVATIONS_FROM_M`` rows where the backend declares
   W4A8 and the device has int8 dot products (capability feature ``int8_dot``), float below (a
   decode step keeps W4A16's accuracy, batches and prompts get integer dot products) and on a device
-  without them (there W4A8's integer sums run on plain vector arithmetic, slower than W4A16 at every
-  M); ``hal tune`` replaces the choice per shape bucket on a device, ``hal info --explain`` says what
+  without them (there W4A8's integer sums run in plain arithmetic, slower than W4A16 at every M);
+  ``hal tune`` replaces the choice per shape bucket on a device, ``hal info --explain`` says what
   was chosen and why.
 - ``bits=4``, ``activations='int8'`` (W4A8) and ``bits=8`` whatever ``activations``
   says (W8A8): activations are quantised per token first
