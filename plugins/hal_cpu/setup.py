@@ -33,6 +33,11 @@ X86_VARIANTS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "baseline": [],
 }
+#: The order the variants' objects are linked in, each instruction set a subset of the next. An inline function
+#: several variants instantiate out of line (std::vector's members, say) is kept once, from the first object that
+#: defines it; every variant calling it defines it too, so the copy kept is compiled for that caller's instruction
+#: set or a smaller one. Linked the other way round, an AVX2 CPU would run an AVX-512 copy (SIGILL).
+LINK_ORDER = ("baseline", "avx2", "avx512", "avx512vnni")
 #: The preprocessor names each variant's translation unit is compiled with (isa.h reads them).
 VARIANT_MACROS = {"avx512vnni": ["HAL_ISA_AVX512", "HAL_ISA_VNNI"], "avx512": ["HAL_ISA_AVX512"],
                   "avx2": ["HAL_ISA_AVX2"], "baseline": []}
@@ -80,12 +85,13 @@ class BuildKernels(build_ext):
             return compiler.compile([os.path.join(CSRC, "kernels.cpp")], output_dir=os.path.join(self.build_temp, name),
                                     macros=macros, extra_postargs=COMMON + flags, depends=ext.depends)
 
+        ordered = sorted(variants.items(), key=lambda item: LINK_ORDER.index(item[0]))
         with ThreadPoolExecutor(max(1, min(len(variants), os.cpu_count() or 1))) as pool:
-            objects = [obj for objs in pool.map(compile_variant, variants.items()) for obj in objs]
+            objects = [obj for objs in pool.map(compile_variant, ordered) for obj in objs]
         have = [(f"HAL_HAVE_{name.upper()}", "1") for name in variants if name != "baseline"]
-        objects += compiler.compile([os.path.join(CSRC, "dispatch.cpp")],
-                                    output_dir=os.path.join(self.build_temp, "dispatch"), macros=have,
-                                    extra_postargs=COMMON, depends=ext.depends)
+        objects[1:1] = compiler.compile([os.path.join(CSRC, "dispatch.cpp")],
+                                        output_dir=os.path.join(self.build_temp, "dispatch"), macros=have,
+                                        extra_postargs=COMMON, depends=ext.depends)
         target = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         compiler.link_shared_object(objects, target, target_lang="c++",

@@ -220,7 +220,7 @@ constexpr bool kW4a8VnniTiles = false;  // the plain loop takes at most kW4a8Col
 constexpr int64_t kW4a8AmxCols = kW4a8Cols;
 inline bool w4a8_amx_applies(const hal_cpu_w4a8_gemm_args &) { return false; }
 #endif
-#if defined(HAL_ISA_AVX2) || (defined(HAL_ISA_AVX512) && !defined(HAL_ISA_VNNI))
+#if defined(HAL_INT8_AVX2)  // w8a8.inl
 #define HAL_W4A8_AVX2 1
 #include "w4a8_avx2.inl"
 #endif

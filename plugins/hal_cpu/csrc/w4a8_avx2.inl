@@ -18,18 +18,6 @@ constexpr int64_t kW4a8Avx2Words = 4;
 constexpr int kW4a8Avx2Rows = 4;
 constexpr int kW4a8Avx2Vectors = 2;
 
-// Eight scales of type SS from p, as float32.
-template <class SS>
-inline __m256 w4a8_avx2_scales(const typename SS::T *p) {
-    if constexpr (std::is_same_v<SS, F32>) {
-        return _mm256_loadu_ps(p);
-    } else {
-        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
-        if constexpr (std::is_same_v<SS, F16>) return _mm256_cvtph_ps(h);
-        else return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    }
-}
-
 // Rows [r0, r0 + MR) x columns [c0, c0 + 8 NV) of group g: y = fma(scale, float(d), y).
 template <class SS, int MR, int NV>
 inline void w4a8_avx2_tile(const hal_cpu_w4a8_gemm_args &a, const W4a8Panel &p, int64_t g, int64_t r0, int64_t c0) {
@@ -68,7 +56,7 @@ inline void w4a8_avx2_tile(const hal_cpu_w4a8_gemm_args &a, const W4a8Panel &p, 
     const auto *scales = static_cast<const typename SS::T *>(a.scales);
     for (int v = 0; v < NV; ++v) {
         const int64_t col = g * n + c0 + 8 * v;
-        const __m256 s = w4a8_avx2_scales<SS>(scales + col);
+        const __m256 s = avx2_scales<SS>(scales + col);
         const __m256i z = a.zeros ? _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(a.zeros + col)))
                                   : _mm256_set1_epi32(a.default_zero);
         for (int r = 0; r < MR; ++r) {

@@ -7,11 +7,17 @@
 // exact in fp32 while below 2**24: 127 * 255 * 512 < 2**24. Groups are therefore walked in
 // segments of at most 512 rows; each segment's exact sum has its zero-point term subtracted
 // (exact too) before the group scale is applied. The avx512vnni variant runs the integer kernels of
-// w8a8_vnni.inl instead (the same segments and epilogue, so the same bits).
+// w8a8_vnni.inl instead, the avx2 and avx512 variants those of w8a8_avx2.inl for whole vectors of 8 columns
+// (the same segments and epilogue, so the same bits).
 
 constexpr int64_t kExactRows = 512;
 
 struct Segment { int64_t start, end; int32_t group; };
+
+#if defined(HAL_ISA_AVX2) || (defined(HAL_ISA_AVX512) && !defined(HAL_ISA_VNNI))
+#define HAL_INT8_AVX2 1  // integer W8A8 and W4A8 kernels of 256-bit vectors (w8a8_avx2.inl, w4a8_avx2.inl)
+#include "w8a8_avx2.inl"
+#endif
 
 // Columns [n0, n0 + NV W) of MB rows over segments [s0, s1) (nseg in all, the stride of xqsum's rows).
 template <class SS, int MB, int NV>
@@ -112,6 +118,11 @@ int w8a8_t(const hal_cpu_w8a8_gemm_args &a, const std::vector<Segment> &segs) {
         }
     });
     const bool gemv = m <= 2;
+#if defined(HAL_INT8_AVX2)
+    W8Pairs pairs;
+    if (!gemv) w8_avx2_pairs(xq.data(), xqsum.data(), m, k, segs, pairs, threads);
+    const W8Avx2Job<SS> job{pairs, segs.data(), nseg, n, perm, qw, zeros, scales, zdef};
+#endif
     const int64_t nv = gemv ? 4 : 2, step = nv * W;
     const int64_t tile = std::max<int64_t>(n_tile, step) / step * step;
     // Columns [c0, c1) (c0 a multiple of step) over segments [s0, s1), into out (row stride n).
@@ -120,6 +131,9 @@ int w8a8_t(const hal_cpu_w8a8_gemm_args &a, const std::vector<Segment> &segs) {
     w8_rows<SS, NV>(m, xq.data(), k, xqsum.data(), nseg, s0, s1, segs.data(), perm, qw, n, c, scales, zeros, \
                     float(zdef), out)
         int64_t c = c0;
+#if defined(HAL_INT8_AVX2)
+        if (!gemv) c = w8_avx2_columns<SS>(job, m, c0, c1, s0, s1, out);  // M <= 2 keeps the float loop
+#endif
         for (; c + step <= c1; c += step) {
             if (gemv) HAL_W8_COLS(4);
             else HAL_W8_COLS(2);

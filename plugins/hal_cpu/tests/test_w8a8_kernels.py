@@ -36,23 +36,33 @@ def test_w8a8_uneven_act_order_runs(variant: str, rng: np.random.Generator, m: i
                  what=f"{variant} W8A8 uneven act-order")
 
 
+def _w8a8_case(rng: np.random.Generator, m: int, case: str) -> dict:
+    """Inputs for the bit-for-bit tests: group sizes, act-order, half scales and activations, odd segments."""
+    from hal_core.arrays import BFLOAT16
+
+    if case == "act-order":
+        return _uneven_act_order(rng, m, 256, 200, 32)
+    if case == "odd-segments":  # 999-row groups: segments of 512 and 487 rows; columns past the last 8
+        return quantized_gemm_inputs(rng, m=m, k=1998, n=75, bits=8, group_size=999, symmetric=False, dtype="fp32")
+    args = quantized_gemm_inputs(rng, m=m, k=1024 if case == "g1024" else 256, n=200, bits=8,
+                                 group_size=1024 if case == "g1024" else 32, symmetric=case != "g32",
+                                 dtype="fp16" if case == "fp16-x" else "fp32")
+    if case == "bf16-scales":
+        qw = args["qweight"]
+        args["qweight"] = replace(qw, scales=np.asarray(qw.scales).astype(BFLOAT16))
+    return args
+
+
+W8A8_CASES = ["g32", "g1024", "act-order", "bf16-scales", "fp16-x", "odd-segments"]
+
+
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 6, 12, 40])
-@pytest.mark.parametrize("case", ["g32", "g1024", "act-order", "bf16-scales", "fp16-x"])
+@pytest.mark.parametrize("case", W8A8_CASES)
 def test_w8a8_simd_variants_agree_bit_for_bit(select_isa: Callable[[str], AbstractContextManager[None]],
                                               rng: np.random.Generator, m: int, case: str) -> None:
     """The byte-dot-product kernel (avx512vnni) gives the AVX-512 float kernel's bits: both sum each segment
     exactly and apply the same float operations in the same order (docs/quantization.md)."""
-    from hal_core.arrays import BFLOAT16
-
-    if case == "act-order":
-        args = _uneven_act_order(rng, m, 256, 200, 32)
-    else:
-        args = quantized_gemm_inputs(rng, m=m, k=1024 if case == "g1024" else 256, n=200, bits=8,
-                                     group_size=1024 if case == "g1024" else 32, symmetric=case != "g32",
-                                     dtype="fp16" if case == "fp16-x" else "fp32")
-    if case == "bf16-scales":
-        qw = args["qweight"]
-        args["qweight"] = replace(qw, scales=np.asarray(qw.scales).astype(BFLOAT16))
+    args = _w8a8_case(rng, m, case)
     got = {}
     for name in ("avx512vnni", "avx512"):
         with select_isa(name):
@@ -60,6 +70,20 @@ def test_w8a8_simd_variants_agree_bit_for_bit(select_isa: Callable[[str], Abstra
     np.testing.assert_array_equal(got["avx512vnni"], got["avx512"])
     assert_close(got["avx512vnni"], REFERENCE(args), kind="gemm", dtype="fp16" if case == "fp16-x" else "fp32",
                  what=f"avx512vnni W8A8 {case}")
+
+
+@pytest.mark.parametrize("m", [3, 4, 7, 8, 13, 14, 40])
+@pytest.mark.parametrize("case", W8A8_CASES)
+def test_w8a8_rows_together_give_each_rows_bits(variant: str, rng: np.random.Generator, m: int, case: str) -> None:
+    """Many rows in one call (the integer row tiles: int16 pairs on avx2 and on avx512 without VNNI, byte dot
+    products on avx512vnni) give each row's bits alone (M = 1 with K in one part: the float loop on avx2 and
+    avx512), so every kernel of a variant sums each segment exactly and applies the same float epilogue."""
+    args = _w8a8_case(rng, m, case)
+    together = quantized_gemm.gemm(args["x"], args["qweight"])
+    alone = np.concatenate([quantized_gemm.gemm(args["x"][r:r + 1], args["qweight"], k_parts=1) for r in range(m)])
+    np.testing.assert_array_equal(together, alone)
+    assert_close(together, REFERENCE(args), kind="gemm", dtype="fp16" if case == "fp16-x" else "fp32",
+                 what=f"{variant} W8A8 {case} M={m}")
 
 
 @pytest.mark.parametrize("m", [1, 4, 9])

@@ -20,8 +20,11 @@
   (codes read in place over wide column tiles for M <= 4; above, each task
   packs its block of up to 32 64-column panels one group of K at a time from
   contiguous code-row runs and runs 6 x 64 register tiles over them;
-  csrc/w8a8_vnni.inl), elsewhere exact float sums; both give the same bits. A
-  row of ``x`` holding NaN or Inf gives a row of NaN.
+  csrc/w8a8_vnni.inl); on the avx2 and avx512 variants for M > 2 pairs of
+  code rows widened to int16 and multiplied by activation pairs in
+  ``vpmaddwd`` (6 x 16 register tiles, csrc/w8a8_avx2.inl); elsewhere exact
+  float sums. All give the same bits for a row. A row of ``x`` holding NaN
+  or Inf gives a row of NaN.
 
 - W4A8 (int4 weights, ``activations='int8'``): :mod:`hal_cpu.ops._w4a8`, the
   W8A8 quantisation with int4 codes summed exactly in int32 per group
@@ -51,7 +54,8 @@ copy of the weight):
   with K in parts); M > 4: one packing workspace per running thread, at most
   320 KiB (weight-derived codes of one group of K for the task's columns);
 - W8A8 (other variants): ``M * K`` floats (quantised activations) and
-  ``M * segments`` floats;
+  ``M * segments`` floats; on avx2/avx512 with M > 2 also ``M * Kw`` int32
+  activation pairs (``Kw <= K / 2 + segments``) and ``M * segments`` int32;
 - W4A8: see :mod:`hal_cpu.ops._w4a8`.
 
 No weight-derived array outlives a call.
