@@ -7,8 +7,8 @@
 // exact in fp32 while below 2**24: 127 * 255 * 512 < 2**24. Groups are therefore walked in
 // segments of at most 512 rows; each segment's exact sum has its zero-point term subtracted
 // (exact too) before the group scale is applied. The avx512vnni variant runs the integer kernels of
-// w8a8_vnni.inl instead, the avx2 and avx512 variants those of w8a8_avx2.inl for whole vectors of 8 columns
-// (the same segments and epilogue, so the same bits).
+// w8a8_vnni.inl instead, the avx2 and avx512 variants (from 2 rows) those of w8a8_avx2.inl for whole
+// vectors of 8 columns (the same segments and epilogue, so the same bits).
 
 constexpr int64_t kExactRows = 512;
 
@@ -119,8 +119,9 @@ int w8a8_t(const hal_cpu_w8a8_gemm_args &a, const std::vector<Segment> &segs) {
     });
     const bool gemv = m <= 2;
 #if defined(HAL_INT8_AVX2)
+    const bool pairs_kernel = m >= 2;  // one row keeps the float loop (faster at M = 1 here)
     W8Pairs pairs;
-    if (!gemv) w8_avx2_pairs(xq.data(), xqsum.data(), m, k, segs, pairs, threads);
+    if (pairs_kernel) w8_avx2_pairs(xq.data(), xqsum.data(), m, k, segs, pairs, threads);
     const W8Avx2Job<SS> job{pairs, segs.data(), nseg, n, perm, qw, zeros, scales, zdef};
 #endif
     const int64_t nv = gemv ? 4 : 2, step = nv * W;
@@ -132,7 +133,7 @@ int w8a8_t(const hal_cpu_w8a8_gemm_args &a, const std::vector<Segment> &segs) {
                     float(zdef), out)
         int64_t c = c0;
 #if defined(HAL_INT8_AVX2)
-        if (!gemv) c = w8_avx2_columns<SS>(job, m, c0, c1, s0, s1, out);  // M <= 2 keeps the float loop
+        if (pairs_kernel) c = w8_avx2_columns<SS>(job, m, c0, c1, s0, s1, out);
 #endif
         for (; c + step <= c1; c += step) {
             if (gemv) HAL_W8_COLS(4);

@@ -18,8 +18,9 @@
 // walking K for a narrow block of columns touches a page per code row, and the TLB misses cost more than the
 // arithmetic). For each segment, every 16 columns' codes (a segment's rows x 16 bytes, in L1) are read by every
 // row tile of up to 6 rows x 16 columns
-// (12 int32 accumulators, 2 code vectors, one broadcast: 15 of the 16 vector registers). M <= 2 keeps the float
-// loop of w8a8.inl, which reads the codes at about the same rate with nothing to share them over.
+// (12 int32 accumulators, 2 code vectors, one broadcast: 15 of the 16 vector registers). M = 1 keeps the float
+// loop of w8a8.inl, faster with no rows to share the widening over (4096 x 4096 on a 2-core AMD EPYC: 1.0-1.1 ms
+// against 1.7-1.8; at M = 2 the pairs are level or faster: 4096 x 11008, 2.9 ms against 4.5).
 
 //: Rows of x per register tile; a task's columns are walked in chunks (a multiple of kW8Avx2Cols) whose rows of
 //: the output and one segment's codes take at most kW8Avx2ChunkBytes (L2), each chunk segment after segment.
@@ -128,8 +129,9 @@ inline void w8_avx2_tile(const W8Avx2Job<SS> &j, int64_t r0, int64_t c, int64_t 
     for (int v = 0; v < NV; ++v) {
         const int64_t col = int64_t(sg.group) * n + c + 8 * v;
         const __m256 s = avx2_scales<SS>(j.scales + col);
-        const __m256i z = j.zeros ? _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(j.zeros + col)))
-                                  : _mm256_set1_epi32(j.zdef);
+        const __m256i z = j.zeros
+                              ? _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(j.zeros + col)))
+                              : _mm256_set1_epi32(j.zdef);
         for (int r = 0; r < MR; ++r) {
             const __m256i qs = _mm256_set1_epi32(j.p.sum[(r0 + r) * j.nseg + sgi]);
             const __m256i d = _mm256_sub_epi32(acc[r][v], _mm256_mullo_epi32(z, qs));

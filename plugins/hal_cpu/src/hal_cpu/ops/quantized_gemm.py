@@ -20,7 +20,7 @@
   (codes read in place over wide column tiles for M <= 4; above, each task
   packs its block of up to 32 64-column panels one group of K at a time from
   contiguous code-row runs and runs 6 x 64 register tiles over them;
-  csrc/w8a8_vnni.inl); on the avx2 and avx512 variants for M > 2 pairs of
+  csrc/w8a8_vnni.inl); on the avx2 and avx512 variants for M >= 2 pairs of
   code rows widened to int16 and multiplied by activation pairs in
   ``vpmaddwd`` (6 x 16 register tiles, csrc/w8a8_avx2.inl); elsewhere exact
   float sums. All give the same bits for a row. A row of ``x`` holding NaN
@@ -54,7 +54,7 @@ copy of the weight):
   with K in parts); M > 4: one packing workspace per running thread, at most
   320 KiB (weight-derived codes of one group of K for the task's columns);
 - W8A8 (other variants): ``M * K`` floats (quantised activations) and
-  ``M * segments`` floats; on avx2/avx512 with M > 2 also ``M * Kw`` int32
+  ``M * segments`` floats; on avx2/avx512 with M >= 2 also ``M * Kw`` int32
   activation pairs (``Kw <= K / 2 + segments``) and ``M * segments`` int32;
 - W4A8: see :mod:`hal_cpu.ops._w4a8`.
 
