@@ -1,7 +1,8 @@
 """vLLM throughput with hal's attention against vLLM's own CPU attention: same model, same load, one run.
 
 A random-weight Llama-shaped model is built locally (transformers config +
-seeded weights in a temporary folder). Each round starts one engine per
+seeded weights in a temporary folder); ``--sliding-window N`` builds the same
+shape as a Mistral model whose layers attend to the last N tokens. Each round starts one engine per
 side (``HAL_VLLM=0``: vLLM's CPU backend; ``HAL_VLLM=1``: hal), warms it
 up, then times ``LLM.generate`` over two loads, greedy:
 
@@ -65,10 +66,15 @@ def _model(path: Path, args: argparse.Namespace) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, head_dim=args.head_size,
-                         max_position_embeddings=args.max_model_len)
+    shape = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                 num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                 head_dim=args.head_size, max_position_embeddings=args.max_model_len)
+    if args.sliding_window:  # Mistral: every layer attends to the last `sliding_window` tokens
+        from transformers import MistralConfig, MistralForCausalLM
+
+        MistralForCausalLM(MistralConfig(**shape, sliding_window=args.sliding_window)).save_pretrained(path)
+        return
+    config = LlamaConfig(**shape)
     if args.quant == "none":
         LlamaForCausalLM(config).save_pretrained(path)
         return
@@ -178,6 +184,8 @@ def main() -> None:
     parser.add_argument("--prefill-seqs", type=int, default=8)
     parser.add_argument("--prefill-prompt", type=int, default=1024)
     parser.add_argument("--prefill-tokens", type=int, default=4)
+    parser.add_argument("--sliding-window", type=int, default=0,
+                        help="a Mistral model whose layers attend to this many tokens (0: the Llama model)")
     parser.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile) on both sides")
     parser.add_argument("--quant", default="none", choices=("none", "gptq", "awq"),
                         help="write the projections as a 4-bit checkpoint of this format (fp16/bf16)")
@@ -192,6 +200,10 @@ def main() -> None:
         parser.error(f"--quant {args.quant} needs --dtype float16 or bfloat16 (vLLM's int4 layers take no fp32)")
     if args.baseline == "hal-attention" and args.quant == "none":
         parser.error("--baseline hal-attention compares int4 linear layers: give --quant gptq or awq")
+    if args.sliding_window and args.quant != "none":
+        parser.error("--sliding-window builds a float Mistral model: leave --quant at none")
+    if args.sliding_window < 0:
+        parser.error(f"--sliding-window must be 0 (none) or positive, got {args.sliding_window}")
     if args.tensor_parallel_size < 1:
         parser.error(f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}")
 
