@@ -17,16 +17,20 @@
 // Tasks walk their columns in chunks (as wide as L2 allows for the rows of the output and one segment's codes:
 // walking K for a narrow block of columns touches a page per code row, and the TLB misses cost more than the
 // arithmetic). For each segment, every 16 columns' codes (a segment's rows x 16 bytes, in L1) are read by every
-// row tile of up to 6 rows x 16 columns
-// (12 int32 accumulators, 2 code vectors, one broadcast: 15 of the 16 vector registers). M = 1 keeps the float
-// loop of w8a8.inl, faster with no rows to share the widening over (4096 x 4096 on a 2-core AMD EPYC: 1.0-1.1 ms
-// against 1.7-1.8; at M = 2 the pairs are level or faster: 4096 x 11008, 2.9 ms against 4.5).
+// row tile of up to 6 rows x 16 columns (12 int32 accumulators, 2 code vectors, one broadcast: 15 of the 16
+// vector registers), widened by each tile, or from kW8Avx2PackRows rows widened once into a 16 KiB stack buffer
+// that every tile reads (two aligned loads a step instead of two loads, two unpacks and two widenings). M = 1
+// keeps the float loop of w8a8.inl, faster with no rows to share the widening over (4096 x 4096 on a 2-core AMD
+// EPYC: 1.0-1.1 ms against 1.7-1.8; at M = 2 the pairs are level or faster: 4096 x 11008, 2.9 ms against 4.5).
 
 //: Rows of x per register tile; a task's columns are walked in chunks (a multiple of kW8Avx2Cols) whose rows of
 //: the output and one segment's codes take at most kW8Avx2ChunkBytes (L2), each chunk segment after segment.
 constexpr int kW8Avx2Rows = 6;
 constexpr int64_t kW8Avx2Cols = 64;
 constexpr int64_t kW8Avx2ChunkBytes = 256 * 1024;
+//: From this many rows a segment's widened codes are packed once per 16 columns and read by every row tile (2-core
+//: AMD EPYC, 4096 x 4096: 1.3x faster at M = 64..512; level at 16; slower at 8, where two tiles share them).
+constexpr int64_t kW8Avx2PackRows = 16;
 
 // Eight scales of type SS from p, as float32 (also W4A8's, w4a8_avx2.inl).
 template <class SS>
@@ -85,46 +89,72 @@ struct W8Avx2Job {
     int32_t zdef;
 };
 
-// Rows [r0, r0 + MR) x columns [c, c + 8 NV) over segment sgi: out = fma(scale, float(d), out) (row stride n).
-template <class SS, int MR, int NV>
-inline void w8_avx2_tile(const W8Avx2Job<SS> &j, int64_t r0, int64_t c, int64_t sgi, float *out) {
+// Code rows row0 and row1, columns [0, 8 NV): NV vectors of 8 columns x the 2 rows as int16 pairs.
+template <int NV>
+inline void w8_avx2_codes(const uint8_t *row0, const uint8_t *row1, __m256i (&code)[NV]) {
     static_assert(NV == 1 || NV == 2, "one or two vectors of 8 columns");
+    if constexpr (NV == 2) {
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i *>(row0));
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i *>(row1));
+        code[0] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(a, b));
+        code[NV - 1] = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(a, b));
+    } else {
+        const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(row0));
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(row1));
+        code[0] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(a, b));
+    }
+}
+
+// fn(row0, row1) for each row pair of segment sgi at column c, in order (the last row of an odd segment twice,
+// against q = 0).
+template <class SS, class Fn>
+inline void w8_avx2_pairs_of(const W8Avx2Job<SS> &j, int64_t c, int64_t sgi, Fn &&fn) {
+    const Segment sg = j.segs[sgi];
+    const int64_t n = j.n, pairs_end = sg.start + (sg.end - sg.start) / 2 * 2;
+    if (j.perm) {
+        for (int64_t i = sg.start; i < pairs_end; i += 2)
+            fn(j.qw + int64_t(j.perm[i]) * n + c, j.qw + int64_t(j.perm[i + 1]) * n + c);
+    } else {
+        const uint8_t *row = j.qw + sg.start * n + c;
+        for (int64_t i = sg.start; i < pairs_end; i += 2, row += 2 * n) fn(row, row + n);
+    }
+    if (pairs_end < sg.end) {
+        const uint8_t *last = j.qw + (j.perm ? int64_t(j.perm[pairs_end]) : pairs_end) * n + c;
+        fn(last, last);
+    }
+}
+
+// Rows [r0, r0 + MR) x columns [c, c + 8 NV) over segment sgi: out = fma(scale, float(d), out) (row stride n).
+// The codes come from the weight, or (packed not null) from w8_avx2_pack's copy of them.
+template <class SS, int MR, int NV>
+inline void w8_avx2_tile(const W8Avx2Job<SS> &j, int64_t r0, int64_t c, int64_t sgi, const __m256i *packed,
+                         float *out) {
     const Segment sg = j.segs[sgi];
     const int64_t n = j.n, kw = j.p.kw;
     __m256i acc[MR][NV];
     for (int r = 0; r < MR; ++r)
         for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_si256();
     const int32_t *xw = j.p.words.data() + r0 * kw + j.p.pstart[sgi];
-    // One step: code rows row0 and row1 (the same row again past a segment's odd end, against q = 0).
-    const auto step = [&](const uint8_t *row0, const uint8_t *row1) {
-        __m256i code[NV];
-        if constexpr (NV == 2) {
-            const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i *>(row0));
-            const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i *>(row1));
-            code[0] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(a, b));
-            code[NV - 1] = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(a, b));
-        } else {
-            const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(row0));
-            const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(row1));
-            code[0] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(a, b));
-        }
+    const auto multiply = [&](const __m256i (&code)[NV]) {
         for (int r = 0; r < MR; ++r) {
             const __m256i x = _mm256_set1_epi32(xw[r * kw]);
             for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(code[v], x));
         }
         ++xw;
     };
-    const int64_t pairs_end = sg.start + (sg.end - sg.start) / 2 * 2;
-    if (j.perm) {
-        for (int64_t i = sg.start; i < pairs_end; i += 2)
-            step(j.qw + int64_t(j.perm[i]) * n + c, j.qw + int64_t(j.perm[i + 1]) * n + c);
+    if (packed) {
+        const int64_t pairs = (sg.end - sg.start + 1) / 2;
+        for (int64_t w = 0; w < pairs; ++w, packed += NV) {
+            __m256i code[NV];
+            for (int v = 0; v < NV; ++v) code[v] = _mm256_load_si256(packed + v);
+            multiply(code);
+        }
     } else {
-        const uint8_t *row = j.qw + sg.start * n + c;
-        for (int64_t i = sg.start; i < pairs_end; i += 2, row += 2 * n) step(row, row + n);
-    }
-    if (pairs_end < sg.end) {
-        const uint8_t *last = j.qw + (j.perm ? int64_t(j.perm[pairs_end]) : pairs_end) * n + c;
-        step(last, last);
+        w8_avx2_pairs_of(j, c, sgi, [&](const uint8_t *row0, const uint8_t *row1) {
+            __m256i code[NV];
+            w8_avx2_codes<NV>(row0, row1, code);
+            multiply(code);
+        });
     }
     for (int v = 0; v < NV; ++v) {
         const int64_t col = int64_t(sg.group) * n + c + 8 * v;
@@ -141,23 +171,35 @@ inline void w8_avx2_tile(const W8Avx2Job<SS> &j, int64_t r0, int64_t c, int64_t 
     }
 }
 
-// Row tiles of 6 rows, the last 7 or 8 rows as two tiles of about 4 (a 1- or 2-row tile reads codes for little).
+// Every row over segment sgi at columns [c, c + 8 NV): row tiles of 6 rows, the last 7 or 8 rows as two tiles of
+// about 4 (a 1- or 2-row tile reads codes for little). From kW8Avx2PackRows rows the segment's codes are widened
+// once into packed (kExactRows / 2 * NV vectors) and every tile reads them from there.
 template <class SS, int NV>
-inline void w8_avx2_rows(const W8Avx2Job<SS> &j, int64_t m, int64_t c, int64_t sgi, float *out) {
+inline void w8_avx2_rows(const W8Avx2Job<SS> &j, int64_t m, int64_t c, int64_t sgi, __m256i *packed, float *out) {
+    if (m >= kW8Avx2PackRows) {
+        __m256i *dst = packed;
+        w8_avx2_pairs_of(j, c, sgi, [&](const uint8_t *row0, const uint8_t *row1) {
+            __m256i code[NV];
+            w8_avx2_codes<NV>(row0, row1, code);
+            for (int v = 0; v < NV; ++v) _mm256_store_si256(dst++, code[v]);
+        });
+    } else {
+        packed = nullptr;
+    }
     int64_t r = 0;
     for (; m - r >= kW8Avx2Rows && m - r != kW8Avx2Rows + 1 && m - r != kW8Avx2Rows + 2; r += kW8Avx2Rows)
-        w8_avx2_tile<SS, kW8Avx2Rows, NV>(j, r, c, sgi, out);
+        w8_avx2_tile<SS, kW8Avx2Rows, NV>(j, r, c, sgi, packed, out);
     if (m - r > kW8Avx2Rows) {
-        w8_avx2_tile<SS, 4, NV>(j, r, c, sgi, out);
+        w8_avx2_tile<SS, 4, NV>(j, r, c, sgi, packed, out);
         r += 4;
     }
     switch (m - r) {
-        case 6: w8_avx2_tile<SS, 6, NV>(j, r, c, sgi, out); break;
-        case 5: w8_avx2_tile<SS, 5, NV>(j, r, c, sgi, out); break;
-        case 4: w8_avx2_tile<SS, 4, NV>(j, r, c, sgi, out); break;
-        case 3: w8_avx2_tile<SS, 3, NV>(j, r, c, sgi, out); break;
-        case 2: w8_avx2_tile<SS, 2, NV>(j, r, c, sgi, out); break;
-        case 1: w8_avx2_tile<SS, 1, NV>(j, r, c, sgi, out); break;
+        case 6: w8_avx2_tile<SS, 6, NV>(j, r, c, sgi, packed, out); break;
+        case 5: w8_avx2_tile<SS, 5, NV>(j, r, c, sgi, packed, out); break;
+        case 4: w8_avx2_tile<SS, 4, NV>(j, r, c, sgi, packed, out); break;
+        case 3: w8_avx2_tile<SS, 3, NV>(j, r, c, sgi, packed, out); break;
+        case 2: w8_avx2_tile<SS, 2, NV>(j, r, c, sgi, packed, out); break;
+        case 1: w8_avx2_tile<SS, 1, NV>(j, r, c, sgi, packed, out); break;
         default: break;
     }
 }
@@ -172,12 +214,15 @@ inline int64_t w8_avx2_columns(const W8Avx2Job<SS> &j, int64_t m, int64_t c0, in
     // Column chunks whose rows of out and one segment's codes stay in L2 (kW8Avx2ChunkBytes).
     const int64_t chunk = std::max<int64_t>(kW8Avx2Cols, kW8Avx2ChunkBytes / (4 * m + kExactRows) / kW8Avx2Cols *
                                                              kW8Avx2Cols);
+    // The widened codes of one segment and 16 columns (from kW8Avx2PackRows rows): 16 KiB of stack (nothing is
+    // allocated inside a pool task).
+    alignas(32) __m256i packed[kExactRows];
     for (int64_t cb = c0; cb < end; cb += chunk) {
         const int64_t ce = std::min(end, cb + chunk);
         for (int64_t sgi = s0; sgi < s1; ++sgi) {
             int64_t c = cb;
-            for (; c + 16 <= ce; c += 16) w8_avx2_rows<SS, 2>(j, m, c, sgi, out);
-            if (c < ce) w8_avx2_rows<SS, 1>(j, m, c, sgi, out);
+            for (; c + 16 <= ce; c += 16) w8_avx2_rows<SS, 2>(j, m, c, sgi, packed, out);
+            if (c < ce) w8_avx2_rows<SS, 1>(j, m, c, sgi, packed, out);
         }
     }
     return end;

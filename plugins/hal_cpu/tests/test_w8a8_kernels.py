@@ -72,12 +72,13 @@ def test_w8a8_simd_variants_agree_bit_for_bit(select_isa: Callable[[str], Abstra
                  what=f"avx512vnni W8A8 {case}")
 
 
-@pytest.mark.parametrize("m", [2, 3, 4, 7, 8, 13, 14, 40])
+@pytest.mark.parametrize("m", [2, 3, 4, 7, 8, 13, 14, 16, 19, 40])
 @pytest.mark.parametrize("case", W8A8_CASES)
 def test_w8a8_rows_together_give_each_rows_bits(variant: str, rng: np.random.Generator, m: int, case: str) -> None:
     """Many rows in one call (the integer row tiles: int16 pairs on avx2 and on avx512 without VNNI from 2 rows,
-    byte dot products on avx512vnni) give each row's bits alone (M = 1: the float loop on avx2 and avx512), K in
-    one part, so every kernel of a variant sums each segment exactly and applies the same float epilogue."""
+    widened once per segment from 16; byte dot products on avx512vnni) give each row's bits alone (M = 1: the
+    float loop on avx2 and avx512), K in one part: every kernel of a variant sums each segment exactly and
+    applies the same float epilogue."""
     args = _w8a8_case(rng, m, case)
     together = quantized_gemm.gemm(args["x"], args["qweight"], k_parts=1)
     alone = np.concatenate([quantized_gemm.gemm(args["x"][r:r + 1], args["qweight"], k_parts=1) for r in range(m)])
