@@ -13,31 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from hal_cpu import _native
 from hal_cpu.ops import quantized_gemm
+from measure import DTYPES, timed  # the sibling script's helpers
 
-from hal_core.arrays import BFLOAT16
 from hal_core.bench._peers import dequantize_float32
 from hal_core.ops.quantized_gemm import random_weight
 
 SHAPES = [(4096, 4096), (4096, 11008)]
-DTYPES = {"fp16": np.float16, "bf16": BFLOAT16, "fp32": np.float32}
-
-
-def _median_seconds(fn: Callable[[], Any], rounds: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def sweep(ms: list[int], dtype: str, rounds: int) -> list[dict[str, Any]]:
@@ -51,13 +37,13 @@ def sweep(ms: list[int], dtype: str, rounds: int) -> list[dict[str, Any]]:
         weight = random_weight(rng, k, n, 8, 128)
         for m in ms:
             x = rng.uniform(-1.0, 1.0, size=(m, k)).astype(DTYPES[dtype])
-            cases.append((k, n, m, weight, x, _median_seconds(lambda x=x, w=weight: quantized_gemm.gemm(x, w), rounds)))
+            cases.append((k, n, m, weight, x, timed(lambda x=x, w=weight: quantized_gemm.gemm(x, w), rounds)))
     rows = []
     for k, n, m, weight, x, w8a8 in cases:
         dense = dequantize_float32(weight)
         x32 = x.astype(np.float32)
         out = np.empty((m, n), dtype=np.float32)
-        blas = _median_seconds(lambda x32=x32, d=dense, out=out: np.matmul(x32, d, out=out), rounds)
+        blas = timed(lambda x32=x32, d=dense, out=out: np.matmul(x32, d, out=out), rounds)
         flops = 2.0 * m * k * n
         rows.append({"k": k, "n": n, "m": m, "w8a8_ms": 1e3 * w8a8, "blas_ms": 1e3 * blas,
                      "w8a8_gflops": flops / w8a8 / 1e9, "blas_gflops": flops / blas / 1e9, "vs_blas": blas / w8a8})
