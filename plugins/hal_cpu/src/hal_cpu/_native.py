@@ -178,5 +178,19 @@ def try_load() -> Native | None:
 
 
 def pointer(array: np.ndarray | None) -> int | None:
-    """The address of ``array``'s first element (None for None), for a ctypes ``c_void_p`` argument."""
-    return None if array is None else array.__array_interface__["data"][0]
+    """The address of ``array``'s first element (None for None), for a ctypes ``c_void_p`` argument.
+
+    A writable, C-contiguous, non-empty array of a numpy dtype gives its address through the buffer protocol
+    (about 0.5 µs; bfloat16, a dtype of ml_dtypes, has no buffer format), any other from
+    ``__array_interface__`` (about 1.5 µs: a dict built per call); a call passes several.
+    """
+    if array is None:
+        return None
+    flags = array.flags
+    if flags.writeable and flags.c_contiguous and array.size and array.dtype.isbuiltin == 1:
+        return _addressof(_char_over(array))  # type: ignore[arg-type]  # numpy's stubs lack __buffer__
+    return array.__array_interface__["data"][0]
+
+
+_addressof = ctypes.addressof
+_char_over = ctypes.c_char.from_buffer

@@ -10,6 +10,8 @@ import numpy as np
 
 from hal_core.arrays import BFLOAT16
 
+from .._native import pointer as pointer_of
+
 __all__ = ["DTYPE_CODES", "dtype_code", "element_strides", "fill_struct", "last_contiguous"]
 
 _Struct = TypeVar("_Struct", bound=ctypes.Structure)
@@ -62,7 +64,7 @@ def fill_struct(struct: type[_Struct], values: Mapping[str, Any]) -> _Struct:
         if kind is int or (kind is float and floating):
             filled[name] = value
         elif kind is np.ndarray:
-            filled[name] = value.__array_interface__["data"][0]
+            filled[name] = pointer_of(value)
         elif value is None:
             filled[name] = None if pointer else 0
         else:

@@ -20,15 +20,13 @@ and the tiles of :func:`~hal_cpu.ops._tiles.tiles`. Never a float copy of the wh
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 
 from hal_core.quant import QuantizedWeight, quantize_activations
 
 from .. import _abi, _native
-from . import _rules
-from ._native_args import dtype_code, fill_struct
+from . import _launches, _rules
+from ._native_args import dtype_code
 from ._tiles import tiles
 
 __all__ = ["W4A8_MAX_GROUP", "gemm", "integer_kernel"]
@@ -47,25 +45,34 @@ def gemm(native: _native.Native, x: np.ndarray, qweight: QuantizedWeight, thread
     """W4A8 ``x [M, K]`` (last dimension contiguous) times an int4 ``qweight``, as float32 ``[M, N]``."""
     m, k = x.shape
     n = qweight.shape[1]
-    if threads is None:
-        threads = _rules.threads_for(qweight.nbytes + x.nbytes, native.threads)
-    qw, scales = np.asarray(qweight.qweight), np.asarray(qweight.scales)
-    scales = scales if scales.dtype in (np.float32, np.float16) or scales.dtype.name == "bfloat16" else \
-        scales.astype(np.float32)
-    zeros = None if qweight.zeros is None else np.asarray(qweight.zeros)
     y = np.empty((m, n), dtype=np.float32)
     if integer_kernel(qweight):
-        ptr = _native.pointer
-        args = fill_struct(_abi.W4a8GemmArgs, dict(
-            x=ptr(x), x_stride=x.strides[0] // x.itemsize, m=m, k=k, n=n, qweight=ptr(qw), scales=ptr(scales),
-            zeros=ptr(zeros), group_size=qweight.group_size, y=ptr(y), x_dtype=dtype_code(x),
-            s_dtype=dtype_code(scales), default_zero=qweight.default_zero, threads=int(threads)))
-        if native.lib.hal_cpu_w4a8_gemm(ctypes.byref(args)):
+        if threads is None:
+            signature = ("w4a8", m, x.dtype, x.strides[0], native.threads)
+            launch = _launches.kept(qweight, signature, lambda: _launch(native, x, qweight, None))
+        else:
+            launch = _launch(native, x, qweight, threads)
+        if launch.run(x, y):
             raise MemoryError("quantized_gemm: the CPU kernel could not allocate its activation workspace")
         return y
+    if threads is None:
+        threads = _rules.threads_for(qweight.nbytes + x.nbytes, native.threads)
+    qw, scales, zeros, g_idx, _ = _launches.weight_arrays(qweight)
     xq, sx = quantize_activations(x)  # a row holding NaN or inf: zeros and a NaN scale, so a NaN row below
     xqf = np.ascontiguousarray(xq, dtype=np.float32)
-    g_idx = None if qweight.g_idx is None else np.ascontiguousarray(qweight.g_idx, dtype=np.int32)
     tiles(native, xqf, k, qweight, qw, scales, zeros, g_idx, y, None, threads)
     y *= sx[:, None]
     return y
+
+
+def _launch(native: _native.Native, x: np.ndarray, qweight: QuantizedWeight, threads: int | None) -> _launches.Launch:
+    """The integer kernel's launch for ``x``'s signature (rows, dtype, row stride)."""
+    m, k = x.shape
+    if threads is None:
+        threads = _rules.threads_for(qweight.nbytes + x.nbytes, native.threads)
+    qw, scales, zeros, _, derived = _launches.weight_arrays(qweight)  # no g_idx: the integer kernel has none
+    return _launches.Launch.build(native.lib.hal_cpu_w4a8_gemm, _abi.W4a8GemmArgs, dict(
+        x_stride=x.strides[0] // x.itemsize, m=m, k=k, n=qweight.shape[1], qweight=qw, scales=scales, zeros=zeros,
+        group_size=qweight.group_size, x_dtype=dtype_code(x), s_dtype=dtype_code(scales),
+        default_zero=qweight.default_zero, threads=int(threads)),
+        keep=(qw, scales, zeros), derived=derived)

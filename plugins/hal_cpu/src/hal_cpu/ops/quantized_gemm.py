@@ -58,12 +58,12 @@ copy of the weight):
   activation pairs (``Kw <= K / 2 + segments``) and ``M * segments`` int32;
 - W4A8: see :mod:`hal_cpu.ops._w4a8`.
 
-No weight-derived array outlives a call.
+No weight-derived array outlives a call. What a call of a weight and signature prepares (the kernel's
+argument struct, its tiles and threads) is kept with the weight for the next such call
+(:mod:`hal_cpu.ops._launches`): a decode-sized call then costs a struct copy and two addresses in Python.
 """
 
 from __future__ import annotations
-
-import ctypes
 
 import numpy as np
 
@@ -72,9 +72,9 @@ from hal_core.ops.quantized_gemm import int8_activations
 from hal_core.quant import QuantizedWeight
 
 from .. import _abi, _native
-from . import _fallback_gemm, _knobs, _rules, _tiles, _w4a8
+from . import _fallback_gemm, _knobs, _launches, _rules, _tiles, _w4a8
 from ._common import finish
-from ._native_args import dtype_code, fill_struct
+from ._native_args import dtype_code
 
 __all__ = ["W8A8_ACC_WORDS", "W8A8_SMALL_M_MAX", "gemm", "half_dot", "quantized_gemm", "w8a8_column_tile"]
 
@@ -129,14 +129,38 @@ def gemm(
         x = np.ascontiguousarray(x)
     if w4a8:
         return _w4a8.gemm(native, x, qweight, threads)
-    qw, scales = np.asarray(qweight.qweight), np.asarray(qweight.scales)
-    zeros = None if qweight.zeros is None else np.asarray(qweight.zeros)
-    g_idx = None if qweight.g_idx is None else np.ascontiguousarray(qweight.g_idx, dtype=np.int32)
-    scales = scales if scales.dtype in (np.float32, np.float16) or scales.dtype.name == "bfloat16" else \
-        scales.astype(np.float32)
+    half = half_dot(native, x.dtype)
     if kernel is None:
-        kernel = _rules.gemm_kernel(m, qweight.bits, qweight.group_size, g_idx is not None, native.isa,
-                                    half_dot(native, x.dtype))
+        kernel = _rules.gemm_kernel(m, qweight.bits, qweight.group_size, qweight.g_idx is not None, native.isa,
+                                    half)
+    if kernel not in ("registers", "blocked", "tiles"):
+        raise ValueError(f"argument 'kernel': expected 'registers', 'blocked' or 'tiles', got {kernel!r}")
+    y = np.empty((m, n), dtype=np.float32)
+    if kernel == "tiles" and qweight.bits == 4:
+        qw, scales, zeros, g_idx, _ = _launches.weight_arrays(qweight)
+        threads = _rules.threads_for(qweight.nbytes + x.nbytes, native.threads) if threads is None else threads
+        rc = _tiles.tiles(native, x, x.strides[0] // x.itemsize, qweight, qw, scales, zeros, g_idx, y, tile_bytes,
+                          threads)
+    else:
+        if n_tile is None and k_parts is None and threads is None:
+            signature = (m, x.dtype, x.strides[0], kernel, native.threads, half)
+            launch = _launches.kept(qweight, signature, lambda: _launch(native, x, qweight, kernel, half))
+        else:
+            launch = _launch(native, x, qweight, kernel, half, n_tile, k_parts, threads)
+        rc = launch.run(x, y)
+    if rc:
+        raise MemoryError("quantized_gemm: the CPU kernel could not allocate its workspace")
+    if kernel == "registers" and qweight.bits == 4 and not np.isfinite(y).all():
+        _redo_non_finite_rows(native, x, qweight, y)
+    return y
+
+
+def _launch(native: _native.Native, x: np.ndarray, qweight: QuantizedWeight, kernel: str, half: bool,
+            n_tile: int | None = None, k_parts: int | None = None, threads: int | None = None) -> _launches.Launch:
+    """The W8A8 or in-register / blocked W4A16 launch for ``x``'s signature (rows, dtype, row stride)."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    qw, scales, zeros, g_idx, derived = _launches.weight_arrays(qweight)
     if threads is None:
         threads = _rules.threads_for(qweight.nbytes + x.nbytes, native.threads)
     if k_parts is None:
@@ -144,41 +168,31 @@ def gemm(
     if n_tile is None:
         if qweight.bits == 8:
             n_tile = w8a8_column_tile(n, threads, m, k_parts)
-        elif half_dot(native, x.dtype):
+        elif half:
             n_tile = _rules.gemv_column_tile(n, threads, m, k_parts)
         else:  # the float32 loop sweeps at every M
             n_tile = _rules.sweep_column_tile(n, threads, m, k_parts)
-    y = np.empty((m, n), dtype=np.float32)
-    xs = x.strides[0] // x.itemsize
-    ptr = _native.pointer
-    # The fields every GEMM struct shares: activations, weight, output.
-    common = {"x": ptr(x), "x_stride": xs, "m": m, "k": k, "n": n, "qweight": ptr(qw), "scales": ptr(scales),
-              "zeros": ptr(zeros), "y": ptr(y), "x_dtype": dtype_code(x), "s_dtype": dtype_code(scales),
+    # The fields every GEMM struct shares: activations (filled per call), weight, output (per call).
+    common = {"x_stride": x.strides[0] // x.itemsize, "m": m, "k": k, "n": n, "qweight": qw, "scales": scales,
+              "zeros": zeros, "x_dtype": dtype_code(x), "s_dtype": dtype_code(scales),
               "default_zero": qweight.default_zero, "threads": int(threads)}
+    lib = native.lib
     if qweight.bits == 8:
         perm, starts, groups = _group_runs(k, qweight.group_size, g_idx)
-        w8 = fill_struct(_abi.W8a8GemmArgs, dict(**common, perm=ptr(perm), group_starts=ptr(starts),
-                                                 group_of_run=ptr(groups), runs=groups.size, n_tile=n_tile,
-                                                 k_parts=k_parts))
-        rc = native.lib.hal_cpu_w8a8_gemm(ctypes.byref(w8))
-    elif kernel == "registers":
+        return _launches.Launch.build(
+            lib.hal_cpu_w8a8_gemm, _abi.W8a8GemmArgs,
+            dict(**common, perm=perm, group_starts=starts, group_of_run=groups, runs=groups.size, n_tile=n_tile,
+                 k_parts=k_parts),
+            keep=(qw, scales, zeros, perm, starts, groups), derived=derived or perm is not None)
+    if kernel == "registers":
         if g_idx is not None or qweight.group_size % 8:
             raise ValueError("quantized_gemm: kernel='registers' needs group_size % 8 == 0 and no act-order")
-        w4 = fill_struct(_abi.W4a16GemvArgs, dict(**common, group_size=qweight.group_size, n_tile=n_tile,
-                                                  k_parts=k_parts))
-        rc = native.lib.hal_cpu_w4a16_gemv(ctypes.byref(w4))
-    elif kernel == "blocked":
-        blocked = fill_struct(_abi.W4a16BlockedArgs, dict(**common, g_idx=ptr(g_idx), group_size=qweight.group_size))
-        rc = native.lib.hal_cpu_w4a16_blocked(ctypes.byref(blocked))
-    elif kernel == "tiles":
-        rc = _tiles.tiles(native, x, xs, qweight, qw, scales, zeros, g_idx, y, tile_bytes, threads)
-    else:
-        raise ValueError(f"argument 'kernel': expected 'registers', 'blocked' or 'tiles', got {kernel!r}")
-    if rc:
-        raise MemoryError("quantized_gemm: the CPU kernel could not allocate its workspace")
-    if kernel == "registers" and qweight.bits == 4 and not np.isfinite(y).all():
-        _redo_non_finite_rows(native, x, qweight, qw, scales, zeros, g_idx, y, threads)
-    return y
+        return _launches.Launch.build(lib.hal_cpu_w4a16_gemv, _abi.W4a16GemvArgs,
+                                      dict(**common, group_size=qweight.group_size, n_tile=n_tile, k_parts=k_parts),
+                                      keep=(qw, scales, zeros), derived=derived)
+    return _launches.Launch.build(lib.hal_cpu_w4a16_blocked, _abi.W4a16BlockedArgs,
+                                  dict(**common, g_idx=g_idx, group_size=qweight.group_size),
+                                  keep=(qw, scales, zeros, g_idx), derived=derived)
 
 
 def half_dot(native: _native.Native, dtype: np.dtype) -> bool:
@@ -186,9 +200,7 @@ def half_dot(native: _native.Native, dtype: np.dtype) -> bool:
     return dtype.itemsize == 2 and bool(native.lib.hal_cpu_w4a16_half_dot())
 
 
-def _redo_non_finite_rows(native: _native.Native, x: np.ndarray, qweight: QuantizedWeight, qw: np.ndarray,
-                          scales: np.ndarray, zeros: np.ndarray | None, g_idx: np.ndarray | None, y: np.ndarray,
-                          threads: int) -> None:
+def _redo_non_finite_rows(native: _native.Native, x: np.ndarray, qweight: QuantizedWeight, y: np.ndarray) -> None:
     """Rows of ``x`` holding NaN/inf again through the blocked kernel, so they follow IEEE products as the reference.
 
     The in-register kernel factors the zero point out of each group's sum, which turns ``inf * 0``
@@ -200,13 +212,7 @@ def _redo_non_finite_rows(native: _native.Native, x: np.ndarray, qweight: Quanti
         return  # an overflow of finite inputs: the kernel's result stands
     rows = np.ascontiguousarray(x[bad])
     redo = np.empty((bad.size, y.shape[1]), dtype=np.float32)
-    args = fill_struct(_abi.W4a16BlockedArgs, dict(
-        x=_native.pointer(rows), x_stride=rows.strides[0] // rows.itemsize, m=bad.size, k=x.shape[1], n=y.shape[1],
-        qweight=_native.pointer(qw), scales=_native.pointer(scales), zeros=_native.pointer(zeros),
-        g_idx=_native.pointer(g_idx), group_size=qweight.group_size, y=_native.pointer(redo),
-        x_dtype=dtype_code(rows), s_dtype=dtype_code(scales), default_zero=qweight.default_zero, threads=threads))
-    rc = native.lib.hal_cpu_w4a16_blocked(ctypes.byref(args))
-    if rc:
+    if _launch(native, rows, qweight, "blocked", False).run(rows, redo):
         raise MemoryError("quantized_gemm: the CPU kernel could not allocate its activation workspace")
     y[bad] = redo
 
