@@ -28,3 +28,19 @@ def test_a_missing_or_unknown_field_is_named() -> None:
         fill_struct(Args, {"data": None, "count": 1, "scale": 1.0, "extra": None})
     with pytest.raises(TypeError, match=r"no field\(s\) \['softcap'\]"):
         fill_struct(Args, {"data": None, "count": 1, "scale": 1.0, "extra": None, "window": 2, "softcap": 3.0})
+
+
+def test_every_value_kind_gives_the_full_conversions_result() -> None:
+    """ctypes' own conversion (the common path) and the field-by-field one agree on every kind of value: numpy
+    scalars, a whole float for an integer field, None for a number, an address as an int."""
+    from hal_cpu.ops._native_args import _converted, _plan
+
+    array = np.arange(3, dtype=np.int32)
+    cases = [
+        {"data": array, "count": np.int32(7), "scale": np.float64(0.25), "extra": 4096, "window": None},
+        {"data": None, "count": 3.0, "scale": 2, "extra": array[1:], "window": np.int64(-1)},
+        {"data": array, "count": True, "scale": np.float32(1.5), "extra": None, "window": 9},
+    ]
+    for values in cases:
+        fast, full = fill_struct(Args, values), _converted(Args, _plan(Args)[1], values)
+        assert bytes(fast) == bytes(full), values

@@ -50,15 +50,31 @@ def fill_struct(struct: type[_Struct], values: Mapping[str, Any]) -> _Struct:
     plan = _PLANS.get(struct)
     if plan is None:
         plan = _PLANS[struct] = _plan(struct)
-    names, fields = plan
+    names, fields, pointers, numbers = plan
     if values.keys() != names:
         unknown = set(values) - names
         if unknown:
             raise TypeError(f"{struct.__name__}: no field(s) {sorted(unknown)}")
         missing = next(name for name, _, _ in fields if name not in values)
         raise TypeError(f"{struct.__name__}: field {missing!r} not given")
+    filled = dict(values)
+    for name in pointers:  # arrays become addresses; ctypes itself converts ints, floats, None pointers and
+        value = filled[name]  # numpy scalars, as the full pass below would
+        if type(value) is np.ndarray:
+            filled[name] = pointer_of(value)
+    for name in numbers:
+        if filled[name] is None:
+            filled[name] = 0
+    try:
+        return struct(**filled)
+    except TypeError:  # a float for an integer field, an array for a number: converted one field at a time
+        return _converted(struct, fields, values)
+
+
+def _converted(struct: type[_Struct], fields: tuple[tuple[str, bool, bool], ...], values: Mapping[str, Any]) -> _Struct:
+    """:func:`fill_struct`'s every field converted by its kind: None a null pointer or 0, a number its C type."""
     filled: dict[str, Any] = {}
-    for name, pointer, floating in fields:  # one pass, the common types first (a call fills ~35 fields)
+    for name, pointer, floating in fields:
         value = values[name]
         kind = type(value)
         if kind is int or (kind is float and floating):
@@ -72,11 +88,14 @@ def fill_struct(struct: type[_Struct], values: Mapping[str, Any]) -> _Struct:
     return struct(**filled)
 
 
-#: Per struct: its field names, and (name, is a pointer, is a float) per field in order; made at first use.
-_PLANS: dict[type, tuple[frozenset[str], tuple[tuple[str, bool, bool], ...]]] = {}
+#: Per struct: its field names, (name, is a pointer, is a float) per field in order, its pointer fields and its
+#: number fields; made at first use.
+_PLANS: dict[type, tuple[frozenset[str], tuple[tuple[str, bool, bool], ...], tuple[str, ...], tuple[str, ...]]] = {}
 
 
-def _plan(struct: type[ctypes.Structure]) -> tuple[frozenset[str], tuple[tuple[str, bool, bool], ...]]:
+def _plan(struct: type[ctypes.Structure]) -> tuple[frozenset[str], tuple[tuple[str, bool, bool], ...],
+                                                   tuple[str, ...], tuple[str, ...]]:
     fields = tuple((entry[0], entry[1] is ctypes.c_void_p, entry[1] in (ctypes.c_float, ctypes.c_double))
                    for entry in struct._fields_)
-    return frozenset(name for name, _, _ in fields), fields
+    return (frozenset(name for name, _, _ in fields), fields, tuple(name for name, pointer, _ in fields if pointer),
+            tuple(name for name, pointer, _ in fields if not pointer))
