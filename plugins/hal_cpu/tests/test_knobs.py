@@ -114,3 +114,20 @@ def test_the_knob_rule_sizes_partitions_for_the_threads_the_kernel_runs_on(cpu: 
     np.testing.assert_array_equal(registered, direct)
     assert_close(registered, OPS["paged_attention"].reference(args), kind="attention", dtype="fp32",
                  what="a decode row beside a prompt")
+
+
+@pytest.mark.parametrize("num_seqs", [0, 1, 5, _knobs.SMALL_BATCH, _knobs.SMALL_BATCH + 1, 300])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_attention_lengths_match_numpy(rng: np.random.Generator, num_seqs: int, varlen: bool) -> None:
+    """The lengths the threads and partitions are sized by, as Python ints (small batches) or by numpy (large),
+    against the same sums written out in numpy; decode rows counted among mixed prompt and decode sequences."""
+    q_lens = rng.choice([1, 1, 2, 7], size=num_seqs) if varlen else np.ones(num_seqs, dtype=np.int64)
+    seq_lens = (q_lens + rng.integers(0, 3000, size=num_seqs)).astype(np.int32)
+    starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32) if varlen else None
+    got = _knobs.attention_lengths(seq_lens, starts)
+    assert got.total == int(seq_lens.astype(np.int64).sum())
+    assert got.longest == int(seq_lens.max(initial=0))
+    assert got.decode_rows == int((q_lens == 1).sum())
+    assert got.pairs == (int((q_lens * seq_lens.astype(np.int64)).sum()) if varlen else 0)
+    assert got.longest_query == (int(q_lens.max(initial=0)) if varlen else (1 if num_seqs else 0))
+    assert all(type(value) is int for value in vars(got).values())

@@ -8,6 +8,9 @@ rule.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from itertools import pairwise
+
 import numpy as np
 
 from hal_core.ops import OpCall
@@ -16,7 +19,8 @@ from hal_core.tuning import Knob
 from .. import _native
 from . import _rules
 
-__all__ = ["GEMM_KERNEL", "PARTITION_TOKENS", "attention_partition", "attention_threads", "host_isa", "host_threads",
+__all__ = ["GEMM_KERNEL", "PARTITION_TOKENS", "SMALL_BATCH", "AttentionLengths", "attention_lengths",
+           "attention_partition", "attention_threads", "call_lengths", "call_threads", "host_isa", "host_threads",
            "partition_tokens"]
 
 
@@ -26,32 +30,84 @@ def host_threads() -> int:
     return native.threads if native is not None else 1
 
 
-def attention_threads(seq_lens: np.ndarray, q_lens: np.ndarray | None, num_heads: int, num_kv_heads: int,
-                      head_size: int, itemsize: int, host: int) -> int:
+#: Sequences up to which a call's lengths are read as Python ints (a decode step's few sequences): a numpy
+#: reduction costs microseconds on arrays this small, several times more with the caches cold inside a model.
+SMALL_BATCH = 64
+
+
+@dataclass(frozen=True)
+class AttentionLengths:
+    """What a ``paged_attention`` call's lengths decide its threads and partitions by (:func:`attention_lengths`)."""
+
+    #: Σ seq_lens: the keys the call reads per KV head.
+    total: int
+    #: The longest sequence (0 for none).
+    longest: int
+    #: Sequences with one new token (every sequence without ``query_start_loc``).
+    decode_rows: int
+    #: Σ q_len · seq_len: (new token, key) pairs, 0 without ``query_start_loc``.
+    pairs: int
+    #: The most new tokens of a sequence (1 without ``query_start_loc``, 0 for no sequence).
+    longest_query: int
+
+
+def attention_lengths(seq_lens: np.ndarray, query_start_loc: np.ndarray | None) -> AttentionLengths:
+    """The sums and maxima of a call's host ``seq_lens`` and ``query_start_loc`` (validated), computed once per call:
+    as Python ints up to :data:`SMALL_BATCH` sequences, by numpy above."""
+    if seq_lens.shape[0] <= SMALL_BATCH:
+        lens = seq_lens.tolist()
+        if query_start_loc is None:
+            return AttentionLengths(sum(lens), max(lens, default=0), len(lens), 0, 1 if lens else 0)
+        starts = query_start_loc.tolist()
+        q_lens = [b - a for a, b in pairwise(starts)]
+        return AttentionLengths(sum(lens), max(lens, default=0), q_lens.count(1),
+                                sum(q * n for q, n in zip(q_lens, lens, strict=True)), max(q_lens, default=0))
+    total, longest = int(seq_lens.sum(dtype=np.int64)), int(seq_lens.max(initial=0))
+    if query_start_loc is None:
+        return AttentionLengths(total, longest, seq_lens.shape[0], 0, 1)
+    q = np.diff(query_start_loc.astype(np.int64))
+    return AttentionLengths(total, longest, int((q == 1).sum()), int((q * seq_lens).sum(dtype=np.int64)),
+                            int(q.max(initial=0)))
+
+
+def call_lengths(call: OpCall) -> AttentionLengths:
+    """:func:`attention_lengths` of a validated call, computed once and kept with the call (the knob's rule and the
+    wrapper both read it)."""
+    found = call.__dict__.get("_hal_cpu_lengths")
+    if found is None:
+        qsl = call.args.get("query_start_loc")
+        found = attention_lengths(np.asarray(call["seq_lens"]), None if qsl is None else np.asarray(qsl))
+        call.__dict__["_hal_cpu_lengths"] = found  # a frozen dataclass: set as functools.cached_property does
+    return found
+
+
+def attention_threads(lengths: AttentionLengths, num_heads: int, num_kv_heads: int, head_size: int, itemsize: int,
+                      host: int) -> int:
     """Threads a ``paged_attention`` call runs on (:func:`._rules.threads_for`), by the larger of the K/V bytes
-    it reads and an eighth of its FLOPs; ``q_lens``: new tokens per sequence (None: one each)."""
-    kv_bytes = 2 * int(seq_lens.sum(dtype=np.int64)) * num_kv_heads * head_size * itemsize
-    flops = 0 if q_lens is None else 4 * head_size * num_heads * int((q_lens * seq_lens).sum(dtype=np.int64))
+    it reads and an eighth of its FLOPs."""
+    kv_bytes = 2 * lengths.total * num_kv_heads * head_size * itemsize
+    flops = 4 * head_size * num_heads * lengths.pairs
     return _rules.threads_for(max(kv_bytes, flops // 8), host)
 
 
-def attention_partition(seq_lens: np.ndarray, q_lens: np.ndarray | None, num_kv_heads: int, block_size: int,
-                        threads: int) -> int:
+def attention_partition(lengths: AttentionLengths, num_kv_heads: int, block_size: int, threads: int) -> int:
     """Tokens per split-KV partition of a ``paged_attention`` call run on ``threads`` threads (the rule:
     :func:`._rules.attention_partition_tokens` over its decode rows, the sequences with one new token)."""
-    decode = seq_lens.shape[0] if q_lens is None else int((q_lens == 1).sum())
-    return _rules.attention_partition_tokens(decode, num_kv_heads, int(seq_lens.max(initial=0)), block_size, threads)
+    return _rules.attention_partition_tokens(lengths.decode_rows, num_kv_heads, lengths.longest, block_size, threads)
+
+
+def call_threads(call: OpCall) -> int:
+    """:func:`attention_threads` of a validated call (the wrapper's default, and what the partition rule sizes for)."""
+    key_cache = call["key_cache"]
+    _, num_kv_heads, _, head_size = key_cache.shape
+    return attention_threads(call_lengths(call), call["query"].shape[1], num_kv_heads, head_size, key_cache.itemsize,
+                             host_threads())
 
 
 def _partition_rule(call: OpCall) -> int:
-    # Sized for the threads the kernel will run on: the wrapper's own default (attention_threads), the same rule.
-    key_cache, seq_lens = call["key_cache"], np.asarray(call["seq_lens"])
-    starts = call.args.get("query_start_loc")
-    q_lens = None if starts is None else np.diff(np.asarray(starts, dtype=np.int64))
-    _, num_kv_heads, block_size, head_size = key_cache.shape
-    threads = attention_threads(seq_lens, q_lens, call["query"].shape[1], num_kv_heads, head_size,
-                                key_cache.itemsize, host_threads())
-    return attention_partition(seq_lens, q_lens, num_kv_heads, block_size, threads)
+    # Sized for the threads the kernel will run on: the wrapper's own default (call_threads), the same rule.
+    _, num_kv_heads, block_size, _ = call["key_cache"].shape
+    return attention_partition(call_lengths(call), num_kv_heads, block_size, call_threads(call))
 
 
 def host_isa() -> str:

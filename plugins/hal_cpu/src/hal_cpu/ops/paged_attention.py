@@ -33,9 +33,11 @@ __all__ = ["attend", "paged_attention"]
 def paged_attention(call: OpCall) -> np.ndarray:
     """The registered implementation: the result in the query's dtype; knobs from :mod:`._knobs`."""
     args = call.args
+    max_query_len = args.get("max_query_len")
     result = attend(args["query"], args["key_cache"], args["value_cache"], args["block_tables"], args["seq_lens"],
                     call.options, query_start_loc=args.get("query_start_loc"),
-                    max_query_len=args.get("max_query_len"), partition_tokens=_knobs.partition_tokens(call))
+                    max_query_len=_knobs.call_lengths(call).longest_query if max_query_len is None else max_query_len,
+                    partition_tokens=_knobs.partition_tokens(call), threads=_knobs.call_threads(call))
     return finish(call, result)
 
 
@@ -92,14 +94,15 @@ def attend(
     for name in ("sinks", "alibi_slopes"):  # float32 [num_heads] (an array the front door checked already is)
         if given[name] is not None:
             given[name] = np.ascontiguousarray(given[name], dtype=np.float32)
-    q_lens = None if query_start_loc is None else np.diff(query_start_loc.astype(np.int64))
-    if max_query_len is None:
-        max_query_len = 1 if q_lens is None else int(q_lens.max(initial=0))
-    if threads is None:
-        threads = _knobs.attention_threads(seq_lens, q_lens, num_heads, num_kv_heads, head_size, key_cache.itemsize,
-                                           native.threads)
-    if partition_tokens is None:
-        partition_tokens = _knobs.attention_partition(seq_lens, q_lens, num_kv_heads, block_size, threads)
+    if max_query_len is None or threads is None or partition_tokens is None:
+        lengths = _knobs.attention_lengths(seq_lens, query_start_loc)
+        if max_query_len is None:
+            max_query_len = lengths.longest_query
+        if threads is None:
+            threads = _knobs.attention_threads(lengths, num_heads, num_kv_heads, head_size, key_cache.itemsize,
+                                               native.threads)
+        if partition_tokens is None:
+            partition_tokens = _knobs.attention_partition(lengths, num_kv_heads, block_size, threads)
     qs, qh, _ = element_strides(query)
     kb, kh, kt, _ = element_strides(key_cache)
     vb, vh, vt, _ = element_strides(value_cache)
