@@ -77,9 +77,13 @@ def test_kernelized_bf16_model_is_as_close_to_fp32_as_eager(cpu, monkeypatch: py
     after = _calls()
     assert all(n > before[op] for op, n in after.items()), (before, after)
     valid = mask.bool()  # left padding: rows of padded positions are not compared
-    eager_error = float((eager - want).abs()[valid].max())
-    error = float((got - want).abs()[valid].max())
-    assert error <= 1.5 * eager_error + 1e-3 * float(want.abs().max()), (error, eager_error)
+    # bf16 noise, amplified through the layers: its RMS over the logits is the stable measure (hal's is at most
+    # 1.1x eager's over 24 seeds); the largest single difference is heavy-tailed (2x eager's at seed 14130, whose
+    # RMS is 1.09x), so it only bounds gross outliers. A wrong kernel errs by the logits' own size (~1-5).
+    eager_error, error = (float((x - want)[valid].pow(2).mean().sqrt()) for x in (eager, got))
+    assert error <= 1.25 * eager_error + 1e-4 * float(want.abs().max()), (error, eager_error)
+    eager_max, worst = (float((x - want).abs()[valid].max()) for x in (eager, got))
+    assert worst <= 2.5 * eager_max + 1e-3 * float(want.abs().max()), (worst, eager_max)
 
 
 def test_kernelize_is_idempotent_and_names_what_it_skips(cpu) -> None:
