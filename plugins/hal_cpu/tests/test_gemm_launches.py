@@ -152,3 +152,33 @@ def test_pointer_is_the_first_elements_address(make: object) -> None:
     array = make()  # type: ignore[operator]
     assert _native.pointer(array) == array.__array_interface__["data"][0]
     assert _native.pointer(None) is None
+
+
+def test_a_weight_freed_while_launches_are_kept_does_not_block(rng: np.random.Generator,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weight freed by the cyclic collector while a thread holds the launches' lock (as inside kept(), when an
+    allocation there runs the collector): its callback, in that thread, drops its entry instead of waiting on the
+    lock its own thread holds."""
+    args = quantized_gemm_inputs(rng, m=1, k=64, n=32, bits=4, group_size=32, symmetric=True, dtype="fp32")
+    cyclic = replace(args["qweight"])
+    holder: list[object] = [cyclic]
+    holder.append(holder)  # a cycle: only the collector frees it
+    quantized_gemm.gemm(args["x"], cyclic, kernel="registers")
+    key = id(cyclic)
+    assert _launches.launch_count(cyclic) == 1
+    del cyclic, holder
+    done = threading.Event()
+
+    def collect() -> None:
+        with _launches._lock:
+            gc.collect()
+            done.set()
+
+    worker = threading.Thread(target=collect, daemon=True)
+    worker.start()
+    worker.join(20)
+    if not done.is_set():  # the worker is stuck holding the lock: give the module a new one for the later tests
+        monkeypatch.setattr(_launches, "_lock", threading.RLock())
+    assert done.is_set(), "the freed weight's callback waited on the lock its own thread held"
+    entry = _launches._KEPT.get(key)
+    assert entry is None or entry[0]() is not None, "the freed weight's launches are dropped"

@@ -89,7 +89,9 @@ def weight_arrays(qweight: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.
 #: unhashable, so it is found by identity; the reference is checked on every look-up and its callback drops the
 #: entry when the weight is freed.
 _KEPT: dict[int, tuple[weakref.ref[QuantizedWeight], dict[tuple[Any, ...], Launch]]] = {}
-_lock = threading.Lock()
+#: Reentrant: a weight's callback (:func:`_forget`) may run in a thread that holds it, when the cyclic garbage
+#: collector frees some weight during an allocation inside :func:`kept`.
+_lock = threading.RLock()
 
 
 def kept(qweight: QuantizedWeight, signature: tuple[Any, ...], build: Callable[[], Launch]) -> Launch:
