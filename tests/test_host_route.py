@@ -63,28 +63,31 @@ def test_autograd_and_traces_leave_the_fast_path() -> None:
 
 
 def test_quant_linear_and_the_attention_cache_use_the_route(monkeypatch: pytest.MonkeyPatch) -> None:
-    """QuantLinear's eager CPU forward runs through HostRoute.call (weight views built once); a HalPagedCache's
-    layers call through the route of its device."""
+    """QuantLinear's eager CPU forward runs through an op bound once on its route (HostRoute.bind: the weight's
+    views made once), each call counted by the front door; a HalPagedCache's layers call through the route of
+    its device."""
     transformers = pytest.importorskip("transformers")
     import hal_core.torch.transformers as hal_hf
 
-    calls: list[tuple[str, Any]] = []
-    real = HostRoute.call
+    binds: list[tuple[str, Any]] = []
+    real = HostRoute.bind
 
-    def spy(self: HostRoute, op: str, args: Any) -> Any:
-        calls.append((op, args.get("qweight")))
-        return real(self, op, args)
+    def spy(self: HostRoute, op: str, **fixed: Any) -> Any:
+        binds.append((op, fixed.get("qweight")))
+        return real(self, op, **fixed)
 
-    monkeypatch.setattr(HostRoute, "call", spy)
+    monkeypatch.setattr(HostRoute, "bind", spy)
     torch.manual_seed(SEED)
     linear = torch.nn.Linear(64, 32)
     layer = QuantLinear.from_linear(linear, bits=4, group_size=32)
     weight = quantize(linear.weight.detach().T.numpy(), bits=4, group_size=32, symmetric=True)
     x = torch.randn(3, 64)
+    ops = route_for(x).backend.ops
+    before = ops.stats().get("quantized_gemm", {}).get("calls", 0)
     with torch.no_grad():
         first, second = layer(x), layer(x)
-    assert [op for op, _ in calls] == ["quantized_gemm", "quantized_gemm"]
-    assert calls[0][1] is calls[1][1], "the layer's weight views are built once"
+    assert [op for op, _ in binds] == ["quantized_gemm"], "the layer's weight views are bound once"
+    assert ops.stats()["quantized_gemm"]["calls"] == before + 2
     torch.testing.assert_close(first, second)
     expected = x.double() @ torch.from_numpy(weight.dequantize(np.float64)) + linear.bias.detach().double()
     torch.testing.assert_close(first.double(), expected, rtol=1e-4, atol=1e-4)

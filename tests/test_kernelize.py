@@ -147,3 +147,31 @@ def test_rotary_table_follows_each_forward(cpu) -> None:
         want = original(q, k, cos, sin)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         del cos, sin
+
+
+def test_a_norms_replaced_weight_reaches_the_next_call(cpu) -> None:
+    """A kernelized norm binds its weight's numpy view once; a weight given new storage (``param.data = ...``, as
+    ``.to()`` does, the Parameter kept), replaced outright, or changed in place reaches the next call (float64
+    reference)."""
+    seed = int(np.random.SeedSequence().entropy % 2**16)
+    print(f"seed={seed}")
+    model = llama(seed)
+    kernelize(model)
+    norm = model.model.norm
+    x = torch.from_numpy(np.random.default_rng(seed).standard_normal((3, norm.weight.shape[0])).astype(np.float32))
+
+    def expected() -> np.ndarray:
+        xd = x.double().numpy()
+        rms = np.sqrt((xd * xd).mean(-1, keepdims=True) + norm.variance_epsilon)
+        return xd / rms * norm.weight.detach().double().numpy()
+
+    with torch.no_grad():
+        for change in ("none", "data", "parameter", "in place"):
+            if change == "data":
+                norm.weight.data = norm.weight.data * 2
+            elif change == "parameter":
+                norm.weight = torch.nn.Parameter(norm.weight.detach() * 3)
+            elif change == "in place":
+                norm.weight.mul_(-1)
+            got = norm(x)
+            np.testing.assert_allclose(got.double().numpy(), expected(), rtol=1e-5, atol=1e-5, err_msg=change)

@@ -87,7 +87,7 @@ def test_quantize_model_defaults_to_auto_float_for_one_row_int8_from_two(m: int,
     x = torch.from_numpy(np.random.default_rng(seed).standard_normal((m, 128)).astype(np.float32))
     with torch.no_grad():
         got = layer(x)
-        weight = layer._host_weight[1]  # hal's weight over the layer's buffers, built by the first call
+        weight = layer.quantized_weight()  # hal's weight over the layer's buffers
         want = "int8" if int8_dot and m >= INT8_ACTIVATIONS_FROM_M else "float"
         explicit = QuantLinear.from_weight(weight, activations=want)(x)
     assert torch.equal(got, explicit)

@@ -1,10 +1,11 @@
 """What a call costs above its kernel: the ops front door, and ``torch.ops.hal``, on the smallest inputs.
 
-For each op that declares a tiny case (:attr:`hal_core.ops.BenchCases.tiny`), three things are timed
+For each op that declares a tiny case (:attr:`hal_core.ops.BenchCases.tiny`), four things are timed
 on the same inputs, interleaved so drift hits all alike: the registered implementation called
 directly on a prepared request (the kernel and its own thin wrapper), ``be.ops.<op>(...)`` (interop,
-validation with the default index checks, the choice, the result check, ``out``), and, when torch is
-installed, the ``torch.ops.hal`` operator on torch tensors over the same memory (its dispatch, the
+validation with the default index checks, the choice, the result check, ``out``), the same op bound with
+every argument but its first array fixed (:meth:`Ops.bind <hal_core.ops.Ops.bind>`, what a layer calls), and,
+when torch is installed, the ``torch.ops.hal`` operator on torch tensors over the same memory (its dispatch, the
 backend routing, the numpy views, then the front door). Each figure is the fastest batch of the
 thread's CPU time over three interleaved rounds (wall time on a loaded machine counts other
 processes, and even CPU time grows with their cache traffic: the fastest batch is the cost itself).
@@ -12,6 +13,7 @@ processes, and even CPU time grows with their cache traffic: the fastest batch i
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import time
 from collections.abc import Callable
@@ -86,19 +88,27 @@ def measure_overhead(backend: Any, *, batches: int = 15, inner: int = 100,
         def door(f: Callable[..., Any] = front, p: list[Any] = positional, k: dict[str, Any] = keywords) -> Any:
             return f(*p, **k)
 
+        first = spec.array_names[0]  # what a caller passes anew each call; the rest bound once
+        bound_op = backend.ops.bind(op, **{name: value for name, value in args.items() if name != first})
+
+        bound = functools.partial(bound_op, **{first: args[first]})
+
         through_torch = _torch_call(op, args)
-        for fn in (direct, door, through_torch):
+        for fn in (direct, door, bound, through_torch):
             if fn is not None:
                 fn()  # warm up
-        kernel, front_door, torch_op = [], [], []
+        kernel, front_door, bound_times, torch_op = [], [], [], []
         for _ in range(3):
             kernel.append(_per_call_us(direct, batches, inner))
             front_door.append(_per_call_us(door, batches, inner))
+            bound_times.append(_per_call_us(bound, batches, inner))
             if through_torch is not None:
                 torch_op.append(_per_call_us(through_torch, batches, inner))
         row = {"op": op, "implementation": impl.name, "case": dict(bench.tiny), "kernel_us": min(kernel),
-               "front_door_us": min(front_door), "torch_us": min(torch_op) if torch_op else None}
+               "front_door_us": min(front_door), "bound_us": min(bound_times),
+               "torch_us": min(torch_op) if torch_op else None}
         row["front_door_overhead_us"] = row["front_door_us"] - row["kernel_us"]
+        row["bound_overhead_us"] = row["bound_us"] - row["kernel_us"]
         row["torch_overhead_us"] = None if row["torch_us"] is None else row["torch_us"] - row["kernel_us"]
         rows.append(row)
     return rows
@@ -106,15 +116,15 @@ def measure_overhead(backend: Any, *, batches: int = 15, inner: int = 100,
 
 def format_overhead(rows: list[dict[str, Any]]) -> str:
     """The overhead rows as a table."""
-    lines = [f"{'per call, tiny inputs':<22} {'kernel':>9} {'front door':>12} {'torch.ops.hal':>15}",
-             "-" * 61]
+    lines = [f"{'per call, tiny inputs':<22} {'kernel':>9} {'front door':>12} {'bound':>11} {'torch.ops.hal':>15}",
+             "-" * 73]
     for row in rows:
         if "note" in row:
             lines.append(f"{row['op']:<22} {row['note']}")
             continue
         torch_text = "-" if row["torch_us"] is None else f"+{row['torch_overhead_us']:.1f} us"
         lines.append(f"{row['op']:<22} {row['kernel_us']:>6.1f} us {'+':>3}{row['front_door_overhead_us']:.1f} us "
-                     f"{torch_text:>15}")
-    lines.append("kernel: the implementation called on a prepared request; front door and torch.ops.hal: what "
-                 "each adds to it (thread CPU time)")
+                     f"{'+' + format(row['bound_overhead_us'], '.1f') + ' us':>11} {torch_text:>15}")
+    lines.append("kernel: the implementation called on a prepared request; front door, bound (ops.bind with all but "
+                 "the first array fixed) and torch.ops.hal: what each adds to it (thread CPU time)")
     return "\n".join(lines)

@@ -11,7 +11,7 @@ from ._catalog import OPS, register_op, unregister_op
 from ._coverage import OpCoverage, call_features
 from ._declare import Arg, BenchCases, Dim, Feature, Output, Role
 from ._device_features import device_features
-from ._dispatch import DispatchEvent, Ops, OpStats
+from ._dispatch import BoundOp, DispatchEvent, Ops, OpStats
 from ._registry import OpRegistry
 from ._spec import OpCall, OpImpl, OpSpec
 from .fused_moe import FusedMoe
@@ -29,6 +29,7 @@ __all__ = [
     "Arg",
     "AttentionOptions",
     "BenchCases",
+    "BoundOp",
     "Dim",
     "DispatchEvent",
     "Feature",

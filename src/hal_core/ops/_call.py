@@ -94,6 +94,11 @@ class OpImpl:
     supports: Callable[[OpCall], bool | str] = field(default=_always)
     knobs: tuple[Knob, ...] = ()
 
+    @property
+    def supports_every_call(self) -> bool:
+        """Whether ``supports`` is the default (every valid call): no predicate can turn this implementation down."""
+        return self.supports is _always
+
     def __post_init__(self) -> None:
         if not self.name:
             object.__setattr__(self, "name", getattr(self.fn, "__qualname__", repr(self.fn)))

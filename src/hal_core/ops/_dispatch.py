@@ -42,6 +42,7 @@ from .._errors import (
 )
 from ..arrays import device_of, dtype_name
 from ..tuning import ordered as tuned_order
+from ._bound import BoundOp
 from ._catalog import OPS
 from ._checks import check_writable
 from ._coverage import OpCoverage
@@ -54,7 +55,7 @@ from ._spec import OpCall, OpImpl, OpSpec
 if TYPE_CHECKING:
     from .._backend import Backend
 
-__all__ = ["DispatchEvent", "OpStats", "Ops"]
+__all__ = ["BoundOp", "DispatchEvent", "OpStats", "Ops"]
 
 log = logging.getLogger("hal")
 
@@ -166,6 +167,18 @@ class Ops:
 
     # -- dispatch ---------------------------------------------------------
 
+    def bind(self, op: str, /, **fixed: Any) -> BoundOp:
+        """``op`` with the ``fixed`` arguments bound: ``ops.bind("quantized_gemm", qweight=w)(x=x)`` is
+        ``ops.quantized_gemm(x, w)``, cheaper when made many times with host arrays (see :class:`BoundOp`).
+
+        The fixed arguments are checked as far as they can be alone (their names, numbers and choices) now, the
+        rest on the first call; raises :class:`ArgumentError` naming ``op`` when no op of that name is catalogued.
+        """
+        spec = OPS.get(op)
+        if spec is None:
+            raise ArgumentError(f"argument 'op': no op named {op!r} (ops: {', '.join(sorted(OPS))})")
+        return BoundOp(self, spec, fixed)
+
     def call(self, op: str, args: Mapping[str, Any]) -> Any:
         """``ops.<op>(**args)`` for an op named at run time (the torch operators use it); ``args`` is left unchanged.
 
@@ -219,9 +232,16 @@ class Ops:
         out = args.pop("out", None)
         _check_writable("out", out)
         index = device[1] if not host else 0
+        return self._settled(spec, args, index, host and not backend.is_host, options), out
+
+    def _settled(self, spec: OpSpec, args: dict[str, Any], index: int, host_arrays: bool,
+                 options: Any = None) -> OpCall:
+        """The call of validated ``args``, with the settings left ``"auto"`` chosen (:meth:`OpSpec.settle`)."""
+        backend = self._backend
         settled = spec.settle(args, backend, index, self.registry.coverage(spec.name)) if spec.auto_settings else None
-        return OpCall(spec=spec, args=args, backend=backend, device_index=index,
-                      host_arrays=host and not backend.is_host, settled=settled, given_options=options), out
+        return OpCall(spec=spec, args=args, backend=backend, device_index=index, host_arrays=host_arrays,
+                      settled=settled, given_options=options)
+
 
     def choose(self, call: OpCall) -> tuple[OpImpl | None, dict[str, str]]:
         """The implementation to run for ``call`` (None: the fallback path) and why others were passed over: the
@@ -247,11 +267,13 @@ class Ops:
             reasons[impl.name] = verdict if isinstance(verdict, str) and verdict else "unsupported"
         return None, reasons
 
-    def _execute(self, call: OpCall, out: Any = None) -> Any:
+    def _execute(self, call: OpCall, out: Any = None, chosen: OpImpl | None = None) -> Any:
+        """Run ``call`` on the implementation :meth:`choose` picks (``chosen``: picked already for its signature,
+        by a :class:`BoundOp`), else on the fallback path; count it."""
         stats = self._op_stats(call.op)
         if _env.force_cpu() and self._fallback is not None:  # read on every backend: a misspelt value fails closed
             return self._fall_back(call, out, "HAL_FORCE_CPU is set", stats, log_it=False)
-        impl, reasons = self.choose(call)
+        impl, reasons = (chosen, {}) if chosen is not None else self.choose(call)
         if impl is not None:
             result, fault = self._run(impl, call)
             if fault is None:

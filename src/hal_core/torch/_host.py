@@ -9,6 +9,8 @@ through it:
   weight, a step's block tables, a layer's :class:`~hal_core.AttentionOptions`) it converts once and keeps;
 - on a **device** backend, :attr:`HostRoute.ops` is :mod:`hal_core.torch` (``torch.ops.hal``: torch's
   current stream, graph capture, ``torch.compile``) and :meth:`HostRoute.native` returns the tensor itself;
+- :meth:`HostRoute.bind` binds arguments a caller gives on every call (a layer's weight) to an op of a host
+  backend's front door once (:meth:`Ops.bind <hal_core.ops.Ops.bind>`);
 - :meth:`HostRoute.call` is the fast path for eager CPU tensors (:meth:`HostRoute.eager`: a host backend,
   outside a trace, without autograd recording): numpy views in, hal's result array out as a tensor view (no
   ``torch.ops`` dispatch, no copy); anything else (a device, a trace, autograd) goes through the
@@ -29,7 +31,9 @@ from typing import Any
 import torch
 
 from .._backend import Backend
+from .._errors import ArgumentError
 from ..interop import host_view
+from ..ops import BoundOp
 from ._convert import to_tensor
 from ._routing import backend_for
 
@@ -75,6 +79,17 @@ class HostRoute:
                     for name, value in args.items()}
         result = self.backend.ops.call(op, hal_args)
         return None if result is None else to_tensor(result)
+
+
+    def bind(self, op: str, **fixed: Any) -> BoundOp:
+        """``op`` with ``fixed`` bound on a host backend's front door (:meth:`Ops.bind <hal_core.ops.Ops.bind>`):
+        what a caller that calls :meth:`call`'s fast path many times with the same arguments (a layer's weight)
+        binds once, giving them as :meth:`native` arrays; call it with numpy views (:func:`host_view`) where
+        :meth:`eager` is True, as :meth:`call`. ArgumentError on a device backend (its calls take ``torch.ops``)."""
+        if not self.backend.is_host:
+            raise ArgumentError(f"HostRoute.bind: backend {self.backend.name!r} is not a host backend; call its ops "
+                                f"through torch.ops.hal")
+        return self.backend.ops.bind(op, **fixed)
 
 
 #: backend -> its route (one per backend: a route holds nothing else).

@@ -33,8 +33,10 @@ from typing import Any
 import torch
 
 from ..engine._config import ACTIVATIONS
-from ..ops import OPS
-from ._host import eager_host, route_for
+from ..interop import host_view
+from ..ops import OPS, BoundOp
+from ._convert import to_tensor
+from ._host import HostRoute, eager_host, route_for
 from ._ops import wrapper
 
 __all__ = ["NORMS", "ROTARY", "KernelizeReport", "kernelize"]
@@ -74,8 +76,26 @@ def _eligible(*tensors: torch.Tensor) -> bool:
         t.dtype == first.dtype and t.device == first.device for t in tensors) and first.dtype in _FLOATS
 
 
+def _bound(held: list[Any], route: HostRoute, op: str, key: tuple[Any, ...], **fixed: Any) -> BoundOp:
+    """``op`` bound on ``route`` (:meth:`HostRoute.bind`) with ``fixed``, kept in ``held`` for the next call whose
+    ``key`` (the route's backend and what identifies the fixed tensors) is the same."""
+    key = (route.backend, *key)
+    if held and len(held[0]) == len(key) and all(map(_same, held[0], key)):
+        return held[1]
+    bound = route.bind(op, **fixed)
+    held[:] = [key, bound]
+    return bound
+
+
+def _same(held: Any, now: Any) -> bool:
+    """Tensors and backends by identity, numbers, dtypes and shapes by value."""
+    return held is now or (not isinstance(held, torch.Tensor) and type(held) is type(now) and held == now)
+
+
 def _norm_forward(module: Any, original: Callable[..., Any], offset: float) -> Callable[..., Any]:
     eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
+    held: list[Any] = []  # the bound rms_norm: a weight is found by its tensor, storage and dtype (.to() keeps the
+    # Parameter and replaces its data)
 
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
         weight = module.weight
@@ -84,7 +104,10 @@ def _norm_forward(module: Any, original: Callable[..., Any], offset: float) -> C
         rows = hidden_states.reshape(-1, weight.shape[0])
         options = {"weight_offset": offset} if offset else {}
         if eager_host(rows, weight):
-            out = route_for(rows).call("rms_norm", {"x": rows, "weight": weight, "epsilon": eps, **options})
+            route = route_for(rows)
+            bound = _bound(held, route, "rms_norm", (weight, weight.data_ptr(), weight.dtype, weight.shape),
+                           weight=route.native(weight, "weight"), epsilon=eps, **options)
+            out = to_tensor(bound(x=host_view(rows, "x")))
         else:
             out = _op("rms_norm")(rows, weight, eps, **options)
         assert out is not None
@@ -94,6 +117,8 @@ def _norm_forward(module: Any, original: Callable[..., Any], offset: float) -> C
 
 
 def _mlp_forward(module: Any, original: Callable[..., Any], activation: str) -> Callable[..., Any]:
+    held: list[Any] = []  # the bound gated_activation
+
     def forward(x: torch.Tensor) -> torch.Tensor:
         gate, up = module.gate_proj(x), module.up_proj(x)
         if not _eligible(gate, up):
@@ -101,7 +126,8 @@ def _mlp_forward(module: Any, original: Callable[..., Any], activation: str) -> 
         shape = gate.shape
         g, u = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])
         if eager_host(g, u):
-            act = route_for(g).call("gated_activation", {"gate": g, "up": u, "activation": activation})
+            bound = _bound(held, route_for(g), "gated_activation", (), activation=activation)
+            act = to_tensor(bound(gate=host_view(g, "gate"), up=host_view(u, "up")))
         else:
             act = _op("gated_activation")(g, u, activation=activation)
         assert act is not None
@@ -130,6 +156,10 @@ def _table(cos: torch.Tensor, sin: torch.Tensor, batch: int) -> tuple[torch.Tens
     return positions, table
 
 
+#: The bound rotary_embedding of the last host route (nothing fixed: it saves the front door's per-call work).
+_rotary_bound: list[Any] = []
+
+
 def _rotary(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -146,8 +176,9 @@ def _rotary(original: Callable[..., Any]) -> Callable[..., Any]:
         query = q.transpose(1, 2).clone(memory_format=torch.contiguous_format).view(b * s, -1, d)
         key = k.transpose(1, 2).clone(memory_format=torch.contiguous_format).view(b * s, -1, d)
         if eager_host(query, key):
-            route_for(query).call("rotary_embedding", {"positions": positions, "query": query, "cos_sin_cache": table,
-                                                       "key": key})
+            bound = _bound(_rotary_bound, route_for(query), "rotary_embedding", ())
+            bound(positions=host_view(positions, "positions"), query=host_view(query, "query"),
+                  cos_sin_cache=host_view(table, "cos_sin_cache"), key=host_view(key, "key"))
         else:
             _op("rotary_embedding")(positions, query, table, key=key)
         return query.view(b, s, -1, d).transpose(1, 2), key.view(b, s, -1, d).transpose(1, 2)

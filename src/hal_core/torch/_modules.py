@@ -33,9 +33,12 @@ from typing import Any
 import torch
 
 from ..arrays import numpy_dtype
+from ..interop import host_view
+from ..ops import BoundOp
 from ..ops.quantized_gemm import ACTIVATIONS
 from ..quant import QuantizedWeight, quantize
 from ..quant._args import as_bool, as_int
+from ._convert import to_tensor
 from ._dtypes import FLOAT_DTYPE_NAMES
 from ._host import route_for
 from ._input_checks import check_activation
@@ -115,7 +118,7 @@ class QuantLinear(torch.nn.Module):
         #: quantized_gemm's ``activations`` for every call (None / ``"float"``: W4A16; ``"int8"``: W4A8).
         self.activations = check_activations(activations)
         #: (the buffers, hal's weight over their numpy views): eager CPU calls reuse it (:meth:`_host_gemm`).
-        self._host_weight: tuple[tuple[Any, ...], QuantizedWeight] | None = None
+        self._host_weight: tuple[tuple[Any, ...], BoundOp] | None = None
         in_features, out_features = as_int("in_features", in_features), as_int("out_features", out_features)
         bits = as_int("bits", bits)
         if in_features <= 0 or out_features <= 0:
@@ -246,29 +249,29 @@ class QuantLinear(torch.nn.Module):
                          "the layer's weight")
 
     def _host_gemm(self, rows: torch.Tensor) -> torch.Tensor:
-        """Eager CPU calls take the host route's fast path (:meth:`HostRoute.call`) with the weight's numpy views
-        built once (:meth:`HostRoute.native`).
+        """Eager CPU calls go to the host backend's front door through an op bound to this layer's weight
+        (:meth:`Ops.bind <hal_core.ops.Ops.bind>`), made once from the buffers' numpy views.
 
-        The result is what ``torch.ops.hal.quantized_gemm`` computes (the same front door, validation and
-        kernels) without its per-call dispatch and weight assembly, which cost more than a decode-sized
-        kernel. The views are rebuilt whenever a buffer is replaced (``.to()``, ``load_state_dict`` with
-        ``assign``); in-place changes to a buffer reach them, being views. hal's result is a new array the
-        kernel just wrote, handed to torch as a view (no output tensor, no copy).
+        The result is what ``torch.ops.hal.quantized_gemm`` computes (the same front door, validation,
+        fallbacks and kernels) without its per-call dispatch and weight assembly, which cost more than a
+        decode-sized kernel. The bound op is made again whenever a buffer is replaced (``.to()``,
+        ``load_state_dict`` with ``assign``) or the tensor's backend changes; in-place changes to a buffer
+        reach it, its arrays being views. hal's result is a new array the kernel just wrote, handed to torch
+        as a view (no output tensor, no copy).
         """
         route = route_for(rows)
         found = self._buffers
         buffers = (found["qweight"], found["scales"], found.get("zeros"), found.get("g_idx"))
         cached = self._host_weight
-        if cached is None or any(map(is_not, cached[0], buffers)):
+        if cached is None or cached[1].backend is not route.backend or any(map(is_not, cached[0], buffers)):
             qweight, scales, zeros, g_idx = (None if t is None else route.native(t, name)
                                              for name, t in zip(_BUFFERS, buffers, strict=True))
-            cached = self._host_weight = (buffers, _weight(qweight, scales, zeros, g_idx, self.bits, self.group_size))
-        args = {"x": rows, "qweight": cached[1]}
-        if self.activations is not None:
-            args["activations"] = self.activations
-        result = route.call("quantized_gemm", args)
-        assert result is not None
-        return result
+            weight = _weight(qweight, scales, zeros, g_idx, self.bits, self.group_size)
+            fixed: dict[str, Any] = {"qweight": weight}
+            if self.activations is not None:
+                fixed["activations"] = self.activations
+            cached = self._host_weight = (buffers, route.bind("quantized_gemm", **fixed))
+        return to_tensor(cached[1](x=host_view(rows, "x")))
 
     def extra_repr(self) -> str:
         kind = "symmetric" if self.zeros is None else "zero points"

@@ -23,6 +23,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .._errors import ArgumentError, OutOfBlocksError
 from ..kvcache import CacheConfig, PagedKVCache
+from ..ops import BoundOp
 from ._convert import to_tensor
 from ._dtypes import FLOAT_DTYPE_NAMES
 from ._host import route_for
@@ -158,6 +159,8 @@ class HalPagedCache(Cache):
         self._ahead_pending: tuple[int, int, int, torch.Tensor | None] | None = None
         self._ahead_plan = False
         self._layers = [_HalLayer(self, i) for i in range(text.num_hidden_layers)]
+        #: Per layer on a host backend: (its options, write_kv_cache and paged_attention bound to its caches).
+        self._bound: list[tuple[Any, BoundOp, BoundOp] | None] = [None] * text.num_hidden_layers
         super().__init__(layers=list(self._layers))
 
     # -- called by the layers and the attention function -----------------------
@@ -389,6 +392,17 @@ class HalPagedCache(Cache):
         self._seen, self._mask_seen = Seen(self._seen.array[list(sources)]), None
 
     # -- lifetime ----------------------------------------------------------------
+
+    def host_layer_ops(self, layer: int, options: Any) -> tuple[BoundOp, BoundOp]:
+        """``(write_kv_cache, paged_attention)`` of a host backend's front door with layer ``layer``'s caches bound,
+        and ``options`` (an :class:`~hal_core.AttentionOptions`) bound to the second: made once per layer and
+        options object (:meth:`HostRoute.bind <hal_core.torch.HostRoute.bind>`)."""
+        found = self._bound[layer]
+        if found is None or found[0] is not options:
+            caches = {"key_cache": self.paged.key_caches[layer], "value_cache": self.paged.value_caches[layer]}
+            found = self._bound[layer] = (options, self.route.bind("write_kv_cache", **caches),
+                                          self.route.bind("paged_attention", **caches, options=options))
+        return found[1], found[2]
 
     def close(self) -> None:
         """Give the hal cache's memory back; the cache is empty and unusable afterwards."""

@@ -278,15 +278,14 @@ def _host_packed_attention(cache: HalPagedCache, layer: int, plan: Plan, q: torc
 def _host_ops(cache: HalPagedCache, layer: int, plan: Plan, q: np.ndarray, k: np.ndarray, v: np.ndarray,
               out: np.ndarray, options: AttentionOptions) -> None:
     """Eager calls on a host cache through its route (:class:`~hal_core.torch.HostRoute`: the front door on numpy
-    arrays), the cache, the step's plan and the layer's options as hal holds them (no per-call conversion; the
-    same ops, checks and kernels as ``hal::write_kv_cache`` / ``hal::paged_attention``)."""
-    paged, native = cache.paged, plan.native
-    ops = cache.route.ops
-    key_cache, value_cache = paged.key_caches[layer], paged.value_caches[layer]
-    ops.write_kv_cache(k, v, key_cache, value_cache, native["slot_mapping"])
-    ops.paged_attention(q, key_cache, value_cache, native["block_tables"], native["seq_lens"], out=out,
-                        query_start_loc=native["query_start_loc"], max_query_len=plan.max_query_len,
-                        max_seq_len=plan.max_seq_len, options=options)
+    arrays, with the layer's caches and options bound once, :meth:`HalPagedCache.host_layer_ops`), the step's plan
+    as hal holds it (no per-call conversion; the same ops, checks and kernels as ``hal::write_kv_cache`` /
+    ``hal::paged_attention``)."""
+    native = plan.native
+    write, attend = cache.host_layer_ops(layer, options)
+    write(key=k, value=v, slot_mapping=native["slot_mapping"])
+    attend(query=q, block_tables=native["block_tables"], seq_lens=native["seq_lens"], out=out,
+           query_start_loc=native["query_start_loc"], max_query_len=plan.max_query_len, max_seq_len=plan.max_seq_len)
 
 
 def _torch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
