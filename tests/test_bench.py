@@ -442,3 +442,19 @@ def test_a_case_whose_inputs_cannot_be_built_is_reported(cpu, monkeypatch) -> No
     gemm, write = report["cases"]
     assert "median_ms" in gemm["hal"] and write["hal"] == {"error": "MemoryError: no room for the caches"}
     assert "error: MemoryError: no room for the caches" in bench.format_table(report)
+
+
+def test_overhead_rows_time_the_door_the_bound_op_and_torch(cpu) -> None:
+    """Every op with a tiny case gets a row: the kernel, the front door, the bound op and (with torch) the torch
+    operator, each overhead the figure less the kernel; the table prints a bound column."""
+    from hal_core.bench._overhead import format_overhead, measure_overhead
+    from hal_core.ops import OPS
+
+    rows = measure_overhead(cpu, batches=1, inner=2)
+    assert {row["op"] for row in rows} == {op for op, spec in OPS.items() if spec.bench and spec.bench.tiny}
+    for row in rows:
+        assert row["kernel_us"] > 0 and row["front_door_us"] > 0 and row["bound_us"] > 0, row
+        assert row["bound_overhead_us"] == pytest.approx(row["bound_us"] - row["kernel_us"])
+        assert row["front_door_overhead_us"] == pytest.approx(row["front_door_us"] - row["kernel_us"])
+    table = format_overhead(rows)
+    assert "bound" in table.splitlines()[0] and all(row["op"] in table for row in rows)

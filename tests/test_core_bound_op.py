@@ -219,3 +219,22 @@ def test_a_supports_predicate_is_asked_on_every_call(cpu: hal_core.Backend, hal_
     np.testing.assert_array_equal(bound(x=x), np.zeros((2, 24), np.float32))
     switch["on"] = False
     np.testing.assert_array_equal(bound(x=x), want)
+
+
+def test_a_bound_options_value_cannot_be_given_again(cpu: hal_core.Backend, hal_rng: np.random.Generator) -> None:
+    """paged_attention bound with ``options``: a call giving ``options`` or one of its fields again is refused."""
+    from hal_core import AttentionOptions
+    from hal_core.testing.inputs import paged_attention_inputs
+
+    args = paged_attention_inputs(hal_rng, seq_lens=[4], num_heads=2, num_kv_heads=1, head_size=64, block_size=16,
+                                  dtype="fp32")
+    options = AttentionOptions(scale=0.125)
+    bound = cpu.ops.bind("paged_attention", key_cache=args["key_cache"], value_cache=args["value_cache"],
+                         options=options)
+    rest = {name: value for name, value in args.items() if name not in ("key_cache", "value_cache", "scale")}
+    np.testing.assert_array_equal(bound(**rest), cpu.ops.paged_attention(**rest, key_cache=args["key_cache"],
+                                                                         value_cache=args["value_cache"],
+                                                                         options=options))
+    for again in ({"options": options}, {"scale": 0.5}):
+        with pytest.raises(TypeError, match="bound already"):
+            bound(**rest, **again)

@@ -19,7 +19,8 @@
 //     register tiles of up to kW4a8TileRows rows x 64 columns (16 words of a code row per vector), one
 //     group at a time; columns past the last full vector of 16 run the plain loop below.
 //   avx2 and avx512 (without VNNI): vpmaddubsw byte-pair products summed in int16 over four code rows, then
-//     vpmaddwd into int32 (w4a8_avx2.inl), 4 rows x 16 columns per register tile.
+//     vpmaddwd into int32 (w4a8_avx2.inl), 4 rows x 16 columns per register tile; up to 8 rows are swept
+//     across each thread's whole column range instead (w4a8_avx2_sweep), the same integers and fold.
 //   baseline: the same integer sums in plain C++ (the compiler vectorises the column loop).
 // Tasks own kW4a8Cols columns of every row (avx512vnni: kW4a8WideCols where N gives every thread two tasks or
 // more, so each code row is read as one 1 KiB run, and the next group's codes are prefetched): one group of
@@ -241,11 +242,39 @@ int w4a8_t(const hal_cpu_w4a8_gemm_args &a) {
 #if defined(HAL_ISA_VNNI)
     if (amx) w4a8_amx_tile_panel(a, p);
 #endif
+    std::atomic<bool> failed{false};
+#if defined(HAL_W4A8_AVX2)
+    if (m <= kW4a8Avx2SweepRows) {  // one contiguous range of columns (whole vectors of 8) per thread, swept
+        const int64_t eights = n / 8;
+        const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(std::max<int32_t>(a.threads, 1), eights));
+        parallel_for(tasks, a.threads, [&](int64_t t) {
+            const int64_t c0 = eights * t / tasks * 8, c1 = eights * (t + 1) / tasks * 8;
+            for (int64_t r = 0; r < m; ++r) std::fill(a.y + r * n + c0, a.y + r * n + c1, 0.0f);
+            if (c1 == c0) return;
+            int32_t *part = new (std::nothrow) int32_t[size_t(m * (c1 - c0))];
+            if (!part) {
+                failed = true;
+                return;
+            }
+            w4a8_avx2_sweep_rows<SS>(a, p, c0, c1, part);
+            delete[] part;
+        });
+        if (failed) return HAL_ENOMEM;
+        if (eights * 8 < n) {
+            for (int64_t r = 0; r < m; ++r) std::fill(a.y + r * n + eights * 8, a.y + (r + 1) * n, 0.0f);
+            w4a8_plain<SS>(a, p, 0, m, eights * 8, n);
+        }
+        for (int64_t r = 0; r < m; ++r) {
+            const float s = p.sx[r];
+            for (int64_t i = 0; i < n; ++i) a.y[r * n + i] *= s;
+        }
+        return HAL_OK;
+    }
+#endif
     // Wide tasks read each code row as one run of 1 KiB (what the prefetchers follow), where there are enough.
     const bool wide = kW4a8VnniTiles && n >= 2 * std::max<int32_t>(a.threads, 1) * kW4a8WideCols;
     const int64_t cols = amx ? kW4a8AmxCols : wide ? kW4a8WideCols : kW4a8Cols;
     const int64_t blocks = (n + cols - 1) / cols;
-    std::atomic<bool> failed{false};
     parallel_for(blocks, a.threads, [&](int64_t b) {
         const int64_t c0 = b * cols, c1 = std::min(n, c0 + cols);
         for (int64_t r = 0; r < m; ++r) std::fill(a.y + r * n + c0, a.y + r * n + c1, 0.0f);

@@ -26,6 +26,7 @@ door unchanged. ``out`` may be given per call, and is checked and written as the
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -74,7 +75,8 @@ class BoundOp:
     any declared argument but ``out`` (give ``out`` per call), or the op's options group as one value.
     """
 
-    __slots__ = ("_fast", "_fixed", "_free", "_given", "_hints", "_ops", "_options", "_raw", "_signatures", "_spec")
+    __slots__ = ("_fast", "_fixed", "_free", "_given", "_hints", "_lock", "_ops", "_options", "_raw", "_signatures",
+                 "_spec")
 
     def __init__(self, ops: Ops, spec: OpSpec, fixed: Mapping[str, Any]) -> None:
         given = dict(fixed)
@@ -103,6 +105,7 @@ class BoundOp:
                     native[arg.name] = host_number(arg, native[arg.name])
         self._fixed = native
         self._signatures: dict[tuple[Any, ...], _Signature] = {}
+        self._lock = threading.Lock()  # for keeping a signature (looking one up takes none)
 
     @property
     def op(self) -> str:
@@ -133,7 +136,7 @@ class BoundOp:
             key = _signature(args, self._hints)
             if key is not None:
                 return self._run(key, {**self._fixed, **args})
-        twice = self._given.keys() & args.keys()
+        twice = (self._given.keys() | self._raw.keys()) & args.keys()
         if twice:
             raise TypeError(f"{self._spec.name}(): argument {sorted(twice)[0]!r} is bound already")
         return self._ops.call(self._spec.name, {**self._raw, **args})
@@ -187,11 +190,12 @@ class BoundOp:
             impl = ops.choose(call)[0]
         scalars = {arg.name: args[arg.name] for arg in spec.number_args
                    if arg.name in args and arg.name not in self._hints}
-        signatures = self._signatures
-        while len(signatures) >= MAX_SIGNATURES:
-            del signatures[next(iter(signatures))]
-        signatures[key] = _Signature(sizes=bound.sizes, scalars=scalars, settled=call.settled, impl=impl,
-                                     impls=impls, coverage=coverage, table=table)
+        with self._lock:
+            signatures = self._signatures
+            while len(signatures) >= MAX_SIGNATURES:
+                del signatures[next(iter(signatures))]
+            signatures[key] = _Signature(sizes=bound.sizes, scalars=scalars, settled=call.settled, impl=impl,
+                                         impls=impls, coverage=coverage, table=table)
         return ops._execute(call, out, impl)
 
 
