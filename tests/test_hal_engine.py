@@ -45,9 +45,19 @@ def transformers_tokens(model: transformers.LlamaForCausalLM, prompts: list[list
     return out
 
 
-def assert_same_greedy(got: list[int], expected: list[int], logits: torch.Tensor, rel: float = 1e-4) -> None:
+#: The near-tie allowed where activations are quantised per token to int8 (W8A8: every int8 layer, and the int8
+#: lm_head of every test here). The engine and transformers round in different orders (a long prompt is prefilled in
+#: chunks by the engine, at once by transformers), and one activation code flipped by that rounding moves a logit by
+#: up to about 1/127 of the token's largest activation times a weight: margins of 3.7e-3 of the row's largest logit
+#: were seen (seed 60574, bits 8). A wrong kernel errs by the logits' own size.
+INT8_ACTIVATIONS_REL = 1e-2
+
+
+def assert_same_greedy(got: list[int], expected: list[int], logits: torch.Tensor,
+                       rel: float = INT8_ACTIVATIONS_REL) -> None:
     """``got`` equals ``expected`` up to the first step where they differ; there the reference's logits must be
-    a near-tie between the two tokens (rounding may flip a tie; nothing else may)."""
+    a near-tie between the two tokens (rounding, and the int8 activation codes it may flip, may turn a tie;
+    nothing else may)."""
     for step, (a, b) in enumerate(zip(got, expected, strict=True)):
         if a != b:
             row = logits[step].double()
