@@ -102,3 +102,21 @@ def test_load_quantized_refuses_a_bad_activations_value_before_reading(tmp_path)
 
     with pytest.raises(ArgumentError, match="argument 'activations'"):
         load_quantized(tmp_path / "missing", activations="int4")
+
+
+def test_changing_a_layers_activations_reaches_the_next_call() -> None:
+    """``layer.activations`` set after a first call (as a benchmark or user does) is what the next call runs:
+    W4A16 bits, then W4A8's, then W4A16's again."""
+    seed = 707
+    print(f"seed={seed}")
+    torch.manual_seed(seed)
+    layer = QuantLinear.from_linear(torch.nn.Linear(128, 48, bias=False), bits=4, group_size=32)
+    x = torch.from_numpy(np.random.default_rng(seed).standard_normal((1, 128)).astype(np.float32))
+    weight = layer.quantized_weight()
+    with torch.no_grad():
+        runs = []
+        for activations in ("float", "int8", "float"):
+            layer.activations = activations
+            runs.append(layer(x))
+            assert torch.equal(runs[-1], QuantLinear.from_weight(weight, activations=activations)(x))
+    assert not torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])

@@ -118,7 +118,7 @@ class QuantLinear(torch.nn.Module):
         #: quantized_gemm's ``activations`` for every call (None / ``"float"``: W4A16; ``"int8"``: W4A8).
         self.activations = check_activations(activations)
         #: (the buffers, hal's weight over their numpy views): eager CPU calls reuse it (:meth:`_host_gemm`).
-        self._host_weight: tuple[tuple[Any, ...], BoundOp] | None = None
+        self._host_weight: tuple[tuple[Any, ...], BoundOp, str | None] | None = None
         in_features, out_features = as_int("in_features", in_features), as_int("out_features", out_features)
         bits = as_int("bits", bits)
         if in_features <= 0 or out_features <= 0:
@@ -255,22 +255,23 @@ class QuantLinear(torch.nn.Module):
         The result is what ``torch.ops.hal.quantized_gemm`` computes (the same front door, validation,
         fallbacks and kernels) without its per-call dispatch and weight assembly, which cost more than a
         decode-sized kernel. The bound op is made again whenever a buffer is replaced (``.to()``,
-        ``load_state_dict`` with ``assign``) or the tensor's backend changes; in-place changes to a buffer
-        reach it, its arrays being views. hal's result is a new array the kernel just wrote, handed to torch
-        as a view (no output tensor, no copy).
+        ``load_state_dict`` with ``assign``), the layer's ``activations`` or the tensor's backend changes;
+        in-place changes to a buffer reach it, its arrays being views. hal's result is a new array the kernel
+        just wrote, handed to torch as a view (no output tensor, no copy).
         """
         route = route_for(rows)
         found = self._buffers
         buffers = (found["qweight"], found["scales"], found.get("zeros"), found.get("g_idx"))
         cached = self._host_weight
-        if cached is None or cached[1].backend is not route.backend or any(map(is_not, cached[0], buffers)):
+        if (cached is None or cached[1].backend is not route.backend or cached[2] != self.activations
+                or any(map(is_not, cached[0], buffers))):
             qweight, scales, zeros, g_idx = (None if t is None else route.native(t, name)
                                              for name, t in zip(_BUFFERS, buffers, strict=True))
             weight = _weight(qweight, scales, zeros, g_idx, self.bits, self.group_size)
             fixed: dict[str, Any] = {"qweight": weight}
             if self.activations is not None:
                 fixed["activations"] = self.activations
-            cached = self._host_weight = (buffers, route.bind("quantized_gemm", **fixed))
+            cached = self._host_weight = (buffers, route.bind("quantized_gemm", **fixed), self.activations)
         return to_tensor(cached[1](x=host_view(rows, "x")))
 
     def extra_repr(self) -> str:
