@@ -108,21 +108,50 @@ def test_quantize_model_replaces_each_moe_block_and_reports_it(hal_rng: np.rando
 @pytest.mark.parametrize(("kind", "norm"), MODELS)
 def test_block_output_matches_float64_on_the_dequantized_experts(hal_rng: np.random.Generator, kind: str,
                                                                  norm: bool, bits: int) -> None:
-    """A QuantMoE's output matches fused_moe's float64 reference on its dequantized experts and float64 logits."""
+    """A QuantMoE's output matches fused_moe's float64 reference on its dequantized experts and float64 logits, with
+    the activations quantize_model's default ("auto") settles on for the call."""
     model = _model(kind, hal_rng, norm)
     quantize_model(model, bits=bits, group_size=GROUP)
     block = model.model.layers[1].mlp
+    assert block.activations == "auto"
     x = torch.from_numpy(hal_rng.uniform(-1.0, 1.0, (3, 7, HIDDEN)).astype(np.float32))
     with torch.no_grad():
         got = block(x)
     assert got.shape == x.shape and got.dtype == torch.float32
     rows = x.reshape(-1, HIDDEN).numpy()
     logits = rows.astype(np.float64) @ block.gate.weight.detach().double().numpy().T
-    expected = OPS["fused_moe"].reference({"hidden_states": rows, "router_logits": logits,
-                                           "experts": _host_experts(block), "top_k": TOP_K,
-                                           "routing": _routing(kind, norm), "activation": "silu"})
-    assert_close(got.reshape(-1, HIDDEN).numpy(), expected, kind="gemm" if bits == 4 else "moe_w8a8", dtype="fp32",
-                 what=f"{kind} int{bits} block")
+    args = {"hidden_states": rows, "router_logits": logits.astype(np.float32), "experts": _host_experts(block),
+            "top_k": TOP_K, "routing": _routing(kind, norm), "activation": "silu"}
+    settled = hal_core.get_backend("cpu").ops.prepare("fused_moe", **args, activations="auto").args["activations"]
+    print(f"activations settled on {settled!r}")
+    expected = OPS["fused_moe"].reference({**args, "router_logits": logits, "activations": settled})
+    int8 = bits == 8 or settled == "int8"
+    assert_close(got.reshape(-1, HIDDEN).numpy(), expected, kind="moe_w8a8" if int8 else "gemm", dtype="fp32",
+                 what=f"{kind} int{bits} block ({settled} activations)")
+
+
+@pytest.mark.parametrize("activations", [None, "int8"])
+def test_quantize_models_activations_reach_the_blocks_and_a_change_the_next_call(
+        hal_rng: np.random.Generator, activations: str | None) -> None:
+    """quantize_model's activations become each QuantMoE's; a block's setting changed after a call is what the next
+    call runs (its bound op is made again): each call's bits equal a fresh block's with that setting."""
+    model = _model("qwen3_moe", hal_rng, True)
+    quantize_model(model, bits=4, group_size=GROUP, activations=activations)
+    block = model.model.layers[0].mlp
+    assert {b.activations for b in _blocks(model)} == {activations}
+    assert f"activations={activations}" in repr(block) if activations else "activations=" not in repr(block)
+    x = torch.from_numpy(hal_rng.uniform(-1.0, 1.0, (6, HIDDEN)).astype(np.float32))
+    routed = block.gate(x)
+    logits = (routed[0] if isinstance(routed, tuple) else routed).detach().numpy()
+    args = {"hidden_states": x.numpy(), "router_logits": logits, "experts": _host_experts(block), "top_k": TOP_K,
+            "routing": block.routing}
+    cpu = hal_core.get_backend("cpu")
+    with torch.no_grad():
+        for setting in (activations, "int8" if activations is None else None, activations):
+            block.activations = setting
+            got = block(x).numpy()
+            want = cpu.ops.fused_moe(**args, **({"activations": setting} if setting else {}))
+            np.testing.assert_array_equal(got, want, err_msg=f"activations={setting}")
 
 
 @pytest.mark.parametrize(("kind", "norm"), MODELS)
@@ -200,7 +229,7 @@ def test_autograd_call_falls_back_counted_with_the_same_output_and_eager_gradien
     output equals fused_moe's, and x's gradient the eager block's on the dequantized experts; HAL_STRICT raises."""
     model = _model("qwen3_moe", hal_rng, True)
     float_model = copy.deepcopy(model)
-    quantize_model(model, bits=4, group_size=GROUP)
+    quantize_model(model, bits=4, group_size=GROUP, activations=None)
     block = model.model.layers[0].mlp
     eager = _dequantized_copy(float_model, model).model.layers[0].mlp
     x = torch.from_numpy(hal_rng.uniform(-1.0, 1.0, (1, 9, HIDDEN)).astype(np.float32))
@@ -345,14 +374,18 @@ def test_bf16_model_block_matches_float64_on_its_router_logits(hal_rng: np.rando
     assert_close(got.reshape(-1, HIDDEN).double().numpy(), expected, kind="gemm", dtype="bf16", what="bf16 block")
 
 
-def test_compiled_block_runs_the_composition_with_the_same_output(hal_rng: np.random.Generator) -> None:
-    """Under torch.compile the block runs quantized_gemm per expert (fused_moe has no operator): same output."""
+@pytest.mark.parametrize("activations", [None, "int8"])
+def test_compiled_block_runs_the_composition_with_the_same_output(hal_rng: np.random.Generator,
+                                                                  activations: str | None) -> None:
+    """Under torch.compile the block runs quantized_gemm per expert (fused_moe has no operator) with the block's
+    explicit activations: the same output (W4A8: within one int8 code of the intermediate)."""
     model = _model("mixtral", hal_rng)
-    quantize_model(model, bits=4, group_size=GROUP)
+    quantize_model(model, bits=4, group_size=GROUP, activations=activations)
     block = model.model.layers[0].mlp
     x = torch.from_numpy(hal_rng.uniform(-1.0, 1.0, (1, 5, HIDDEN)).astype(np.float32))
     with torch.no_grad():
         fused = block(x)
         compiled = torch.compile(block, backend="eager")(x)
-    assert_close(compiled.numpy(), fused.double().numpy(), kind="gemm", dtype="fp32", what="compiled block")
+    assert_close(compiled.numpy(), fused.double().numpy(), kind="moe_w8a8" if activations else "gemm", dtype="fp32",
+                 what=f"compiled block, activations={activations}")
     assert any("torch.compile" in reason for reason in block.fallbacks), block.fallbacks

@@ -86,3 +86,32 @@ def test_route_weights_and_order(rng: np.random.Generator) -> None:
         picked = np.take_along_axis(probs, want, axis=1)
         expected = picked if routing == "softmax_topk" else picked / picked.sum(axis=1, keepdims=True)
         np.testing.assert_allclose(weights, expected, rtol=1e-6, atol=1e-7)
+
+
+def _grouped(args: dict[str, Any], activations: str) -> np.ndarray:
+    """The grouped loop spelt out for one token: each routed expert in expert order, its weighted output added."""
+    experts, x = args["experts"], args["hidden_states"]
+    inter = experts.shape[2]
+    ids, weights = fused_moe.route(args["router_logits"], args["top_k"], "softmax_topk")
+    out = np.zeros(x.shape, np.float32)
+    for e in sorted(ids[0].tolist()):
+        h = fused_moe.gemm(x[[0]], experts.w13[e], activations=activations)
+        y = fused_moe.gemm(fused_moe.gated(h[:, :inter], h[:, inter:], "silu"), experts.w2[e],
+                           activations=activations)
+        y *= weights[0][ids[0] == e][:, None]
+        out[[0]] += y
+    return out
+
+
+@pytest.mark.parametrize("activations", ["float", "int8"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_one_token_gives_the_grouped_loops_bits(rng: np.random.Generator, bits: int, activations: str) -> None:
+    """A one-token call (its own loop, no grouping) gives the bits of the grouped loop's operations, and the
+    float64 reference's values."""
+    args = _args(rng, num_tokens=1, bits=bits)
+    got = fused_moe.moe(args["hidden_states"], args["router_logits"], args["experts"], args["top_k"],
+                        activations=activations)
+    np.testing.assert_array_equal(got, _grouped(args, activations))
+    int8 = bits == 8 or activations == "int8"
+    assert_close(got, REFERENCE({**args, "activations": activations}), kind="moe_w8a8" if int8 else "gemm",
+                 dtype="fp32", what=f"one token, int{bits}, {activations}")

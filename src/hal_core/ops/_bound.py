@@ -12,7 +12,8 @@ result checks, fallbacks (logged once, counted, :class:`~hal_core.FallbackError`
   value and type, each hint's type) is checked in full; the next ones of that signature take from it the
   sizes the declared checks bound, the normalised scalars and the settings ``"auto"`` chose, normalise
   their hints, and run only the checks that read values (the op's own :meth:`~hal_core.ops.OpSpec.check`,
-  the writability of what it writes). A hint (an upper bound that plans work, such as ``max_seq_len``)
+  the writability of what it writes; not :meth:`~hal_core.ops.OpSpec.check_layout`, which reads only
+  layouts the signature and the binding fix). A hint (an upper bound that plans work, such as ``max_seq_len``)
   enters the signature by value only for an op with ``"auto"`` settings, which may read it;
 - the implementation chosen for a signature is kept too where no implementation of the op has a
   ``supports`` predicate and the choice cannot depend on values (one implementation, or no tune table),
@@ -175,6 +176,7 @@ class BoundOp:
         impls, coverage, table = registry.implementations(spec.name), registry.coverage(spec.name), \
             table_for(ops.backend, 0)
         bound = check_declared(spec, args)
+        spec.check_layout(args, bound.sizes)
         spec.check(args, bound.sizes)
         check_output(spec, args, bound)
         for name in spec.inplace_args:

@@ -60,7 +60,7 @@ def host_signature(spec: OpSpec, args: Mapping[str, Any]) -> tuple[Any, ...] | N
         for array in (value.qweight, value.scales, value.zeros, value.g_idx):
             if array is not None and type(array) is not np.ndarray:
                 return None
-        key.append(value.shape)  # the weight's arrays are checked by the op's own check, on every call
+        key.append(value.shape)  # the weight's arrays are checked by check_layout, on every call
     return tuple(key)
 
 
@@ -98,6 +98,7 @@ def validate(spec: OpSpec, args: dict[str, Any], key: tuple[Any, ...] | None) ->
     sizes = None if key is None else _PLANS.get(key)
     if sizes is None:
         bound = check_declared(spec, args)
+        spec.check_layout(args, bound.sizes)
         spec.check(args, bound.sizes)
         check_output(spec, args, bound)
         if key is not None:
@@ -110,6 +111,7 @@ def validate(spec: OpSpec, args: dict[str, Any], key: tuple[Any, ...] | None) ->
                 raise ArgumentTypeError(f"argument {arg.name!r} is required")
             continue
         args[arg.name] = host_number(arg, value)
+    spec.check_layout(args, sizes)  # a weight's arrays are not in the signature
     spec.check(args, sizes)
 
 

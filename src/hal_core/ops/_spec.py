@@ -163,10 +163,18 @@ class OpSpec(ABC):
         """
         validate_planned(self, args, host_signature(self, args))
 
+    def check_layout(self, args: dict[str, Any], sizes: Mapping[str, int]) -> None:
+        """What the declaration cannot say about types, dtypes and layouts only (a weight's arrays); ``sizes`` as
+        bound. Runs before :meth:`check` wherever the declared checks run, and once per signature on a
+        :class:`~hal_core.ops.BoundOp` (whose fixed arrays keep their layout and whose other arrays are in the
+        signature), so it must read no value. The default checks nothing.
+        """
+        return None
+
     def check(self, args: dict[str, Any], sizes: Mapping[str, int]) -> None:
         """What the declaration cannot say (relations between sizes, index values); ``sizes`` as bound.
 
-        The default checks nothing.
+        Runs on every call, a bound op's included. The default checks nothing.
         """
         return None
 

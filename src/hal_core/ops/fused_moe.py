@@ -20,11 +20,15 @@ largest softmax probabilities since softmax is monotone; ties go to the lowest e
   ``'softmax_topk_renorm'`` in exact arithmetic, computed without the full softmax).
 
 ``activation``: as :mod:`~hal_core.ops.gated_activation` (``'silu'``, the default; ``'gelu'``,
-``'gelu_tanh'``). Each expert's two projections are ``quantized_gemm`` s of its weights: int4 experts
-keep the activations in float (W4A16); int8 experts quantise each GEMM's input rows per token
-(W8A8, :func:`~hal_core.quant.quantize_activations`), the gated intermediate included. Implementations
-keep the intermediate in at least float32, accumulate the weighted sum in at least float32 and round
-once into the output.
+``'gelu_tanh'``). Each expert's two projections are ``quantized_gemm`` s of its weights, with
+``activations`` as ``quantized_gemm``'s: int4 experts keep the activations in float (W4A16, ``'float'``
+or None) or quantise each GEMM's input rows per token (W4A8, ``'int8'``,
+:func:`~hal_core.quant.quantize_activations`), the gated intermediate included; int8 experts always do
+(W8A8). ``'auto'`` lets the backend choose per call (:meth:`FusedMoe.auto_rule`: int8 from
+:data:`~hal_core.ops.quantized_gemm.INT8_ACTIVATIONS_FROM_M` tokens where the backend declares W4A8 for
+this op and the device has int8 dot products). W4A8 reaches only a backend that declares the ``'w4a8'``
+scheme for ``fused_moe`` (elsewhere the call falls back). Implementations keep the intermediate in at
+least float32, accumulate the weighted sum in at least float32 and round once into the output.
 
 A NaN router logit makes its token's softmax (and so its output row) NaN in the ``softmax_topk``
 modes. ``nbytes`` counts the experts a call reads as the expected number of distinct experts hit by
@@ -36,12 +40,13 @@ no ``torch.ops.hal.fused_moe`` operator: a torch schema holds at most one :class
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from types import MappingProxyType
+from typing import Any, ClassVar
 
 import numpy as np
 
-from .._errors import ArgumentTypeError
-from ..arrays import DTYPE_NAMES, dtype_name, is_c_contiguous, numpy_dtype
+from .._errors import ArgumentError, ArgumentTypeError
+from ..arrays import dtype_name, numpy_dtype
 from ..quant import ExpertWeights, QuantizedWeight, quantize_activations, quantize_experts
 from ..tuning._buckets import pow2
 from ._catalog import register_op
@@ -50,9 +55,11 @@ from ._declare import Arg, BenchCases, Feature, Output
 from ._inputs import uniform
 from ._spec import OpSpec
 from .gated_activation import ACTIVATIONS, activate, activation_of
-from .quantized_gemm import gemm_dtypes, random_weight
+from .quantized_gemm import ACTIVATIONS as PRECISIONS
+from .quantized_gemm import INT8_ACTIVATIONS_FROM_M, check_weight_layout, gemm_dtypes, random_weight
 
-__all__ = ["ROUTINGS", "FusedMoe", "expected_experts", "fused_moe_inputs", "reference_routing", "routing_of"]
+__all__ = ["ROUTINGS", "FusedMoe", "expected_experts", "fused_moe_inputs", "int8_activations", "moe_scheme",
+           "reference_routing", "routing_of"]
 
 #: The ``routing`` settings, the default first.
 ROUTINGS = ("softmax_topk", "softmax_topk_renorm", "topk_softmax")
@@ -93,11 +100,22 @@ def reference_routing(logits: np.ndarray, top_k: int, routing: str) -> tuple[np.
     return ids, weights
 
 
-def _project(x: np.ndarray, weight: QuantizedWeight) -> np.ndarray:
-    """``x @ weight`` in float64 (int8 weights: x quantised per token first, as ``quantized_gemm``)."""
+def int8_activations(args: Mapping[str, Any]) -> bool:
+    """Whether a validated call's expert GEMMs quantise their input rows to int8 (int8 experts, or
+    ``activations='int8'``; ``'auto'`` counts as float until :meth:`FusedMoe.settle` replaces it)."""
+    return int(args["experts"].bits) == 8 or args.get("activations") == "int8"
+
+
+def moe_scheme(args: Mapping[str, Any]) -> str:
+    """The experts' arithmetic: ``'w4a16'``, ``'w4a8'`` or ``'w8a8'`` (the ``scheme`` coverage feature)."""
+    return f"w{int(args['experts'].bits)}a{8 if int8_activations(args) else 16}"
+
+
+def _project(x: np.ndarray, weight: QuantizedWeight, int8: bool) -> np.ndarray:
+    """``x @ weight`` in float64 (``int8``: x quantised per token first, as ``quantized_gemm``)."""
     w = weight.dequantize(np.float64)
     with np.errstate(invalid="ignore", over="ignore"):
-        if weight.bits == 8:
+        if int8:
             xq, sx = quantize_activations(x.astype(np.float32))
             return sx.astype(np.float64)[:, None] * (xq.astype(np.float64) @ w)
         return x @ w
@@ -118,13 +136,19 @@ class FusedMoe(OpSpec):
         Arg.out(),
         Arg.choice("routing", ROUTINGS, doc="'softmax_topk' (None), 'softmax_topk_renorm' or 'topk_softmax'"),
         Arg.choice("activation", ACTIVATIONS, doc="'silu' (None), 'gelu' (exact erf) or 'gelu_tanh'"),
+        Arg.choice("activations", PRECISIONS,
+                   doc="int4 experts: 'float' (W4A16, None), 'int8' (W4A8: each GEMM's rows quantised per token) "
+                       "or 'auto'; int8 experts always run W8A8"),
     )
+    auto_settings: ClassVar[Mapping[str, tuple[str, ...]]] = MappingProxyType({"activations": ("float", "int8")})
     output = Output("[num_tokens, hidden]", dtype_of="hidden_states")
     features = (
         Feature("dtype", "dtypes", lambda args: dtype_name(args["hidden_states"])),
         Feature("bits", "bits", lambda args: int(args["experts"].bits)),
         Feature("group_size", "group_sizes", lambda args: int(args["experts"].group_size)),
         Feature("activation", "activations", activation_of),
+        Feature("scheme", "schemes", moe_scheme, opt_in=("w4a8",),
+                doc="'w4a16', 'w4a8' or 'w8a8'; W4A8 runs only on a backend that declares it (else it falls back)"),
     )
 
     def check(self, args: dict[str, Any], sizes: Mapping[str, int]) -> None:
@@ -135,13 +159,37 @@ class FusedMoe(OpSpec):
                                     f"(hidden_states'), got {logits_dtype}")
         if args["top_k"] > sizes["num_experts"]:
             raise fail("top_k", f"an int in [1, {sizes['num_experts']}] (num_experts)", args["top_k"])
+
+    def check_layout(self, args: dict[str, Any], sizes: Mapping[str, int]) -> None:
+        """Every expert's arrays: dtypes and C order (once per signature on a bound op: O(experts) Python)."""
         experts: ExpertWeights = args["experts"]
         for name, weight in experts.weights().items():
-            _check_expert_arrays(f"experts.{name}", weight)
+            check_weight_layout(weight, f"experts.{name}")
+
+    def auto_candidates(self, name: str, args: Mapping[str, Any], coverage: Any) -> tuple[tuple[str, ...], str]:
+        """``activations="auto"``: int8 experts always run W8A8; int4 ones choose where the backend declares W4A8."""
+        if int(args["experts"].bits) == 8:
+            return ("int8",), "int8 experts always run W8A8"
+        if "w4a8" not in (coverage.allowed.get("schemes") or ()):
+            return ("float",), "the backend does not declare W4A8 for fused_moe (OpCoverage schemes)"
+        return self.auto_settings[name], ""
+
+    def auto_rule(self, name: str, args: Mapping[str, Any], features: frozenset[str]) -> tuple[str, str]:
+        """int8 activations from :data:`~hal_core.ops.quantized_gemm.INT8_ACTIVATIONS_FROM_M` tokens up where the
+        device has int8 dot products (feature ``int8_dot``), float below and on every other device:
+        ``quantized_gemm``'s rule, on the tokens of the call."""
+        if "int8_dot" not in features:
+            return "float", "the device has no int8 dot products (capability feature 'int8_dot'): W4A16 is faster"
+        tokens = int(args["hidden_states"].shape[0])
+        if tokens >= INT8_ACTIVATIONS_FROM_M:
+            return "int8", f"{tokens} tokens >= {INT8_ACTIVATIONS_FROM_M} (the built-in rule)"
+        return "float", f"{tokens} token(s) < {INT8_ACTIVATIONS_FROM_M} (the built-in rule)"
 
     def bucket(self, args: Mapping[str, Any]) -> str:
-        """``w<bits>:t<pow2 tokens>``."""
-        return f"w{args['experts'].bits}:t{pow2(args['hidden_states'].shape[0])}"
+        """``w<bits>:t<pow2 tokens>`` (``w4a8:t<pow2 tokens>`` with int4 experts and int8 activations)."""
+        bits = int(args["experts"].bits)
+        kind = "w4a8" if bits == 4 and args.get("activations") == "int8" else f"w{bits}"
+        return f"{kind}:t{pow2(args['hidden_states'].shape[0])}"
 
     def flops(self, args: Mapping[str, Any]) -> int:
         tokens, hidden = args["hidden_states"].shape
@@ -156,6 +204,10 @@ class FusedMoe(OpSpec):
         return routed * experts.expert_nbytes(0) + activations
 
     def reference(self, args: Mapping[str, Any]) -> np.ndarray:
+        if args.get("activations") == "auto" and int(args["experts"].bits) == 4:
+            raise ArgumentError("argument 'activations': 'auto' is chosen by a backend's front door; the reference "
+                                "takes 'float' or 'int8' (backend.ops.prepare(...).args holds the choice)")
+        int8 = int8_activations(args)
         x = np.asarray(args["hidden_states"]).astype(np.float64)
         experts: ExpertWeights = args["experts"]
         ids, weights = reference_routing(np.asarray(args["router_logits"]), int(args["top_k"]), routing_of(args))
@@ -164,25 +216,11 @@ class FusedMoe(OpSpec):
         with np.errstate(invalid="ignore", over="ignore"):
             for e in np.unique(ids):
                 rows, slots = np.nonzero(ids == e)
-                h = _project(x[rows], experts.w13[e])
+                h = _project(x[rows], experts.w13[e], int8)
                 gated = activate(h[:, :inter], activation_of(args)) * h[:, inter:]
-                y = _project(gated, experts.w2[e])
+                y = _project(gated, experts.w2[e], int8)
                 np.add.at(out, rows, weights[rows, slots][:, None] * y)
         return out
-
-
-def _check_expert_arrays(name: str, weight: QuantizedWeight) -> None:
-    """ArgumentTypeError / ArgumentError naming the first array of one expert's weight of the wrong dtype or layout."""
-    expected = {"qweight": "uint32" if weight.bits == 4 else "uint8", "zeros": "uint8", "g_idx": "int32"}
-    for field, value in weight.arrays().items():
-        found = DTYPE_NAMES.get(value.dtype) if type(value) is np.ndarray else dtype_name(value)
-        want = expected.get(field)
-        if want is None and found not in ("fp16", "fp32", "bf16"):
-            raise ArgumentTypeError(f"argument '{name}.{field}': expected dtype fp16, bf16 or fp32, got {found}")
-        if want is not None and found != want:
-            raise ArgumentTypeError(f"argument '{name}.{field}': expected dtype {want}, got {found}")
-        if not is_c_contiguous(value):
-            raise fail(f"{name}.{field}", "a C-contiguous array", f"strides {getattr(value, 'strides', '?')}")
 
 
 def fused_moe_inputs(rng: np.random.Generator, *, num_tokens: int, num_experts: int, top_k: int, hidden: int,
@@ -207,6 +245,8 @@ def fused_moe_inputs(rng: np.random.Generator, *, num_tokens: int, num_experts: 
 def _check_case(p: Mapping[str, Any]) -> str | None:
     if p["bits"] not in (4, 8):
         return f"bits must be 4 or 8, got {p['bits']}"
+    if p.get("abits", 16) not in (0, 8, 16):
+        return f"abits must be 16 (float), 8 (int8) or 0 ('auto'), got {p['abits']}"
     if p["top_k"] > p["experts"]:
         return f"top_k={p['top_k']} must be at most experts={p['experts']}"
     for name in ("hidden", "inter"):
@@ -221,37 +261,59 @@ def _bench_inputs(rng: np.random.Generator, p: Mapping[str, Any]) -> dict[str, A
     experts = ExpertWeights(tuple(random_weight(rng, hidden, 2 * inter, p["bits"], p["group"]) for _ in range(e)),
                             tuple(random_weight(rng, inter, hidden, p["bits"], p["group"]) for _ in range(e)))
     return {"hidden_states": uniform(rng, (p["tokens"], hidden), p["dtype"]),
-            "router_logits": uniform(rng, (p["tokens"], e), "fp32"), "experts": experts, "top_k": p["top_k"]}
+            "router_logits": uniform(rng, (p["tokens"], e), "fp32"), "experts": experts, "top_k": p["top_k"],
+            **_activations(p)}
+
+
+def _activations(p: Mapping[str, Any]) -> dict[str, str]:
+    """The ``activations`` argument of a case: none for W4A16 and W8A8, ``'int8'`` for ``abits=8``, else ``'auto'``."""
+    if p["bits"] != 4 or p.get("abits", 16) == 16:
+        return {}
+    return {"activations": "int8" if p["abits"] == 8 else "auto"}
 
 
 def _test_inputs(rng: np.random.Generator, p: Mapping[str, Any]) -> dict[str, Any]:
-    return fused_moe_inputs(rng, num_tokens=p["tokens"], num_experts=p["experts"], top_k=p["top_k"],
-                            hidden=p["hidden"], intermediate=p["inter"], bits=p["bits"], group_size=p["group"],
-                            dtype=p["dtype"], logits_dtype="fp32")
+    return {**fused_moe_inputs(rng, num_tokens=p["tokens"], num_experts=p["experts"], top_k=p["top_k"],
+                               hidden=p["hidden"], intermediate=p["inter"], bits=p["bits"], group_size=p["group"],
+                               dtype=p["dtype"], logits_dtype="fp32"), **_activations(p)}
 
 
-def _qwen3_moe(tokens: int, bits: int = 4) -> dict[str, Any]:
+def _qwen3_moe(tokens: int, bits: int = 4, abits: int = 16) -> dict[str, Any]:
     """Qwen3-30B-A3B's MoE layer: 64 experts (top 8), hidden 2048, intermediate 768."""
-    return {"tokens": tokens, "experts": 64, "top_k": 8, "hidden": 2048, "inter": 768, "bits": bits, "group": 128,
-            "dtype": "bf16"}
+    return {"tokens": tokens, "experts": 64, "top_k": 8, "hidden": 2048, "inter": 768, "bits": bits, "abits": abits,
+            "group": 128, "dtype": "bf16"}
+
+
+#: The presets' (bits, abits): W4A16, W4A8, W8A8.
+_SCHEMES = ((4, 16), (4, 8), (8, 16))
+
+
+def _activation_label(p: Mapping[str, Any]) -> str:
+    """``A8`` / ``A-auto`` for int4 experts with int8 / automatic activations, nothing otherwise."""
+    if p["bits"] != 4 or p.get("abits", 16) == 16:
+        return ""
+    return "A8" if p["abits"] == 8 else "A-auto"
 
 
 FusedMoe.bench = BenchCases(
     params=_qwen3_moe(1),
     aliases={"num_tokens": "tokens", "num_experts": "experts", "intermediate_size": "inter",
              "group_size": "group"},
-    label=lambda p: (f"fused_moe W{p['bits']} G{p['group']} {p['tokens']} tok {p['experts']}e top{p['top_k']} "
-                     f"h{p['hidden']} i{p['inter']} {p['dtype']}"),
+    may_be_zero=frozenset({"abits"}),
+    label=lambda p: (f"fused_moe W{p['bits']}{_activation_label(p)} G{p['group']} {p['tokens']} tok {p['experts']}e "
+                     f"top{p['top_k']} h{p['hidden']} i{p['inter']} {p['dtype']}"),
     check=_check_case,
     inputs=_bench_inputs,
     presets={
-        "decode": lambda: [_qwen3_moe(t, bits) for t in (1, 8) for bits in (4, 8)],
-        "prefill": lambda: [_qwen3_moe(512, bits) for bits in (4, 8)],
+        "decode": lambda: [_qwen3_moe(t, bits, abits) for t in (1, 8) for bits, abits in _SCHEMES],
+        "prefill": lambda: [_qwen3_moe(512, bits, abits) for bits, abits in _SCHEMES],
     },
     explain=({"tokens": 8, "experts": 8, "top_k": 2, "hidden": 256, "inter": 128, "bits": 4, "group": 64,
               "dtype": "bf16"},
              {"tokens": 1, "experts": 16, "top_k": 4, "hidden": 256, "inter": 128, "bits": 8, "group": 128,
-              "dtype": "fp32"}),
+              "dtype": "fp32"},
+             {"tokens": 8, "experts": 8, "top_k": 2, "hidden": 256, "inter": 128, "bits": 4, "abits": 0,
+              "group": 64, "dtype": "bf16"}),
     test_inputs=_test_inputs,
 )
 

@@ -40,8 +40,8 @@ from ._declare import Arg, BenchCases, Feature, Output
 from ._inputs import uniform
 from ._spec import OpSpec
 
-__all__ = ["ACTIVATIONS", "INT8_ACTIVATIONS_FROM_M", "QuantizedGemm", "gemm_dtypes", "int8_activations",
-           "quantized_gemm_inputs", "random_weight", "scheme"]
+__all__ = ["ACTIVATIONS", "INT8_ACTIVATIONS_FROM_M", "QuantizedGemm", "check_weight_layout", "gemm_dtypes",
+           "int8_activations", "quantized_gemm_inputs", "random_weight", "scheme"]
 
 #: dtypes quantized_gemm accepts for activations.
 gemm_dtypes = ("fp16", "bf16", "fp32")
@@ -91,10 +91,11 @@ class QuantizedGemm(OpSpec):
                 doc="'w4a16', 'w4a8' or 'w8a8'; W4A8 runs only on a backend that declares it (else it falls back)"),
     )
 
+    def check_layout(self, args: dict[str, Any], sizes: Mapping[str, int]) -> None:
+        check_weight_layout(args["qweight"])
+
     def check(self, args: dict[str, Any], sizes: Mapping[str, int]) -> None:
         qw: QuantizedWeight = args["qweight"]
-        if not _host_arrays_fit(qw):  # the checks below name what does not fit
-            _check_weight_arrays(qw)
         if qw.g_idx is not None and sizes["K"] and host_index_checks(qw.g_idx):
             self.check_index_values(args)
 
@@ -163,6 +164,13 @@ class QuantizedGemm(OpSpec):
             return x.astype(np.float64) @ w
 
 
+def check_weight_layout(qw: QuantizedWeight, name: str = "qweight") -> None:
+    """ArgumentTypeError / ArgumentError naming the first array of ``qw`` (argument ``name``) of the wrong dtype or
+    layout; nothing read but dtypes and strides."""
+    if not _host_arrays_fit(qw):  # the checks below name what does not fit
+        _check_weight_arrays(qw, name)
+
+
 def _host_arrays_fit(qw: QuantizedWeight) -> bool:
     """Whether every array of ``qw`` is a C-contiguous numpy array of the dtype its field takes (the common case)."""
     for value, want in ((qw.qweight, "uint32" if qw.bits == 4 else "uint8"), (qw.scales, None),
@@ -177,17 +185,17 @@ def _host_arrays_fit(qw: QuantizedWeight) -> bool:
     return True
 
 
-def _check_weight_arrays(qw: QuantizedWeight) -> None:
+def _check_weight_arrays(qw: QuantizedWeight, arg: str) -> None:
     """ArgumentTypeError / ArgumentError naming the first array of ``qw`` of the wrong dtype or layout."""
     expected = {"qweight": "uint32" if qw.bits == 4 else "uint8", "zeros": "uint8", "g_idx": "int32"}
     for name, value in qw.arrays().items():
         want = expected.get(name)
         if want and dtype_name(value) != want:
-            raise ArgumentTypeError(f"argument 'qweight.{name}': expected dtype {want}, got {dtype_name(value)}")
+            raise ArgumentTypeError(f"argument '{arg}.{name}': expected dtype {want}, got {dtype_name(value)}")
         if not is_c_contiguous(value):
-            raise fail(f"qweight.{name}", "a C-contiguous array", f"strides {getattr(value, 'strides', '?')}")
+            raise fail(f"{arg}.{name}", "a C-contiguous array", f"strides {getattr(value, 'strides', '?')}")
     if dtype_name(qw.scales) not in ("fp16", "fp32", "bf16"):
-        raise ArgumentTypeError(f"argument 'qweight.scales': expected dtype fp16, bf16 or fp32, "
+        raise ArgumentTypeError(f"argument '{arg}.scales': expected dtype fp16, bf16 or fp32, "
                                 f"got {dtype_name(qw.scales)}")
 
 

@@ -134,7 +134,7 @@ def load_quantized(path: str | os.PathLike[str], *, dtype: torch.dtype | str = "
     ``from_config`` builds the model (default ``AutoModelForCausalLM``).
     ``progress``: None, True (a bar on stderr) or ``progress(done, total,
     name)`` after each quantized layer. ``activations``: every quantized
-    layer's activation precision, as for :func:`quantize_model` (``"auto"``:
+    layer's and MoE block's activation precision, as for :func:`quantize_model` (``"auto"``:
     W4A16 for one row, W4A8 from two rows up where the backend runs it).
 
     Which layers are quantized is read from the tensors (a ``.qweight``),
@@ -206,7 +206,7 @@ def load_quantized(path: str | os.PathLike[str], *, dtype: torch.dtype | str = "
                 _load_layer(fmt, name, layers.pop(name), tensors, torch_dtype, device, activations)
                 step(name)
             for block in blocks:
-                block.replace(model, load_moe(block, fmt, tensors, device))
+                block.replace(model, load_moe(block, fmt, tensors, device, activations))
                 step(block.name)
         _load_others(plan, tensors, torch_dtype, device)
         unused = sorted(set(tensors.where) - tensors.used)

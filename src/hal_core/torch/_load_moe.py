@@ -112,9 +112,10 @@ def _join(gate: QuantizedWeight, up: QuantizedWeight, where: str) -> QuantizedWe
                            shape=(gate.shape[0], gate.shape[1] + up.shape[1]), g_idx=gate.g_idx)
 
 
-def load_moe(load: MoeLoad, fmt: CheckpointFormat, tensors: Tensors, device: torch.device) -> QuantMoE:
+def load_moe(load: MoeLoad, fmt: CheckpointFormat, tensors: Tensors, device: torch.device,
+             activations: str | None = None) -> QuantMoE:
     """The block's experts read and converted (one expert at a time), as a :class:`QuantMoE` on ``device``
-    holding the block's router."""
+    holding the block's router, running with ``activations`` (:class:`QuantMoE`'s)."""
     w13, w2 = [], []
     for e in range(load.num_experts):
         gate, up, down = (read_stored_layer(fmt, load.layout.expert_layer(load.prefix, e, p), tensors)
@@ -129,7 +130,7 @@ def load_moe(load: MoeLoad, fmt: CheckpointFormat, tensors: Tensors, device: tor
     router: Any = load.block.gate
     module = QuantMoE(router, experts, top_k=load.settings.top_k, routing=load.settings.routing,
                       activation=load.settings.activation, name=load.name,
-                      jitter_noise=float(getattr(load.block, "jitter_noise", 0.0)))
+                      jitter_noise=float(getattr(load.block, "jitter_noise", 0.0)), activations=activations)
     if device.type != "cpu":
         for name, buffer in module._buffers.items():
             if buffer is not None:

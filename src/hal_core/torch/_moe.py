@@ -18,14 +18,20 @@ w*_g_idx        int32 ``[E, K]``, only with act-order       same
 ==============  ==========================================  ===============================
 
 ``forward`` computes the router logits and, on eager CPU tensors, calls
-``backend.ops.fused_moe`` through the host route (:mod:`._host`). Any other
+``backend.ops.fused_moe`` through the host route (:mod:`._host`), bound once
+to the experts and the block's settings (:meth:`Ops.bind
+<hal_core.ops.Ops.bind>`: the experts' arrays are checked once, not on
+every call). ``activations`` is ``fused_moe``'s setting: None or
+``"float"`` (W4A16 for int4 experts), ``"int8"`` (W4A8) or ``"auto"``
+(the backend chooses per call); int8 experts are W8A8 either way. Any other
 call (autograd recording, tensors on another device, a ``torch.compile``
 trace) runs the same block composed in torch: routing with ``softmax`` /
 ``topk``, each hit expert's two projections with ``torch.ops.hal.quantized_gemm``
-(which differentiates with respect to its input) and the activation in
-float32. That fallback is counted per reason in :attr:`QuantMoE.fallbacks`,
-logged once per reason, and raises :class:`~hal_core.FallbackError` under
-``HAL_STRICT=1``.
+(which differentiates with respect to its input, with the block's
+``activations``; under ``"auto"`` each expert's GEMM chooses by its own
+rows) and the activation in float32. That fallback is counted per reason
+in :attr:`QuantMoE.fallbacks`, logged once per reason, and raises
+:class:`~hal_core.FallbackError` under ``HAL_STRICT=1``.
 """
 
 from __future__ import annotations
@@ -38,12 +44,14 @@ import torch
 
 from .. import _env
 from .._errors import ArgumentError, ArgumentTypeError, FallbackError
+from ..interop import host_view
 from ..ops.fused_moe import ROUTINGS
 from ..ops.gated_activation import ACTIVATIONS
 from ..quant import ExpertWeights, QuantizedWeight, quantize
+from ._convert import to_tensor
 from ._host import HostRoute, route_for
 from ._input_checks import check_activation
-from ._modules import _SCALE_DTYPES
+from ._modules import _SCALE_DTYPES, check_activations
 from ._moe_block import MoeSettings, block_problem, expert_tensors, moe_settings
 from ._weights import _weight, weight_to_tensors
 
@@ -96,7 +104,8 @@ class QuantMoE(torch.nn.Module):
     """
 
     def __init__(self, gate: torch.nn.Module, experts: ExpertWeights, *, top_k: int, routing: str | None = None,
-                 activation: str | None = None, name: str | None = None, jitter_noise: float = 0.0) -> None:
+                 activation: str | None = None, name: str | None = None, jitter_noise: float = 0.0,
+                 activations: str | None = None) -> None:
         super().__init__()
         if not isinstance(gate, torch.nn.Module):
             raise ArgumentTypeError(f"argument 'gate': expected the router (a torch.nn.Module), "
@@ -118,6 +127,8 @@ class QuantMoE(torch.nn.Module):
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden, inter
         self.bits, self.group_size = experts.bits, experts.group_size
         self.top_k, self.routing, self.activation = top_k, routing, activation
+        #: ``fused_moe``'s ``activations`` for every call (None / ``"float"``: W4A16; ``"int8"``: W4A8; ``"auto"``).
+        self.activations = check_activations(activations)
         #: The block's qualified name in its model, for errors; None when unknown.
         self.name = name
         #: Multiplicative noise on the input in training mode (Mixtral's ``router_jitter_noise``), 0 for none.
@@ -126,6 +137,8 @@ class QuantMoE(torch.nn.Module):
         self.fallbacks: dict[str, int] = {}
         #: (the buffers, hal's experts over their numpy views): eager CPU calls reuse it.
         self._host_experts: tuple[tuple[Any, ...], ExpertWeights] | None = None
+        #: (the buffers, the settings, fused_moe bound to them): eager CPU calls reuse it.
+        self._host_op: tuple[tuple[Any, ...], tuple[Any, ...], Any] | None = None
         for prefix, weights in (("w13", experts.w13), ("w2", experts.w2)):
             for field, tensor in _stacked(weights, prefix).items():
                 self.register_buffer(f"{prefix}_{field}", tensor)
@@ -133,12 +146,13 @@ class QuantMoE(torch.nn.Module):
     @classmethod
     def from_block(cls, block: torch.nn.Module, config: Any, *, bits: int = 4, group_size: int = 128,
                    symmetric: bool = True, scale_dtype: torch.dtype = torch.float16,
-                   name: str | None = None) -> QuantMoE:
+                   name: str | None = None, activations: str | None = None) -> QuantMoE:
         """Quantize a transformers sparse MoE block's experts (:data:`~hal_core.torch._moe_block.BLOCKS`).
 
         ``config`` is the model's config (``top_k``, routing and activation are read from it, see
         docs/engine-guide.md); ``bits``, ``group_size``, ``symmetric`` and ``scale_dtype`` as
-        :func:`~hal_core.quant.quantize`, for every expert's ``w13`` and ``w2``. The new module holds
+        :func:`~hal_core.quant.quantize`, for every expert's ``w13`` and ``w2``; ``activations`` as the
+        constructor's. The new module holds
         ``block.gate`` itself and the quantized experts on the router's device; ``block`` is left as it
         was. Each expert's float weight is read once (its float64 copy on the host is the only transient).
         """
@@ -153,7 +167,7 @@ class QuantMoE(torch.nn.Module):
         if problem is not None:
             raise ArgumentError(f"MoE block {name or type(block).__name__!r} cannot be quantized: {problem}")
         return quantize_block(block, settings, bits=bits, group_size=group_size, symmetric=symmetric,
-                              scale_dtype=scale_dtype, name=name)
+                              scale_dtype=scale_dtype, name=name, activations=activations)
 
     # -- the experts ----------------------------------------------------------------
 
@@ -183,6 +197,21 @@ class QuantMoE(torch.nn.Module):
             views = tuple(None if t is None else route.native(t, "experts") for t in buffers)
             cached = self._host_experts = (buffers, self._experts(views))
         return cached[1]
+
+    def _host_fused(self, route: HostRoute) -> Any:
+        """``fused_moe`` bound to the host experts and this block's settings; made again when a buffer is replaced,
+        a setting (``top_k``, ``routing``, ``activation``, ``activations``) or the backend changes."""
+        buffers = self._buffer_tuple()
+        settings = (route.backend, self.top_k, self.routing, self.activation, self.activations)
+        cached = self._host_op
+        if (cached is None or any(map(is_not, cached[0], buffers))
+                or any(a is not b and a != b for a, b in zip(cached[1], settings, strict=True))):
+            fixed: dict[str, Any] = {"experts": self._host(route), "top_k": self.top_k, "routing": self.routing,
+                                     "activation": self.activation}
+            if self.activations is not None:
+                fixed["activations"] = self.activations
+            cached = self._host_op = (buffers, settings, route.bind("fused_moe", **fixed))
+        return cached[2]
 
     # -- running it -----------------------------------------------------------------
 
@@ -215,10 +244,8 @@ class QuantMoE(torch.nn.Module):
         reason = _fallback_reason(rows, logits)
         if reason is None:
             route = route_for(rows)
-            args = {"hidden_states": rows, "router_logits": logits.contiguous(), "experts": self._host(route),
-                    "top_k": self.top_k, "routing": self.routing, "activation": self.activation}
-            out = route.call("fused_moe", args)
-            assert out is not None
+            out = to_tensor(self._host_fused(route)(hidden_states=host_view(rows, "hidden_states"),
+                                                    router_logits=host_view(logits.contiguous(), "router_logits")))
         else:
             self._fall_back(reason)
             out = self._composed(rows, logits)
@@ -241,17 +268,18 @@ class QuantMoE(torch.nn.Module):
         for e in torch.unique(ids).tolist():
             tokens, slots = torch.where(ids == e)
             h = torch.ops.hal.quantized_gemm(x[tokens], *(None if t is None else t[e] for t in w13), self.bits,
-                                             self.group_size, None)
+                                             self.group_size, self.activations)
             gated = _activate(h[:, :self.intermediate_size], self.activation) * h[:, self.intermediate_size:]
             y = torch.ops.hal.quantized_gemm(gated.contiguous(), *(None if t is None else t[e] for t in w2),
-                                             self.bits, self.group_size, None)
+                                             self.bits, self.group_size, self.activations)
             out = out.index_add(0, tokens, y * weights[tokens, slots, None])
         return out.to(rows.dtype)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
                 f"intermediate={self.intermediate_size}, int{self.bits}, group_size={self.group_size}, "
-                f"routing={self.routing}, activation={self.activation}")
+                f"routing={self.routing}, activation={self.activation}"
+                f"{f', activations={self.activations}' if self.activations else ''}")
 
     # -- keeping the format exact -----------------------------------------------------
 
@@ -267,7 +295,7 @@ class QuantMoE(torch.nn.Module):
 
 
 def quantize_block(block: torch.nn.Module, settings: MoeSettings, *, bits: int, group_size: int, symmetric: bool,
-                   scale_dtype: torch.dtype, name: str | None) -> QuantMoE:
+                   scale_dtype: torch.dtype, name: str | None, activations: str | None = None) -> QuantMoE:
     """:meth:`QuantMoE.from_block` after its checks (``block_problem`` found nothing): the experts quantized one at
     a time, the module on the router's device."""
     gate_up, down = expert_tensors(block)
@@ -278,7 +306,8 @@ def quantize_block(block: torch.nn.Module, settings: MoeSettings, *, bits: int, 
                             tuple(quantize(down[e].T, **options) for e in range(down.shape[0])))
     gate: Any = block.gate
     module = QuantMoE(gate, experts, top_k=settings.top_k, routing=settings.routing, activation=settings.activation,
-                      name=name, jitter_noise=float(getattr(block, "jitter_noise", 0.0) or 0.0))
+                      name=name, jitter_noise=float(getattr(block, "jitter_noise", 0.0) or 0.0),
+                      activations=activations)
     return module.to(gate.weight.device)
 
 

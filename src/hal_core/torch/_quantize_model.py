@@ -117,10 +117,11 @@ def quantize_model(model: torch.nn.Module, *, bits: int = 4, group_size: int = 1
     ``from_pretrained``) to memory of their own, so the mapping is
     released. ``progress``: None, True (a progress bar on stderr) or
     ``progress(done, total, name)``, called after each layer is quantized.
-    ``activations``: every new layer's activation precision
-    (:class:`QuantLinear`): None or ``"float"`` (W4A16 for int4 layers),
-    ``"int8"`` (int4 layers run as W4A8 on integer dot products;
-    docs/quantization.md gives its accuracy); int8 layers are W8A8 either way.
+    ``activations``: every new layer's and MoE block's activation precision
+    (:class:`QuantLinear`, :class:`QuantMoE`): None or ``"float"`` (W4A16
+    for int4 layers), ``"int8"`` (int4 layers run as W4A8 on integer dot
+    products; docs/quantization.md gives its accuracy), ``"auto"`` (the
+    default: the backend chooses per call); int8 layers are W8A8 either way.
 
     Only exact ``nn.Linear`` submodules of ``model`` are quantized:
     subclasses are left in float (and listed as skipped), since their
@@ -175,7 +176,8 @@ def quantize_model(model: torch.nn.Module, *, bits: int = 4, group_size: int = 1
             quantized_bytes += _nbytes(quantized)
             step(layer.name)
         blocks, moe_float, moe_quantized = quantize_blocks(moe, group_size=group_size, symmetric=symmetric,
-                                                           scale_dtype=scale_dtype, step=step)
+                                                           scale_dtype=scale_dtype, step=step,
+                                                           activations=activations)
     replace_blocks(moe, blocks)
     for layer, quantized in zip(plan.layers, done, strict=True):
         for parent, attr in layer.places:

@@ -92,14 +92,17 @@ def block_problems(plan: MoePlan, *, group_size: int, symmetric: bool, scale_dty
 
 
 def quantize_blocks(plan: MoePlan, *, group_size: int, symmetric: bool, scale_dtype: torch.dtype,
-                    step: Callable[[str], None]) -> tuple[list[QuantMoE], int, int]:
+                    step: Callable[[str], None],
+                    activations: str | None = None) -> tuple[list[QuantMoE], int, int]:
     """``(the new modules, the experts' float bytes, their quantized bytes)`` for a plan whose
-    :func:`block_problems` found nothing; nothing in the model changed yet."""
+    :func:`block_problems` found nothing; nothing in the model changed yet. ``activations``: each new block's
+    (:class:`QuantMoE`)."""
     done: list[QuantMoE] = []
     float_bytes = quantized_bytes = 0
     for planned in plan.blocks:
         module = quantize_block(planned.block, planned.settings, bits=planned.bits, group_size=group_size,
-                                symmetric=symmetric, scale_dtype=scale_dtype, name=planned.name)
+                                symmetric=symmetric, scale_dtype=scale_dtype, name=planned.name,
+                                activations=activations)
         done.append(module)
         float_bytes += sum(t.numel() * t.element_size() for t in expert_tensors(planned.block))
         quantized_bytes += sum(t.numel() * t.element_size() for t in module.buffers())

@@ -45,4 +45,5 @@ def register_ops(registry: OpRegistry) -> None:
     registry.register("rms_norm", rms_norm.rms_norm, name="cpu.rms_norm")
     registry.register("gated_activation", gated_activation.gated_activation, name="cpu.gated_activation")
     registry.register("rotary_embedding", rotary_embedding.rotary_embedding, name="cpu.rotary_embedding")
+    registry.declare("fused_moe", OpCoverage(schemes=("w4a16", "w4a8", "w8a8")))
     registry.register("fused_moe", fused_moe.fused_moe, name="cpu.fused_moe")
