@@ -335,6 +335,23 @@ typedef struct hal_cpu_rotary_embedding_args {
 } hal_cpu_rotary_embedding_args;
 
 /* The names hal_cpu_abi knows, with their field lists: X(name, struct, FIELDS) per argument struct. */
+/* The experts of a small mixture-of-experts call (fused_moe with a few rows per expert): job j is one expert's
+ * y_j = w2_j(act(w13_j(x_j))) as three calls, its w13 GEMM (up[j]), its gated activation (act[j]) and its w2
+ * GEMM (down[j]), each with its x and y (gate, up, out) filled and run on one thread (their threads fields are
+ * ignored); the jobs are spread over `threads` threads. up and down are arrays of the kind's GEMM struct:
+ * HAL_EXPERT_W4A16 hal_cpu_w4a16_gemv_args, HAL_EXPERT_W8A8 hal_cpu_w8a8_gemm_args, HAL_EXPERT_W4A8
+ * hal_cpu_w4a8_gemm_args. Each output is what the three calls give one after the other (every kernel gives the
+ * same bits at every thread count); HAL_ENOMEM if a job's kernel could not allocate (its outputs unspecified). */
+enum { HAL_EXPERT_W4A16 = 0, HAL_EXPERT_W8A8 = 1, HAL_EXPERT_W4A8 = 2 };
+#define HAL_CPU_EXPERT_MLPS_FIELDS(F)                                                                          \
+    F(const void *, up)                 /* [jobs] of the kind's GEMM struct */                                 \
+    F(const hal_cpu_gated_activation_args *, act) /* [jobs] */                                                \
+    F(const void *, down)               /* [jobs] of the kind's GEMM struct */                                 \
+    F(int64_t, jobs)                                                                                           \
+    F(int32_t, kind)                    /* HAL_EXPERT_W4A16 / HAL_EXPERT_W8A8 / HAL_EXPERT_W4A8 */             \
+    F(int32_t, threads)
+typedef struct hal_cpu_expert_mlps_args { HAL_CPU_EXPERT_MLPS_FIELDS(HAL_CPU_DECLARE_FIELD) } hal_cpu_expert_mlps_args;
+
 #define HAL_CPU_ABI_STRUCTS(X)                                                                                 \
     X(attention, hal_cpu_attention_args, HAL_CPU_ATTENTION_FIELDS)                                             \
     X(write_kv_cache, hal_cpu_write_kv_cache_args, HAL_CPU_WRITE_KV_CACHE_FIELDS)                              \
@@ -348,7 +365,8 @@ typedef struct hal_cpu_rotary_embedding_args {
     X(rms_norm, hal_cpu_rms_norm_args, HAL_CPU_RMS_NORM_FIELDS)                                                \
     X(gated_activation, hal_cpu_gated_activation_args, HAL_CPU_GATED_ACTIVATION_FIELDS)                        \
     X(rotary_embedding, hal_cpu_rotary_embedding_args, HAL_CPU_ROTARY_EMBEDDING_FIELDS)                        \
-    X(from_float32, hal_cpu_from_float32_args, HAL_CPU_FROM_FLOAT32_FIELDS)
+    X(from_float32, hal_cpu_from_float32_args, HAL_CPU_FROM_FLOAT32_FIELDS)                                    \
+    X(expert_mlps, hal_cpu_expert_mlps_args, HAL_CPU_EXPERT_MLPS_FIELDS)
 
 /* "size=N;field=offset:size;..." for an argument struct of this ABI (the names of HAL_CPU_ABI_STRUCTS), NULL
  * for an unknown name: hal_cpu._abi compares it with its ctypes mirror when the library loads. */
@@ -380,6 +398,7 @@ int hal_cpu_rms_norm(const hal_cpu_rms_norm_args *args);
 int hal_cpu_gated_activation(const hal_cpu_gated_activation_args *args);
 int hal_cpu_rotary_embedding(const hal_cpu_rotary_embedding_args *args);
 int hal_cpu_from_float32(const hal_cpu_from_float32_args *args);
+int hal_cpu_expert_mlps(const hal_cpu_expert_mlps_args *args);
 
 /* 1 when hal_cpu_w4a16_gemv runs fp16/bf16 activations through AVX512_BF16 dot products on this CPU, else 0. */
 int hal_cpu_w4a16_half_dot(void);

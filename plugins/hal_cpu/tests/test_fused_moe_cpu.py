@@ -6,8 +6,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hal_cpu import _native
-from hal_cpu.ops import fused_moe
+from hal_cpu import _native, set_threads
+from hal_cpu.ops import _expert_mlps, fused_moe
 
 from hal_core.ops import OPS
 from hal_core.ops.fused_moe import ROUTINGS
@@ -27,20 +27,31 @@ def _moe(args: dict[str, Any]) -> np.ndarray:
                          args.get("routing") or "softmax_topk", args.get("activation") or "silu")
 
 
+@pytest.mark.parametrize("native_call", [True, False])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_each_expert_is_one_gemm_per_projection_over_all_its_tokens(rng: np.random.Generator,
                                                                     monkeypatch: pytest.MonkeyPatch,
-                                                                    bits: int) -> None:
-    """Each routed expert's w13 and w2 are multiplied once, over exactly the rows of the tokens routed to it."""
+                                                                    bits: int, native_call: bool) -> None:
+    """Each routed expert's w13 and w2 are multiplied once, over exactly the rows of the tokens routed to it, in
+    the one native call for experts of few rows (native_call) and in the loop of GEMM calls."""
+    if native_call and _native.try_load() is None:
+        pytest.skip("the compiled library is not built")
     args = _args(rng, bits=bits)
     calls: list[tuple[int, int]] = []
-    real = fused_moe.gemm
+    real, real_launch = fused_moe.gemm, _expert_mlps.launch_for
 
     def counting(x: np.ndarray, weight: Any, **kwargs: Any) -> np.ndarray:
         calls.append((id(weight), x.shape[0]))
         return real(x, weight, **kwargs)
 
+    def counting_launch(native: Any, x: np.ndarray, weight: Any, activations: str) -> Any:
+        calls.append((id(weight), x.shape[0]))
+        return real_launch(native, x, weight, activations)
+
     monkeypatch.setattr(fused_moe, "gemm", counting)
+    monkeypatch.setattr(_expert_mlps, "launch_for", counting_launch)
+    if not native_call:
+        monkeypatch.setattr(_expert_mlps, "MAX_ROWS", 0)
     got = _moe(args)
     logits = args["router_logits"].astype(np.float64)
     chosen = np.argsort(-logits, axis=1, kind="stable")[:, :4]
@@ -115,3 +126,42 @@ def test_one_token_gives_the_grouped_loops_bits(rng: np.random.Generator, bits: 
     int8 = bits == 8 or activations == "int8"
     assert_close(got, REFERENCE({**args, "activations": activations}), kind="moe_w8a8" if int8 else "gemm",
                  dtype="fp32", what=f"one token, int{bits}, {activations}")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize(("bits", "activations"), [(4, "float"), (4, "int8"), (8, "float")])
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_the_native_call_gives_the_loops_bits(rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch,
+                                              request: pytest.FixtureRequest, tokens: int, bits: int,
+                                              activations: str, dtype: str, threads: int) -> None:
+    """Experts of few rows in one native call (one expert per thread) give the loop's bits at any thread count,
+    for W4A16, W4A8 and W8A8; the call is taken (no GEMM call from Python)."""
+    if _native.try_load() is None:
+        pytest.skip("the compiled library is not built")
+    previous = set_threads(threads)
+    request.addfinalizer(lambda: set_threads(previous))
+    args = _args(rng, num_tokens=tokens, bits=bits, dtype=dtype, top_k=4)
+    call = (args["hidden_states"], args["router_logits"], args["experts"], 4, "softmax_topk", "silu", activations)
+    python_gemms: list[int] = []
+    real = fused_moe.gemm
+    monkeypatch.setattr(fused_moe, "gemm", lambda *a, **k: python_gemms.append(1) or real(*a, **k))
+    native = fused_moe.moe(*call)
+    assert not python_gemms, "the experts ran one GEMM call at a time"
+    monkeypatch.setattr(_expert_mlps, "MAX_ROWS", 0)
+    np.testing.assert_array_equal(native, fused_moe.moe(*call))
+    assert python_gemms
+
+
+def test_a_non_finite_w4a16_result_takes_the_loop(rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row holding inf: the in-register W4A16 kernel's rows are redone by the loop's GEMM, so the native call's
+    result is dropped and the loop's (the reference's NaN and inf pattern) returned."""
+    if _native.try_load() is None:
+        pytest.skip("the compiled library is not built")
+    args = _args(rng, num_tokens=3)
+    args["hidden_states"][1, 5] = np.inf
+    call = (args["hidden_states"], args["router_logits"], args["experts"], 4)
+    got = fused_moe.moe(*call)
+    monkeypatch.setattr(_expert_mlps, "MAX_ROWS", 0)
+    np.testing.assert_array_equal(got, fused_moe.moe(*call))
+    assert_close(got, REFERENCE(args), kind="gemm", dtype="fp32", what="fused_moe with inf")

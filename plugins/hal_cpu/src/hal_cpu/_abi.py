@@ -152,6 +152,16 @@ class GatedActivationArgs(ctypes.Structure):
     ]
 
 
+class ExpertMlpsArgs(ctypes.Structure):
+    """``hal_cpu_expert_mlps_args``: small MoE calls, each expert's two GEMMs and activation on one thread."""
+
+    _fields_ = [("up", _p), ("act", _p), ("down", _p), ("jobs", _i64), ("kind", _i32), ("threads", _i32)]
+
+
+#: ``hal_cpu_expert_mlps``'s ``kind`` per GEMM kernel entry point.
+EXPERT_W4A16, EXPERT_W8A8, EXPERT_W4A8 = 0, 1, 2
+
+
 #: ABI name (as ``hal_cpu_abi`` knows it) -> mirror.
 STRUCTS: dict[str, type[ctypes.Structure]] = {
     "attention": AttentionArgs,
@@ -167,6 +177,7 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "gated_activation": GatedActivationArgs,
     "rotary_embedding": RotaryEmbeddingArgs,
     "from_float32": FromFloat32Args,
+    "expert_mlps": ExpertMlpsArgs,
 }
 
 

@@ -29,7 +29,7 @@ from . import _launches, _rules
 from ._native_args import dtype_code
 from ._tiles import tiles
 
-__all__ = ["W4A8_MAX_GROUP", "gemm", "integer_kernel"]
+__all__ = ["W4A8_MAX_GROUP", "gemm", "integer_kernel", "launch"]
 
 
 #: The largest group the integer kernel takes: ``127 * G * (15 + 255)`` stays below ``2**31`` (csrc/w4a8.inl).
@@ -49,10 +49,10 @@ def gemm(native: _native.Native, x: np.ndarray, qweight: QuantizedWeight, thread
     if integer_kernel(qweight):
         if threads is None:
             signature = ("w4a8", m, x.dtype, x.strides[0], native.threads)
-            launch = _launches.kept(qweight, signature, lambda: _launch(native, x, qweight, None))
+            prepared = _launches.kept(qweight, signature, lambda: launch(native, x, qweight, None))
         else:
-            launch = _launch(native, x, qweight, threads)
-        if launch.run(x, y):
+            prepared = launch(native, x, qweight, threads)
+        if prepared.run(x, y):
             raise MemoryError("quantized_gemm: the CPU kernel could not allocate its activation workspace")
         return y
     if threads is None:
@@ -65,7 +65,7 @@ def gemm(native: _native.Native, x: np.ndarray, qweight: QuantizedWeight, thread
     return y
 
 
-def _launch(native: _native.Native, x: np.ndarray, qweight: QuantizedWeight, threads: int | None) -> _launches.Launch:
+def launch(native: _native.Native, x: np.ndarray, qweight: QuantizedWeight, threads: int | None) -> _launches.Launch:
     """The integer kernel's launch for ``x``'s signature (rows, dtype, row stride)."""
     m, k = x.shape
     if threads is None:

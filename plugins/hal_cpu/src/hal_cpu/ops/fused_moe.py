@@ -12,8 +12,11 @@
    meets each expert at most once).
 4. The output is rounded once to the hidden dtype.
 
-One token (decode) skips the grouping: its ``top_k`` experts run in expert order with the same operations on
-the same row as the grouped loop, so with the same bits.
+One token (decode) skips the grouping: its ``top_k`` experts in expert order, each on the token's row. Where
+every expert hit has at most :data:`~hal_cpu.ops._expert_mlps.MAX_ROWS` rows and there are at least as many
+experts as threads (decode, small batches), step 3 is one native call that runs each expert's three calls on
+one thread, the experts spread over the threads (:mod:`hal_cpu.ops._expert_mlps`); the kernels, and so the
+bits, are the loop's.
 
 Experts without tokens are never touched. Allocated per call: the routing arrays, and per expert its
 gathered rows, ``[n, 2 * intermediate]`` and ``[n, intermediate]`` and ``[n, hidden]`` floats (``n``: its
@@ -23,6 +26,8 @@ numpy fallbacks.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from hal_core.ops import OpCall
@@ -30,6 +35,8 @@ from hal_core.ops.fused_moe import int8_activations, routing_of
 from hal_core.ops.gated_activation import activation_of
 from hal_core.quant import ExpertWeights
 
+from .. import _native
+from . import _expert_mlps
 from ._common import finish
 from .gated_activation import gated
 from .quantized_gemm import gemm
@@ -65,30 +72,44 @@ def moe(x: np.ndarray, logits: np.ndarray, experts: ExpertWeights, top_k: int, r
     """The MoE layer of validated host inputs as float32 ``[num_tokens, hidden]`` (``activations``: ``'int8'`` runs
     int4 experts as W4A8; int8 experts always run W8A8)."""
     tokens, hidden = x.shape
-    inter = experts.shape[2]
     out = np.zeros((tokens, hidden), dtype=np.float32)
     if tokens == 0:
         return out
     ids, weights = route(logits, top_k, routing)
-    if tokens == 1:  # decode: the token meets each of its top_k (distinct) experts once, no grouping to do
-        for j in np.argsort(ids[0]).tolist():  # in expert order, as the grouped loop below adds them
-            expert = int(ids[0, j])
-            h = gemm(x, experts.w13[expert], activations=activations)
-            y = gemm(gated(h[:, :inter], h[:, inter:], activation), experts.w2[expert], activations=activations)
-            y *= weights[0, j]
-            out += y
-        return out
+    hit, rows, scales = _groups(ids, weights, experts.num_experts)
+    native = _native.try_load()
+    found = None
+    if native is not None and len(hit) >= native.threads and max(map(len, scales)) <= _expert_mlps.MAX_ROWS:
+        gathered = [np.ascontiguousarray(x[r]) for r in rows]
+        found = _expert_mlps.outputs(native, gathered, experts, hit, activation, activations)
+    for j, (e, r, w) in enumerate(zip(hit, rows, scales, strict=True)):  # in expert order
+        y = found[j] if found is not None else _expert(x[r], experts, e, activation, activations)
+        y *= w[:, None]
+        out[r] += y  # rows are distinct within one expert
+    return out
+
+
+def _groups(ids: np.ndarray, weights: np.ndarray,
+            num_experts: int) -> tuple[list[int], list[Any], list[np.ndarray]]:
+    """The experts hit, in increasing order, with each one's rows (an index array, or a slice for one token) and
+    the routing weights of those rows."""
+    tokens, top_k = ids.shape
+    if tokens == 1:  # decode: the token meets each of its top_k (distinct) experts once
+        order = np.argsort(ids[0]).tolist()
+        return ([int(ids[0, j]) for j in order], [slice(0, 1)] * top_k,
+                [weights[0, j:j + 1] for j in order])
     flat_ids = ids.reshape(-1)
     flat_weights = weights.reshape(-1)
     order = np.argsort(flat_ids, kind="stable")  # the pairs grouped by expert, token order kept within each
-    counts = np.bincount(flat_ids, minlength=experts.num_experts)
+    counts = np.bincount(flat_ids, minlength=num_experts)
     bounds = np.concatenate([[0], np.cumsum(counts)])
-    for e in np.flatnonzero(counts):
-        pairs = order[bounds[e]:bounds[e + 1]]
-        rows = pairs // top_k
-        h = gemm(x[rows], experts.w13[e], activations=activations)  # float32 [n, 2 * inter]
-        act = gated(h[:, :inter], h[:, inter:], activation)
-        y = gemm(act, experts.w2[e], activations=activations)  # float32 [n, hidden]
-        y *= flat_weights[pairs][:, None]
-        out[rows] += y  # rows are distinct within one expert
-    return out
+    hit = np.flatnonzero(counts).tolist()
+    pairs = [order[bounds[e]:bounds[e + 1]] for e in hit]
+    return hit, [p // top_k for p in pairs], [flat_weights[p] for p in pairs]
+
+
+def _expert(x: np.ndarray, experts: ExpertWeights, e: int, activation: str, activations: str) -> np.ndarray:
+    """Expert ``e``'s gated MLP of rows ``x`` as float32 ``[n, hidden]``: two GEMM calls and the activation."""
+    inter = experts.shape[2]
+    h = gemm(x, experts.w13[e], activations=activations)  # float32 [n, 2 * inter]
+    return gemm(gated(h[:, :inter], h[:, inter:], activation), experts.w2[e], activations=activations)

@@ -65,6 +65,8 @@ argument struct, its tiles and threads) is kept with the weight for the next suc
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from hal_core.ops import OpCall
@@ -76,7 +78,8 @@ from . import _fallback_gemm, _knobs, _launches, _rules, _tiles, _w4a8
 from ._common import finish
 from ._native_args import dtype_code
 
-__all__ = ["W8A8_ACC_WORDS", "W8A8_SMALL_M_MAX", "gemm", "half_dot", "quantized_gemm", "w8a8_column_tile"]
+__all__ = ["W8A8_ACC_WORDS", "W8A8_SMALL_M_MAX", "gemm", "half_dot", "launch_for", "quantized_gemm",
+           "w8a8_column_tile"]
 
 #: The int32 accumulators of one small-M W8A8 task (csrc/w8a8_vnni.inl, ``kVnniAccWords``): M x columns at most.
 W8A8_ACC_WORDS = 8192
@@ -153,6 +156,25 @@ def gemm(
     if kernel == "registers" and qweight.bits == 4 and not np.isfinite(y).all():
         _redo_non_finite_rows(native, x, qweight, y)
     return y
+
+
+def launch_for(native: _native.Native, x: np.ndarray, qweight: QuantizedWeight,
+               activations: str = "float") -> _launches.Launch | None:
+    """The launch :func:`gemm` runs for ``x`` (C-contiguous, at least one row) and ``qweight`` with the rules'
+    settings, kept with the weight as there; None where it runs no launch (the tiles and blocked kernels, W4A8's
+    tiles path)."""
+    m = x.shape[0]
+    if qweight.bits == 4 and activations == "int8":
+        if not _w4a8.integer_kernel(qweight):
+            return None
+        w4a8: tuple[Any, ...] = ("w4a8", m, x.dtype, x.strides[0], native.threads)
+        return _launches.kept(qweight, w4a8, lambda: _w4a8.launch(native, x, qweight, None))
+    half = half_dot(native, x.dtype)
+    kernel = _rules.gemm_kernel(m, qweight.bits, qweight.group_size, qweight.g_idx is not None, native.isa, half)
+    if qweight.bits == 4 and kernel != "registers":
+        return None
+    signature = (m, x.dtype, x.strides[0], kernel, native.threads, half)
+    return _launches.kept(qweight, signature, lambda: _launch(native, x, qweight, kernel, half))
 
 
 def _launch(native: _native.Native, x: np.ndarray, qweight: QuantizedWeight, kernel: str, half: bool,
