@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -11,6 +12,7 @@ from hal_cpu.ops import _expert_mlps, fused_moe
 
 from hal_core.ops import OPS
 from hal_core.ops.fused_moe import ROUTINGS
+from hal_core.quant import ExpertWeights
 from hal_core.testing.inputs import assert_close, fused_moe_inputs
 
 REFERENCE = OPS["fused_moe"].reference
@@ -165,3 +167,28 @@ def test_a_non_finite_w4a16_result_takes_the_loop(rng: np.random.Generator, monk
     monkeypatch.setattr(_expert_mlps, "MAX_ROWS", 0)
     np.testing.assert_array_equal(got, fused_moe.moe(*call))
     assert_close(got, REFERENCE(args), kind="gemm", dtype="fp32", what="fused_moe with inf")
+
+
+def test_act_order_int8_experts_in_the_native_call(rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8 experts with act-order: their W8A8 launches own a row order derived from g_idx (built per call, not
+    kept); the native call holds them through the call and gives the loop's bits and the reference's values."""
+    if _native.try_load() is None:
+        pytest.skip("the compiled library is not built")
+    args = _args(rng, num_tokens=2, bits=8)
+    experts = args["experts"]
+
+    def act_order(weight: Any) -> Any:
+        k = weight.shape[0]
+        g_idx = rng.permutation(np.arange(k) // weight.group_size).astype(np.int32)
+        return replace(weight, g_idx=g_idx)
+
+    args["experts"] = ExpertWeights(tuple(map(act_order, experts.w13)), tuple(map(act_order, experts.w2)))
+    call = (args["hidden_states"], args["router_logits"], args["experts"], 4)
+    python_gemms: list[int] = []
+    real = fused_moe.gemm
+    monkeypatch.setattr(fused_moe, "gemm", lambda *a, **k: python_gemms.append(1) or real(*a, **k))
+    got = fused_moe.moe(*call)
+    assert not python_gemms
+    monkeypatch.setattr(_expert_mlps, "MAX_ROWS", 0)
+    np.testing.assert_array_equal(got, fused_moe.moe(*call))
+    assert_close(got, REFERENCE(args), kind="moe_w8a8", dtype="fp32", what="act-order int8 experts")

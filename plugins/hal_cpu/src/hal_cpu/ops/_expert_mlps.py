@@ -58,7 +58,7 @@ def outputs(native: _native.Native, rows: Sequence[np.ndarray], experts: ExpertW
     acts = (_abi.GatedActivationArgs * jobs)()
     code = activation_code(activation)
     results = []
-    buffers: list[np.ndarray] = []  # every job's projection and activation, alive until the native call returned
+    held: list[Any] = []  # every job's launches (a derived one owns its arrays) and buffers, alive through the call
     for j, (x, e) in enumerate(zip(rows, ids, strict=True)):
         n = x.shape[0]
         h = np.empty((n, 2 * inter), dtype=np.float32)
@@ -81,7 +81,7 @@ def outputs(native: _native.Native, rows: Sequence[np.ndarray], experts: ExpertW
         fill.num_tokens, fill.intermediate_size, fill.rows_per_task = n, inter, n
         fill.activation, fill.dtype, fill.threads = code, dtype_code(h), 1
         results.append(y)
-        buffers += (h, act)
+        held += (up, down, h, act)
     if kind is None:
         return None
     struct = type(up_structs[0])
@@ -92,7 +92,7 @@ def outputs(native: _native.Native, rows: Sequence[np.ndarray], experts: ExpertW
         "jobs": jobs, "kind": kind, "threads": native.threads})
     if native.lib.hal_cpu_expert_mlps(ctypes.byref(args)):
         raise MemoryError("fused_moe: the CPU kernel could not allocate its workspace")
-    del ups, downs, buffers  # alive until the call returned
+    del ups, downs, held  # alive until the call returned
     if kind == _abi.EXPERT_W4A16 and not all(np.isfinite(y).all() for y in results):
         return None
     return results
