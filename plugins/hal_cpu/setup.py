@@ -89,8 +89,9 @@ class BuildKernels(build_ext):
         with ThreadPoolExecutor(max(1, min(len(variants), os.cpu_count() or 1))) as pool:
             objects = [obj for objs in pool.map(compile_variant, ordered) for obj in objs]
         have = [(f"HAL_HAVE_{name.upper()}", "1") for name in variants if name != "baseline"]
-        # dispatch.cpp is compiled for the base instruction set: linked right after the baseline (LINK_ORDER).
-        objects[1:1] = compiler.compile([os.path.join(CSRC, "dispatch.cpp")],
+        # dispatch.cpp and expert_mlps.cpp are compiled for the base instruction set: linked right after the
+        # baseline (LINK_ORDER).
+        objects[1:1] = compiler.compile([os.path.join(CSRC, name) for name in ("dispatch.cpp", "expert_mlps.cpp")],
                                         output_dir=os.path.join(self.build_temp, "dispatch"), macros=have,
                                         extra_postargs=COMMON, depends=ext.depends)
         target = self.get_ext_fullpath(ext.name)
@@ -119,7 +120,7 @@ class BuildKernels(build_ext):
 
 KERNELS = Extension(
     "hal_cpu._kernels",
-    sources=[os.path.join(CSRC, "kernels.cpp"), os.path.join(CSRC, "dispatch.cpp")],
+    sources=[os.path.join(CSRC, name) for name in ("kernels.cpp", "dispatch.cpp", "expert_mlps.cpp")],
     depends=[os.path.join(CSRC, name) for name in sorted(os.listdir(CSRC)) if name.endswith((".h", ".inl"))],
 )
 

@@ -448,14 +448,6 @@ const hal::KernelTable *kernels() {
     return chosen->table();
 }
 
-// One job of hal_cpu_expert_mlps: the kind's GEMM at base[j], on this thread alone.
-template <class Args>
-int expert_gemm(int (*kernel)(const Args *), const void *base, int64_t j) {
-    Args args = static_cast<const Args *>(base)[j];
-    args.threads = 1;
-    return kernel(&args);
-}
-
 }  // namespace
 
 extern "C" {
@@ -560,28 +552,6 @@ int hal_cpu_rms_norm(const hal_cpu_rms_norm_args *args) { return kernels()->rms_
 
 int hal_cpu_gated_activation(const hal_cpu_gated_activation_args *args) { return kernels()->gated_activation(args); }
 int hal_cpu_rotary_embedding(const hal_cpu_rotary_embedding_args *args) { return kernels()->rotary_embedding(args); }
-
-int hal_cpu_expert_mlps(const hal_cpu_expert_mlps_args *args) {
-    const hal_cpu_expert_mlps_args &a = *args;
-    const hal::KernelTable *k = kernels();
-    std::atomic<int> rc{HAL_OK};
-    auto gemm = [&](const void *base, int64_t j) {
-        if (a.kind == HAL_EXPERT_W4A16) return expert_gemm(k->w4a16_gemv, base, j);
-        if (a.kind == HAL_EXPERT_W8A8) return expert_gemm(k->w8a8_gemm, base, j);
-        return expert_gemm(k->w4a8_gemm, base, j);
-    };
-    hal::parallel_for(a.jobs, a.threads, [&](int64_t j) {
-        int r = gemm(a.up, j);
-        if (r == HAL_OK) {
-            hal_cpu_gated_activation_args act = a.act[j];
-            act.threads = 1;
-            r = k->gated_activation(&act);
-        }
-        if (r == HAL_OK) r = gemm(a.down, j);
-        if (r != HAL_OK) rc = r;
-    });
-    return rc.load();
-}
 
 int hal_cpu_write_kv_cache(const hal_cpu_write_kv_cache_args *args) {
     const hal_cpu_write_kv_cache_args &a = *args;

@@ -3,7 +3,7 @@
 At decode a MoE call multiplies a few rows by each of ``top_k`` (or, batched, a few dozen) experts: small GEMVs
 of about a megabyte each. Run one at a time (:func:`hal_cpu.ops.fused_moe.moe`'s loop), each GEMM and
 activation is a Python call and a parallel job of its own, and the Python costs as much as the kernels.
-``hal_cpu_expert_mlps`` (csrc/dispatch.cpp) takes every expert's three calls prepared here (the kept GEMM
+``hal_cpu_expert_mlps`` (csrc/expert_mlps.cpp) takes every expert's three calls prepared here (the kept GEMM
 launches of :func:`~hal_cpu.ops.quantized_gemm.launch_for` with their rows and buffers, and the gated
 activation's struct) and runs each expert on one thread, the experts spread over the threads: one parallel
 job per MoE call, each expert's weights streamed by one core.
