@@ -144,6 +144,32 @@ def cpu() -> hal_core.Backend:
     return hal_core.get_backend("cpu")
 
 
+def _cpu_reporting(monkeypatch: pytest.MonkeyPatch, features: set[str]) -> Iterator[hal_core.Backend]:
+    if not _cpu_importable():
+        pytest.skip("hal-cpu is not installed (pip install -e plugins/hal_cpu)")
+    import hal_cpu._device as hal_cpu_device
+
+    from hal_core.ops._device_features import forget_device_features
+
+    monkeypatch.setattr(hal_cpu_device, "_kernel_features", lambda: set(features))
+    forget_device_features()
+    yield hal_core.get_backend("cpu")
+    forget_device_features()
+
+
+@pytest.fixture
+def int8_dot_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[hal_core.Backend]:
+    """The CPU backend reporting int8 dot products whatever this CPU has (what the ``activations="auto"`` rules
+    read), so their int8 branch is tested on every machine; the kernels run whatever variant this CPU runs."""
+    yield from _cpu_reporting(monkeypatch, {"int8_dot"})
+
+
+@pytest.fixture
+def plain_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[hal_core.Backend]:
+    """The CPU backend reporting no int8 dot products (the baseline kernel variant)."""
+    yield from _cpu_reporting(monkeypatch, set())
+
+
 @pytest.fixture
 def only_cpu_real(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
     """Disable every installed real plugin but ``cpu`` (plus ``extra`` names), so hardware cannot win."""

@@ -3,19 +3,16 @@ rule of quantized_gemm on the call's tokens); opt-in per backend; expert layouts
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import hal_cpu._device as hal_cpu_device
 import numpy as np
 import pytest
 
 import hal_core
 from hal_core import ArgumentError, ArgumentTypeError
 from hal_core.ops import OPS, OpCoverage
-from hal_core.ops._device_features import forget_device_features
 from hal_core.ops.quantized_gemm import INT8_ACTIVATIONS_FROM_M
 from hal_core.quant import ExpertWeights
 from hal_core.testing.inputs import assert_close, fused_moe_inputs
@@ -30,22 +27,9 @@ def store(private_tune_store: Path) -> Path:
 
 
 @pytest.fixture
-def cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[hal_core.Backend]:
-    """The CPU backend reporting int8 dot products (the rule's int8 branch is tested on every machine)."""
-    yield from _cpu_with(monkeypatch, {"int8_dot"})
-
-
-@pytest.fixture
-def plain_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[hal_core.Backend]:
-    """The CPU backend reporting no int8 dot products."""
-    yield from _cpu_with(monkeypatch, set())
-
-
-def _cpu_with(monkeypatch: pytest.MonkeyPatch, features: set[str]) -> Iterator[hal_core.Backend]:
-    monkeypatch.setattr(hal_cpu_device, "_kernel_features", lambda: set(features))
-    forget_device_features()
-    yield hal_core.get_backend("cpu")
-    forget_device_features()
+def cpu(int8_dot_cpu: hal_core.Backend) -> hal_core.Backend:
+    """The CPU backend reporting int8 dot products (conftest's ``int8_dot_cpu``)."""
+    return int8_dot_cpu
 
 
 def _args(rng: np.random.Generator, tokens: int, *, bits: int = 4, dtype: str = "fp32") -> dict[str, Any]:

@@ -3,10 +3,8 @@ int8 dot products (feature 'int8_dot'), W4A16 at every M where it has none; tune
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
-import hal_cpu._device as hal_cpu_device
 import numpy as np
 import pytest
 
@@ -29,23 +27,9 @@ def store(private_tune_store: Path) -> Path:
 
 
 @pytest.fixture
-def cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[hal_core.Backend]:
-    """The CPU backend reporting int8 dot products whatever this CPU has (what the built-in rule reads), so the rule's
-    int8 branch is tested on every machine; the kernels themselves run whatever variant this CPU runs."""
-    yield from _cpu_with(monkeypatch, {"int8_dot"})
-
-
-@pytest.fixture
-def plain_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[hal_core.Backend]:
-    """The CPU backend reporting no int8 dot products (the baseline kernel variant)."""
-    yield from _cpu_with(monkeypatch, set())
-
-
-def _cpu_with(monkeypatch: pytest.MonkeyPatch, features: set[str]) -> Iterator[hal_core.Backend]:
-    monkeypatch.setattr(hal_cpu_device, "_kernel_features", lambda: set(features))
-    forget_device_features()
-    yield hal_core.get_backend("cpu")
-    forget_device_features()
+def cpu(int8_dot_cpu: hal_core.Backend) -> hal_core.Backend:
+    """The CPU backend reporting int8 dot products (conftest's ``int8_dot_cpu``)."""
+    return int8_dot_cpu
 
 
 def _args(m: int, dtype: str = "fp32", bits: int = 4, seed: int = 0) -> dict:

@@ -56,7 +56,7 @@ from ._inputs import uniform
 from ._spec import OpSpec
 from .gated_activation import ACTIVATIONS, activate, activation_of
 from .quantized_gemm import ACTIVATIONS as PRECISIONS
-from .quantized_gemm import INT8_ACTIVATIONS_FROM_M, check_weight_layout, gemm_dtypes, random_weight
+from .quantized_gemm import activation_candidates, activation_rule, check_weight_layout, gemm_dtypes, random_weight
 
 __all__ = ["ROUTINGS", "FusedMoe", "expected_experts", "fused_moe_inputs", "int8_activations", "moe_scheme",
            "reference_routing", "routing_of"]
@@ -168,22 +168,13 @@ class FusedMoe(OpSpec):
 
     def auto_candidates(self, name: str, args: Mapping[str, Any], coverage: Any) -> tuple[tuple[str, ...], str]:
         """``activations="auto"``: int8 experts always run W8A8; int4 ones choose where the backend declares W4A8."""
-        if int(args["experts"].bits) == 8:
-            return ("int8",), "int8 experts always run W8A8"
-        if "w4a8" not in (coverage.allowed.get("schemes") or ()):
-            return ("float",), "the backend does not declare W4A8 for fused_moe (OpCoverage schemes)"
-        return self.auto_settings[name], ""
+        return activation_candidates(int(args["experts"].bits), coverage, "experts") or (self.auto_settings[name], "")
 
     def auto_rule(self, name: str, args: Mapping[str, Any], features: frozenset[str]) -> tuple[str, str]:
-        """int8 activations from :data:`~hal_core.ops.quantized_gemm.INT8_ACTIVATIONS_FROM_M` tokens up where the
-        device has int8 dot products (feature ``int8_dot``), float below and on every other device:
-        ``quantized_gemm``'s rule, on the tokens of the call."""
-        if "int8_dot" not in features:
-            return "float", "the device has no int8 dot products (capability feature 'int8_dot'): W4A16 is faster"
-        tokens = int(args["hidden_states"].shape[0])
-        if tokens >= INT8_ACTIVATIONS_FROM_M:
-            return "int8", f"{tokens} tokens >= {INT8_ACTIVATIONS_FROM_M} (the built-in rule)"
-        return "float", f"{tokens} token(s) < {INT8_ACTIVATIONS_FROM_M} (the built-in rule)"
+        """``quantized_gemm``'s rule on the call's tokens: int8 activations from
+        :data:`~hal_core.ops.quantized_gemm.INT8_ACTIVATIONS_FROM_M` tokens up where the device has int8 dot
+        products (feature ``int8_dot``), float below and on every other device."""
+        return activation_rule(int(args["hidden_states"].shape[0]), features, "tokens")
 
     def bucket(self, args: Mapping[str, Any]) -> str:
         """``w<bits>:t<pow2 tokens>`` (``w4a8:t<pow2 tokens>`` with int4 experts and int8 activations)."""

@@ -40,8 +40,8 @@ from ._declare import Arg, BenchCases, Feature, Output
 from ._inputs import uniform
 from ._spec import OpSpec
 
-__all__ = ["ACTIVATIONS", "INT8_ACTIVATIONS_FROM_M", "QuantizedGemm", "check_weight_layout", "gemm_dtypes",
-           "int8_activations", "quantized_gemm_inputs", "random_weight", "scheme"]
+__all__ = ["ACTIVATIONS", "INT8_ACTIVATIONS_FROM_M", "QuantizedGemm", "activation_candidates", "activation_rule",
+           "check_weight_layout", "gemm_dtypes", "int8_activations", "quantized_gemm_inputs", "random_weight", "scheme"]
 
 #: dtypes quantized_gemm accepts for activations.
 gemm_dtypes = ("fp16", "bf16", "fp32")
@@ -59,6 +59,28 @@ def int8_activations(args: Mapping[str, Any]) -> bool:
     """Whether a validated call quantises its activations to int8 (W8A8, or W4A8 by ``activations='int8'``;
     ``'auto'`` counts as float until :meth:`QuantizedGemm.settle` replaces it)."""
     return int(args["qweight"].bits) == 8 or args.get("activations") == "int8"
+
+
+def activation_candidates(bits: int, coverage: Any, weights: str) -> tuple[tuple[str, ...], str] | None:
+    """What ``activations="auto"`` may choose for ``bits``-bit ``weights`` (named so in the reason) under a
+    backend's ``coverage``, with why; None where both ``"float"`` and ``"int8"`` remain. Shared by the ops whose
+    int4 GEMMs take the setting (``quantized_gemm``, ``fused_moe``)."""
+    if bits == 8:
+        return ("int8",), f"int8 {weights} always run W8A8"
+    if "w4a8" not in (coverage.allowed.get("schemes") or ()):
+        return ("float",), "the backend does not declare W4A8 (OpCoverage schemes)"
+    return None
+
+
+def activation_rule(rows: int, features: frozenset[str], label: str) -> tuple[str, str]:
+    """The built-in choice of ``activations="auto"`` for a call of ``rows`` rows (``label`` names them in the
+    reason): int8 from :data:`INT8_ACTIVATIONS_FROM_M` up where the device has int8 dot products (feature
+    ``int8_dot``), float below and on every other device."""
+    if "int8_dot" not in features:
+        return "float", "the device has no int8 dot products (capability feature 'int8_dot'): W4A16 is faster"
+    if rows >= INT8_ACTIVATIONS_FROM_M:
+        return "int8", f"{label} = {rows} >= {INT8_ACTIVATIONS_FROM_M} (the built-in rule)"
+    return "float", f"{label} = {rows} < {INT8_ACTIVATIONS_FROM_M} (the built-in rule)"
 
 
 def scheme(args: Mapping[str, Any]) -> str:
@@ -101,21 +123,12 @@ class QuantizedGemm(OpSpec):
 
     def auto_candidates(self, name: str, args: Mapping[str, Any], coverage: Any) -> tuple[tuple[str, ...], str]:
         """``activations="auto"``: int8 weights always run W8A8; int4 ones choose where the backend declares W4A8."""
-        if int(args["qweight"].bits) == 8:
-            return ("int8",), "int8 weights always run W8A8"
-        if "w4a8" not in (coverage.allowed.get("schemes") or ()):
-            return ("float",), "the backend does not declare W4A8 (OpCoverage schemes)"
-        return self.auto_settings[name], ""
+        return activation_candidates(int(args["qweight"].bits), coverage, "weights") or (self.auto_settings[name], "")
 
     def auto_rule(self, name: str, args: Mapping[str, Any], features: frozenset[str]) -> tuple[str, str]:
         """int8 activations from :data:`INT8_ACTIVATIONS_FROM_M` rows up where the device has int8 dot products
         (feature ``int8_dot``), float below and on every other device."""
-        if "int8_dot" not in features:
-            return "float", "the device has no int8 dot products (capability feature 'int8_dot'): W4A16 is faster"
-        rows = int(args["x"].shape[0])
-        if rows >= INT8_ACTIVATIONS_FROM_M:
-            return "int8", f"M = {rows} >= {INT8_ACTIVATIONS_FROM_M} (the built-in rule)"
-        return "float", f"M = {rows} < {INT8_ACTIVATIONS_FROM_M} (the built-in rule)"
+        return activation_rule(int(args["x"].shape[0]), features, "M")
 
     def check_index_values(self, args: Mapping[str, Any]) -> None:
         """Range of the host ``qweight.g_idx`` (a device one is checked once copied to the host, see below).

@@ -76,7 +76,7 @@ def outputs(native: _native.Native, rows: Sequence[np.ndarray], experts: ExpertW
         down_structs.append(_filled(down.template, act, y))
         fill = acts[j]
         fill.gate, fill.gate_stride = _native.pointer(h), 2 * inter
-        fill.up, fill.up_stride = fill.gate + 4 * inter, 2 * inter
+        fill.up, fill.up_stride = fill.gate + h.itemsize * inter, 2 * inter  # the second half of each row
         fill.out, fill.out_stride = _native.pointer(act), inter
         fill.num_tokens, fill.intermediate_size, fill.rows_per_task = n, inter, n
         fill.activation, fill.dtype, fill.threads = code, dtype_code(h), 1
