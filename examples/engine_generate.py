@@ -1,4 +1,4 @@
-"""Serve a Llama-architecture checkpoint with hal_core.engine: every op of the step on hal, no torch.
+"""Serve a Llama, Mistral, Qwen3, Mixtral or Qwen3-MoE checkpoint with hal_core.engine: every op on hal, no torch.
 
     python examples/engine_generate.py                         # a random 4-layer model written to a temp folder
     python examples/engine_generate.py --model DIR --bits 4    # a Hugging Face folder: config.json + safetensors

@@ -15,12 +15,11 @@ from torch_helpers import torch
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (make test installs it)")
 
 from hal_core.bench import BenchArgumentError  # noqa: E402
-from hal_core.bench._model import ModelBenchSettings  # noqa: E402
-from hal_core.bench._model_spec import BUILTIN_MODELS, active_experts, resolve_contenders, resolve_model  # noqa: E402
+from hal_core.bench._model_spec import BUILTIN_MODELS, active_experts, resolve_model  # noqa: E402
 from hal_core.cli import main  # noqa: E402
 
 PROMPT, NEW, BATCHES = 16, 4, (1, 3)
-CONTENDERS = ("sdpa-fp32", "hal-fp32", "hal-int4")
+CONTENDERS = ("sdpa-fp32", "hal-fp32", "hal-int4", "engine-int4")
 
 
 def _meta_model() -> Any:
@@ -55,8 +54,9 @@ def _step_bytes(model: Any, bits: int | None, size: int, batch: int, context: in
 
 def test_tiny_moe_model_end_to_end(tmp_path: Path, rng: np.random.Generator,
                                    capsys: pytest.CaptureFixture[str]) -> None:
-    """The three contenders run; hal-int4 holds QuantMoE blocks; fp32 through hal equals transformers' sdpa; each
-    decode limit is the bytes counted from the model over the measured copy bandwidth."""
+    """The contenders run; hal-int4 holds QuantMoE blocks and the engine (no torch) serves the same GPTQ model; fp32
+    through hal equals transformers' sdpa; each decode limit is the bytes counted from the model over the measured
+    copy bandwidth."""
     seed = int(rng.integers(0, 2**31))
     print(f"model seed {seed}")
     out = tmp_path / "model.json"
@@ -71,9 +71,10 @@ def test_tiny_moe_model_end_to_end(tmp_path: Path, rng: np.random.Generator,
     assert list(by_name) == list(CONTENDERS) and not any("error" in c for c in by_name.values())
     assert (by_name["hal-int4"]["moe_blocks"], by_name["hal-int4"]["quantized_layers"]) == (2, 9)  # 2 x qkvo + lm_head
     assert by_name["hal-fp32"]["moe_blocks"] == 0
+    assert by_name["engine-int4"]["quantized_layers"] == 2 * (2 + 2 * 8) + 1  # qkv, o, each expert's two; lm_head
     model, copy = _meta_model(), report["limits"]["copy"]["gbps"] * 1e9
     for name, c in by_name.items():
-        bits, size = (4, 2) if name == "hal-int4" else (None, 4)
+        bits, size = (4, 2) if name.endswith("int4") else (None, 4)
         for batch in BATCHES:
             seconds = sum(_step_bytes(model, bits, size, batch, PROMPT + i) for i in range(1, NEW + 1)) / copy
             assert c["decode"][str(batch)]["limit_tokens_per_s"] == pytest.approx(batch * NEW / seconds, rel=1e-9)
@@ -89,13 +90,6 @@ def test_active_experts_is_the_expected_number_of_distinct_experts_hit(batch: in
     miss_one = math.comb(e - 1, k) / math.comb(e, k)  # one token misses a given expert
     assert active_experts(spec, batch) == pytest.approx(e * (1 - miss_one ** batch), rel=1e-12)
     assert active_experts(spec, 1) == pytest.approx(k)
-
-
-def test_the_engine_is_refused_for_a_moe_model() -> None:
-    """The engine runs Llama-architecture models: refused before any run, naming --contenders."""
-    with pytest.raises(BenchArgumentError, match=r"argument --contenders: engine-int4 run Llama-architecture models; "
-                                                 r"tiny-moe is a qwen3_moe model"):
-        ModelBenchSettings(resolve_model("tiny-moe"), resolve_contenders("hal-int4,engine-int4"))
 
 
 def test_a_moe_config_with_dense_layers_is_refused(tmp_path: Path) -> None:

@@ -31,11 +31,11 @@ def checkpoint(folder: Path, seed: int, **overrides: object) -> transformers.Lla
     return model
 
 
-def transformers_tokens(model: transformers.LlamaForCausalLM, prompts: list[list[int]], new: int,
-                        bits: int) -> list[tuple[list[int], torch.Tensor]]:
-    """Greedy tokens and step logits of ``model`` with hal's quantized projections (the engine's codes), one
-    prompt at a time."""
-    quantize_model(model, bits=bits, group_size=GROUP, layer_bits={"lm_head": 8}, activations="float")
+def transformers_tokens(model: transformers.PreTrainedModel, prompts: list[list[int]], new: int,
+                        bits: int, activations: str = "float") -> list[tuple[list[int], torch.Tensor]]:
+    """Greedy tokens and step logits of ``model`` with hal's quantized projections and MoE blocks (the engine's
+    codes, the lm_head int8), one prompt at a time."""
+    quantize_model(model, bits=bits, group_size=GROUP, layer_bits={"lm_head": 8}, activations=activations)
     out = []
     with torch.no_grad():
         for prompt in prompts:
@@ -158,15 +158,20 @@ def test_engine_refuses_a_tensor_of_the_wrong_shape(cpu, tmp_path: Path) -> None
         Engine(tmp_path, backend=cpu)
 
 
-def test_engine_never_imports_torch(cpu, tmp_path: Path) -> None:
-    """Serving a checkpoint with hal_core.engine imports no torch."""
-    checkpoint(tmp_path, 6)
+def assert_serves_without_torch(folder: Path, prompts: list[list[int]]) -> None:
+    """A fresh interpreter serves ``prompts`` from ``folder`` with hal_core.engine, and no torch is imported."""
     code = ("import sys, hal_core\nfrom hal_core.engine import Engine\n"
-            f"e = Engine({str(tmp_path)!r}, backend=hal_core.get_backend('cpu'), group_size={GROUP})\n"
-            "print(e.generate([[1, 2]], max_new_tokens=2, stop_token_ids=()))\n"
+            f"e = Engine({str(folder)!r}, backend=hal_core.get_backend('cpu'), group_size={GROUP})\n"
+            f"print(e.generate({prompts!r}, max_new_tokens=2, stop_token_ids=()))\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_engine_never_imports_torch(cpu, tmp_path: Path) -> None:
+    """Serving a checkpoint with hal_core.engine imports no torch."""
+    checkpoint(tmp_path, 6)
+    assert_serves_without_torch(tmp_path, [[1, 2]])
 
 
 def test_engine_serves_a_hugging_face_cache_snapshot(cpu, tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from ._worker_common import AnonSampler, emit, peak_rss_bytes, phase, prompt_arr
 __all__ = ["greedy", "main", "run"]
 
 _WARMUP_PROMPT = 16
+_BLOCK = 16  #: the KV cache's block size: each sequence holds whole blocks
 
 
 def greedy(engine: Any, prompts: np.ndarray, new_tokens: int) -> dict[str, Any]:
@@ -57,7 +58,8 @@ def run(task: dict[str, Any]) -> dict[str, Any]:
         start = time.perf_counter()
         engine = Engine(task["checkpoint"], backend=get_backend("cpu"), bits=contender["bits"],
                         group_size=task["group_size"], dtype=dtype, activations=contender.get("activations"),
-                        kv_cache_tokens=max(batches) * (prompt_len + new_tokens + 2),
+                        kv_cache_tokens=max(batches) * _BLOCK * -(-(prompt_len + new_tokens + 2) // _BLOCK),
+                        block_size=_BLOCK,
                         max_batch_tokens=max(batches) * prompt_len)
         load_s = time.perf_counter() - start
         loaded = {"load_peak_rss_bytes": peak_rss_bytes(), "load_peak_anon_bytes": sampler.peak,
@@ -71,7 +73,7 @@ def run(task: dict[str, Any]) -> dict[str, Any]:
     threads = int(os.environ.get("HAL_CPU_THREADS", "0") or 0) or task["threads"]
     return {
         "contender": name, "threads": threads, "load_s": load_s, "model_bytes": engine.weights.nbytes(),
-        "quantized_layers": 4 * engine.config.num_layers + 1,
+        "quantized_layers": engine.weights.quantized_count(),
         **timed, "memory": memory,
     }
 

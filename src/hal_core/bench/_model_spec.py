@@ -2,8 +2,8 @@
 and the bytes a decode step must read (no torch needed).
 
 A model is a Llama-architecture config, or a Qwen3-MoE one (every MLP a
-sparse MoE block, which hal's quantized contenders run as
-:class:`~hal_core.torch.QuantMoE`): a built-in size (:data:`BUILTIN_MODELS`)
+sparse MoE block, which hal's quantized transformers contenders run as
+:class:`~hal_core.torch.QuantMoE` and the engine as one ``fused_moe`` call): a built-in size (:data:`BUILTIN_MODELS`)
 or a path to a ``config.json`` (or a directory holding one) whose
 ``model_type`` is one of :data:`LLAMA_TYPES` or :data:`MOE_TYPES`. Its
 weights are random (seeded): nothing is downloaded, and a checkpoint's own
@@ -332,12 +332,7 @@ def decode_limit(spec: ModelSpec, contender: Contender, batch: int, prompt_len: 
 
 
 def check_sizes(spec: ModelSpec, contenders: Sequence[Contender], group_size: int) -> None:
-    """Refuse (naming the option) a model whose linear layers the quantized contenders cannot hold, and a MoE model
-    for the engine (it runs Llama-architecture models)."""
-    engines = [c.name for c in contenders if c.attention == "engine"]
-    if spec.moe and engines:
-        raise BenchArgumentError(f"argument --contenders: {', '.join(engines)} run Llama-architecture models; "
-                                 f"{spec.name} is a {spec.config['model_type']} model")
+    """Refuse (naming the option) a model whose linear layers the quantized contenders cannot hold."""
     if not any(c.bits for c in contenders):
         return
     for name, k, _ in linear_shapes(spec)[:4 if spec.moe else 7] + expert_shapes(spec):

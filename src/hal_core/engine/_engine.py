@@ -36,14 +36,15 @@ __all__ = ["Engine"]
 
 
 class Engine:
-    """Serve a Llama-architecture checkpoint (``config.json`` + safetensors) through one hal backend.
+    """Serve a checkpoint (``config.json`` + safetensors) of a Llama, Mistral, Qwen3, Mixtral or Qwen3-MoE model
+    (:class:`ModelConfig`) through one hal backend.
 
-    ``bits``: 4 or 8 for the projections (quantized at load, groups of
+    ``bits``: 4 or 8 for the projections and experts (quantized at load, groups of
     ``group_size``), ``lm_head_bits`` for the output projection; ``dtype``:
     activations and KV cache (``"fp32"``, ``"bf16"``, ``"fp16"``);
-    ``activations``: ``quantized_gemm``'s activation format (``"int8"`` runs
-    int4 weights as W4A8; default: the op's). ``kv_cache_tokens``: tokens the
-    cache holds across every running request; ``max_batch_tokens``: new tokens
+    ``activations``: ``quantized_gemm``'s and ``fused_moe``'s activation format
+    (``"int8"`` runs int4 weights as W4A8; default ``"auto"``: the op's choice per
+    call). ``kv_cache_tokens``: tokens the cache holds across every running request; ``max_batch_tokens``: new tokens
     per step. ``progress`` is called with a line per loaded layer.
     """
 

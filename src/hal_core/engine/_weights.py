@@ -1,8 +1,13 @@
-"""An engine's weights from a Llama-architecture checkpoint: float safetensors (quantized at load) or GPTQ.
+"""An engine's weights from a checkpoint of :class:`ModelConfig`'s model: float safetensors (quantized at load)
+or GPTQ.
 
 The q/k/v projections are held as one ``[hidden, q + 2 kv]`` weight and
-gate/up as one ``[hidden, 2 * intermediate]`` weight, so a layer makes four
-``quantized_gemm`` calls. Quantization is per output column with groups
+gate/up as one ``[hidden, 2 * intermediate]`` weight, so a dense layer makes
+four ``quantized_gemm`` calls. A MoE layer holds its router in float32
+(``[num_experts, hidden]``, as transformers keeps it in float) and each expert's
+gate/up and down the same way, as the :class:`~hal_core.quant.ExpertWeights`
+``fused_moe`` takes; where the checkpoint keeps them is
+:data:`~hal_core.quant._moe_layout.MOE_LAYOUTS`. Quantization is per output column with groups
 along the input, so joining columns changes no code: a float checkpoint's
 columns get the codes :func:`hal_core.torch.quantize_model` gives them, and
 a GPTQ checkpoint's stored codes are joined as they are (same bits and
@@ -23,8 +28,9 @@ import numpy as np
 
 from .._backend import Backend
 from .._errors import ArgumentError, CheckpointError, ConfigurationError
-from ..quant import QuantizedWeight, quantize
+from ..quant import ExpertWeights, QuantizedWeight, quantize
 from ..quant._checkpoint_format import KEY, CheckpointFormat, checkpoint_format
+from ..quant._moe_layout import MOE_LAYOUTS
 from ._checkpoint import Tensors
 from ._config import ModelConfig
 
@@ -33,14 +39,24 @@ __all__ = ["LayerWeights", "ModelWeights", "embedding_rows", "load_weights"]
 
 @dataclass
 class LayerWeights:
-    """One decoder layer on the backend."""
+    """One decoder layer on the backend: a dense MLP (``gate_up``, ``down``) or a MoE block (``router``,
+    ``experts``)."""
 
     attn_norm: Any
     qkv: QuantizedWeight
     o: QuantizedWeight
     mlp_norm: Any
-    gate_up: QuantizedWeight
-    down: QuantizedWeight
+    gate_up: QuantizedWeight | None = None
+    down: QuantizedWeight | None = None
+    q_norm: Any = None  #: ``[head_size]``, with ``k_norm``, where the config normalises each head (Qwen3)
+    k_norm: Any = None
+    router: Any = None  #: float32 ``[num_experts, hidden]`` (the checkpoint's ``gate.weight``)
+    experts: ExpertWeights | None = None
+
+    def projections(self) -> list[QuantizedWeight]:
+        """Every quantized weight of the layer (each expert's two)."""
+        mlp = [self.gate_up, self.down] if self.experts is None else [*self.experts.w13, *self.experts.w2]
+        return [w for w in (self.qkv, self.o, *mlp) if w is not None]
 
 
 @dataclass
@@ -53,12 +69,18 @@ class ModelWeights:
     lm_head: QuantizedWeight
 
     def nbytes(self) -> int:
-        """Bytes of the weights a decode step reads (projections in their format, norms, the lm_head)."""
+        """Bytes of the weights past the embedding (projections in their format, norms, routers, the lm_head): what
+        a decode step reads, except that it reads only the experts its tokens are routed to."""
         total = self.lm_head.nbytes + int(self.final_norm.nbytes)
         for layer in self.layers:
-            total += sum(w.nbytes for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
-            total += int(layer.attn_norm.nbytes) + int(layer.mlp_norm.nbytes)
+            total += sum(w.nbytes for w in layer.projections())
+            total += sum(int(v.nbytes) for v in (layer.attn_norm, layer.mlp_norm, layer.q_norm, layer.k_norm,
+                                                  layer.router) if v is not None)
         return total
+
+    def quantized_count(self) -> int:
+        """How many quantized weights the model holds (the lm_head, each expert's two included)."""
+        return 1 + sum(len(layer.projections()) for layer in self.layers)
 
 
 def join_columns(weights: list[QuantizedWeight], name: str) -> QuantizedWeight:
@@ -99,15 +121,36 @@ def quantize_rows(rows: np.ndarray, what: str, *, bits: int, group_size: int) ->
     return join_columns(parts, what)
 
 
+def mlp_prefix(config: ModelConfig, layer: int) -> str:
+    """Where layer ``layer``'s MLP or MoE block is stored."""
+    if config.moe is not None and layer in config.moe.sparse_layers:
+        return f"model.layers.{layer}.{MOE_LAYOUTS[config.raw['model_type']].block}"
+    return f"model.layers.{layer}.mlp"
+
+
+def expert_names(config: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:
+    """The stored names of expert ``expert``'s gate, up and down projections in MoE layer ``layer``."""
+    layout = MOE_LAYOUTS[config.raw["model_type"]]
+    prefix = mlp_prefix(config, layer)
+    return (layout.expert_layer(prefix, expert, 0), layout.expert_layer(prefix, expert, 1),
+            layout.expert_layer(prefix, expert, 2))
+
+
 def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
-    """Every projection's ``[out, in]`` float shape by layer name (``lm_head`` included)."""
+    """Every projection's ``[out, in]`` float shape by layer name (``lm_head`` and every expert included)."""
     h, i = c.hidden_size, c.intermediate_size
     shapes = {"lm_head": (c.vocab_size, h)}
     for n in range(c.num_layers):
         p = f"model.layers.{n}"
         shapes.update({f"{p}.self_attn.q_proj": (c.q_size, h), f"{p}.self_attn.k_proj": (c.kv_size, h),
-                       f"{p}.self_attn.v_proj": (c.kv_size, h), f"{p}.self_attn.o_proj": (h, c.q_size),
-                       f"{p}.mlp.gate_proj": (i, h), f"{p}.mlp.up_proj": (i, h), f"{p}.mlp.down_proj": (h, i)})
+                       f"{p}.self_attn.v_proj": (c.kv_size, h), f"{p}.self_attn.o_proj": (h, c.q_size)})
+        if c.moe is not None and n in c.moe.sparse_layers:
+            e = c.moe.intermediate_size
+            for expert in range(c.moe.num_experts):
+                gate, up, down = expert_names(c, n, expert)
+                shapes.update({gate: (e, h), up: (e, h), down: (h, e)})
+        else:
+            shapes.update({f"{p}.mlp.gate_proj": (i, h), f"{p}.mlp.up_proj": (i, h), f"{p}.mlp.down_proj": (h, i)})
     return shapes
 
 
@@ -189,6 +232,10 @@ def load_weights(folder: str | Path, config: ModelConfig, backend: Backend, *, d
     for n in range(c.num_layers):
         vectors.update({f"model.layers.{n}.input_layernorm.weight": (h,),
                         f"model.layers.{n}.post_attention_layernorm.weight": (h,)})
+        if c.qk_norm:
+            vectors.update({f"model.layers.{n}.self_attn.{x}_norm.weight": (c.head_size,) for x in "qk"})
+        if c.moe is not None and n in c.moe.sparse_layers:
+            vectors[f"{mlp_prefix(c, n)}.gate.weight"] = (c.moe.num_experts, h)
     for name, shape in vectors.items():
         tensors.check(name, shape)
     projections = _Projections(tensors, c, bits, group_size, lm_head_bits)
@@ -204,13 +251,25 @@ def load_weights(folder: str | Path, config: ModelConfig, backend: Backend, *, d
         p = f"model.layers.{n}"
         if progress is not None:
             progress(f"layer {n + 1}/{c.num_layers}")
-        layers.append(LayerWeights(
+        layer = LayerWeights(
             attn_norm=vector(f"{p}.input_layernorm.weight"),
             qkv=projections.joined([f"{p}.self_attn.{x}_proj" for x in "qkv"], backend),
             o=projections.joined([f"{p}.self_attn.o_proj"], backend),
-            mlp_norm=vector(f"{p}.post_attention_layernorm.weight"),
-            gate_up=projections.joined([f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], backend),
-            down=projections.joined([f"{p}.mlp.down_proj"], backend)))
+            mlp_norm=vector(f"{p}.post_attention_layernorm.weight"))
+        if c.qk_norm:
+            layer.q_norm, layer.k_norm = (vector(f"{p}.self_attn.{x}_norm.weight") for x in "qk")
+        if c.moe is not None and n in c.moe.sparse_layers:
+            router = np.asarray(tensors.get(f"{mlp_prefix(c, n)}.gate.weight"), dtype=np.float32)
+            if not np.isfinite(router).all():
+                raise CheckpointError(f"{folder}: tensor {mlp_prefix(c, n) + '.gate.weight'!r} holds NaN or infinity")
+            layer.router = backend.asarray(np.ascontiguousarray(router))
+            names = [expert_names(c, n, e) for e in range(c.moe.num_experts)]
+            layer.experts = ExpertWeights(tuple(projections.joined([gate, up], backend) for gate, up, _ in names),
+                                          tuple(projections.joined([down], backend) for _, _, down in names))
+        else:
+            layer.gate_up = projections.joined([f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], backend)
+            layer.down = projections.joined([f"{p}.mlp.down_proj"], backend)
+        layers.append(layer)
     if progress is not None:
         progress("lm_head")
     embed = tensors.get("model.embed_tokens.weight")

@@ -1,18 +1,9 @@
-"""How MoE checkpoints store a sparse MoE block's experts: one GPTQ linear layer per expert and projection.
+"""How a :class:`QuantMoE` block is saved: one GPTQ linear layer per expert and projection.
 
-The quantized Qwen3-MoE and Mixtral checkpoints that transformers' GPTQ
-loaders, gptqmodel and vLLM read keep each expert's projections as separate
-linear layers, under the block's name as the original checkpoints spell it:
-
-============  ============================  ==========================================
-model_type    block (stored name)           layers of expert ``e``: gate / up / down
-============  ============================  ==========================================
-qwen3_moe     ``<layer>.mlp``               ``experts.<e>.gate_proj`` / ``up_proj`` / ``down_proj``
-mixtral       ``<layer>.block_sparse_moe``  ``experts.<e>.w1`` / ``w3`` / ``w2``
-============  ============================  ==========================================
-
-and the router as ``<block>.gate.weight``. transformers 5 holds both blocks
-at ``<layer>.mlp``; everything under a Mixtral block is stored under
+The stored names follow the MoE checkpoint layouts of
+:mod:`hal_core.quant._moe_layout` (Qwen3-MoE ``<layer>.mlp.experts.<e>.gate_proj``,
+Mixtral ``<layer>.block_sparse_moe.experts.<e>.w1``, ...). transformers 5 holds
+both blocks at ``<layer>.mlp``; everything under a Mixtral block is stored under
 ``<layer>.block_sparse_moe`` (what :func:`stored_name` maps).
 :class:`QuantMoE`'s ``w13[e]`` is the gate's columns then the up
 projection's (``[hidden, 2 * intermediate]``), ``w2[e]`` the down
@@ -22,7 +13,6 @@ projection: the stored layers are its column slices, with the same bits.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,35 +20,12 @@ import torch
 
 from .._errors import CheckpointError
 from ..quant import QuantizedWeight
+from ..quant._moe_layout import MOE_LAYOUTS, MoeLayout
 from ._moe import QuantMoE
 from ._save_layers import ExportLayer, host_array
 from ._weights import _weight
 
 __all__ = ["MOE_LAYOUTS", "MoeLayout", "moe_export_layers", "moe_layout", "stored_name"]
-
-
-@dataclass(frozen=True)
-class MoeLayout:
-    """Where one architecture's checkpoints keep a block: its stored name and the projections' names."""
-
-    block: str  #: the last component of the block's stored name
-    projections: tuple[str, str, str]  #: gate, up, down
-
-    def stored_prefix(self, name: str) -> str:
-        """The stored name of the block the model holds at ``name``."""
-        parent, _, _ = name.rpartition(".")
-        return f"{parent}.{self.block}" if parent else self.block
-
-    def expert_layer(self, prefix: str, expert: int, projection: int) -> str:
-        """The stored name of expert ``expert``'s projection ``projection`` (0 gate, 1 up, 2 down)."""
-        return f"{prefix}.experts.{expert}.{self.projections[projection]}"
-
-
-#: ``model_type`` -> how its MoE checkpoints are laid out.
-MOE_LAYOUTS: dict[str, MoeLayout] = {
-    "qwen3_moe": MoeLayout("mlp", ("gate_proj", "up_proj", "down_proj")),
-    "mixtral": MoeLayout("block_sparse_moe", ("w1", "w3", "w2")),
-}
 
 
 def moe_layout(config: Any, block: str) -> MoeLayout:
