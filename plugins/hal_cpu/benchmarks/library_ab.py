@@ -1,13 +1,14 @@
-"""Two builds of hal-cpu's library on the same W4A16 (or W4A8) launches, interleaved in one process.
+"""Two builds of hal-cpu's library on the same W4A16 (W4A8, W8A8) launches, interleaved in one process.
 
-Usage: ``python plugins/hal_cpu/benchmarks/library_ab.py BEFORE.so [--kernel w4a16|w4a8] [--dtype bf16]
+Usage: ``python plugins/hal_cpu/benchmarks/library_ab.py BEFORE.so [--kernel w4a16|w4a8|w8a8] [--dtype bf16]
 [--rounds 12] [--rows M] [--json PATH]`` (``--rows``: every shape at that M)
 
 ``BEFORE.so`` is ``hal_cpu/_kernels.so`` built from another commit (copy it aside before rebuilding). Both
 libraries run the same variant (the one this CPU's best) on the same argument structs: the launch the
 installed build's Python prepares (:func:`hal_cpu.ops.quantized_gemm._launch`, the in-register kernel, or
 with ``--kernel w4a8`` :func:`hal_cpu.ops._w4a8._launch`, the integer kernel, then also timed against the
-installed build's W4A16 on the same weights as a third side, ``w4a16``) for six weights per shape, rotated so
+installed build's W4A16 on the same weights as a third side, ``w4a16``; with ``--kernel w8a8`` int8 weights and
+the W8A8 kernel, on the decode shapes and the lm_heads of 1B-class models) for six weights per shape, rotated so
 that they come from memory, not the caches. Rounds alternate which build
 goes first. Each figure is the best and the median over rounds of the mean time per call; ``GB/s`` counts the
 packed weight's bytes, beside the machine's copy bandwidth measured in the same run. Run it on a quiet
@@ -32,6 +33,10 @@ from hal_core.testing.inputs import quantized_gemm_inputs
 
 #: (M, K, N): decode GEMVs of 1B-8B models and one two-row case.
 SHAPES = [(1, 4096, 4096), (1, 4096, 11008), (1, 11008, 4096), (1, 2048, 2048), (1, 2048, 5632), (2, 4096, 4096)]
+#: W8A8 also on int8 lm_heads (hidden x vocabulary): the benchmark models' 1024 x 32000 and 2048 x 32000.
+LM_HEADS = [(1, 1024, 32000), (1, 2048, 32000)]
+#: ``--kernel`` -> the library entry point it times.
+SYMBOLS = {"w4a16": "hal_cpu_w4a16_gemv", "w4a8": "hal_cpu_w4a8_gemm", "w8a8": "hal_cpu_w8a8_gemm"}
 WEIGHTS = 6
 
 
@@ -51,20 +56,23 @@ def compare(before: str, dtype: str, rounds: int, kernel: str = "w4a16",
     """One row per shape: best and median seconds per call of each build (and, for W4A8, of W4A16), and
     before / after."""
     native = _native.load()
-    symbol = "hal_cpu_w4a8_gemm" if kernel == "w4a8" else "hal_cpu_w4a16_gemv"
+    symbol = SYMBOLS[kernel]
     fns = {"before": _before(before, native, symbol), "after": getattr(native.lib, symbol)}
     rng = np.random.default_rng(0)
     rows = []
-    shapes = SHAPES if rows_m is None else sorted({(rows_m, k, n) for _, k, n in SHAPES})
+    shapes = SHAPES + (LM_HEADS if kernel == "w8a8" else [])
+    if rows_m is not None:
+        shapes = sorted({(rows_m, k, n) for _, k, n in shapes})
     for m, k, n in shapes:
-        cases = [quantized_gemm_inputs(rng, m=m, k=k, n=n, bits=4, group_size=128, symmetric=True, dtype=dtype)
-                 for _ in range(WEIGHTS)]
-        w4a16 = [quantized_gemm._launch(native, c["x"], c["qweight"], "registers",
+        cases = [quantized_gemm_inputs(rng, m=m, k=k, n=n, bits=8 if kernel == "w8a8" else 4, group_size=128,
+                                       symmetric=True, dtype=dtype) for _ in range(WEIGHTS)]
+        # The in-register W4A16 launch (int4 weights), the W8A8 one (int8 weights).
+        plain = [quantized_gemm._launch(native, c["x"], c["qweight"], "registers",
                                         quantized_gemm.half_dot(native, c["x"].dtype)) for c in cases]
-        launches = {"before": w4a16, "after": w4a16}
+        launches = {"before": plain, "after": plain}
         if kernel == "w4a8":
             w4a8 = [_w4a8._launch(native, c["x"], c["qweight"], None) for c in cases]
-            launches = {"before": w4a8, "after": w4a8, "w4a16": w4a16}
+            launches = {"before": w4a8, "after": w4a8, "w4a16": plain}
             fns["w4a16"] = native.lib.hal_cpu_w4a16_gemv
         outputs = [np.empty((m, n), np.float32) for _ in cases]
         times: dict[str, list[float]] = {side: [] for side in launches}
@@ -99,7 +107,7 @@ def compare(before: str, dtype: str, rounds: int, kernel: str = "w4a16",
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("before", help="hal_cpu/_kernels.so built from the commit to compare against")
-    parser.add_argument("--kernel", default="w4a16", choices=("w4a16", "w4a8"))
+    parser.add_argument("--kernel", default="w4a16", choices=tuple(SYMBOLS))
     parser.add_argument("--dtype", default="bf16", choices=("fp16", "bf16", "fp32"))
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--rows", type=int, help="run every shape at this M instead of the built-in M")

@@ -119,7 +119,7 @@ int w8a8_t(const hal_cpu_w8a8_gemm_args &a, const std::vector<Segment> &segs) {
     });
     const bool gemv = m <= 2;
 #if defined(HAL_INT8_AVX2)
-    const bool pairs_kernel = m >= 2;  // one row keeps the float loop (faster at M = 1 here)
+    const bool pairs_kernel = m >= 2;  // one row: the float sums, swept across the task's columns (w8_avx2_sweep1)
     W8Pairs pairs;
     if (pairs_kernel) w8_avx2_pairs(xq.data(), xqsum.data(), m, k, segs, pairs, threads);
     const W8Avx2Job<SS> job{pairs, segs.data(), nseg, n, perm, qw, zeros, scales, zdef};
@@ -134,6 +134,8 @@ int w8a8_t(const hal_cpu_w8a8_gemm_args &a, const std::vector<Segment> &segs) {
         int64_t c = c0;
 #if defined(HAL_INT8_AVX2)
         if (pairs_kernel) c = w8_avx2_columns<SS>(job, m, c0, c1, s0, s1, out);
+        else c = w8_avx2_sweep1<SS>(xq.data(), xqsum.data(), segs.data(), s0, s1, perm, qw, n, scales, zeros,
+                                    float(zdef), c0, c1, out);
 #endif
         for (; c + step <= c1; c += step) {
             if (gemv) HAL_W8_COLS(4);

@@ -20,8 +20,9 @@
 // row tile of up to 6 rows x 16 columns (12 int32 accumulators, 2 code vectors, one broadcast: 15 of the 16
 // vector registers), widened by each tile, or from kW8Avx2PackRows rows widened once into a 16 KiB stack buffer
 // that every tile reads (two aligned loads a step instead of two loads, two unpacks and two widenings). M = 1
-// keeps the float loop of w8a8.inl, faster with no rows to share the widening over (4096 x 4096 on a 2-core AMD
-// EPYC: 1.0-1.1 ms against 1.7-1.8; at M = 2 the pairs are level or faster: 4096 x 11008, 2.9 ms against 4.5).
+// keeps float sums, faster with no rows to share the widening over (4096 x 4096 on a 2-core AMD EPYC: 1.0-1.1 ms
+// against 1.7-1.8; at M = 2 the pairs are level or faster: 4096 x 11008, 2.9 ms against 4.5), swept across each
+// task's columns (w8_avx2_sweep1, below).
 
 //: Rows of x per register tile; a task's columns are walked in chunks (a multiple of kW8Avx2Cols) whose rows of
 //: the output and one segment's codes take at most kW8Avx2ChunkBytes (L2), each chunk segment after segment.
@@ -224,6 +225,69 @@ inline int64_t w8_avx2_columns(const W8Avx2Job<SS> &j, int64_t m, int64_t c0, in
             for (; c + 16 <= ce; c += 16) w8_avx2_rows<SS, 2>(j, m, c, sgi, packed, out);
             if (c < ce) w8_avx2_rows<SS, 1>(j, m, c, sgi, packed, out);
         }
+    }
+    return end;
+}
+
+//: Columns of one M = 1 sweep chunk: its float32 sums and totals (2 x 16 KiB, on the stack) stay in L1/L2 while each
+//: code row of a segment is read as one contiguous run of the chunk's bytes.
+constexpr int64_t kW8Avx2SweepCols = 4096;
+
+// Eight uint8 values from p, as float32.
+inline __m256 w8_avx2_u8(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p))));
+}
+
+// M = 1: columns [c0, c1) over segments [s0, s1) into out, swept. For each segment the code rows are read 8 at a time
+// across a chunk of up to kW8Avx2SweepCols columns (each a long contiguous run, which the prefetchers follow; the
+// register tiles of w8_tile read 32 bytes of every code row per 32 columns, a page per row, and ran at 0.4 of the
+// copy bandwidth), their products with the row's quantised activations summed into acc: exact integers below 2**24,
+// so the same sums as w8_tile's in any order. Then tot = fma(s, fnma(z, xqsum, acc), tot) segment after segment from
+// tot = 0, as w8_tile does: the same bits. Returns the first column left (whole vectors of 8 are done).
+template <class SS>
+inline int64_t w8_avx2_sweep1(const float *xq, const float *xqsum, const Segment *segs, int64_t s0, int64_t s1,
+                              const int32_t *perm, const uint8_t *qw, int64_t n, const typename SS::T *scales,
+                              const uint8_t *zeros, float zdef, int64_t c0, int64_t c1, float *out) {
+    const int64_t end = c0 + (c1 - c0) / 8 * 8;
+    alignas(32) float acc[kW8Avx2SweepCols];
+    alignas(32) float tot[kW8Avx2SweepCols];
+    const auto row = [&](int64_t i) { return qw + (perm ? int64_t(perm[i]) : i) * n; };
+    for (int64_t cc = c0; cc < end; cc += kW8Avx2SweepCols) {
+        const int64_t w = std::min(kW8Avx2SweepCols, end - cc);
+        for (int64_t j = 0; j < w; j += 8) _mm256_store_ps(tot + j, _mm256_setzero_ps());
+        for (int64_t sgi = s0; sgi < s1; ++sgi) {
+            const Segment sg = segs[sgi];
+            for (int64_t j = 0; j < w; j += 8) _mm256_store_ps(acc + j, _mm256_setzero_ps());
+            int64_t i = sg.start;
+            for (; i + 8 <= sg.end; i += 8) {
+                const uint8_t *r[8];
+                __m256 xb[8];
+                for (int t = 0; t < 8; ++t) {
+                    r[t] = row(i + t) + cc;
+                    xb[t] = _mm256_set1_ps(xq[i + t]);
+                }
+                for (int64_t j = 0; j < w; j += 8) {
+                    __m256 s = _mm256_load_ps(acc + j);
+                    for (int t = 0; t < 8; ++t) s = _mm256_fmadd_ps(xb[t], w8_avx2_u8(r[t] + j), s);
+                    _mm256_store_ps(acc + j, s);
+                }
+            }
+            for (; i < sg.end; ++i) {
+                const uint8_t *r = row(i) + cc;
+                const __m256 xb = _mm256_set1_ps(xq[i]);
+                for (int64_t j = 0; j < w; j += 8)
+                    _mm256_store_ps(acc + j, _mm256_fmadd_ps(xb, w8_avx2_u8(r + j), _mm256_load_ps(acc + j)));
+            }
+            const __m256 xs = _mm256_set1_ps(xqsum[sgi]);
+            const int64_t base = int64_t(sg.group) * n + cc;
+            for (int64_t j = 0; j < w; j += 8) {
+                const __m256 s = avx2_scales<SS>(scales + base + j);
+                const __m256 z = zeros ? w8_avx2_u8(zeros + base + j) : _mm256_set1_ps(zdef);
+                const __m256 d = _mm256_fnmadd_ps(z, xs, _mm256_load_ps(acc + j));
+                _mm256_store_ps(tot + j, _mm256_fmadd_ps(s, d, _mm256_load_ps(tot + j)));
+            }
+        }
+        for (int64_t j = 0; j < w; j += 8) _mm256_storeu_ps(out + cc + j, _mm256_load_ps(tot + j));
     }
     return end;
 }

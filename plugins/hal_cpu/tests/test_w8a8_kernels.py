@@ -77,7 +77,7 @@ def test_w8a8_simd_variants_agree_bit_for_bit(select_isa: Callable[[str], Abstra
 def test_w8a8_rows_together_give_each_rows_bits(variant: str, rng: np.random.Generator, m: int, case: str) -> None:
     """Many rows in one call (the integer row tiles: int16 pairs on avx2 and on avx512 without VNNI from 2 rows,
     widened once per segment from 16; byte dot products on avx512vnni) give each row's bits alone (M = 1: the
-    float loop on avx2 and avx512), K in one part: every kernel of a variant sums each segment exactly and
+    swept float sums on avx2 and avx512), K in one part: every kernel of a variant sums each segment exactly and
     applies the same float epilogue."""
     args = _w8a8_case(rng, m, case)
     together = quantized_gemm.gemm(args["x"], args["qweight"], k_parts=1)

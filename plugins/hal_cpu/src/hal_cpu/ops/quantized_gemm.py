@@ -22,7 +22,8 @@
   contiguous code-row runs and runs 6 x 64 register tiles over them;
   csrc/w8a8_vnni.inl); on the avx2 and avx512 variants for M >= 2 pairs of
   code rows widened to int16 and multiplied by activation pairs in
-  ``vpmaddwd`` (6 x 16 register tiles, csrc/w8a8_avx2.inl); elsewhere exact
+  ``vpmaddwd`` (6 x 16 register tiles, csrc/w8a8_avx2.inl), for one row exact
+  float sums swept across each task's columns (``w8_avx2_sweep1``); elsewhere exact
   float sums. All give the same bits for a row. A row of ``x`` holding NaN
   or Inf gives a row of NaN.
 
