@@ -145,8 +145,12 @@ def test_concurrent_calls_on_one_launch(rng: np.random.Generator) -> None:
     lambda: np.arange(6, dtype=np.float32)[::-1],
     lambda: np.zeros(0, dtype=np.int32),
     lambda: np.arange(8, dtype=np.float32).astype(BFLOAT16),
+    lambda: np.arange(24, dtype=np.float32).astype(BFLOAT16).reshape(4, 6)[:, 1:4],
+    lambda: np.arange(8, dtype=np.float32).astype(BFLOAT16)[2:],
     lambda: np.frombuffer(bytes(16), dtype=np.uint8),
-], ids=["contiguous", "strided", "reversed", "empty", "bfloat16", "read-only"])
+    lambda: np.frombuffer(bytes(16), dtype=np.uint16).view(BFLOAT16),
+], ids=["contiguous", "strided", "reversed", "empty", "bfloat16", "bfloat16-strided", "bfloat16-offset", "read-only",
+        "bfloat16-read-only"])
 def test_pointer_is_the_first_elements_address(make: object) -> None:
     """Every kind of array gives the address numpy reports for its first element."""
     array = make()  # type: ignore[operator]
