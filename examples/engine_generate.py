@@ -89,8 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         engine = Engine(folder, backend=backend, bits=args.bits, dtype=args.dtype,
                         progress=lambda line: print(f"  loading {line}", end="\r"))
+        moe = engine.config.moe
+        what = ("read per step" if moe is None else
+                f"(every expert: a token reads {moe.top_k} of the {moe.num_experts} of each MoE layer)")
         print(f"\nloaded on {backend.name} in {time.perf_counter() - started:.1f} s: "
-              f"{engine.weights.nbytes() / 2**20:.1f} MiB of weights read per step")
+              f"{engine.weights.nbytes() / 2**20:.1f} MiB of weights {what}")
         rng = np.random.default_rng(args.seed + 1)
         prompts = [rng.integers(0, engine.config.vocab_size, args.prompt_len + 3 * i).tolist()
                    for i in range(args.requests)]
