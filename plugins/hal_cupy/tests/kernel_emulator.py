@@ -744,6 +744,8 @@ class Kernel:
         q, s = _ptr(xq, np.int8), _ptr(sx, np.float32)
         self._moe_gate_up(act, lambda tokens: q[tokens].astype(np.float32) * s[tokens][:, None], *rest)
 
+    hal_moe_w4a8_gate_up = hal_moe_w8_gate_up  # the codes' width comes from HAL_QBITS (_moe_weight)
+
     def _moe_down(self, y: Any, rows_of: Any, sorted_pairs: Any, tile_expert: Any, offsets: Any, w2: Any,
                   hidden: Any, inter: Any, group: Any, experts: Any) -> None:
         tile, h, i, g = self.defines.get("HAL_MOE_TILE", 8), _i32(hidden), _i32(inter), _i32(group)
@@ -760,6 +762,8 @@ class Kernel:
     def hal_moe_w8_down(self, grid: Any, block: Any, y: Any, aq: Any, sa: Any, *rest: Any) -> None:
         q, s = _ptr(aq, np.int8), _ptr(sa, np.float32)
         self._moe_down(y, lambda slots: q[slots].astype(np.float32) * s[slots][:, None], *rest)
+
+    hal_moe_w4a8_down = hal_moe_w8_down
 
     def hal_moe_combine(self, grid: Any, block: Any, out: Any, y: Any, weights: Any, hidden: Any,
                         top_k: Any) -> None:

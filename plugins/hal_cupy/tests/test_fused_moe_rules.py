@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hal_cupy.ops import _fused_moe
 from hal_cupy.ops._fused_moe_plan import MoeShape, buffers, steps
-from hal_cupy.ops._fused_moe_rules import MOE_TILE, gemm_launch, max_tiles
+from hal_cupy.ops._fused_moe_rules import MOE_TILE, gemm_launch, max_tiles, moe_spec
 
 from hal_core.ops import OPS, OpCall
 from hal_core.quant import ExpertWeights
@@ -49,19 +49,24 @@ def test_gemm_grid_covers_every_column() -> None:
     assert gemm_launch("hal_moe_w8_gate_up", 3, 257, 32).block == (128, 1, 1)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_plan_order_and_buffers(bits: int) -> None:
-    """Route, align, scatter, (int8: quantise x), gate/up, (int8: quantise the intermediate), down, combine; only the
-    per-expert counts start zeroed."""
-    shape = MoeShape(5, 4, 2, 64, 32, 32, bits)
+@pytest.mark.parametrize(("bits", "int8", "name"), [(4, False, "w4"), (4, True, "w4a8"), (8, False, "w8"),
+                                                    (8, True, "w8")])
+def test_plan_order_and_buffers(bits: int, int8: bool, name: str) -> None:
+    """Route, align, scatter, (int8 activations: quantise x), gate/up, (quantise the intermediate), down, combine;
+    only the per-expert counts start zeroed; int8 experts quantise whatever the setting says."""
+    shape = MoeShape(5, 4, 2, 64, 32, 32, bits, int8_activations=int8)
     kernels = [s.launch.kernel for s in steps(shape, 32)]
-    quantise = ["hal_w8a8_quantize_rows"] if bits == 8 else []
-    assert kernels == ["hal_moe_route", "hal_moe_align", "hal_moe_scatter", *quantise, f"hal_moe_w{bits}_gate_up",
-                       *quantise, f"hal_moe_w{bits}_down", "hal_moe_combine"]
+    quantise = ["hal_w8a8_quantize_rows"] if name != "w4" else []
+    assert kernels == ["hal_moe_route", "hal_moe_align", "hal_moe_scatter", *quantise, f"hal_moe_{name}_gate_up",
+                       *quantise, f"hal_moe_{name}_down", "hal_moe_combine"]
     found = buffers(shape)
     assert [n for n, b in found.items() if b.zeroed] == ["counts"]
     assert found["sorted_pairs"].shape == (shape.tiles * MOE_TILE,)
     assert found["y"].shape == (10, 64)
+    assert ("xq" in found) == (name != "w4")
+    spec = moe_spec("float32", bits, 32, int8)
+    assert ("HAL_ABITS", "8") in spec.defines if name == "w4a8" else all(d[0] != "HAL_ABITS" for d in spec.defines)
+    assert f"hal_moe_{name}_gate_up" in spec.kernels
 
 
 def test_supported_call_passes(rng: np.random.Generator) -> None:

@@ -123,6 +123,11 @@ KERNEL_PARAMS: dict[str, tuple[Field, ...]] = {
                                  ("activation", "int")),
     "hal_moe_w8_down": fields(("y", "float*"), ("aq", "const hal_i8*"), ("sa", "const float*"), *_MOE_TILES,
                               ("w2", "const hal_i64*"), *_MOE_SIZES, ("num_experts", "int")),
+    "hal_moe_w4a8_gate_up": fields(("act", "float*"), ("xq", "const hal_i8*"), ("sx", "const float*"), *_MOE_TILES,
+                                   ("w13", "const hal_i64*"), *_MOE_SIZES, ("top_k", "int"), ("num_experts", "int"),
+                                   ("activation", "int")),
+    "hal_moe_w4a8_down": fields(("y", "float*"), ("aq", "const hal_i8*"), ("sa", "const float*"), *_MOE_TILES,
+                                ("w2", "const hal_i64*"), *_MOE_SIZES, ("num_experts", "int")),
     "hal_moe_combine": fields(("out", "hal_t*"), ("y", "const float*"), ("topk_weights", "const float*"),
                               ("hidden", "int"), ("top_k", "int")),
 }

@@ -1,5 +1,5 @@
 // Host entry points for fused_moe.cu (grid and block as 3-element arrays, then the kernel's parameters in order):
-// routing, alignment, scatter, the grouped GEMMs of the HAL_QBITS build and the combine.
+// routing, alignment, scatter, the grouped GEMMs of the HAL_QBITS / HAL_ABITS build and the combine.
 // Compiled after the translation unit of fused_moe.cu (harness.py hands it to g++ with -include).
 
 extern "C" int launch_hal_moe_route(const unsigned* grid, const unsigned* block, int* topk_ids, float* topk_weights,
@@ -25,7 +25,7 @@ extern "C" int launch_hal_moe_scatter(const unsigned* grid, const unsigned* bloc
     });
 }
 
-#if HAL_QBITS == 4
+#if !HAL_MOE_INT8_ACTIVATIONS
 extern "C" int launch_hal_moe_w4_gate_up(const unsigned* grid, const unsigned* block, float* act, const void* x,
                                          const int* sorted_pairs, const int* tile_expert, const int* offsets,
                                          const long long* w13, int hidden, int inter, int group_size, int top_k,
@@ -43,7 +43,7 @@ extern "C" int launch_hal_moe_w4_down(const unsigned* grid, const unsigned* bloc
         hal_moe_w4_down(y, act, sorted_pairs, tile_expert, offsets, w2, hidden, inter, group_size, num_experts);
     });
 }
-#else
+#elif HAL_QBITS == 8
 extern "C" int launch_hal_moe_w8_gate_up(const unsigned* grid, const unsigned* block, float* act, const void* xq,
                                          const float* sx, const int* sorted_pairs, const int* tile_expert,
                                          const int* offsets, const long long* w13, int hidden, int inter,
@@ -61,6 +61,26 @@ extern "C" int launch_hal_moe_w8_down(const unsigned* grid, const unsigned* bloc
     return hal_host::launch_lambda(grid, block, [=] {
         hal_moe_w8_down(y, (const hal_i8*)aq, sa, sorted_pairs, tile_expert, offsets, w2, hidden, inter, group_size,
                         num_experts);
+    });
+}
+#else
+extern "C" int launch_hal_moe_w4a8_gate_up(const unsigned* grid, const unsigned* block, float* act, const void* xq,
+                                           const float* sx, const int* sorted_pairs, const int* tile_expert,
+                                           const int* offsets, const long long* w13, int hidden, int inter,
+                                           int group_size, int top_k, int num_experts, int activation) {
+    return hal_host::launch_lambda(grid, block, [=] {
+        hal_moe_w4a8_gate_up(act, (const hal_i8*)xq, sx, sorted_pairs, tile_expert, offsets, w13, hidden, inter,
+                             group_size, top_k, num_experts, activation);
+    });
+}
+
+extern "C" int launch_hal_moe_w4a8_down(const unsigned* grid, const unsigned* block, float* y, const void* aq,
+                                        const float* sa, const int* sorted_pairs, const int* tile_expert,
+                                        const int* offsets, const long long* w2, int hidden, int inter,
+                                        int group_size, int num_experts) {
+    return hal_host::launch_lambda(grid, block, [=] {
+        hal_moe_w4a8_down(y, (const hal_i8*)aq, sa, sorted_pairs, tile_expert, offsets, w2, hidden, inter,
+                          group_size, num_experts);
     });
 }
 #endif

@@ -1,8 +1,10 @@
 // Mixture-of-experts layer (hal-core's fused_moe) in five steps, with no host read between them.
 //
-// Defines: HAL_DTYPE (hidden_states/out dtype: 0 f32, 1 f16, 2 bf16), HAL_QBITS (4: W4A16 experts,
-// 8: W8A8 experts), HAL_WARP_SIZE, optional HAL_MOE_TILE (rows per GEMM tile, default 8) and
-// HAL_KWARPS (warps per GEMM CTA splitting K, default 4).  See README.md.
+// Defines: HAL_DTYPE (hidden_states/out dtype: 0 f32, 1 f16, 2 bf16), HAL_QBITS (4: int4 experts,
+// 8: int8 experts, W8A8), HAL_ABITS (int4 experts' activations: 16, the default, W4A16; 8: W4A8, the
+// hidden states and the gated intermediate quantised per row as for W8A8), HAL_WARP_SIZE, optional
+// HAL_MOE_TILE (rows per GEMM tile, default 8) and HAL_KWARPS (warps per GEMM CTA splitting K, default 4).
+// See README.md.
 //
 // 1. hal_moe_route: each token's top_k experts (ties: lowest index; NaN logits rank last) and their
 //    float32 weights; per-expert counts by integer atomics (the counts are exact whatever the order).
@@ -10,7 +12,7 @@
 //    the expert of every row tile, -1 in every row slot and past the last tile.
 // 3. hal_moe_scatter: every (token, slot) pair written to a row slot of its expert.  The order within an
 //    expert follows the atomics' schedule; each row's result is computed alone, so it does not matter.
-// 4. hal_moe_w{4,8}_gate_up then hal_moe_w{4,8}_down: grouped GEMMs, CTA (tile, column block) multiplies
+// 4. hal_moe_w{4,8,4a8}_gate_up then hal_moe_w{4,8,4a8}_down: grouped GEMMs, CTA (tile, column block) multiplies
 //    one tile of one expert's rows by that expert's weights (read once per tile); surplus tiles of the
 //    worst-case grid exit after reading the padded total.  gate_up writes the gated intermediate
 //    act(gate) * up in float32 (padding rows: 0); down writes each pair's float32 row.
@@ -24,6 +26,17 @@
 #endif
 #ifndef HAL_KWARPS
 #define HAL_KWARPS 4
+#endif
+#ifndef HAL_ABITS
+#define HAL_ABITS 16
+#endif
+// Whether the GEMMs take int8 activations (W8A8, W4A8) or float ones (W4A16).
+#if HAL_QBITS == 8 || (HAL_QBITS == 4 && HAL_ABITS == 8)
+#define HAL_MOE_INT8_ACTIVATIONS 1
+#elif HAL_QBITS == 4 && HAL_ABITS == 16
+#define HAL_MOE_INT8_ACTIVATIONS 0
+#else
+#error "HAL_QBITS must be 4 or 8, and HAL_ABITS 16 or (int4 experts) 8"
 #endif
 #define HAL_MOE_ALIGN_THREADS 256
 
@@ -112,7 +125,7 @@ HAL_DEVICE void reduce(float (*acc)[W], float (*s_red)[W * WARP]) {
     }
 }
 
-#if HAL_QBITS == 4
+#if !HAL_MOE_INT8_ACTIVATIONS
 // acc[m][c] += x[m] . w[:, c] over one row of 8 packed k values (4 columns of one word each).
 HAL_DEVICE void dequant8(const hal_u32* qw, const float* s, const float* zs, float (*w)[4]) {
 #pragma unroll
@@ -207,7 +220,7 @@ hal_moe_scatter(int* HAL_RESTRICT sorted_pairs, int* HAL_RESTRICT cursor, const 
     sorted_pairs[offsets[e] + moe::fetch_add(cursor + e, 1)] = p;
 }
 
-#if HAL_QBITS == 4
+#if !HAL_MOE_INT8_ACTIVATIONS
 // 4a. W4A16 gate/up.  Grid (max_tiles, ceil(inter / (4 * warp))), block HAL_KWARPS * warp.  w13 [hidden, 2 * inter]
 // per expert; act [max_tiles * HAL_MOE_TILE, inter] float32.
 HAL_GLOBAL void HAL_LAUNCH_BOUNDS(moe::NT)
@@ -329,11 +342,15 @@ hal_moe_w4_down(float* HAL_RESTRICT y, const float* HAL_RESTRICT act, const int*
         if (col < hidden && pairs[m] >= 0) y[(hal_i64)pairs[m] * hidden + col] = s_red[m][cc];
     }
 }
-#elif HAL_QBITS == 8
+#else
 namespace moe {
+#if HAL_QBITS == 8
+typedef hal_u8 Code;       // row-major uint8 codes [K, N]
+constexpr int ZERO = 128;  // the default zero point
+
 // acc[m][c] += s[c] * (xq[m] . (q[:, c] - z[c])) over one group of rows k0 .. k0 + group_size (4 columns at n of a
 // row-major uint8 weight with row stride N); rows[m] < 0 ends the tile.
-HAL_DEVICE void w8_group(float (*acc)[4], const hal_u8* qweight, const hal_i8* xq, const hal_i64* rows, int K, int N,
+HAL_DEVICE void i8_group(float (*acc)[4], const Code* qweight, const hal_i8* xq, const hal_i64* rows, int K, int N,
                          int n, int k0, int group_size, const float* s, const int* z) {
     int iacc[MT][4], xsum[MT];
 #pragma unroll
@@ -364,21 +381,64 @@ HAL_DEVICE void w8_group(float (*acc)[4], const hal_u8* qweight, const hal_i8* x
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc[m][c] += s[c] * (float)(iacc[m][c] - z[c] * xsum[m]);
 }
-}  // namespace moe
+#else
+typedef hal_u32 Code;    // int4 codes, 8 consecutive rows of K a word: [K / 8, N]
+constexpr int ZERO = 8;  // the default zero point
 
-// 4a. W8A8 gate/up: xq int8 [num_tokens, hidden] and sx float [num_tokens] from hal_w8a8_quantize_rows.
+// As the int8 one for int4 codes (W4A8): each word's 8 codes of a column split into the nibbles of rows
+// k, k+2, k+4, k+6 and of rows k+1, k+3, k+5, k+7, one byte each, against the activations of the same rows; the
+// integer sums are exact, so the order does not change them.
+HAL_DEVICE void i8_group(float (*acc)[4], const Code* qweight, const hal_i8* xq, const hal_i64* rows, int K, int N,
+                         int n, int k0, int group_size, const float* s, const int* z) {
+    int iacc[MT][4], xsum[MT];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        xsum[m] = 0;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) iacc[m][c] = 0;
+    }
+    for (int k = k0; k < k0 + group_size; k += 8) {
+        const hal_vec16 qv = hal_load16(qweight + (hal_i64)(k / 8) * N + n);
+        const hal_u32 qw[4] = {qv.x, qv.y, qv.z, qv.w};
+        hal_u32 even[4], odd[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            even[c] = qw[c] & 0x0f0f0f0fu;
+            odd[c] = (qw[c] >> 4) & 0x0f0f0f0fu;
+        }
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+            if (rows[m] < 0) break;
+            const hal_i8* xr = xq + rows[m] * K + k;
+            const hal_u32 a0 = *reinterpret_cast<const hal_u32*>(xr), a1 = *reinterpret_cast<const hal_u32*>(xr + 4);
+            const int xe = (int)((a0 & 0xffu) | ((a0 >> 8) & 0xff00u) | ((a1 << 16) & 0xff0000u) |
+                                 ((a1 << 8) & 0xff000000u));
+            const int xo = (int)(((a0 >> 8) & 0xffu) | ((a0 >> 16) & 0xff00u) | ((a1 << 8) & 0xff0000u) |
+                                 (a1 & 0xff000000u));
+            xsum[m] = hal_dot4_s8u8(xo, 0x01010101u, hal_dot4_s8u8(xe, 0x01010101u, xsum[m]));
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                iacc[m][c] = hal_dot4_s8u8(xo, odd[c], hal_dot4_s8u8(xe, even[c], iacc[m][c]));
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[m][c] += s[c] * (float)(iacc[m][c] - z[c] * xsum[m]);
+}
+#endif
+
+// 4a with int8 activations: xq int8 [num_tokens, hidden] and sx float [num_tokens] from hal_w8a8_quantize_rows.
 // Grid and outputs as hal_moe_w4_gate_up.
-HAL_GLOBAL void HAL_LAUNCH_BOUNDS(moe::NT)
-hal_moe_w8_gate_up(float* HAL_RESTRICT act, const hal_i8* HAL_RESTRICT xq, const float* HAL_RESTRICT sx,
-                   const int* HAL_RESTRICT sorted_pairs, const int* HAL_RESTRICT tile_expert,
-                   const int* HAL_RESTRICT offsets, const hal_i64* HAL_RESTRICT w13, int hidden, int inter,
-                   int group_size, int top_k, int num_experts, int activation) {
-    using namespace moe;
-    __shared__ float s_red[MT][2 * COLS];
+HAL_DEVICE void i8_gate_up(float (*s_red)[2 * COLS], float* HAL_RESTRICT act, const hal_i8* HAL_RESTRICT xq,
+                           const float* HAL_RESTRICT sx, const int* HAL_RESTRICT sorted_pairs,
+                           const int* HAL_RESTRICT tile_expert, const int* HAL_RESTRICT offsets,
+                           const hal_i64* HAL_RESTRICT w13, int hidden, int inter, int group_size, int top_k,
+                           int num_experts, int activation) {
     const int tile = blockIdx.x;
     if (tile * MT >= offsets[num_experts]) return;
     const Expert ex = expert_of(w13, tile_expert[tile]);
-    const hal_u8* qweight = static_cast<const hal_u8*>(ex.qweight);
+    const Code* qweight = static_cast<const Code*>(ex.qweight);
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     const int n = (blockIdx.y * WARP + lane) * 4, N = 2 * inter;
     hal_i64 tok[MT];
@@ -400,8 +460,8 @@ hal_moe_w8_gate_up(float* HAL_RESTRICT act, const hal_i8* HAL_RESTRICT xq, const
             for (int h = 0; h < 2; ++h) {
                 float s[4];
                 int z[4];
-                load_group(ex.scales, ex.zeros, 128, (hal_i64)g * N + h * inter + n, s, z);
-                w8_group(acc[h], qweight, xq, tok, hidden, N, h * inter + n, g * group_size, group_size, s, z);
+                load_group(ex.scales, ex.zeros, ZERO, (hal_i64)g * N + h * inter + n, s, z);
+                i8_group(acc[h], qweight, xq, tok, hidden, N, h * inter + n, g * group_size, group_size, s, z);
             }
         }
     }
@@ -424,18 +484,16 @@ hal_moe_w8_gate_up(float* HAL_RESTRICT act, const hal_i8* HAL_RESTRICT xq, const
     }
 }
 
-// 4b. W8A8 down: aq int8 and sa float, the gated intermediate's rows quantised by hal_w8a8_quantize_rows (float32).
-HAL_GLOBAL void HAL_LAUNCH_BOUNDS(moe::NT)
-hal_moe_w8_down(float* HAL_RESTRICT y, const hal_i8* HAL_RESTRICT aq, const float* HAL_RESTRICT sa,
-                const int* HAL_RESTRICT sorted_pairs, const int* HAL_RESTRICT tile_expert,
-                const int* HAL_RESTRICT offsets, const hal_i64* HAL_RESTRICT w2, int hidden, int inter,
-                int group_size, int num_experts) {
-    using namespace moe;
-    __shared__ float s_red[MT][COLS];
+// 4b with int8 activations: aq int8 and sa float, the gated intermediate's rows quantised by hal_w8a8_quantize_rows
+// (float32).
+HAL_DEVICE void i8_down(float (*s_red)[COLS], float* HAL_RESTRICT y, const hal_i8* HAL_RESTRICT aq,
+                        const float* HAL_RESTRICT sa, const int* HAL_RESTRICT sorted_pairs,
+                        const int* HAL_RESTRICT tile_expert, const int* HAL_RESTRICT offsets,
+                        const hal_i64* HAL_RESTRICT w2, int hidden, int inter, int group_size, int num_experts) {
     const int tile = blockIdx.x;
     if (tile * MT >= offsets[num_experts]) return;
     const Expert ex = expert_of(w2, tile_expert[tile]);
-    const hal_u8* qweight = static_cast<const hal_u8*>(ex.qweight);
+    const Code* qweight = static_cast<const Code*>(ex.qweight);
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     const int n = (blockIdx.y * WARP + lane) * 4;
     int pairs[MT];
@@ -454,8 +512,8 @@ hal_moe_w8_down(float* HAL_RESTRICT y, const hal_i8* HAL_RESTRICT aq, const floa
         for (int g = warp; g < inter / group_size; g += KW) {
             float s[4];
             int z[4];
-            load_group(ex.scales, ex.zeros, 128, (hal_i64)g * hidden + n, s, z);
-            w8_group(acc, qweight, aq, rows, inter, hidden, n, g * group_size, group_size, s, z);
+            load_group(ex.scales, ex.zeros, ZERO, (hal_i64)g * hidden + n, s, z);
+            i8_group(acc, qweight, aq, rows, inter, hidden, n, g * group_size, group_size, s, z);
         }
     }
     reduce<4>(acc, s_red);
@@ -465,8 +523,46 @@ hal_moe_w8_down(float* HAL_RESTRICT y, const hal_i8* HAL_RESTRICT aq, const floa
             y[(hal_i64)pairs[m] * hidden + col] = hal_mul_scale_ftz_safe(s_red[m][cc], sa[rows[m]]);
     }
 }
+}  // namespace moe
+
+// 4a. W8A8 or W4A8 gate/up (moe::i8_gate_up): the entry point's name says which the build holds.
+#if HAL_QBITS == 8
+HAL_GLOBAL void HAL_LAUNCH_BOUNDS(moe::NT)
+hal_moe_w8_gate_up(float* HAL_RESTRICT act, const hal_i8* HAL_RESTRICT xq, const float* HAL_RESTRICT sx,
+                   const int* HAL_RESTRICT sorted_pairs, const int* HAL_RESTRICT tile_expert,
+                   const int* HAL_RESTRICT offsets, const hal_i64* HAL_RESTRICT w13, int hidden, int inter,
+                   int group_size, int top_k, int num_experts, int activation)
 #else
-#error "HAL_QBITS must be 4 or 8"
+HAL_GLOBAL void HAL_LAUNCH_BOUNDS(moe::NT)
+hal_moe_w4a8_gate_up(float* HAL_RESTRICT act, const hal_i8* HAL_RESTRICT xq, const float* HAL_RESTRICT sx,
+                     const int* HAL_RESTRICT sorted_pairs, const int* HAL_RESTRICT tile_expert,
+                     const int* HAL_RESTRICT offsets, const hal_i64* HAL_RESTRICT w13, int hidden, int inter,
+                     int group_size, int top_k, int num_experts, int activation)
+#endif
+{
+    __shared__ float s_red[moe::MT][2 * moe::COLS];
+    moe::i8_gate_up(s_red, act, xq, sx, sorted_pairs, tile_expert, offsets, w13, hidden, inter, group_size, top_k,
+                    num_experts, activation);
+}
+
+// 4b. W8A8 or W4A8 down (moe::i8_down).
+#if HAL_QBITS == 8
+HAL_GLOBAL void HAL_LAUNCH_BOUNDS(moe::NT)
+hal_moe_w8_down(float* HAL_RESTRICT y, const hal_i8* HAL_RESTRICT aq, const float* HAL_RESTRICT sa,
+                const int* HAL_RESTRICT sorted_pairs, const int* HAL_RESTRICT tile_expert,
+                const int* HAL_RESTRICT offsets, const hal_i64* HAL_RESTRICT w2, int hidden, int inter,
+                int group_size, int num_experts)
+#else
+HAL_GLOBAL void HAL_LAUNCH_BOUNDS(moe::NT)
+hal_moe_w4a8_down(float* HAL_RESTRICT y, const hal_i8* HAL_RESTRICT aq, const float* HAL_RESTRICT sa,
+                  const int* HAL_RESTRICT sorted_pairs, const int* HAL_RESTRICT tile_expert,
+                  const int* HAL_RESTRICT offsets, const hal_i64* HAL_RESTRICT w2, int hidden, int inter,
+                  int group_size, int num_experts)
+#endif
+{
+    __shared__ float s_red[moe::MT][moe::COLS];
+    moe::i8_down(s_red, y, aq, sa, sorted_pairs, tile_expert, offsets, w2, hidden, inter, group_size, num_experts);
+}
 #endif
 
 // 5. Grid (num_tokens, ceil(hidden / HAL_MOE_ALIGN_THREADS)), one column per thread.

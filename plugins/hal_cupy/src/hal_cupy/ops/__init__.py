@@ -43,7 +43,9 @@ def register_ops(registry: OpRegistry, backend: str, *, w4a8: bool = False) -> N
     W4A16 and W8A8, and W4A8 where ``w4a8`` (every device has the int8 tensor-core MMA,
     :func:`hal_cupy.ops._quantized_gemm.w4a8_everywhere`): elsewhere int4 weights with
     ``activations='int8'`` fall back and ``'auto'`` keeps them in float.
-    ``fused_moe`` is declared for int4 and int8 experts of the kernels' group sizes (fp16 scales, no act-order).
+    ``fused_moe`` is declared for int4 and int8 experts of the kernels' group sizes (fp16 scales, no act-order),
+    int4 ones with float or int8 activations (W4A16, W4A8: the grouped GEMMs' byte dot products run on every
+    device; ``'auto'`` still picks W4A8 only where the device declares ``int8_dot``).
     The ops of :data:`FALLBACK_OPS` (none at present) are declared left to the fallback.
     """
     for op in OPS:
@@ -52,7 +54,8 @@ def register_ops(registry: OpRegistry, backend: str, *, w4a8: bool = False) -> N
         head_sizes=PA_HEAD_SIZES, block_sizes=PA_BLOCK_SIZES,
         variants=("prefill", "window", "softcap", "sinks", "alibi", "strided_cache")))
     registry.declare("quantized_gemm", OpCoverage(schemes=("w4a16", "w8a8", "w4a8") if w4a8 else ("w4a16", "w8a8")))
-    registry.declare("fused_moe", OpCoverage(bits=MOE_BITS, group_sizes=MOE_GROUP_SIZES))
+    registry.declare("fused_moe", OpCoverage(bits=MOE_BITS, group_sizes=MOE_GROUP_SIZES,
+                                             schemes=("w4a16", "w4a8", "w8a8")))
     for name in FALLBACK_OPS:
         registry.declare(name, OpCoverage.none())
 

@@ -6,8 +6,9 @@ records each tile's expert; one thread per (token, slot) pair takes a row slot o
 GEMMs run over the worst-case number of tiles (the surplus CTAs exit after reading the padded total on device),
 each CTA multiplying one tile of one expert by that expert's weights (SIMT, every device and SIMD width);
 the gated intermediate and the per-pair results stay in float32 and the combine adds each token's slots in
-slot order, rounded once. int8 experts quantise the hidden states and the gated intermediate per row
-(``quant_util.cu``'s ``hal_w8a8_quantize_rows``) before their GEMMs (W8A8).
+slot order, rounded once. int8 experts (W8A8), and int4 experts with ``activations`` int8 (W4A8), quantise the
+hidden states and the gated intermediate per row (``quant_util.cu``'s ``hal_w8a8_quantize_rows``) before their
+GEMMs, whose integer sums are exact (``dp4a``-style byte dot products, emulated where the device has none).
 
 Every size comes from shapes: no device read, no synchronisation (CUDA-graph capturable). The experts'
 addresses go to the kernels as one small device table per projection, built by a host-to-device copy the first
@@ -24,7 +25,7 @@ import numpy as np
 
 from hal_core.arrays import dtype_name, is_c_contiguous
 from hal_core.ops import OpCall
-from hal_core.ops.fused_moe import routing_of
+from hal_core.ops.fused_moe import int8_activations, routing_of
 from hal_core.ops.gated_activation import activation_of
 from hal_core.quant import ExpertWeights
 
@@ -123,14 +124,14 @@ def run(call: OpCall) -> Any:
     num_tokens, hidden = x.shape
     num_experts, _, inter = experts.shape
     shape = MoeShape(num_tokens, num_experts, int(call["top_k"]), hidden, inter, experts.group_size, experts.bits,
-                     routing_of(call.args), activation_of(call.args))
+                     routing_of(call.args), activation_of(call.args), int8_activations(call.args))
     with cp.cuda.Device(device_index):
         out = empty_like_dtype((num_tokens, hidden), hal_dtype)
         if num_tokens == 0:
             return out
         caps = call.backend.device(device_index).capabilities
         width = caps.simd_width
-        specs = {"moe": moe_spec(KERNEL_DTYPES[hal_dtype], experts.bits, width),
+        specs = {"moe": moe_spec(KERNEL_DTYPES[hal_dtype], experts.bits, width, shape.int8_activations),
                  "quant_x": quant_util_spec(KERNEL_DTYPES[hal_dtype], width),
                  "quant_act": quant_util_spec("float32", width)}
         values: dict[str, Any] = {

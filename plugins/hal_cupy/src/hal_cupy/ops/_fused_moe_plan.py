@@ -46,6 +46,12 @@ class MoeShape:
     bits: int
     routing: str = "softmax_topk"
     activation: str = "silu"
+    int8_activations: bool = False  #: int4 experts as W4A8 (int8 experts are W8A8 whatever it says)
+
+    @property
+    def int8(self) -> bool:
+        """Whether the GEMMs take int8 activations: each row quantised first (W8A8, W4A8)."""
+        return self.bits == 8 or self.int8_activations
 
     @property
     def num_pairs(self) -> int:
@@ -88,7 +94,7 @@ def buffers(s: MoeShape) -> dict[str, Buffer]:
         "act": Buffer((rows, s.inter), np.float32),
         "y": Buffer((s.num_pairs, s.hidden), np.float32),
     }
-    if s.bits == 8:
+    if s.int8:
         found.update({"xq": Buffer((s.num_tokens, s.hidden), np.int8), "sx": Buffer((s.num_tokens,), np.float32),
                       "aq": Buffer((rows, s.inter), np.int8), "sa": Buffer((rows,), np.float32)})
     return found
@@ -98,7 +104,7 @@ def steps(s: MoeShape, warp_size: int) -> list[Step]:
     """The launches of one call with at least one token, in stream order."""
     tiles = {"sorted_pairs": "sorted_pairs", "tile_expert": "tile_expert", "offsets": "offsets"}
     sizes = {"hidden": s.hidden, "inter": s.inter, "group_size": s.group_size, "num_experts": s.num_experts}
-    gate_up, down = gemm_kernels(s.bits)
+    gate_up, down = gemm_kernels(s.bits, s.int8_activations)
     plan = [
         Step("moe", route_launch(s.num_tokens),
              {"topk_ids": "topk_ids", "topk_weights": "topk_weights", "counts": "counts", "logits": "logits",
@@ -111,7 +117,7 @@ def steps(s: MoeShape, warp_size: int) -> list[Step]:
              {"sorted_pairs": "sorted_pairs", "cursor": "cursor", "topk_ids": "topk_ids", "offsets": "offsets",
               "num_pairs": s.num_pairs}),
     ]
-    if s.bits == 8:
+    if s.int8:
         plan.append(Step("quant_x", quant_util_launch("hal_w8a8_quantize_rows", s.num_tokens, 1),
                          {"xq": "xq", "sx": "sx", "x": "x", "K": s.hidden}))
         inputs: dict[str, Any] = {"xq": "xq", "sx": "sx"}
@@ -120,7 +126,7 @@ def steps(s: MoeShape, warp_size: int) -> list[Step]:
     plan.append(Step("moe", gemm_launch(gate_up, s.tiles, s.inter, warp_size),
                      {"act": "act", **inputs, **tiles, "w13": "w13", **sizes, "top_k": s.top_k,
                       "activation": ACTIVATION_CODES[s.activation]}))
-    if s.bits == 8:
+    if s.int8:
         plan.append(Step("quant_act", quant_util_launch("hal_w8a8_quantize_rows", s.tiles * MOE_TILE, 1),
                          {"xq": "aq", "sx": "sa", "x": "act", "K": s.inter}))
         hidden_in: dict[str, Any] = {"aq": "aq", "sa": "sa"}
