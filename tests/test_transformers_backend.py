@@ -331,16 +331,16 @@ def test_each_layer_passes_one_options_value_built_from_its_config(family: str,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Every call of a layer hands hal's kernel the same AttentionOptions object, holding the layer's scale,
     window, softcap and sinks as the config and weights give them."""
-    from hal_cpu.ops import paged_attention as cpu_attention
+    from hal_cpu.ops import _knobs
 
     seen: list[hal_core.AttentionOptions] = []
-    real = cpu_attention.attend
+    real = _knobs.partition_tokens
 
-    def spy(*arrays: object, **knobs: object) -> object:
-        seen.append(arrays[5])  # type: ignore[arg-type]
-        return real(*arrays, **knobs)
+    def spy(call: hal_core.ops.OpCall) -> int:  # read by every call, planned or not: the options it runs with
+        seen.append(call.options)
+        return real(call)
 
-    monkeypatch.setattr(cpu_attention, "attend", spy)
+    monkeypatch.setattr(_knobs, "partition_tokens", spy)
     seed = 60 + FAMILIES.index(family)
     print(f"seed={seed}")
     model = _model(family, seed)

@@ -13,7 +13,7 @@ from ._declare import Arg, BenchCases, Dim, Feature, Output, Role
 from ._device_features import device_features
 from ._dispatch import BoundOp, DispatchEvent, Ops, OpStats
 from ._registry import OpRegistry
-from ._spec import OpCall, OpImpl, OpSpec
+from ._spec import OpCall, OpImpl, OpSpec, Runner
 from .fused_moe import FusedMoe
 from .gated_activation import GatedActivation
 from .paged_attention import PagedAttention
@@ -47,6 +47,7 @@ __all__ = [
     "QuantizedGemm",
     "RmsNorm",
     "Role",
+    "Runner",
     "Sample",
     "RotaryEmbedding",
     "WriteKVCache",
@@ -58,5 +59,5 @@ __all__ = [
 
 for _name in __all__:
     _value = globals()[_name]
-    if isinstance(_value, type) or callable(_value):
+    if isinstance(_value, type) or (callable(_value) and hasattr(_value, "__code__")):  # classes, functions
         _value.__module__ = __name__

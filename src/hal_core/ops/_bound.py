@@ -17,7 +17,10 @@ result checks, fallbacks (logged once, counted, :class:`~hal_core.FallbackError`
   enters the signature by value only for an op with ``"auto"`` settings, which may read it;
 - the implementation chosen for a signature is kept too where no implementation of the op has a
   ``supports`` predicate and the choice cannot depend on values (one implementation, or no tune table),
-  and asked for again whenever the backend's implementations, its coverage or its tune table change.
+  and asked for again whenever the backend's implementations, its coverage or its tune table change;
+- where that implementation has a ``plan`` (:class:`~hal_core.ops.OpImpl`), the signature's first call asks it
+  for a runner, which the next calls run instead of ``fn`` (the implementation's per-call work done once),
+  their results checked against the shape and dtype the first one had.
 
 A fixed array keeps the shape, strides and dtype it had when bound (its values may change: a call reads
 them). At most :data:`MAX_SIGNATURES` signatures are kept per bound op, the oldest dropped first. Anything
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -39,11 +42,10 @@ from .._errors import ArgumentError
 from ..tuning._lookup import table_for
 from ._checks import check_writable
 from ._declare import Role
-from ._spec import OpCall, OpImpl
+from ._spec import OpCall, OpImpl, Runner
 from ._validate import check_declared, check_output, host_number
 
 if TYPE_CHECKING:
-    from ._coverage import OpCoverage
     from ._dispatch import Ops
     from ._spec import OpSpec
 
@@ -64,8 +66,9 @@ class _Signature:
     scalars: Mapping[str, Any]  # the call's scalars and settings (hints aside), normalised and settled
     settled: str | None  # what the "auto" settings chose, and why (OpCall.settled)
     impl: OpImpl | None  # None: chosen per call
-    impls: tuple[OpImpl, ...]
-    coverage: OpCoverage
+    runner: Runner | None  # impl's plan for the signature (with impl only)
+    result: tuple[tuple[int, ...] | None, Any]  # the result's shape and dtype ((None, None): an in-place op)
+    generation: int  # the registry's, when learnt
     table: Any
 
 
@@ -161,20 +164,16 @@ class BoundOp:
         backend = ops.backend
         call = OpCall(spec=spec, args=args, backend=backend, host_arrays=not backend.is_host, settled=known.settled,
                       given_options=self._options)
-        return ops._execute(call, out, known.impl)
+        return ops._execute(call, out, known.impl, known.runner, known.result)
 
     def _current(self, known: _Signature) -> bool:
-        registry = self._ops.registry
-        op = self._spec.name
-        return (registry.implementations(op) is known.impls and registry.coverage(op) is known.coverage
-                and table_for(self._ops.backend, 0) is known.table)
+        return self._ops.registry.generation == known.generation and table_for(self._ops.backend, 0) is known.table
 
     def _first(self, key: tuple[Any, ...], args: dict[str, Any]) -> Any:
         """The full checks (what the front door runs on a new signature), then the call; the signature kept."""
         spec, ops = self._spec, self._ops
         registry = ops.registry
-        impls, coverage, table = registry.implementations(spec.name), registry.coverage(spec.name), \
-            table_for(ops.backend, 0)
+        impls, generation, table = registry.implementations(spec.name), registry.generation, table_for(ops.backend, 0)
         bound = check_declared(spec, args)
         spec.check_layout(args, bound.sizes)
         spec.check(args, bound.sizes)
@@ -190,15 +189,21 @@ class BoundOp:
         impl = None
         if impls and all(i.supports_every_call for i in impls) and (len(impls) == 1 or table is None):
             impl = ops.choose(call)[0]
+        result = ops._execute(call, out, impl)
+        runner, shape = None, spec.output_shape(call.args)
+        if impl is not None and impl.plan is not None:
+            runner = ops._plan(impl, replace(call, fixed=frozenset(self._fixed)))
         scalars = {arg.name: args[arg.name] for arg in spec.number_args
                    if arg.name in args and arg.name not in self._hints}
         with self._lock:
             signatures = self._signatures
             while len(signatures) >= MAX_SIGNATURES:
                 del signatures[next(iter(signatures))]
-            signatures[key] = _Signature(sizes=bound.sizes, scalars=scalars, settled=call.settled, impl=impl,
-                                         impls=impls, coverage=coverage, table=table)
-        return ops._execute(call, out, impl)
+            signatures[key] = _Signature(
+                sizes=bound.sizes, scalars=scalars, settled=call.settled, impl=impl, runner=runner,
+                result=(None, None) if shape is None else (shape, spec.output_dtype(call.args)), generation=generation,
+                table=table)
+        return result
 
 
 def _signature(args: Mapping[str, Any], hints: Mapping[str, Any]) -> tuple[Any, ...] | None:

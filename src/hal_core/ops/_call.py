@@ -13,7 +13,11 @@ if TYPE_CHECKING:
     from ..tuning import Knob
     from ._spec import OpSpec
 
-__all__ = ["OpCall", "OpImpl"]
+__all__ = ["OpCall", "OpImpl", "Runner"]
+
+#: What :attr:`OpImpl.plan` returns: a function of one call's validated arguments (by name) returning what the
+#: implementation's ``fn`` returns for them.
+Runner = Callable[[Mapping[str, Any]], Any]
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,9 @@ class OpCall:
     settled: str | None = None
     #: The :attr:`OpSpec.options` value the caller passed (None: the fields came as flat keywords).
     given_options: Any = None
+    #: The arguments bound to the caller (:meth:`Ops.bind <hal_core.ops.Ops.bind>`): each the same object in every
+    #: call of a signature, so a :attr:`OpImpl.plan` may read an array's address once.
+    fixed: frozenset[str] = frozenset()
 
     @property
     def op(self) -> str:
@@ -85,6 +92,18 @@ class OpImpl:
     persisted another choice for the call's shape bucket on this device.
     ``knobs`` are the implementation's tunable parameters
     (:class:`hal_core.tuning.Knob`); ``fn`` reads each with ``knob.value(call)``.
+
+    ``plan`` (optional) serves a caller that repeats one call signature, a bound op
+    (:meth:`Ops.bind <hal_core.ops.Ops.bind>`): ``plan(call)`` returns a :data:`Runner` for every later call
+    of ``call``'s *signature*, or None to keep ``fn``. A signature fixes each array's shape, strides and
+    dtype, each scalar's and setting's value, the tune table, and the objects bound to the caller
+    (:attr:`OpCall.fixed` names them: an array there keeps its address). It leaves to each call the values
+    of every array, the addresses of the others, and the hints (``max_seq_len``: an upper bound, given per
+    call or not at all). ``runner(args)`` gets arguments that passed the op's checks, returns what
+    ``fn(OpCall(args=args, ...))`` would and keeps none of them. It does per call only what varies
+    (typically: the addresses of the call's arrays and a new output) and calls ``fn`` itself for anything its
+    plan does not cover (a setting changed since, such as the thread count). hal checks the planned result's
+    shape and dtype on every call and treats a runner's exception as ``fn``'s (the call falls back).
     """
 
     op: str
@@ -93,6 +112,7 @@ class OpImpl:
     priority: int = 0
     supports: Callable[[OpCall], bool | str] = field(default=_always)
     knobs: tuple[Knob, ...] = ()
+    plan: Callable[[OpCall], Runner | None] | None = None
 
     @property
     def supports_every_call(self) -> bool:

@@ -185,10 +185,11 @@ def check_disjoint(first: str, a: Any, second: str, b: Any) -> None:
     ``[..., 2 * block_size, head_size]`` cache view) are accepted: the check is exact for arrays of one
     shape and strides, and by extent otherwise.
     """
+    if type(a) is np.ndarray and type(b) is np.ndarray and a is not b \
+            and not (a.size and b.size and np.may_share_memory(a, b)):
+        return  # numpy's extent check, in C (the hot path on a host)
     if a is b or untag(a) is untag(b):
         raise ArgumentError(f"arguments {first!r} and {second!r} are the same array; pass two separate arrays")
-    if type(a) is np.ndarray and type(b) is np.ndarray and not (a.size and b.size and np.may_share_memory(a, b)):
-        return  # numpy's extent check, in C (the hot path on a host)
     ra, rb = byte_range(a), byte_range(b)
     if ra is None or rb is None or not (ra[0] < rb[1] and rb[0] < ra[1]):
         return

@@ -50,12 +50,15 @@ from ._dispatch_events import DispatchEvent, OpStats
 from ._front_door import method_for
 from ._plans import signature_and_host, validate
 from ._registry import OpRegistry
-from ._spec import OpCall, OpImpl, OpSpec
+from ._spec import OpCall, OpImpl, OpSpec, Runner
 
 if TYPE_CHECKING:
     from .._backend import Backend
 
 __all__ = ["BoundOp", "DispatchEvent", "OpStats", "Ops"]
+
+#: A call's declared result, where known beforehand: (shape, dtype), ``(None, None)`` for an in-place op.
+_Expected = tuple[tuple[int, ...] | None, Any] | None
 
 log = logging.getLogger("hal")
 
@@ -267,15 +270,17 @@ class Ops:
             reasons[impl.name] = verdict if isinstance(verdict, str) and verdict else "unsupported"
         return None, reasons
 
-    def _execute(self, call: OpCall, out: Any = None, chosen: OpImpl | None = None) -> Any:
+    def _execute(self, call: OpCall, out: Any = None, chosen: OpImpl | None = None, runner: Runner | None = None,
+                 expected: _Expected = None) -> Any:
         """Run ``call`` on the implementation :meth:`choose` picks (``chosen``: picked already for its signature,
-        by a :class:`BoundOp`), else on the fallback path; count it."""
+        by a :class:`BoundOp`, with ``runner``, its plan for the signature, and ``expected``, the result's shape
+        and dtype), else on the fallback path; count it."""
         stats = self._op_stats(call.op)
         if _env.force_cpu() and self._fallback is not None:  # read on every backend: a misspelt value fails closed
             return self._fall_back(call, out, "HAL_FORCE_CPU is set", stats, log_it=False)
         impl, reasons = (chosen, {}) if chosen is not None else self.choose(call)
         if impl is not None:
-            result, fault = self._run(impl, call)
+            result, fault = self._run(impl, call, runner, expected)
             if fault is None:
                 with self._lock:
                     stats.calls += 1
@@ -289,10 +294,25 @@ class Ops:
                                 "unset HAL_STRICT to allow fallbacks")
         return self._fall_back(call, out, reason, stats)
 
-    def _run(self, impl: OpImpl, call: OpCall) -> tuple[Any, str | None]:
-        """Run ``impl`` (it never sees the caller's ``out``); return (result, fault or None)."""
+    def _plan(self, impl: OpImpl, call: OpCall) -> Runner | None:
+        """``impl``'s runner for ``call``'s signature (see :class:`OpImpl`), or None (none, or its plan raised:
+        logged at debug level, ``fn`` serves the signature)."""
+        assert impl.plan is not None
         try:
-            result = impl.fn(call)
+            return impl.plan(call)
+        except Exception as exc:
+            if _env.strict():
+                raise ImplementationError(f"implementation {impl.name!r} of {call.op}: plan() raised "
+                                          f"{type(exc).__name__}: {exc}") from exc
+            log.debug("hal: %s's plan() raised; its fn serves the call's signature", impl.name, exc_info=exc)
+            return None
+
+    def _run(self, impl: OpImpl, call: OpCall, runner: Runner | None = None,
+             expected: _Expected = None) -> tuple[Any, str | None]:
+        """Run ``impl`` (``runner``: its plan for the call's signature; it never sees the caller's ``out``);
+        return (result, fault or None)."""
+        try:
+            result = impl.fn(call) if runner is None else runner(call.args)
         except KernelCompileError as exc:
             log.debug("hal: %s failed to compile", impl.name, exc_info=exc)
             return None, f"kernel {exc.name!r} failed to compile (see the debug log for the compiler output)"
@@ -307,28 +327,29 @@ class Ops:
                 log.debug("hal: %s raised", impl.name, exc_info=exc)
                 return None, f"raised {type(exc).__name__}: {exc}"
         else:
-            problem = self._check_result(call, result)
+            problem = self._check_result(call, result, expected)
             if problem and _env.strict():
                 raise ImplementationError(f"implementation {impl.name!r} of {call.op} {problem}")
             return result, problem
         raise setting  # the user's setting is wrong: a fallback would only hide it behind a slower path
 
-    def _check_result(self, call: OpCall, result: Any) -> str | None:
-        """Why ``result`` is not the op's declared result for ``call`` (shape, dtype, device), or None."""
+    def _check_result(self, call: OpCall, result: Any, expected: _Expected = None) -> str | None:
+        """Why ``result`` is not the op's declared result for ``call`` (shape, dtype, device), or None
+        (``expected``: the declared shape and dtype, known already for the call's signature)."""
         spec = call.spec
-        shape = spec.output_shape(call.args)
+        shape = spec.output_shape(call.args) if expected is None else expected[0]
         if shape is None:
             return None if result is None else f"returned {type(result).__name__}, expected None (an in-place op)"
         if type(result) is np.ndarray and result.shape == shape and (self._backend.is_host or call.host_arrays) \
-                and result.dtype == spec.output_dtype(call.args):
+                and result.dtype == (spec.output_dtype(call.args) if expected is None else expected[1]):
             return None  # the common host case, decided without names
         if result is None or not hasattr(result, "shape"):
             return f"returned {type(result).__name__}, expected an array of shape {shape}"
         if tuple(result.shape) != shape:
             return f"returned shape {tuple(result.shape)}, expected {shape}"
-        expected = dtype_name(spec.output_dtype(call.args))
-        if dtype_name(result) != expected:
-            return f"returned dtype {dtype_name(result)}, expected {expected}"
+        declared = dtype_name(spec.output_dtype(call.args))
+        if dtype_name(result) != declared:
+            return f"returned dtype {dtype_name(result)}, expected {declared}"
         on_host = self._backend.is_host or call.host_arrays
         if on_host:
             if type(result) is not np.ndarray:

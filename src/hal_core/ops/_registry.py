@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._catalog import OPS
 from ._coverage import OpCoverage
-from ._spec import OpCall, OpImpl
+from ._spec import OpCall, OpImpl, Runner
 
 if TYPE_CHECKING:
     from ..tuning import Knob
@@ -21,6 +21,9 @@ class OpRegistry:
     def __init__(self) -> None:
         self._impls: dict[str, tuple[OpImpl, ...]] = {}
         self._coverage: dict[str, OpCoverage] = {}
+        #: Counts the changes (registrations, declarations): what a caller learnt from the registry stands while
+        #: this number does.
+        self.generation = 0
 
     def register(
         self,
@@ -31,23 +34,26 @@ class OpRegistry:
         supports: Callable[[OpCall], bool | str] | None = None,
         name: str = "",
         knobs: Sequence[Knob] = (),
+        plan: Callable[[OpCall], Runner | None] | None = None,
     ) -> OpImpl:
-        """Register an implementation; pass an :class:`OpImpl` or its fields (``knobs``: its tunables)."""
+        """Register an implementation; pass an :class:`OpImpl` or its fields (``knobs``: its tunables, ``plan``:
+        its runners for repeated call signatures, see :class:`OpImpl`)."""
         if isinstance(op, OpImpl):
             impl = op
         else:
             if fn is None:
                 raise TypeError("register(op, fn): fn is required")
             extra = {"supports": supports} if supports is not None else {}
-            impl = OpImpl(op=op, fn=fn, priority=priority, name=name, knobs=tuple(knobs), **extra)
+            impl = OpImpl(op=op, fn=fn, priority=priority, name=name, knobs=tuple(knobs), plan=plan, **extra)
         _known(impl.op)
         names = [k.name for k in impl.knobs]
         if len(set(names)) != len(names):
             raise ValueError(f"implementation {impl.name!r}: knob names must be distinct, got {names}")
-        if not callable(impl.fn) or not callable(impl.supports):
-            raise TypeError(f"implementation {impl.name!r} of {impl.op}: fn and supports must be callable")
+        if not callable(impl.fn) or not callable(impl.supports) or not (impl.plan is None or callable(impl.plan)):
+            raise TypeError(f"implementation {impl.name!r} of {impl.op}: fn, supports and plan must be callable")
         impls = sorted((*self._impls.get(impl.op, ()), impl), key=lambda i: -i.priority)
         self._impls[impl.op] = tuple(impls)
+        self.generation += 1
         return impl
 
     def declare(self, op: str, coverage: OpCoverage) -> None:
@@ -57,6 +63,7 @@ class OpRegistry:
             raise TypeError(f"declare({op!r}, ...): expected an OpCoverage, got {type(coverage).__name__}")
         coverage.check_fields(spec)
         self._coverage[op] = coverage
+        self.generation += 1
 
     def coverage(self, op: str) -> OpCoverage:
         """The declaration for ``op``; an op declared by nobody is claimed whole."""

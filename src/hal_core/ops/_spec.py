@@ -13,7 +13,7 @@ import numpy as np
 from .._errors import ArgumentTypeError
 from ..arrays import dtype_name, numpy_dtype
 from ..tuning._lookup import setting_value
-from ._call import OpCall, OpImpl
+from ._call import OpCall, OpImpl, Runner
 from ._declare import Arg, BenchCases, Feature, Output, Role
 from ._device_features import device_features
 from ._groups import ArgGroup
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from .._backend import Backend
     from ._coverage import OpCoverage
 
-__all__ = ["OpCall", "OpImpl", "OpSpec"]
+__all__ = ["OpCall", "OpImpl", "OpSpec", "Runner"]
 
 
 class OpSpec(ABC):

@@ -56,7 +56,7 @@ from .._errors import ArgumentError
 from ..arrays import device_of, dtype_name, is_c_contiguous
 from ..tuning._buckets import pow2
 from ._catalog import register_op
-from ._checks import check_block_tables, check_disjoint, fail, host_index_checks
+from ._checks import SMALL_INDEX_ARRAY, check_block_tables, check_disjoint, fail, host_index_checks
 from ._declare import Arg, Feature, Output
 from ._spec import OpSpec
 from .paged_attention_cases import PAGED_ATTENTION_BENCH, attention_dtypes, paged_attention_inputs
@@ -170,6 +170,8 @@ class PagedAttention(OpSpec):
 def check_query_start_loc(qsl: np.ndarray, seq_lens: np.ndarray, num_tokens: int, max_query_len: int | None) -> None:
     """Host ``query_start_loc``: starts at 0, never decreases, ends at ``num_tokens``; each ``q_len`` at most its
     ``seq_len`` and ``max_query_len``. The first offender is named."""
+    if qsl.size <= SMALL_INDEX_ARRAY and _valid_starts(qsl.tolist(), seq_lens.tolist(), num_tokens, max_query_len):
+        return  # a step's few sequences, as Python ints: the common, valid case without numpy's small-array costs
     starts = qsl.astype(np.int64)
     if starts[0] != 0:
         raise fail("query_start_loc", "query_start_loc[0] = 0", f"query_start_loc[0] = {int(starts[0])}")
@@ -190,6 +192,19 @@ def check_query_start_loc(qsl: np.ndarray, seq_lens: np.ndarray, num_tokens: int
         s = int(np.argmax(q_lens))
         raise fail("query_start_loc", f"new tokens per sequence <= max_query_len = {max_query_len}",
                    f"{int(q_lens[s])} for sequence {s}")
+
+
+def _valid_starts(starts: list[int], lens: list[int], num_tokens: int, max_query_len: int | None) -> bool:
+    """Whether :func:`check_query_start_loc` passes ``query_start_loc`` given as a list (False: it names why)."""
+    if not starts or starts[0] != 0 or starts[-1] != num_tokens:
+        return False
+    longest = 0
+    for start, stop, length in zip(starts, starts[1:], lens, strict=False):
+        q_len = stop - start
+        if q_len < 0 or q_len > length:
+            return False
+        longest = max(longest, q_len)
+    return max_query_len is None or longest <= max_query_len
 
 
 def _host(array: Any) -> np.ndarray:

@@ -66,21 +66,23 @@ argument struct, its tiles and threads) is kept with the weight for the next suc
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from hal_core.ops import OpCall
+from hal_core.ops import OpCall, Runner
 from hal_core.ops.quantized_gemm import int8_activations
 from hal_core.quant import QuantizedWeight
 
-from .. import _abi, _native
+from .. import _abi, _native, _threads
 from . import _fallback_gemm, _knobs, _launches, _rules, _tiles, _w4a8
-from ._common import finish
+from ._common import finish, narrow
 from ._native_args import dtype_code
 
-__all__ = ["W8A8_ACC_WORDS", "W8A8_SMALL_M_MAX", "gemm", "half_dot", "launch_for", "quantized_gemm",
-           "w8a8_column_tile"]
+__all__ = ["W8A8_ACC_WORDS", "W8A8_SMALL_M_MAX", "gemm", "half_dot", "launch_for", "plan_quantized_gemm",
+           "quantized_gemm", "w8a8_column_tile"]
 
 #: The int32 accumulators of one small-M W8A8 task (csrc/w8a8_vnni.inl, ``kVnniAccWords``): M x columns at most.
 W8A8_ACC_WORDS = 8192
@@ -97,6 +99,44 @@ def quantized_gemm(call: OpCall) -> np.ndarray:
     if kernel == "registers" and qweight.bits == 4 and (qweight.g_idx is not None or qweight.group_size % 8):
         kernel = "blocked"  # a stored choice the in-register kernel cannot serve for this weight
     return finish(call, gemm(np.asarray(call["x"]), qweight, kernel=kernel))
+
+
+def plan_quantized_gemm(call: OpCall) -> Runner | None:
+    """The runner of ``call``'s signature (:mod:`._planned`): the weight's kept launch run on each call's
+    activations. None where a call runs something else: an unbound weight, a launch derived from the weight's
+    values, the tiles or blocked kernels, a tuned kernel other than the rule's, activations the kernel cannot
+    address in place."""
+    native = _native.try_load()
+    x, qweight = call["x"], call["qweight"]
+    if native is None or "qweight" not in call.fixed or 0 in x.shape or 0 in qweight.shape \
+            or x.strides[-1] != x.itemsize or x.strides[0] % x.itemsize:
+        return None
+    w4a8 = int8_activations(call.args)
+    launch = launch_for(native, x, qweight, "int8" if w4a8 else "float")
+    if launch is None or launch.derived:
+        return None
+    check_finite = False
+    if not w4a8 or qweight.bits == 8:
+        rule = _rules.gemm_kernel(x.shape[0], qweight.bits, qweight.group_size, qweight.g_idx is not None,
+                                  native.isa, half_dot(native, x.dtype))
+        if not w4a8 and str(_knobs.GEMM_KERNEL.value(call)) != rule:
+            return None
+        check_finite = rule == "registers" and qweight.bits == 4
+    threads, current = native.threads, _threads.current
+    shape, dtype = (x.shape[0], qweight.shape[1]), call.spec.output_dtype(call.args)
+
+    def run(args: Mapping[str, Any]) -> np.ndarray:
+        if current() != threads:
+            return quantized_gemm(replace(call, args=args, fixed=frozenset()))
+        x = args["x"]
+        y = np.empty(shape, dtype=np.float32)
+        if launch.run(x, y):
+            raise MemoryError("quantized_gemm: the CPU kernel could not allocate its workspace")
+        if check_finite and not np.isfinite(y).all():
+            _redo_non_finite_rows(native, x, qweight, y)
+        return narrow(y, dtype)
+
+    return run
 
 
 def gemm(

@@ -8,16 +8,18 @@ check: nothing can fail once it starts.
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import numpy as np
 
-from hal_core.ops import OpCall
+from hal_core.ops import OpCall, Runner
 
 from .. import _abi, _native
 from . import _rules
 from ._native_args import dtype_code, fill_struct, last_contiguous
+from ._planned import struct_runner
 
-__all__ = ["norm", "rms_norm"]
+__all__ = ["norm", "plan_rms_norm", "rms_norm"]
 
 
 def rms_norm(call: OpCall) -> np.ndarray:
@@ -40,17 +42,37 @@ def norm(x: np.ndarray, weight: np.ndarray, epsilon: float, *, residual: np.ndar
         _numpy_norm(x, weight, epsilon, residual, weight_offset, out)
         return out
     x, weight = last_contiguous(x), np.ascontiguousarray(weight)
-    num_tokens, hidden = x.shape
-    if threads is None:
-        threads = _rules.threads_for((4 if residual is not None else 2) * x.size * x.itemsize, native.threads)
-    args = fill_struct(_abi.RmsNormArgs, dict(
-        x=_native.pointer(x), x_stride=x.strides[0] // x.itemsize, weight=_native.pointer(weight),
-        residual=_native.pointer(residual), residual_stride=residual.strides[0] // x.itemsize if residual is not None
-        else 0, out=_native.pointer(out), out_stride=hidden, num_tokens=num_tokens, hidden_size=hidden,
-        rows_per_task=rows_per_task(num_tokens, int(threads)), epsilon=epsilon, weight_offset=weight_offset,
-        dtype=dtype_code(x), threads=int(threads)))
+    args = fill_struct(_abi.RmsNormArgs, _fields(x, weight, residual, out, epsilon, weight_offset, threads,
+                                                 native.threads))
     native.lib.hal_cpu_rms_norm(ctypes.byref(args))
     return out
+
+
+def plan_rms_norm(call: OpCall) -> Runner | None:
+    """The runner of ``call``'s signature (:mod:`._planned`), or None where the kernel cannot take its arrays as
+    they are."""
+    native = _native.try_load()
+    x, weight, residual = call["x"], call["weight"], call.args.get("residual")
+    if native is None or last_contiguous(x) is not x or not weight.flags.c_contiguous \
+            or (residual is not None and not _rows_in_place(residual)):
+        return None
+    fields = _fields(x, weight, residual, None, float(call["epsilon"]),
+                     float(call.args.get("weight_offset") or 0.0), None, native.threads)
+    return struct_runner(call, rms_norm, native.lib.hal_cpu_rms_norm, _abi.RmsNormArgs, fields,
+                         {"x": "x", "weight": "weight", "residual": "residual"}, out=("out", x.shape, x.dtype))
+
+
+def _fields(x: np.ndarray, weight: np.ndarray, residual: np.ndarray | None, out: np.ndarray | None,
+            epsilon: float, weight_offset: float, threads: int | None, host_threads: int) -> dict[str, Any]:
+    """The kernel's argument struct, by field (``out`` contiguous)."""
+    num_tokens, hidden = x.shape
+    if threads is None:
+        threads = _rules.threads_for((4 if residual is not None else 2) * x.size * x.itemsize, host_threads)
+    return dict(x=x, x_stride=x.strides[0] // x.itemsize, weight=weight, residual=residual,
+                residual_stride=residual.strides[0] // x.itemsize if residual is not None else 0, out=out,
+                out_stride=hidden, num_tokens=num_tokens, hidden_size=hidden,
+                rows_per_task=rows_per_task(num_tokens, int(threads)), epsilon=epsilon, weight_offset=weight_offset,
+                dtype=dtype_code(x), threads=int(threads))
 
 
 def _rows_in_place(array: np.ndarray) -> bool:
