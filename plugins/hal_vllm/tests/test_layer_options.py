@@ -14,18 +14,19 @@ def test_a_layer_passes_one_options_value_on_every_call(rng: np.random.Generator
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The layer's scale, window, softcap and ALiBi slopes (its config) and sinks (its weight) reach hal as one
     AttentionOptions, the same object on every call; reloading the weights builds it again with the new sinks."""
-    ops = hal_core.get_backend().ops
-    real = ops.paged_attention
+    from hal_cpu.ops import _knobs
+
+    real = _knobs.partition_tokens
     seen: list[hal_core.AttentionOptions] = []
 
-    def spy(*args: object, **kwargs: object) -> object:
-        seen.append(kwargs["options"])  # type: ignore[arg-type]
-        return real(*args, **kwargs)
+    def spy(call: hal_core.ops.OpCall) -> int:  # read by every call, planned or not: the options it runs with
+        seen.append(call.options)
+        return real(call)
 
     alibi = (2.0 ** -np.arange(1, NUM_HEADS + 1)).astype(np.float32)
     sinks = torch.tensor(rng.standard_normal(NUM_HEADS), dtype=torch.float32)
     impl = make_impl(sliding_window=16, logits_soft_cap=30.0, alibi_slopes=alibi.tolist(), sinks=sinks)
-    monkeypatch.setattr(ops, "paged_attention", spy, raising=False)
+    monkeypatch.setattr(_knobs, "partition_tokens", spy)
     steps = make_step(rng, torch.float32)
     first, step = run_layer(impl, steps, torch.float32)
     again, _ = run_layer(impl, steps, torch.float32)

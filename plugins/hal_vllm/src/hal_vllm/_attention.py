@@ -9,7 +9,9 @@ of a device tensor), so the layers' calls skip that conversion. Each layer
 then calls :meth:`HalAttentionImpl.do_kv_cache_update` (hal's
 ``write_kv_cache``) and :meth:`HalAttentionImpl.forward` (hal's
 variable-length ``paged_attention``) on vLLM's own per-layer cache tensor,
-whose K and V views it keeps for as long as vLLM keeps that tensor.
+whose K and V views it keeps for as long as vLLM keeps that tensor, with
+both ops bound to them and to the layer's options (``Ops.bind``: a step's
+calls of a layer then run the backend's planned runners).
 
 That tensor is ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
 (vLLM's ``LBHNC`` layout); :func:`split_kv_cache` views it as
@@ -31,6 +33,7 @@ from vllm.v1.attention.backend import (
 )
 
 from hal_core import AttentionOptions
+from hal_core.ops import BoundOp
 
 from ._startup import LayerPlan, Route, check_cache_spec, plan_layer, serving_backend
 
@@ -125,6 +128,8 @@ class HalAttentionImpl(AttentionImpl):  # type: ignore[misc, unused-ignore]
         self.sliding_window = self.plan.options.window
         self._caches: tuple[torch.Tensor, Any, Any] | None = None  # vLLM's cache tensor, its K and V as hal arrays
         self._options: AttentionOptions | None = None  # built at the first step after loading, then passed unchanged
+        #: (K, options, write_kv_cache, paged_attention): the two ops bound to the caches and options they were for
+        self._bound: tuple[Any, AttentionOptions, BoundOp, BoundOp] | None = None
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         self._options = None  # the sinks (a weight of the layer) may have changed
@@ -139,6 +144,20 @@ class HalAttentionImpl(AttentionImpl):  # type: ignore[misc, unused-ignore]
             self._caches = cached
         return cached[1], cached[2]
 
+    def _ops(self, kv_cache: torch.Tensor) -> tuple[BoundOp, BoundOp]:
+        """``write_kv_cache`` and ``paged_attention`` bound to ``kv_cache``'s K and V and the layer's options (bound
+        again when vLLM hands a new cache tensor or the weights are reloaded)."""
+        key_cache, value_cache = self._kv(kv_cache)
+        options = self.layer_options()
+        bound = self._bound
+        if bound is None or bound[0] is not key_cache or bound[1] is not options:
+            ops = self.plan.route.ops
+            bound = self._bound = (key_cache, options,
+                                   ops.bind("write_kv_cache", key_cache=key_cache, value_cache=value_cache),
+                                   ops.bind("paged_attention", key_cache=key_cache, value_cache=value_cache,
+                                            options=options))
+        return bound[2], bound[3]
+
     def layer_options(self) -> AttentionOptions:
         """The layer's :class:`~hal_core.AttentionOptions`, its sinks as the backend's float32 array: built once
         (again after the weights are reloaded), the same object on every call."""
@@ -150,11 +169,11 @@ class HalAttentionImpl(AttentionImpl):  # type: ignore[misc, unused-ignore]
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """hal's ``write_kv_cache`` of this step's keys and values (slot -1: padding, skipped)."""
-        key_cache, value_cache = self._kv(kv_cache)
+        write, _ = self._ops(kv_cache)
         num_tokens = slot_mapping.shape[0]
-        route = self.plan.route
-        route.ops.write_kv_cache(route.native(key[:num_tokens], "key"), route.native(value[:num_tokens], "value"),
-                                 key_cache, value_cache, route.native(slot_mapping, "slot_mapping"))
+        native = self.plan.route.native
+        write(key=native(key[:num_tokens], "key"), value=native(value[:num_tokens], "value"),
+              slot_mapping=native(slot_mapping, "slot_mapping"))
 
     def forward(
         self,
@@ -175,13 +194,11 @@ class HalAttentionImpl(AttentionImpl):  # type: ignore[misc, unused-ignore]
             return output
         meta = attn_metadata
         num_tokens = meta.num_actual_tokens
-        key_cache, value_cache = self._kv(kv_cache)
-        route = self.plan.route
-        route.ops.paged_attention(
-            route.native(query[:num_tokens], "query"), key_cache, value_cache, meta.block_table, meta.seq_lens,
-            query_start_loc=meta.query_start_loc, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-            out=route.native(output[:num_tokens], "out"), options=self.layer_options(),
-        )
+        _, attend = self._ops(kv_cache)
+        native = self.plan.route.native
+        attend(query=native(query[:num_tokens], "query"), block_tables=meta.block_table, seq_lens=meta.seq_lens,
+               query_start_loc=meta.query_start_loc, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+               out=native(output[:num_tokens], "out"))
         return output
 
 

@@ -98,6 +98,7 @@ class HalWNA16LinearKernel(MPLinearKernel):  # type: ignore[misc, unused-ignore]
         # numpy views of the layer's tensors (the zero points new), made once
         self._weight = weight_from_tensors(tensors, bits=4).map_arrays(lambda a: route.native(a, "qweight"))
         self._route = route
+        self._gemm = route.ops.bind("quantized_gemm", qweight=self._weight)  # repeated calls: the planned runner
 
     def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W (+ bias)`` over the last dimension of ``x``, through hal's ``quantized_gemm``."""
@@ -107,8 +108,8 @@ class HalWNA16LinearKernel(MPLinearKernel):  # type: ignore[misc, unused-ignore]
             rows = rows.contiguous()
         out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
         if rows.shape[0]:
-            route = self._route
-            route.ops.quantized_gemm(route.native(rows, "x"), self._weight, out=route.native(out, "out"))
+            native = self._route.native
+            self._gemm(x=native(rows, "x"), out=native(out, "out"))
         if bias is not None:
             out += bias
         return out.reshape(*x.shape[:-1], n)

@@ -97,11 +97,16 @@ def attention_partition(lengths: AttentionLengths, num_kv_heads: int, block_size
 
 
 def call_threads(call: OpCall) -> int:
-    """:func:`attention_threads` of a validated call (the wrapper's default, and what the partition rule sizes for)."""
-    key_cache = call["key_cache"]
-    _, num_kv_heads, _, head_size = key_cache.shape
-    return attention_threads(call_lengths(call), call["query"].shape[1], num_kv_heads, head_size, key_cache.itemsize,
-                             host_threads())
+    """:func:`attention_threads` of a validated call (the wrapper's default, and what the partition rule sizes for),
+    computed once and kept with the call as :func:`call_lengths` is."""
+    found = call.__dict__.get("_hal_cpu_threads")
+    if found is None:
+        key_cache = call["key_cache"]
+        _, num_kv_heads, _, head_size = key_cache.shape
+        found = attention_threads(call_lengths(call), call["query"].shape[1], num_kv_heads, head_size,
+                                  key_cache.itemsize, host_threads())
+        call.__dict__["_hal_cpu_threads"] = found
+    return found
 
 
 def _partition_rule(call: OpCall) -> int:
