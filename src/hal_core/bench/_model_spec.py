@@ -228,7 +228,7 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
     Contender("hal-int4-a8", "hal", "bf16", 4, "hal attention + hal W4A8 linears (the int4 checkpoint, "
               "activations='int8'), bf16", "int8"),
     Contender("hal-int4-k", "hal", "bf16", 4, "hal-int4 with kernelize(): norms, MLP activation and rotary on hal "
-              "ops, bf16", "auto", kernelize=True),
+              "ops, q/k/v and gate/up one GEMM each, bf16", "auto", kernelize=True),
     Contender("hal-int4-c", "hal", "bf16", 4, "hal-int4 with the model's forward under torch.compile (inductor), "
               "bf16", "auto", compile="inductor"),
     Contender("engine-int4", "engine", "bf16", 4, "hal_core.engine on the int4 checkpoint: every op of the step on "

@@ -10,6 +10,11 @@ other instances are untouched):
   (``weight_offset`` 1 for Gemma-style norms);
 - ``*MLP`` layers with ``gate_proj``/``up_proj``/``down_proj`` and a gated
   ``hidden_act`` hal runs -> ``gated_activation`` between the projections;
+- sibling projections that read the same input (an attention layer's
+  ``q_proj``/``k_proj``/``v_proj``, all ``QuantLinear`` of one format) ->
+  one fused ``quantized_gemm`` (:mod:`._fused_projections`: the members'
+  buffers become views of one fused weight, no copy kept; ``fuse=False``
+  leaves them apart);
 - the rotary embedding (``apply_rotary_pos_emb`` of the architectures in
   :data:`ROTARY`) -> ``rotary_embedding`` on the query and key in place.
   That function is module-level in transformers, so it is replaced in the
@@ -36,6 +41,7 @@ from ..engine._config import ACTIVATIONS
 from ..interop import host_view
 from ..ops import OPS, BoundOp
 from ._convert import to_tensor
+from ._fused_projections import fuse_siblings
 from ._host import HostRoute, eager_host, route_for
 from ._ops import wrapper
 
@@ -55,6 +61,8 @@ class KernelizeReport:
     norms: list[str] = field(default_factory=list)
     mlps: list[str] = field(default_factory=list)
     rotary: list[str] = field(default_factory=list)
+    #: module name -> the projections fused into one GEMM (``["q_proj", "k_proj", "v_proj"]``)
+    fused: dict[str, list[str]] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)  #: module name -> why it kept its code
 
 
@@ -94,19 +102,27 @@ def _same(held: Any, now: Any) -> bool:
 
 def _norm_forward(module: Any, original: Callable[..., Any], offset: float) -> Callable[..., Any]:
     eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
-    held: list[Any] = []  # the bound rms_norm: a weight is found by its tensor, storage and dtype (.to() keeps the
-    # Parameter and replaces its data)
+    options = {"weight_offset": offset} if offset else {}
+    # The bound rms_norm and what it was bound for: (weight Parameter, its data_ptr, dtype, shape, backend, the
+    # bound op). .to() keeps the Parameter and replaces its data, so the address and dtype are compared too.
+    held: list[Any] = [None]
 
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
         weight = module.weight
+        last = held[0]
+        if (last is not None and last[0] is weight and hidden_states.dtype is last[2] and last[1] == weight.data_ptr()
+                and hidden_states.shape[-1] == last[3] and eager_host(hidden_states, weight)):
+            route = route_for(hidden_states)
+            if route.backend is last[4]:  # the common case: a step's norms, nothing changed since the last one
+                rows = hidden_states.reshape(-1, last[3])
+                return to_tensor(last[5](x=host_view(rows, "x"))).view(hidden_states.shape)
         if hidden_states.shape[-1] != weight.shape[0] or not _eligible(hidden_states, weight):
             return original(hidden_states)
         rows = hidden_states.reshape(-1, weight.shape[0])
-        options = {"weight_offset": offset} if offset else {}
         if eager_host(rows, weight):
             route = route_for(rows)
-            bound = _bound(held, route, "rms_norm", (weight, weight.data_ptr(), weight.dtype, weight.shape),
-                           weight=route.native(weight, "weight"), epsilon=eps, **options)
+            bound = route.bind("rms_norm", weight=route.native(weight, "weight"), epsilon=eps, **options)
+            held[0] = (weight, weight.data_ptr(), weight.dtype, weight.shape[0], route.backend, bound)
             out = to_tensor(bound(x=host_view(rows, "x")))
         else:
             out = _op("rms_norm")(rows, weight, eps, **options)
@@ -187,15 +203,26 @@ def _rotary(original: Callable[..., Any]) -> Callable[..., Any]:
     return apply_rotary_pos_emb
 
 
-def kernelize(model: torch.nn.Module) -> KernelizeReport:
-    """Run ``model``'s norms, gated activations and rotary embedding on hal ops (in place; idempotent).
+def kernelize(model: torch.nn.Module, *, fuse: bool = True) -> KernelizeReport:
+    """Run ``model``'s norms, gated activations and rotary embedding on hal ops, and (``fuse``) its sibling
+    ``QuantLinear`` projections as one GEMM each (in place; idempotent).
 
     Returns a :class:`KernelizeReport`; layers hal does not run are listed in ``skipped`` with the reason.
+    ``fuse=False`` keeps every projection its own GEMM (a model to be compiled with ``torch.compile``: there each
+    fused member's call computes the whole fused GEMM, see :mod:`._fused_projections`).
     """
+    if not isinstance(fuse, bool):
+        raise TypeError(f"argument 'fuse': expected a bool, got {type(fuse).__name__}")
     report = KernelizeReport()
     for op in ("rms_norm", "gated_activation", "rotary_embedding"):
         _op(op)
     for name, module in model.named_modules():
+        if fuse:
+            fused, problem = fuse_siblings(module)
+            if fused:
+                report.fused[name] = fused
+            elif problem is not None and not problem.endswith("already fused"):
+                report.skipped[name] = problem
         if getattr(module, "__hal_kernelized__", False):
             continue
         cls = type(module).__name__
