@@ -319,3 +319,37 @@ def test_load_state_dict_with_zero_points_the_layer_lacks_is_refused_even_when_n
 def test_name_must_be_a_string() -> None:
     with pytest.raises(TypeError, match="'name'"):
         QuantLinear(K, N, name=3)  # type: ignore[arg-type]
+
+
+def test_the_torch_operator_binds_each_host_weight_once_and_follows_new_ones() -> None:
+    """torch.ops.hal.quantized_gemm on CPU tensors runs an op bound to the weight and its options, one per
+    (weight tensors, activations): repeated calls reuse it, another activations or a new set of tensors gets
+    its own, and every result matches float64."""
+    from hal_core.torch import _ops
+
+    seed = int(np.random.SeedSequence().entropy % 2**16)
+    print(f"seed={seed}")
+    rng = np.random.default_rng(seed)
+    original = make_weight(rng, 4, 32, True, False)
+    layer = QuantLinear.from_weight(original)
+    x = torch.from_numpy(rng.standard_normal((3, K)).astype(np.float32))
+
+    def call(activations: str | None = None) -> torch.Tensor:
+        return torch.ops.hal.quantized_gemm(x, layer.qweight, layer.scales, layer.zeros, layer.g_idx, layer.bits,
+                                            layer.group_size, activations)
+
+    _ops._HOST_BOUND.clear()
+    with torch.no_grad():
+        first = call()
+        bound = dict(_ops._HOST_BOUND)
+        assert len(bound) == 1
+        again = call()
+        assert bound == _ops._HOST_BOUND and torch.equal(first, again)
+        int8 = call("int8")
+        assert len(_ops._HOST_BOUND) == 2
+        assert torch.equal(int8, QuantLinear.from_weight(layer.quantized_weight(), activations="int8")(x))
+        fresh = make_weight(rng, 4, 32, True, False)
+        layer.load_state_dict(QuantLinear.from_weight(fresh).state_dict(), assign=True)
+        replaced = call()
+    assert_close_to(first, reference(x, original, None), "fp32")
+    assert_close_to(replaced, reference(x, fresh, None), "fp32")

@@ -27,11 +27,12 @@ from collections.abc import Callable, Mapping
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 
 from .._errors import ArgumentError, ArgumentTypeError
 from ..interop import host_view
-from ..ops import OPS, OpSpec
+from ..ops import OPS, BoundOp, OpSpec
 from ..ops._validate import check_shapes
 from ._autograd import refuse_grad_into_out, register_autograd
 from ._convert import to_tensor
@@ -93,6 +94,30 @@ def _host_reader(spec: OpSpec, names: tuple[str, ...]) -> Callable[[tuple[Any, .
     return read
 
 
+#: Bound ops of the weight ops' CPU calls: (id of the host weight, backend, the call's other non-array arguments)
+#: -> (that weight, the op bound to it and to them). The weight object is the one :func:`host_weight` returns
+#: for the same tensors (built once per set of tensors), kept here so that its id names it alone.
+_HOST_BOUND: dict[tuple[Any, ...], tuple[Any, BoundOp]] = {}
+#: More entries than any model has quantized layers (times its option sets); beyond it the cache starts over.
+_HOST_BOUND_MAX = 4096
+
+
+def _host_bound_call(spec: OpSpec, backend: Any, args: dict[str, Any]) -> Any:
+    """A weight op's CPU call through an op bound to its weight and options (:meth:`Ops.bind
+    <hal_core.ops.Ops.bind>`): the same front door, validation and kernels, without re-deriving per call what
+    the weight fixes (its planned runner serves the repeated calls)."""
+    weight = args.pop(spec.weight_names[0])
+    options = tuple(sorted((name, value) for name, value in args.items() if not isinstance(value, np.ndarray)))
+    key = (id(weight), id(backend), options)
+    found = _HOST_BOUND.get(key)
+    if found is None or found[0] is not weight:
+        if len(_HOST_BOUND) >= _HOST_BOUND_MAX:
+            _HOST_BOUND.clear()
+        found = _HOST_BOUND[key] = (weight, backend.ops.bind(spec.name, **{spec.weight_names[0]: weight},
+                                                             **dict(options)))
+    return found[1](**{name: value for name, value in args.items() if isinstance(value, np.ndarray)})
+
+
 def _lead(spec: OpSpec, args: Mapping[str, Any]) -> torch.Tensor:
     """The first tensor argument given: its device decides the backend."""
     for name in spec.array_names:
@@ -116,7 +141,9 @@ def _real(op: TorchOp) -> Callable[..., Any]:
         if lead.is_cpu:
             # numpy views of every tensor (a weight's built once per set of tensors): the front door then
             # converts nothing; hal's own result array is handed to torch as a view (no output copy)
-            result = backend.ops.call(spec.name, host_args(values))
+            args = host_args(values)
+            result = (_host_bound_call(spec, backend, args) if spec.weight_names
+                      else backend.ops.call(spec.name, args))
             return to_tensor(result) if op.returns_tensor else None
         given = dict(zip(names, values, strict=False))  # defaults are not passed
         args = _op_args(spec, given, fake=False)
