@@ -66,12 +66,17 @@ class _Clock:
 
 
 class _TimedOps:
-    """A front door whose ``write_kv_cache`` and ``paged_attention`` are timed on ``clock``."""
+    """A front door whose ``write_kv_cache`` and ``paged_attention`` (called, or bound) are timed on ``clock``."""
 
     def __init__(self, ops: Any, clock: _Clock) -> None:
-        self._ops = ops
+        self._ops, self._clock = ops, clock
         self.write_kv_cache = clock.wrap(ops.write_kv_cache)
         self.paged_attention = clock.wrap(ops.paged_attention)
+
+    def bind(self, op: str, **fixed: Any) -> Any:
+        """The cache's layers bind their two ops (``Ops.bind``): the bound op, timed."""
+        bound = self._ops.bind(op, **fixed)
+        return self._clock.wrap(bound) if op in ("write_kv_cache", "paged_attention") else bound
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ops, name)
@@ -107,6 +112,10 @@ class _NoOps:
 
     def paged_attention(self, *args: Any, **kwargs: Any) -> None:
         return None
+
+    def bind(self, op: str, **fixed: Any) -> Any:
+        """What the cache's layers bind (``Ops.bind``): the op itself, doing nothing."""
+        return getattr(self, op)
 
 
 def _tight_glue(model: torch.nn.Module, batch: int, steps: int, device: torch.device) -> float:
