@@ -65,6 +65,28 @@ def test_rms_norm_compiled_decoder_step(rng: np.random.Generator) -> None:
     assert torch.equal(compiled_residual, x + before)
 
 
+def test_calls_without_the_optional_mutated_arguments_compile_with_inductor(rng: np.random.Generator) -> None:
+    """rms_norm without a residual (functional and ``out=``) and rotary_embedding without a key compile with
+    inductor (the Python functions call the ``no_residual`` / ``no_key`` overloads, which inductor lowers) and
+    give eager's results."""
+    args = rms_norm_inputs(rng, num_tokens=4, hidden_size=64, dtype="fp32")
+    x, weight = tensor(args["x"]), tensor(args["weight"])
+    assert "Tensor(a!)" not in str(torch.ops.hal.rms_norm.no_residual._schema)
+    want = hal_torch.rms_norm(x, weight, 1e-6)
+    assert torch.equal(torch.compile(lambda h: hal_torch.rms_norm(h, weight, 1e-6) * 2, backend="inductor")(x),
+                       want * 2)
+    out = torch.empty_like(x)
+    torch.compile(lambda h, o: hal_torch.rms_norm(h, weight, 1e-6, out=o), backend="inductor")(x, out)
+    assert torch.equal(out, want)
+    positions = torch.from_numpy(rng.integers(0, 32, 4))
+    query = torch.from_numpy(rng.standard_normal((4, 2, 16)).astype(np.float32))
+    table = torch.from_numpy(rng.standard_normal((32, 16)).astype(np.float32))
+    eager, compiled = query.clone(), query.clone()
+    hal_torch.rotary_embedding(positions, eager, table)
+    torch.compile(lambda p, q: hal_torch.rotary_embedding(p, q, table), backend="inductor")(positions, compiled)
+    assert torch.equal(compiled, eager) and not torch.equal(eager, query)
+
+
 @pytest.mark.parametrize("activation", ("silu", "gelu", "gelu_tanh"))
 def test_gated_activation_operator(device: str, rng: np.random.Generator, activation: str) -> None:
     """Views of a fused gate-up tensor go in without a copy; the result matches the reference; opcheck passes."""

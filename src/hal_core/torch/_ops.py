@@ -226,7 +226,8 @@ def wrapper(spec: OpSpec) -> Callable[..., Any]:
     when given), or None for in-place ops.
     """
     register_torch_ops(spec)
-    ops = {op.writes_out: op for op in torch_ops(spec)}
+    ops = {op.writes_out: op for op in torch_ops(spec) if not op.without}
+    bare = {op.writes_out: op for op in torch_ops(spec) if op.without}
     params, required, optional = [], [], []
     for arg in spec.args:
         if arg.is_weight:
@@ -242,7 +243,6 @@ def wrapper(spec: OpSpec) -> Callable[..., Any]:
     params = [f"{name}=None" if name in grouped else name for name in params]  # the group's value may give them
     signature = ", ".join([*params, *(["*"] if keyword or group else []),
                            *(f"{name}=None" for name in (*keyword, *group))])
-    call = ", ".join([*required, *optional])
     body = [f"def {spec.name}({signature}):"]
     if spec.options is not None:  # the schema is flat: the group's value is spread into its fields
         names = ", ".join(spec.options.names)
@@ -250,12 +250,25 @@ def wrapper(spec: OpSpec) -> Callable[..., Any]:
                  f"        {names}, = _spread(_spec, {spec.options.name}, {names})"]
         body += [f"    if {arg.name} is None:\n        _required({arg.name!r})"
                  for arg in spec.options.args if arg.required]
+    def calls(writes_out: bool, head: list[str], ret: str) -> list[str]:
+        """The body lines calling the operator (its overload without the optional mutated arguments when
+        they are all None)."""
+        full = ", ".join([*head, *optional])
+        op = bare.get(writes_out)
+        if op is None:
+            return [f"    {ret}_hal.{ops[writes_out].name}({full})"]
+        short = ", ".join([*head, *(name for name in optional if name not in op.without)])
+        base, overload = op.name.split(".")
+        return [f"    if {' and '.join(f'{name} is None' for name in op.without)}:",
+                f"        {ret}_hal.{base}.{overload}({short})",
+                "    else:",
+                f"        {ret}_hal.{ops[writes_out].name}({full})"]
+
     if spec.output is None:
-        body.append(f"    _hal.{ops[False].name}({call})")
+        body += calls(False, required, "")
     else:
-        call_out = ", ".join([*required, "out", *optional])
-        body += ["    if out is None:", f"        return _hal.{ops[False].name}({call})",
-                 f"    _hal.{ops[True].name}({call_out})", "    return out"]
+        body += ["    if out is None:", *("    " + line for line in calls(False, required, "return "))]
+        body += [*calls(True, [*required, "out"], ""), "    return out"]
     namespace: dict[str, Any] = {"_hal": torch.ops.hal, "_weight_params": _weight_params, "_spread": _spread,
                                  "_spec": spec, "_required": _required}
     exec(compile("\n".join(body) + "\n", f"<hal torch op {spec.name}>", "exec"), namespace)

@@ -2,7 +2,10 @@
 
 Each op with an output gets two operators: ``hal::<op>`` returns a new tensor, ``hal::<op>_out``
 writes a given ``out`` (mutated) and returns nothing; an op without one (``write_kv_cache``) gets
-``hal::<op>``, mutating its in-place arguments. Parameters, in order: the required arguments (a
+``hal::<op>``, mutating its in-place arguments. An operator with optional mutated arguments
+(``rms_norm``'s ``residual``, ``rotary_embedding``'s ``key``) has an overload without them,
+``hal::<op>.no_<args>``, which the Python functions call when those are None: inductor cannot
+lower a call that leaves an optional mutated argument None. Parameters, in order: the required arguments (a
 quantized weight as its tensors ``qweight, scales, zeros, g_idx`` plus ``int bits, int group_size``),
 then ``out`` (``_out`` only), then the optional arguments with default None. An op whose weight is
 not one :class:`~hal_core.quant.QuantizedWeight` (``fused_moe``'s experts) has no operator.
@@ -42,6 +45,8 @@ class TorchOp:
     params: tuple[str, ...]
     #: True for the ``_out`` variant (writes ``out``, returns nothing).
     writes_out: bool
+    #: The optional mutated arguments this overload leaves out (``rms_norm.no_residual``): empty for the full one.
+    without: tuple[str, ...] = ()
 
     @property
     def returns_tensor(self) -> bool:
@@ -84,4 +89,12 @@ def torch_ops(spec: OpSpec) -> list[TorchOp]:
         name = f"{spec.name}_out" if writes_out else spec.name
         found.append(TorchOp(spec, name, f"({', '.join(text for text, _ in params)}) -> {returns}",
                              tuple(n for _, n in params), writes_out))
+        # An optional mutated argument left None is what inductor cannot lower (torch 2.13: its functionalized
+        # call yields a getitem of a non-operator): the same operator without those arguments, for such calls.
+        mutable = tuple(n for text, n in optional if "!)?" in text)
+        if mutable:
+            kept = [(text, n) for text, n in params if n not in mutable]
+            found.append(TorchOp(spec, f"{name}.no_{'_'.join(mutable)}",
+                                 f"({', '.join(text for text, _ in kept)}) -> {returns}",
+                                 tuple(n for _, n in kept), writes_out, mutable))
     return found
