@@ -221,3 +221,28 @@ def test_kernelize_fuses_a_quantized_llama(cpu) -> None:
     assert off.fused == {}
     with pytest.raises(TypeError, match="'fuse'"):
         kernelize(model, fuse="yes")  # type: ignore[arg-type]
+
+
+def test_a_fused_model_saves_and_loads_back_unfused(cpu, tmp_path) -> None:
+    """save_quantized after kernelize writes every member's own tensors (the views made contiguous); the loaded
+    model's logits equal the fused one's within the gemm tolerance, and kernelize fuses it again."""
+    from transformers_helpers import llama, prompts
+
+    from hal_core.torch import load_quantized, quantize_model, save_quantized
+
+    seed = int(np.random.SeedSequence().entropy % 2**16)
+    print(f"seed={seed}")
+    model = llama(seed)
+    quantize_model(model, bits=4, group_size=32)
+    kernelize(model)
+    ids, mask = prompts(seed)
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+    folder = save_quantized(model, tmp_path / "fused")
+    loaded = load_quantized(folder, dtype=torch.float32, attn_implementation="eager")
+    q = loaded.model.layers[0].self_attn.q_proj
+    assert q.qweight.is_contiguous() and getattr(q, "_hal_group", None) is None
+    with torch.no_grad():
+        got = loaded(ids, attention_mask=mask).logits
+        assert float((got - want).abs().max()) <= 1e-3 * float(want.abs().max())
+        assert len(kernelize(loaded).fused) == 4

@@ -1,8 +1,9 @@
 """Sibling projections that read the same input run as one GEMM: :func:`~hal_core.torch.kernelize`'s fusion.
 
 An attention layer's ``q_proj``, ``k_proj`` and ``v_proj`` multiply the same
-hidden states. As three ``QuantLinear`` calls at decode size the two small
-ones cost more in call and stream start-up than in bytes (in a 1B-class
+hidden states (an MLP's ``gate_proj`` and ``up_proj`` too). As three
+``QuantLinear`` calls at decode size the two small ones cost more in call
+and stream start-up than in bytes (in a 1B-class
 model, hidden 2048 and GQA 16/4: 2048 x 512 int4 in about 80 µs from
 memory, where the fused 2048 x 3072 GEMV takes 175 µs for all three); an
 engine fuses them into one weight. :class:`ProjectionGroup` does the same

@@ -11,10 +11,10 @@ other instances are untouched):
 - ``*MLP`` layers with ``gate_proj``/``up_proj``/``down_proj`` and a gated
   ``hidden_act`` hal runs -> ``gated_activation`` between the projections;
 - sibling projections that read the same input (an attention layer's
-  ``q_proj``/``k_proj``/``v_proj``, all ``QuantLinear`` of one format) ->
-  one fused ``quantized_gemm`` (:mod:`._fused_projections`: the members'
-  buffers become views of one fused weight, no copy kept; ``fuse=False``
-  leaves them apart);
+  ``q_proj``/``k_proj``/``v_proj``, an MLP's ``gate_proj``/``up_proj``, all
+  ``QuantLinear`` of one format) -> one fused ``quantized_gemm`` each
+  (:mod:`._fused_projections`: the members' buffers become views of one
+  fused weight, no copy kept; ``fuse=False`` leaves them apart);
 - the rotary embedding (``apply_rotary_pos_emb`` of the architectures in
   :data:`ROTARY`) -> ``rotary_embedding`` on the query and key in place.
   That function is module-level in transformers, so it is replaced in the
