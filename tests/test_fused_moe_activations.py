@@ -154,3 +154,37 @@ def test_a_bound_op_refuses_a_bad_expert_layout_naming_it(cpu, hal_rng: np.rando
     with pytest.raises((ArgumentError, ArgumentTypeError), match=r"experts\.w13\[3\]"):
         cpu.ops.bind("fused_moe", experts=bad_order, top_k=2)(hidden_states=args["hidden_states"],
                                                                router_logits=args["router_logits"])
+
+
+def test_the_front_door_checks_each_experts_value_once(cpu, hal_rng: np.random.Generator,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Front-door calls check an ``ExpertWeights`` value's arrays on its first call only (the value is frozen); a
+    value of the same shapes with a bad array is still refused naming it, every time, and a good one after it
+    computes the reference's result."""
+    import gc
+
+    import hal_core.ops.fused_moe as declaration
+
+    checked: list[str] = []
+    real = declaration.check_weight_layout
+    monkeypatch.setattr(declaration, "check_weight_layout", lambda w, name: (checked.append(name), real(w, name)))
+    args = _args(hal_rng, 2)
+    first = cpu.ops.fused_moe(**args)
+    per_value = len(checked)
+    assert per_value == 2 * args["experts"].num_experts
+    again = cpu.ops.fused_moe(**args)
+    assert len(checked) == per_value
+    np.testing.assert_array_equal(first, again)
+    experts: ExpertWeights = args["experts"]
+    w2 = list(experts.w2)
+    w2[5] = replace(w2[5], qweight=w2[5].qweight.astype(np.int32))
+    bad = ExpertWeights(experts.w13, tuple(w2))
+    for _ in range(2):
+        with pytest.raises(ArgumentTypeError, match=r"'experts\.w2\[5\]\.qweight'"):
+            cpu.ops.fused_moe(**{**args, "experts": bad})
+    del bad
+    gc.collect()
+    fresh = ExpertWeights(experts.w13, experts.w2)  # possibly at a freed value's address: checked anew
+    checked.clear()
+    np.testing.assert_array_equal(cpu.ops.fused_moe(**{**args, "experts": fresh}), first)
+    assert len(checked) == per_value

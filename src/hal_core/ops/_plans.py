@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._errors import ArgumentTypeError
-from ..quant import QuantizedWeight
+from ..quant import ExpertWeights, QuantizedWeight
+from ._per_value import PerValue
 from ._validate import check_declared, check_output, host_number
 
 if TYPE_CHECKING:
@@ -36,6 +37,15 @@ MAX_PLANS = 512
 #: (spec, signature) -> the sizes the declared checks bound (read-only).
 _PLANS: dict[tuple[Any, ...], Mapping[str, int]] = {}
 _lock = threading.Lock()
+
+
+#: Whether every array of an :class:`~hal_core.quant.ExpertWeights` is a numpy array, per value (a frozen value of
+#: frozen weights: found once, weakly, not over its hundreds of arrays on every call).
+_HOST_EXPERTS: PerValue[bool] = PerValue()
+
+
+def _experts_on_host(experts: ExpertWeights) -> bool:
+    return _HOST_EXPERTS.get(experts, lambda v: all(type(a) is np.ndarray for a in v.arrays().values()))
 
 
 def host_signature(spec: OpSpec, args: Mapping[str, Any]) -> tuple[Any, ...] | None:
@@ -54,6 +64,11 @@ def host_signature(spec: OpSpec, args: Mapping[str, Any]) -> tuple[Any, ...] | N
         value = args.get(name)
         if value is None:
             key.append(None)
+            continue
+        if type(value) is ExpertWeights:  # every expert's arrays are checked by check_layout, once per value
+            if not _experts_on_host(value):
+                return None
+            key.append((ExpertWeights, value.shape, value.bits, value.group_size))
             continue
         if type(value) is not QuantizedWeight:
             return None

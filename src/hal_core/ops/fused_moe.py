@@ -53,6 +53,7 @@ from ._catalog import register_op
 from ._checks import fail
 from ._declare import Arg, BenchCases, Feature, Output
 from ._inputs import uniform
+from ._per_value import PerValue
 from ._spec import OpSpec
 from .gated_activation import ACTIVATIONS, activate, activation_of
 from .quantized_gemm import ACTIVATIONS as PRECISIONS
@@ -63,11 +64,20 @@ __all__ = ["ROUTINGS", "FusedMoe", "expected_experts", "fused_moe_inputs", "int8
 
 #: The ``routing`` settings, the default first.
 ROUTINGS = ("softmax_topk", "softmax_topk_renorm", "topk_softmax")
+#: The ``ExpertWeights`` values whose arrays passed :meth:`FusedMoe.check_layout` (weakly: they go with the value).
+_LAYOUT_CHECKED: PerValue[bool] = PerValue()
 
 
 def routing_of(args: Mapping[str, Any]) -> str:
     """The call's routing (``'softmax_topk'`` when None)."""
     return args.get("routing") or "softmax_topk"
+
+
+def _check_experts_layout(experts: ExpertWeights) -> bool:
+    """ArgumentError / ArgumentTypeError naming the first expert array of a wrong dtype or layout; True when none."""
+    for name, weight in experts.weights().items():
+        check_weight_layout(weight, f"experts.{name}")
+    return True
 
 
 def expected_experts(num_tokens: int, num_experts: int, top_k: int) -> float:
@@ -161,10 +171,9 @@ class FusedMoe(OpSpec):
             raise fail("top_k", f"an int in [1, {sizes['num_experts']}] (num_experts)", args["top_k"])
 
     def check_layout(self, args: dict[str, Any], sizes: Mapping[str, int]) -> None:
-        """Every expert's arrays: dtypes and C order (once per signature on a bound op: O(experts) Python)."""
-        experts: ExpertWeights = args["experts"]
-        for name, weight in experts.weights().items():
-            check_weight_layout(weight, f"experts.{name}")
+        """Every expert's arrays: dtypes and C order, once per ``ExpertWeights`` value (O(experts) Python; the value
+        and its weights are frozen, so their arrays stay the ones checked)."""
+        _LAYOUT_CHECKED.get(args["experts"], _check_experts_layout)
 
     def auto_candidates(self, name: str, args: Mapping[str, Any], coverage: Any) -> tuple[tuple[str, ...], str]:
         """``activations="auto"``: int8 experts always run W8A8; int4 ones choose where the backend declares W4A8."""
