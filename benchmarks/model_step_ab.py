@@ -12,7 +12,10 @@ a second round is the one timed. Variants:
   attention with :class:`~hal_core.torch.transformers.HalPagedCache`, hal's
   ``QuantLinear``);
 - ``kernelize``: then :func:`hal_core.torch.kernelize` (norms, MLP
-  activation and rotary on hal's ops; q/k/v and gate/up one GEMM each);
+  activation and rotary on hal's ops; q/k/v and gate/up one GEMM each;
+  each decoder layer's eager step as its hal calls);
+- ``kernelize-modules``: as ``kernelize``, with each decoder layer run module
+  by module (its lean forward removed);
 - ``kernelize-nofuse``: :func:`~hal_core.torch.kernelize` with ``fuse=False``.
 
 ``--checkpoint DIR`` names a GPTQ checkpoint (``hal bench --model``'s
@@ -43,7 +46,7 @@ from hal_core.bench import resolve_model
 from hal_core.bench._machine import git_commit, machine_info, versions
 from hal_core.bench._model_worker import _new_cache, prepare, prompt_ids
 
-VARIANTS = ("plain", "kernelize", "kernelize-nofuse")
+VARIANTS = ("plain", "kernelize", "kernelize-modules", "kernelize-nofuse")
 
 
 def _model(checkpoint: str, variant: str) -> Any:
@@ -51,7 +54,10 @@ def _model(checkpoint: str, variant: str) -> Any:
 
     model = load_quantized(checkpoint, dtype=torch.bfloat16, attn_implementation="hal")
     if variant != "plain":
-        kernelize(model, fuse=variant == "kernelize")
+        kernelize(model, fuse=variant != "kernelize-nofuse")
+    if variant == "kernelize-modules":  # fused, but each decoder layer module by module (no lean forward)
+        for layer in model.model.layers:
+            layer.__dict__.pop("forward", None)
     return model
 
 

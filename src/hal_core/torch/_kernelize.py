@@ -15,6 +15,9 @@ other instances are untouched):
   ``QuantLinear`` of one format) -> one fused ``quantized_gemm`` each
   (:mod:`._fused_projections`: the members' buffers become views of one
   fused weight, no copy kept; ``fuse=False`` leaves them apart);
+- a decoder layer of :data:`._lean_layer.LAYERS` whose pieces are all on
+  hal (norms, MLP, both fused groups, rotary) -> a lean ``forward`` making
+  the same hal calls without the module plumbing (:mod:`._lean_layer`);
 - the rotary embedding (``apply_rotary_pos_emb`` of the architectures in
   :data:`ROTARY`) -> ``rotary_embedding`` on the query and key in place.
   That function is module-level in transformers, so it is replaced in the
@@ -39,10 +42,13 @@ import torch
 
 from ..engine._config import ACTIVATIONS
 from ..interop import host_view
-from ..ops import OPS, BoundOp
+from ..ops import OPS
 from ._convert import to_tensor
 from ._fused_projections import fuse_siblings
-from ._host import HostRoute, eager_host, route_for
+from ._held_calls import held_bound, rotary_table
+from ._host import eager_host, route_for
+from ._lean_layer import LAYERS as LEAN_LAYERS
+from ._lean_layer import LeanLayer, lean_problem
 from ._ops import wrapper
 
 __all__ = ["NORMS", "ROTARY", "KernelizeReport", "kernelize"]
@@ -63,6 +69,8 @@ class KernelizeReport:
     rotary: list[str] = field(default_factory=list)
     #: module name -> the projections fused into one GEMM (``["q_proj", "k_proj", "v_proj"]``)
     fused: dict[str, list[str]] = field(default_factory=dict)
+    #: decoder layers whose eager CPU calls run as their hal calls (:mod:`._lean_layer`)
+    layers: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)  #: module name -> why it kept its code
 
 
@@ -82,22 +90,6 @@ def _eligible(*tensors: torch.Tensor) -> bool:
     first = tensors[0]
     return (not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)) and all(
         t.dtype == first.dtype and t.device == first.device for t in tensors) and first.dtype in _FLOATS
-
-
-def _bound(held: list[Any], route: HostRoute, op: str, key: tuple[Any, ...], **fixed: Any) -> BoundOp:
-    """``op`` bound on ``route`` (:meth:`HostRoute.bind`) with ``fixed``, kept in ``held`` for the next call whose
-    ``key`` (the route's backend and what identifies the fixed tensors) is the same."""
-    key = (route.backend, *key)
-    if held and len(held[0]) == len(key) and all(map(_same, held[0], key)):
-        return held[1]
-    bound = route.bind(op, **fixed)
-    held[:] = [key, bound]
-    return bound
-
-
-def _same(held: Any, now: Any) -> bool:
-    """Tensors and backends by identity, numbers, dtypes and shapes by value."""
-    return held is now or (not isinstance(held, torch.Tensor) and type(held) is type(now) and held == now)
 
 
 def _norm_forward(module: Any, original: Callable[..., Any], offset: float) -> Callable[..., Any]:
@@ -142,7 +134,7 @@ def _mlp_forward(module: Any, original: Callable[..., Any], activation: str) -> 
         shape = gate.shape
         g, u = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])
         if eager_host(g, u):
-            bound = _bound(held, route_for(g), "gated_activation", (), activation=activation)
+            bound = held_bound(held, route_for(g), "gated_activation", (), activation=activation)
             act = to_tensor(bound(gate=host_view(g, "gate"), up=host_view(u, "up")))
         else:
             act = _op("gated_activation")(g, u, activation=activation)
@@ -150,26 +142,6 @@ def _mlp_forward(module: Any, original: Callable[..., Any], activation: str) -> 
         return module.down_proj(act.view(shape))
 
     return forward
-
-
-#: The last forward's ``(cos, sin, cos._version, batch, positions, table)``. The tensors themselves are held (one
-#: forward's, bounded) and compared by identity: a freed tensor's address is reused by the next forward's.
-_last_table: list[tuple[torch.Tensor, torch.Tensor, int, int, torch.Tensor, torch.Tensor]] = []
-
-
-def _table(cos: torch.Tensor, sin: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(positions, cos_sin_cache)`` for ``batch * S`` token rows from a forward's ``cos``/``sin`` ``[B, S, D]``
-    (``B`` is ``batch``, or 1 when every row has the same positions): one table row per ``cos`` row, built once
-    per forward (every layer passes the same tensors)."""
-    if _last_table:
-        held_cos, held_sin, version, held_batch, positions, table = _last_table[0]
-        if held_cos is cos and held_sin is sin and version == cos._version and held_batch == batch:
-            return positions, table
-    half = cos.shape[-1] // 2
-    table = torch.cat([cos[..., :half], sin[..., :half]], dim=-1).reshape(-1, 2 * half).float().contiguous()
-    positions = torch.arange(batch * cos.shape[1], dtype=torch.int64, device=cos.device) % table.shape[0]
-    _last_table[:] = [(cos, sin, cos._version, batch, positions, table)]
-    return positions, table
 
 
 #: The bound rotary_embedding of the last host route (nothing fixed: it saves the front door's per-call work).
@@ -186,13 +158,13 @@ def _rotary(original: Callable[..., Any]) -> Callable[..., Any]:
         b, _, s, d = q.shape
         if cos.shape[0] not in (1, b) or cos.shape[1] != s or sin.shape != cos.shape:
             return original(q, k, cos, sin, unsqueeze_dim)
-        positions, table = _table(cos, sin, b)
+        positions, table = rotary_table(cos, sin, b)
         # [B, S, heads, D] copies rotated in place: the function returns new tensors, and a caller may read its
         # inputs again (one pass each; the eager sequence makes several)
         query = q.transpose(1, 2).clone(memory_format=torch.contiguous_format).view(b * s, -1, d)
         key = k.transpose(1, 2).clone(memory_format=torch.contiguous_format).view(b * s, -1, d)
         if eager_host(query, key):
-            bound = _bound(_rotary_bound, route_for(query), "rotary_embedding", ())
+            bound = held_bound(_rotary_bound, route_for(query), "rotary_embedding", ())
             bound(positions=host_view(positions, "positions"), query=host_view(query, "query"),
                   cos_sin_cache=host_view(table, "cos_sin_cache"), key=host_view(key, "key"))
         else:
@@ -205,7 +177,8 @@ def _rotary(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def kernelize(model: torch.nn.Module, *, fuse: bool = True) -> KernelizeReport:
     """Run ``model``'s norms, gated activations and rotary embedding on hal ops, and (``fuse``) its sibling
-    ``QuantLinear`` projections as one GEMM each (in place; idempotent).
+    ``QuantLinear`` projections as one GEMM each and, where every piece of a decoder layer is then on hal, the
+    layer's eager steps as its hal calls (in place; idempotent).
 
     Returns a :class:`KernelizeReport`; layers hal does not run are listed in ``skipped`` with the reason.
     ``fuse=False`` keeps every projection its own GEMM (a model to be compiled with ``torch.compile``: there each
@@ -249,6 +222,24 @@ def kernelize(model: torch.nn.Module, *, fuse: bool = True) -> KernelizeReport:
         if not hasattr(current, "__hal_original__"):
             modeling.apply_rotary_pos_emb = _rotary(current)
         report.rotary.append(modeling.__name__)
+        if fuse:
+            _lean_layers(model, report)
     elif model_type is not None:
         report.skipped["apply_rotary_pos_emb"] = f"model_type {model_type!r} keeps transformers' rotary embedding"
     return report
+
+
+def _lean_layers(model: torch.nn.Module, report: KernelizeReport) -> None:
+    """Give each decoder layer whose pieces are all on hal the lean forward (:mod:`._lean_layer`)."""
+    for name, module in model.named_modules():
+        if type(module).__name__ not in LEAN_LAYERS:
+            continue
+        if isinstance(vars(module).get("forward"), LeanLayer):
+            continue  # kernelized before
+        problem = lean_problem(module)
+        if problem is not None:
+            report.skipped[name] = f"runs module by module: {problem}"
+            continue
+        act = ACTIVATIONS[module.mlp.config.hidden_act]
+        module.forward = LeanLayer(module, module.forward, act)
+        report.layers.append(name)

@@ -1,0 +1,211 @@
+"""``kernelize``'s decoder layers: a Llama-style layer's eager CPU step as its hal calls, without module plumbing.
+
+Once :func:`~hal_core.torch.kernelize` has put a layer's norms, MLP
+activation, rotary embedding and fused projections on hal, a decode step of
+the layer still passes through a dozen ``nn.Module`` calls, transformers'
+attention forward (views, transposes, the attention-function look-up), the
+fused projections' hand-over between siblings and the rotary function's
+copies of its inputs. At batch 1 that Python costs about as much as the
+layer's GEMVs take from memory on a small model. :class:`LeanLayer`
+replaces the layer's ``forward`` with the same sequence of calls made
+directly:
+
+- ``input_layernorm`` (its ``forward``, hal's ``rms_norm``);
+- one fused q/k/v GEMM; the query and key rotated in place in its result
+  (they are this call's own tensors: no copy), the value a view of it;
+- the cache's ``update`` and the model's attention function, with the
+  arguments the architecture's attention forward passes (Mistral and Qwen2
+  their ``sliding_window``); ``o_proj``;
+- the residual add, ``post_attention_layernorm``, one fused gate/up GEMM,
+  hal's ``gated_activation``, ``down_proj``, the residual add.
+
+Every op, operand and rounding is the one the kernelized layer runs, so the
+outputs are bit for bit the same (tested). The lean path is taken only where
+that holds, checked on every call: no autograd, no trace, a CPU float input
+``[batch, seq, hidden]``, the ``cos``/``sin`` the rotary kernel takes, both
+fused groups intact, the MLP's ``forward`` still kernelize's, the attention's
+its class's, no forward hook on any module involved (nor a global one, nor
+training mode; transformers' own output-capturing hooks count only while they
+record). Anything else runs the layer's original ``forward``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.nn.modules import module as _torch_module
+
+from ..interop import host_view
+from ._convert import to_tensor
+from ._held_calls import held_bound, rotary_table
+from ._host import route_for
+
+__all__ = ["LAYERS", "LeanLayer", "lean_problem"]
+
+#: Decoder-layer classes the lean forward serves -> where their attention's ``sliding_window`` argument comes
+#: from (``None``: the attention passes none; ``"config"``: ``config.sliding_window``; ``"module"``: the
+#: attention module's own attribute), as each architecture's attention forward does.
+LAYERS: dict[str, str | None] = {"LlamaDecoderLayer": None, "MistralDecoderLayer": "config",
+                                 "Qwen2DecoderLayer": "module"}
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def lean_problem(layer: torch.nn.Module) -> str | None:
+    """Why ``layer`` (after kernelize's other replacements) cannot take the lean forward, or None."""
+    cls = type(layer).__name__
+    if cls not in LAYERS:
+        return f"{cls} is not one of the decoder layers hal runs whole ({', '.join(LAYERS)})"
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is None or mlp is None:
+        return "no self_attn or mlp"
+    groups = [getattr(getattr(attn, "q_proj", None), "_hal_group", None),
+              getattr(getattr(mlp, "gate_proj", None), "_hal_group", None)]
+    if any(group is None for group in groups):
+        return "its q/k/v or gate/up projections are not fused"
+    norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
+    if not all(getattr(norm, "__hal_kernelized__", False) for norm in norms):
+        return "its norms are not on hal"
+    if not getattr(mlp, "__hal_kernelized__", False):
+        return "its MLP is not on hal"
+    if "forward" in vars(attn):
+        return "its attention's forward was replaced"
+    return None
+
+
+class LeanLayer:
+    """A decoder layer's ``forward`` as its hal calls (see the module docs); made by :func:`kernelize`.
+
+    ``original`` is the layer's forward before (what any call the lean path does not serve runs);
+    ``activation`` the MLP's gated activation (hal's name).
+    """
+
+    def __init__(self, layer: torch.nn.Module, original: Callable[..., Any], activation: str) -> None:
+        attn: Any = layer.self_attn
+        mlp: Any = layer.mlp
+        self.layer, self.original, self.activation = layer, original, activation
+        self.attn, self.mlp = attn, mlp
+        self.qkv, self.gate_up = attn.q_proj._hal_group, mlp.gate_proj._hal_group
+        self.members = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
+        self.norms: tuple[Any, Any] = (layer.input_layernorm, layer.post_attention_layernorm)
+        self.mlp_forward = vars(mlp)["forward"]
+        self.attn_class_forward = type(attn).forward
+        #: Every module whose hooks the lean path would skip.
+        self.modules: tuple[Any, ...] = (attn, *self.members[:3], attn.o_proj, mlp, *self.members[3:],
+                                         mlp.down_proj, *self.norms)
+        self.head_dim = int(attn.head_dim)
+        modeling = importlib.import_module(type(attn).__module__)
+        self.eager_attention = modeling.eager_attention_forward
+        self.window_from = LAYERS[type(layer).__name__]
+        self._rotary: list[Any] = []  # the bound rotary_embedding (held_bound)
+        self._activation: list[Any] = []  # the bound gated_activation
+        #: Calls served by the lean path (what the tests and ``hal explain``-style checks read).
+        self.calls = 0
+
+    # -- when ---------------------------------------------------------------------------------------------------
+
+    def _ready(self, x: torch.Tensor, position_embeddings: Any) -> bool:
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or self.layer.training:
+            return False
+        if x.device.type != "cpu" or x.dim() != 3 or x.dtype not in _FLOATS:
+            return False
+        if _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks:
+            return False
+        for m in self.modules:
+            if m._forward_pre_hooks or (m._forward_hooks and not _idle_capture(m._forward_hooks)):
+                return False
+        attn, mlp = self.attn, self.mlp
+        if vars(mlp).get("forward") is not self.mlp_forward or "forward" in vars(attn) \
+                or type(attn).forward is not self.attn_class_forward:
+            return False
+        if any(m.__dict__.get("_hal_group") is None for m in self.members) or attn.q_proj._hal_group is not self.qkv \
+                or mlp.gate_proj._hal_group is not self.gate_up or not self.qkv.intact() or not self.gate_up.intact():
+            return False
+        if not isinstance(position_embeddings, tuple) or len(position_embeddings) != 2:
+            return False
+        cos, sin = position_embeddings
+        b, s, _ = x.shape
+        return (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor) and cos.dim() == 3
+                and cos.shape[-1] == self.head_dim and cos.shape[0] in (1, b) and cos.shape[1] == s
+                and sin.shape == cos.shape and cos.device.type == "cpu" and not cos.requires_grad)
+
+    # -- the step -------------------------------------------------------------------------------------------------
+
+    def __call__(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None, past_key_values: Any = None, use_cache: bool | None = False,
+                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 **kwargs: Any) -> torch.Tensor:
+        if not self._ready(hidden_states, position_embeddings):
+            return self.original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                 past_key_values=past_key_values, use_cache=use_cache,
+                                 position_embeddings=position_embeddings, **kwargs)
+        assert position_embeddings is not None
+        self.calls += 1
+        attn, d = self.attn, self.head_dim
+        b, s, _ = hidden_states.shape
+        x = self.norms[0].forward(hidden_states)
+        self.members[0]._check_input(x)
+        q, k, v = self.qkv.outputs(x, True)
+        assert q is not None and k is not None and v is not None
+        q, k = q.view(b * s, -1, d), k.view(b * s, -1, d)
+        self._rotate(q, k, *position_embeddings, b)
+        query = q.view(b, s, -1, d).transpose(1, 2)
+        key = k.view(b, s, -1, d).transpose(1, 2)
+        value = v.view(b, s, -1, d).transpose(1, 2)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, attn.layer_idx)
+        interface = _attention_functions().get_interface(attn.config._attn_implementation, self.eager_attention)
+        extra: dict[str, Any] = {}
+        if self.window_from == "config":
+            extra["sliding_window"] = getattr(attn.config, "sliding_window", None)
+        elif self.window_from == "module":
+            extra["sliding_window"] = attn.sliding_window
+        out, _ = interface(attn, query, key, value, attention_mask, dropout=0.0, scaling=attn.scaling, **extra,
+                           position_ids=position_ids, use_cache=use_cache, **kwargs)
+        h = hidden_states + attn.o_proj.forward(out.reshape(b, s, -1).contiguous())
+        x = self.norms[1].forward(h)
+        self.members[3]._check_input(x)
+        gate, up = self.gate_up.outputs(x, True)
+        assert gate is not None and up is not None
+        return h + self.mlp.down_proj.forward(self._act(gate, up))
+
+    def _rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: int) -> None:
+        """The query and key rows ``[T, heads, D]`` rotated in place (kernelize's rotary replacement's kernel call,
+        on this call's own tensors: no copy)."""
+        positions, table = rotary_table(cos, sin, batch)
+        bound = held_bound(self._rotary, route_for(q), "rotary_embedding", ())
+        bound(positions=host_view(positions, "positions"), query=host_view(q, "query"),
+              cos_sin_cache=host_view(table, "cos_sin_cache"), key=host_view(k, "key"))
+
+    def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``act(gate) * up`` through the bound ``gated_activation`` (kernelize's MLP replacement's call)."""
+        shape = gate.shape
+        g, u = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])
+        bound = held_bound(self._activation, route_for(g), "gated_activation", (), activation=self.activation)
+        return to_tensor(bound(gate=host_view(g, "gate"), up=host_view(u, "up"))).view(shape)
+
+
+def _idle_capture(hooks: Any) -> bool:
+    """Whether ``hooks`` are only transformers' output-capturing hooks, none recording now.
+
+    transformers installs them for good on a model's first ``output_hidden_states`` / ``output_attentions``
+    forward; they record only while a forward that asked for outputs runs (its collector holds what it asked
+    for). Such a forward runs module by module, so every hook sees what it records.
+    """
+    for hook in hooks.values():
+        if getattr(hook, "__module__", None) != _CAPTURE_MODULE or getattr(hook, "__name__", None) != _CAPTURE_HOOK:
+            return False
+    from transformers.utils.output_capturing import _active_collector
+
+    return not _active_collector.get()  # None, or a forward's empty collector: nothing asked for
+
+
+_CAPTURE_MODULE, _CAPTURE_HOOK = "transformers.utils.output_capturing", "output_capturing_hook"
+
+
+def _attention_functions() -> Any:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS
