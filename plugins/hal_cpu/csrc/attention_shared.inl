@@ -83,6 +83,50 @@ inline uint16_t f32_to_bf16_bits(float f) {
     return uint16_t((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
+// W float32 lanes x[0, W) rounded to bf16 bits (round to nearest even: the carry trick on the bits) into out. A NaN
+// lane becomes the quiet NaN of its sign (0x7fc0 | sign, as ml_dtypes) when `canonical`, else its own top half made
+// quiet (f32_to_bf16_bits). The scalar functions' bits, W at a time.
+#if defined(HAL_ISA_AVX512)
+inline void bf16_rne_lanes(const float *x, uint16_t *out, bool canonical) {
+    const __m512 v = _mm512_loadu_ps(x);
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i high = _mm512_srli_epi32(bits, 16);
+    const __m512i odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+    const __m512i nan_bits = canonical
+        ? _mm512_or_si512(_mm512_and_si512(high, _mm512_set1_epi32(0x8000)), _mm512_set1_epi32(0x7fc0))
+        : _mm512_or_si512(high, _mm512_set1_epi32(0x40));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan_bits);
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(out), _mm512_cvtepi32_epi16(r));
+}
+// W float32 lanes rounded to fp16 (the FPU's round to nearest even) into out.
+inline void f16_rne_lanes(const float *x, uint16_t *out) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(out),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#define HAL_HALF_LANES 1
+#elif defined(HAL_ISA_AVX2)
+inline void bf16_rne_lanes(const float *x, uint16_t *out, bool canonical) {
+    const __m256 v = _mm256_loadu_ps(x);
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i high = _mm256_srli_epi32(bits, 16);
+    const __m256i odd = _mm256_and_si256(high, _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+    const __m256i nan_bits = canonical
+        ? _mm256_or_si256(_mm256_and_si256(high, _mm256_set1_epi32(0x8000)), _mm256_set1_epi32(0x7fc0))
+        : _mm256_or_si256(high, _mm256_set1_epi32(0x40));
+    r = _mm256_blendv_epi8(r, nan_bits, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    // every lane is at most 0xffff: the unsigned saturation of the pack never bites
+    _mm_storeu_si128(reinterpret_cast<__m128i *>(out),
+                     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+inline void f16_rne_lanes(const float *x, uint16_t *out) {
+    _mm_storeu_si128(reinterpret_cast<__m128i *>(out),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#define HAL_HALF_LANES 1
+#endif
+
 // v[0, d) to out in out_dtype.
 inline void store_row(const float *v, int d, void *out, int32_t out_dtype) {
     if (out_dtype == HAL_F32) {
@@ -91,11 +135,11 @@ inline void store_row(const float *v, int d, void *out, int32_t out_dtype) {
     }
     uint16_t *o = static_cast<uint16_t *>(out);
     int e = 0;
-#if defined(HAL_ISA_AVX512)
+#if defined(HAL_HALF_LANES)
     if (out_dtype == HAL_F16)
-        for (; e + 16 <= d; e += 16)
-            _mm256_storeu_si256(reinterpret_cast<__m256i *>(o + e),
-                                _mm512_cvtps_ph(_mm512_loadu_ps(v + e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        for (; e + W <= d; e += W) f16_rne_lanes(v + e, o + e);
+    else
+        for (; e + W <= d; e += W) bf16_rne_lanes(v + e, o + e, false);
 #endif
     if (out_dtype == HAL_F16)
         for (; e < d; ++e) o[e] = f32_to_f16_bits(v[e]);

@@ -15,28 +15,16 @@ inline uint16_t f32_to_bf16_rne(float f) {
 
 inline void f32_to_bf16_span(const float *x, uint16_t *out, int64_t n) {
     int64_t e = 0;
-#if defined(HAL_ISA_AVX512)
-    const __m512i bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
-    const __m512i sign = _mm512_set1_epi32(0x8000), quiet = _mm512_set1_epi32(0x7fc0);
-    for (; e + 16 <= n; e += 16) {
-        const __m512 v = _mm512_loadu_ps(x + e);
-        const __m512i bits = _mm512_castps_si512(v);
-        const __m512i high = _mm512_srli_epi32(bits, 16);
-        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(bias, _mm512_and_si512(high, one))), 16);
-        const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_and_si512(high, sign), quiet));
-        _mm256_storeu_si256(reinterpret_cast<__m256i *>(out + e), _mm512_cvtepi32_epi16(r));
-    }
+#if defined(HAL_HALF_LANES)
+    for (; e + W <= n; e += W) bf16_rne_lanes(x + e, out + e, true);
 #endif
     for (; e < n; ++e) out[e] = f32_to_bf16_rne(x[e]);
 }
 
 inline void f32_to_f16_span(const float *x, uint16_t *out, int64_t n) {
     int64_t e = 0;
-#if defined(HAL_ISA_AVX512)
-    for (; e + 16 <= n; e += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i *>(out + e),
-                            _mm512_cvtps_ph(_mm512_loadu_ps(x + e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#if defined(HAL_HALF_LANES)
+    for (; e + W <= n; e += W) f16_rne_lanes(x + e, out + e);
 #endif
     for (; e < n; ++e) out[e] = f32_to_f16_bits(x[e]);
 }

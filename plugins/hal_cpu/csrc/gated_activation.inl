@@ -2,8 +2,8 @@
 // ---------------------------------------------------------------------------------------------
 // out = act(gate) * up for a gated MLP (hal-core's gated_activation contract)
 // ---------------------------------------------------------------------------------------------
-// Each row is read once in blocks of kNormBlock elements converted to float32 on the stack; the activation runs in
-// W lanes and the product is rounded once into out. Activation codes: HAL_ACT_SILU, HAL_ACT_GELU, HAL_ACT_GELU_TANH.
+// Each row is read once, W lanes at a time converted to float32 in registers; the activation runs in W lanes and
+// the product is rounded once into out. Activation codes: HAL_ACT_SILU, HAL_ACT_GELU, HAL_ACT_GELU_TANH.
 
 // sigmoid(v) = 1 / (1 + e^-v) through e = exp(-|v|) (V::exp takes arguments <= 0): v >= 0: 1 / (1 + e), else
 // e / (1 + e). A NaN v gives NaN.
@@ -35,28 +35,55 @@ inline V::f vgelu_tanh(V::f g) {
     return V::mul(g, vsigmoid(two_u));
 }
 
+// act(g) in W lanes. SiLU is g / (1 + e^-g), the reference's own form (one exp and one division, no select):
+// e^-g overflows to inf for g below the float range, giving -0 (the reference's value rounds to a subnormal or
+// -0), and g = -inf gives NaN, as the reference's -inf / inf.
+template <int Act>
+inline V::f activate(V::f g) {
+    if (Act == HAL_ACT_GELU) return vgelu(g);
+    if (Act == HAL_ACT_GELU_TANH) return vgelu_tanh(g);
+    return V::div(g, V::add(V::set1(1.0f), V::exp(V::sub(V::zero(), g))));
+}
+
+// One row, W lanes at a time straight from gate and up (converted in registers): a float32 row is written
+// directly, an fp16/bf16 one through a block of float32 results rounded once (store_row). The last partial
+// vector goes through zero-padded lanes.
+template <class S, int Act>
+inline void gated_row(const typename S::T *gate, const typename S::T *up, void *out, int32_t dtype, int64_t d) {
+    alignas(64) float block[kNormBlock];
+    alignas(64) float g[W];
+    alignas(64) float u[W];
+    for (int64_t c = 0; c < d; c += kNormBlock) {
+        const int n = int(std::min<int64_t>(kNormBlock, d - c));
+        const typename S::T *gc = gate + c, *uc = up + c;
+        float *dst = dtype == HAL_F32 ? static_cast<float *>(out) + c : block;
+        int e = 0;
+        for (; e + W <= n; e += W) V::store(dst + e, V::mul(activate<Act>(vload<S>(gc + e)), vload<S>(uc + e)));
+        if (e < n) {
+            for (int l = 0; l < W; ++l) {
+                g[l] = e + l < n ? S::scalar(gc + e + l) : 0.0f;
+                u[l] = e + l < n ? S::scalar(uc + e + l) : 0.0f;
+            }
+            V::store(g, V::mul(activate<Act>(V::load(g)), V::load(u)));
+            std::memcpy(dst + e, g, sizeof(float) * size_t(n - e));
+        }
+        if (dtype != HAL_F32) store_row(block, n, elem_ptr(out, dtype, c), dtype);
+    }
+}
+
+template <class S, int Act>
+inline void gated_activation_rows(const hal_cpu_gated_activation_args &a, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+        gated_row<S, Act>(static_cast<const typename S::T *>(row_ptr(a.gate, a.dtype, r, a.gate_stride)),
+                          static_cast<const typename S::T *>(row_ptr(a.up, a.dtype, r, a.up_stride)),
+                          elem_ptr(a.out, a.dtype, r * a.out_stride), a.dtype, a.intermediate_size);
+}
+
 template <int Act>
 inline void gated_activation_rows(const hal_cpu_gated_activation_args &a, int64_t r0, int64_t r1) {
-    alignas(64) float g[kNormBlock];
-    alignas(64) float u[kNormBlock];
-    const int64_t d = a.intermediate_size;
-    for (int64_t r = r0; r < r1; ++r) {
-        const void *gate = row_ptr(a.gate, a.dtype, r, a.gate_stride);
-        const void *up = row_ptr(a.up, a.dtype, r, a.up_stride);
-        void *out = elem_ptr(a.out, a.dtype, r * a.out_stride);
-        for (int64_t c = 0; c < d; c += kNormBlock) {
-            const int n = int(std::min<int64_t>(kNormBlock, d - c));
-            const int padded = load_block(row_ptr(gate, a.dtype, c, 1), a.dtype, n, g);
-            load_block(row_ptr(up, a.dtype, c, 1), a.dtype, n, u);
-            for (int e = 0; e < padded; e += W) {
-                const V::f gv = V::load(g + e);
-                const V::f act = Act == HAL_ACT_GELU ? vgelu(gv)
-                                 : Act == HAL_ACT_GELU_TANH ? vgelu_tanh(gv) : V::mul(gv, vsigmoid(gv));
-                V::store(g + e, V::mul(act, V::load(u + e)));
-            }
-            store_row(g, n, elem_ptr(out, a.dtype, c), a.dtype);
-        }
-    }
+    if (a.dtype == HAL_F32) gated_activation_rows<F32, Act>(a, r0, r1);
+    else if (a.dtype == HAL_F16) gated_activation_rows<F16, Act>(a, r0, r1);
+    else gated_activation_rows<BF16, Act>(a, r0, r1);
 }
 
 int gated_activation(const hal_cpu_gated_activation_args *args) {

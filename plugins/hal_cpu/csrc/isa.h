@@ -95,7 +95,7 @@ struct V {
     static i andi(i a, i b) { return _mm512_and_si512(a, b); }
     template <int S> static i srli(i a) { return _mm512_srli_epi32(a, S); }
     static f cvt(i a) { return _mm512_cvtepi32_ps(a); }
-    // exp for x <= 0 (NaN in, NaN out; 0 below the float range): 2**n * p(r), |rel err| < 2e-7.
+    // exp (NaN in, NaN out; 0 below the float range, inf above it, NaN for +inf): 2**n * p(r), |rel err| < 2e-7.
     static f exp(f x) {
         const f lo = set1(-87.3f);
         __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
@@ -176,8 +176,9 @@ struct V {
         p = fma(p, r, set1(1.6666665459e-1f));
         p = fma(p, r, set1(5.0000001201e-1f));
         p = fma(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, set1(1.0f)));
-        // 2**n for n in [-126, 0]: (n + 127) << 23; NaN lanes keep NaN through the multiply.
-        f nc = _mm256_max_ps(n, set1(-126.0f));
+        // 2**n for n in [-126, 128]: (n + 127) << 23, 2**128 being +inf (an x past the float range overflows, as
+        // AVX-512's scalef does); NaN lanes keep NaN through the multiply.
+        f nc = _mm256_min_ps(_mm256_max_ps(n, set1(-126.0f)), set1(128.0f));
         __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(nc), _mm256_set1_epi32(127)), 23);
         f e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
         return _mm256_andnot_ps(under, e);

@@ -66,3 +66,23 @@ def test_torch_eager_sequences(rng: np.random.Generator) -> None:
             want = (fn(gate) * up).float()
             got = torch.from_dlpack(be.ops.gated_activation(gate, up, activation=activation)).float()
             torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=f"{activation} {torch_dtype}")
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_extreme_gates_follow_the_reference(variant: str, activation: str, dtype: str) -> None:
+    """Gates past the float range, infinities and NaN: NaN exactly where the float64 reference has it (SiLU at -inf
+    is -inf / inf), the rest within the element-wise tolerance, in full vectors and in the tail."""
+    from hal_core.arrays import BFLOAT16
+
+    values = [-np.inf, -1e30, -200.0, -88.5, -87.0, -10.0, -1e-30, 0.0, 1e-30, 10.0, 87.0, 88.5, 200.0, 1e30,
+              np.inf, np.nan]
+    gate = np.array([values * 3], dtype=np.float32)  # 48: full vectors, then a tail on every variant
+    up = np.full_like(gate, 1.5)
+    if dtype == "bf16":
+        gate, up = gate.astype(BFLOAT16), up.astype(BFLOAT16)
+    got = gated_activation.gated(gate, up, activation, threads=1).astype(np.float64)
+    want = REFERENCE({"gate": gate, "up": up, "activation": activation})
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    finite = ~np.isnan(want)
+    assert_close(got[finite], want[finite], kind="elementwise", dtype=dtype, what=f"{activation} ({variant})")
