@@ -1,6 +1,7 @@
 """kernelize's lean decoder layers: a kernelized layer's eager CPU step as its hal calls gives the module-by-module
-layer's outputs bit for bit (Llama, Mistral with a window, Qwen2 with q/k/v biases; hal's paged attention and
-transformers' eager one; fp32 and bf16), and every call the lean path cannot serve runs the layer's original code."""
+layer's outputs bit for bit (Llama, Mistral with a window, Qwen2 with q/k/v biases, Qwen3 with per-head q/k norms;
+hal's paged attention and transformers' eager one; fp32 and bf16), and every call the lean path cannot serve runs
+the layer's original code."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ ARCHS = {
     "mistral-window": lambda seed: _model(transformers.MistralConfig, transformers.MistralForCausalLM, seed,
                                           sliding_window=4),
     "qwen2-bias": lambda seed: _model(transformers.Qwen2Config, transformers.Qwen2ForCausalLM, seed),
+    "qwen3-head-norms": lambda seed: _model(transformers.Qwen3Config, transformers.Qwen3ForCausalLM, seed),
 }
 
 

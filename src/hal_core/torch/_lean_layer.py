@@ -11,8 +11,9 @@ replaces the layer's ``forward`` with the same sequence of calls made
 directly:
 
 - ``input_layernorm`` (its ``forward``, hal's ``rms_norm``);
-- one fused q/k/v GEMM; the query and key rotated in place in its result
-  (they are this call's own tensors: no copy), the value a view of it;
+- one fused q/k/v GEMM (Qwen3: each query and key head through its
+  ``q_norm``/``k_norm``); the query and key rotated in place (they are this
+  call's own tensors: no copy), the value a view of the GEMM's result;
 - the cache's ``update`` and the model's attention function, with the
   arguments the architecture's attention forward passes (Mistral and Qwen2
   their ``sliding_window``); ``o_proj``;
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.nn.modules import module as _torch_module
@@ -43,13 +44,22 @@ from ._convert import to_tensor
 from ._held_calls import held_bound, rotary_table
 from ._host import route_for
 
-__all__ = ["LAYERS", "LeanLayer", "lean_problem"]
+__all__ = ["LAYERS", "LayerCode", "LeanLayer", "lean_problem"]
 
-#: Decoder-layer classes the lean forward serves -> where their attention's ``sliding_window`` argument comes
-#: from (``None``: the attention passes none; ``"config"``: ``config.sliding_window``; ``"module"``: the
-#: attention module's own attribute), as each architecture's attention forward does.
-LAYERS: dict[str, str | None] = {"LlamaDecoderLayer": None, "MistralDecoderLayer": "config",
-                                 "Qwen2DecoderLayer": "module"}
+class LayerCode(NamedTuple):
+    """What a decoder-layer class's attention forward does beyond Llama's (the lean forward copies it)."""
+
+    #: where its ``sliding_window`` argument comes from: None (it passes none), ``"config"``
+    #: (``config.sliding_window``) or ``"module"`` (the attention module's own attribute)
+    window_from: str | None = None
+    #: whether it normalises each query and key head (``q_norm``/``k_norm`` over the head size) before rotary
+    head_norms: bool = False
+
+
+#: Decoder-layer classes the lean forward serves, with what their attention forward adds to Llama's.
+LAYERS: dict[str, LayerCode] = {"LlamaDecoderLayer": LayerCode(), "MistralDecoderLayer": LayerCode("config"),
+                                "Qwen2DecoderLayer": LayerCode("module"),
+                                "Qwen3DecoderLayer": LayerCode("module", head_norms=True)}
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -65,7 +75,9 @@ def lean_problem(layer: torch.nn.Module) -> str | None:
               getattr(getattr(mlp, "gate_proj", None), "_hal_group", None)]
     if any(group is None for group in groups):
         return "its q/k/v or gate/up projections are not fused"
-    norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
+    norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
+    if LAYERS[cls].head_norms:
+        norms += [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
     if not all(getattr(norm, "__hal_kernelized__", False) for norm in norms):
         return "its norms are not on hal"
     if not getattr(mlp, "__hal_kernelized__", False):
@@ -90,15 +102,18 @@ class LeanLayer:
         self.qkv, self.gate_up = attn.q_proj._hal_group, mlp.gate_proj._hal_group
         self.members = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
         self.norms: tuple[Any, Any] = (layer.input_layernorm, layer.post_attention_layernorm)
+        code = LAYERS[type(layer).__name__]
+        #: the attention's per-head query and key norms (Qwen3), or None
+        self.head_norms: tuple[Any, Any] | None = (attn.q_norm, attn.k_norm) if code.head_norms else None
         self.mlp_forward = vars(mlp)["forward"]
         self.attn_class_forward = type(attn).forward
         #: Every module whose hooks the lean path would skip.
         self.modules: tuple[Any, ...] = (attn, *self.members[:3], attn.o_proj, mlp, *self.members[3:],
-                                         mlp.down_proj, *self.norms)
+                                         mlp.down_proj, *self.norms, *(self.head_norms or ()))
         self.head_dim = int(attn.head_dim)
         modeling = importlib.import_module(type(attn).__module__)
         self.eager_attention = modeling.eager_attention_forward
-        self.window_from = LAYERS[type(layer).__name__]
+        self.window_from = code.window_from
         self._rotary: list[Any] = []  # the bound rotary_embedding (held_bound)
         self._activation: list[Any] = []  # the bound gated_activation
         #: Calls served by the lean path (what the tests and ``hal explain``-style checks read).
@@ -149,7 +164,10 @@ class LeanLayer:
         self.members[0]._check_input(x)
         q, k, v = self.qkv.outputs(x, True)
         assert q is not None and k is not None and v is not None
-        q, k = q.view(b * s, -1, d), k.view(b * s, -1, d)
+        if self.head_norms is not None:  # each head normalised (new tensors, this call's own), then rotated
+            q = self.head_norms[0].forward(q.view(b, s, -1, d))
+            k = self.head_norms[1].forward(k.view(b, s, -1, d))
+        q, k = q.reshape(b * s, -1, d), k.reshape(b * s, -1, d)
         self._rotate(q, k, *position_embeddings, b)
         query = q.view(b, s, -1, d).transpose(1, 2)
         key = k.view(b, s, -1, d).transpose(1, 2)
