@@ -151,6 +151,21 @@ def test_a_dissolved_group_or_replaced_forward_runs_the_original(cpu) -> None:
     assert _lean_calls(lean) == 1
 
 
+def test_a_restored_rotary_function_runs_the_original(cpu, monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' own apply_rotary_pos_emb put back in the modeling module: the layers run their original code
+    (which calls it), so the model computes what that function does."""
+    from transformers.models.llama import modeling_llama
+
+    seed = _seed()
+    lean, _ = _pair("llama", seed)
+    current = modeling_llama.apply_rotary_pos_emb
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", current.__hal_original__)
+    ids, mask = prompts(seed)
+    with torch.no_grad():
+        lean(ids, attention_mask=mask)
+    assert _lean_calls(lean) == 0
+
+
 def test_what_has_no_lean_layer(cpu) -> None:
     """Unfused (fuse=False or float projections) models keep every layer module by module; kernelize twice
     installs nothing again."""

@@ -25,9 +25,10 @@ outputs are bit for bit the same (tested). The lean path is taken only where
 that holds, checked on every call: no autograd, no trace, a CPU float input
 ``[batch, seq, hidden]``, the ``cos``/``sin`` the rotary kernel takes, both
 fused groups intact, the MLP's ``forward`` still kernelize's, the attention's
-its class's, no forward hook on any module involved (nor a global one, nor
-training mode; transformers' own output-capturing hooks count only while they
-record). Anything else runs the layer's original ``forward``.
+its class's, the architecture's rotary function still kernelize's, no forward
+hook on any module involved (nor a global one, nor training mode;
+transformers' own output-capturing hooks count only while they record).
+Anything else runs the layer's original ``forward``.
 """
 
 from __future__ import annotations
@@ -111,12 +112,12 @@ class LeanLayer:
         self.modules: tuple[Any, ...] = (attn, *self.members[:3], attn.o_proj, mlp, *self.members[3:],
                                          mlp.down_proj, *self.norms, *(self.head_norms or ()))
         self.head_dim = int(attn.head_dim)
-        modeling = importlib.import_module(type(attn).__module__)
-        self.eager_attention = modeling.eager_attention_forward
+        self.modeling: Any = importlib.import_module(type(attn).__module__)
+        self.eager_attention = self.modeling.eager_attention_forward
         self.window_from = code.window_from
         self._rotary: list[Any] = []  # the bound rotary_embedding (held_bound)
         self._activation: list[Any] = []  # the bound gated_activation
-        #: Calls served by the lean path (what the tests and ``hal explain``-style checks read).
+        #: Calls the lean path served (the tests read it).
         self.calls = 0
 
     # -- when ---------------------------------------------------------------------------------------------------
@@ -133,8 +134,9 @@ class LeanLayer:
                 return False
         attn, mlp = self.attn, self.mlp
         if vars(mlp).get("forward") is not self.mlp_forward or "forward" in vars(attn) \
-                or type(attn).forward is not self.attn_class_forward:
-            return False
+                or type(attn).forward is not self.attn_class_forward \
+                or not hasattr(self.modeling.apply_rotary_pos_emb, "__hal_original__"):
+            return False  # a piece runs other code than kernelize put there
         if any(m.__dict__.get("_hal_group") is None for m in self.members) or attn.q_proj._hal_group is not self.qkv \
                 or mlp.gate_proj._hal_group is not self.gate_up or not self.qkv.intact() or not self.gate_up.intact():
             return False
