@@ -51,21 +51,16 @@ inline V::f activate(V::f g) {
 template <class S, int Act>
 inline void gated_row(const typename S::T *gate, const typename S::T *up, void *out, int32_t dtype, int64_t d) {
     alignas(64) float block[kNormBlock];
-    alignas(64) float g[W];
-    alignas(64) float u[W];
     for (int64_t c = 0; c < d; c += kNormBlock) {
         const int n = int(std::min<int64_t>(kNormBlock, d - c));
         const typename S::T *gc = gate + c, *uc = up + c;
         float *dst = dtype == HAL_F32 ? static_cast<float *>(out) + c : block;
         int e = 0;
         for (; e + W <= n; e += W) V::store(dst + e, V::mul(activate<Act>(vload<S>(gc + e)), vload<S>(uc + e)));
-        if (e < n) {
-            for (int l = 0; l < W; ++l) {
-                g[l] = e + l < n ? S::scalar(gc + e + l) : 0.0f;
-                u[l] = e + l < n ? S::scalar(uc + e + l) : 0.0f;
-            }
-            V::store(g, V::mul(activate<Act>(V::load(g)), V::load(u)));
-            std::memcpy(dst + e, g, sizeof(float) * size_t(n - e));
+        if (e < n) {  // load_tail: rms_norm.inl's zero-padded lanes
+            alignas(64) float lanes[W];
+            V::store(lanes, V::mul(activate<Act>(load_tail<S>(gc + e, n - e)), load_tail<S>(uc + e, n - e)));
+            std::memcpy(dst + e, lanes, sizeof(float) * size_t(n - e));
         }
         if (dtype != HAL_F32) store_row(block, n, elem_ptr(out, dtype, c), dtype);
     }
