@@ -352,6 +352,39 @@ enum { HAL_EXPERT_W4A16 = 0, HAL_EXPERT_W8A8 = 1, HAL_EXPERT_W4A8 = 2 };
     F(int32_t, threads)
 typedef struct hal_cpu_expert_mlps_args { HAL_CPU_EXPERT_MLPS_FIELDS(HAL_CPU_DECLARE_FIELD) } hal_cpu_expert_mlps_args;
 
+/* A whole small mixture-of-experts call from its routing: the (token, expert) pairs of ids/weights grouped by
+ * expert (token order kept within each), each hit expert's rows gathered from x, its y = w2(act(w13(x))) run as
+ * by hal_cpu_expert_mlps from the GEMM structs kept for it, and out[t] = sum over t's experts in increasing
+ * order of y * weight (each product rounded to float32, then added to a sum that starts at 0). The GEMM structs
+ * are tables per rows-per-expert n: up[n - 1] and down[n - 1] point at num_experts structs of the kind (every
+ * field filled but x and y, their m being n), ready[n - 1][e] is 1 where expert e's are; a NULL table holds none.
+ * Returns HAL_OK (out written), HAL_ENOMEM, or HAL_DECLINED with out untouched: fewer experts hit than threads,
+ * an expert with more than max_rows rows, a struct not ready, an expert id out of range, or (HAL_EXPERT_W4A16,
+ * whose in-register kernel factors zero points out of its sums) an expert's output holding a non-finite value. */
+enum { HAL_DECLINED = 2 };
+#define HAL_CPU_MOE_EXPERTS_FIELDS(F)                                                                          \
+    F(const void *, x)                  /* [tokens] rows of hidden elements, x_stride elements apart */         \
+    F(int64_t, x_stride)                                                                                       \
+    F(const int64_t *, ids)             /* [tokens, top_k], ids_stride apart: expert ids, distinct in a row */  \
+    F(int64_t, ids_stride)                                                                                     \
+    F(const float *, weights)           /* [tokens, top_k], weights_stride apart: routing weights */            \
+    F(int64_t, weights_stride)                                                                                 \
+    F(float *, out)                     /* [tokens, hidden] float32, contiguous */                              \
+    F(const void *const *, up)          /* [max_rows] tables of [num_experts] w13 GEMM structs, or NULL */      \
+    F(const void *const *, down)        /* [max_rows] tables of [num_experts] w2 GEMM structs, or NULL */       \
+    F(const uint8_t *const *, ready)    /* [max_rows] of [num_experts] flags, or NULL */                        \
+    F(int64_t, tokens)                                                                                         \
+    F(int64_t, top_k)                                                                                          \
+    F(int64_t, num_experts)                                                                                    \
+    F(int64_t, hidden)                                                                                         \
+    F(int64_t, intermediate_size)                                                                              \
+    F(int32_t, x_itemsize)              /* bytes per element of x (the GEMM structs' x_dtype says which) */     \
+    F(int32_t, max_rows)                                                                                       \
+    F(int32_t, kind)                    /* HAL_EXPERT_W4A16 / HAL_EXPERT_W8A8 / HAL_EXPERT_W4A8 */             \
+    F(int32_t, activation)              /* HAL_ACT_SILU / HAL_ACT_GELU / HAL_ACT_GELU_TANH */                  \
+    F(int32_t, threads)
+typedef struct hal_cpu_moe_experts_args { HAL_CPU_MOE_EXPERTS_FIELDS(HAL_CPU_DECLARE_FIELD) } hal_cpu_moe_experts_args;
+
 #define HAL_CPU_ABI_STRUCTS(X)                                                                                 \
     X(attention, hal_cpu_attention_args, HAL_CPU_ATTENTION_FIELDS)                                             \
     X(write_kv_cache, hal_cpu_write_kv_cache_args, HAL_CPU_WRITE_KV_CACHE_FIELDS)                              \
@@ -366,7 +399,8 @@ typedef struct hal_cpu_expert_mlps_args { HAL_CPU_EXPERT_MLPS_FIELDS(HAL_CPU_DEC
     X(gated_activation, hal_cpu_gated_activation_args, HAL_CPU_GATED_ACTIVATION_FIELDS)                        \
     X(rotary_embedding, hal_cpu_rotary_embedding_args, HAL_CPU_ROTARY_EMBEDDING_FIELDS)                        \
     X(from_float32, hal_cpu_from_float32_args, HAL_CPU_FROM_FLOAT32_FIELDS)                                    \
-    X(expert_mlps, hal_cpu_expert_mlps_args, HAL_CPU_EXPERT_MLPS_FIELDS)
+    X(expert_mlps, hal_cpu_expert_mlps_args, HAL_CPU_EXPERT_MLPS_FIELDS)                                       \
+    X(moe_experts, hal_cpu_moe_experts_args, HAL_CPU_MOE_EXPERTS_FIELDS)
 
 /* "size=N;field=offset:size;..." for an argument struct of this ABI (the names of HAL_CPU_ABI_STRUCTS), NULL
  * for an unknown name: hal_cpu._abi compares it with its ctypes mirror when the library loads. */
@@ -399,6 +433,7 @@ int hal_cpu_gated_activation(const hal_cpu_gated_activation_args *args);
 int hal_cpu_rotary_embedding(const hal_cpu_rotary_embedding_args *args);
 int hal_cpu_from_float32(const hal_cpu_from_float32_args *args);
 int hal_cpu_expert_mlps(const hal_cpu_expert_mlps_args *args);
+int hal_cpu_moe_experts(const hal_cpu_moe_experts_args *args);
 
 /* 1 when hal_cpu_w4a16_gemv runs fp16/bf16 activations through AVX512_BF16 dot products on this CPU, else 0. */
 int hal_cpu_w4a16_half_dot(void);

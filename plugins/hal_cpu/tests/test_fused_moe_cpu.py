@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import pytest
-from hal_cpu import _native, set_threads
+from hal_cpu import _abi, _native, set_threads
 from hal_cpu.ops import _expert_mlps, fused_moe
 
 from hal_core.ops import OPS
@@ -192,3 +193,78 @@ def test_act_order_int8_experts_in_the_native_call(rng: np.random.Generator, mon
     monkeypatch.setattr(_expert_mlps, "MAX_ROWS", 0)
     np.testing.assert_array_equal(got, fused_moe.moe(*call))
     assert_close(got, REFERENCE(args), kind="moe_w8a8", dtype="fp32", what="act-order int8 experts")
+
+
+def _spy_on_routing_entry(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The return codes of every ``hal_cpu_moe_experts`` call from now on."""
+    native = _native.try_load()
+    if native is None:
+        pytest.skip("the compiled library is not built")
+    codes: list[int] = []
+    real = native.lib.hal_cpu_moe_experts
+
+    def spy(args: Any) -> int:
+        codes.append(int(real(args)))
+        return codes[-1]
+
+    monkeypatch.setattr(native.lib, "hal_cpu_moe_experts", spy)
+    return codes
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize(("bits", "activations"), [(4, "float"), (4, "int8"), (8, "float")])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_kept_structs_serve_later_calls_with_the_loops_bits(rng: np.random.Generator,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            request: pytest.FixtureRequest, tokens: int, bits: int,
+                                                            activations: str, dtype: str, threads: int) -> None:
+    """Once the experts' structs are kept, calls of new tokens and routings are one native entry from the routing
+    (grouping, experts, combine) and give the loop's bits; an expert met for the first time (or at a new row
+    count) is declined there and filled on the way, with the same bits."""
+    previous = set_threads(threads)
+    request.addfinalizer(lambda: set_threads(previous))
+    args = _args(rng, num_tokens=tokens, bits=bits, dtype=dtype, top_k=3)
+    experts = args["experts"]
+    codes = _spy_on_routing_entry(monkeypatch)
+    routings = [rng.standard_normal((tokens, 16)).astype(np.float32) * 2 for _ in range(2)]
+    for step in range(6):  # each routing met first (its experts' structs kept), then again with new tokens
+        x = fused_moe_inputs(rng, num_tokens=tokens, num_experts=16, top_k=3, hidden=96, intermediate=64, bits=bits,
+                             group_size=32, dtype=dtype)["hidden_states"]
+        call = (x, routings[step % 2], experts, 3, "softmax_topk_renorm", "gelu_tanh", activations)
+        got = fused_moe.moe(*call)
+        with monkeypatch.context() as loop:
+            loop.setattr(_expert_mlps, "MAX_ROWS", 0)
+            np.testing.assert_array_equal(got, fused_moe.moe(*call), err_msg=f"step {step}")
+    assert codes.count(0) >= 4, f"the routing entry did not serve the repeated routings: {codes}"
+    assert set(codes) <= {0, _abi.DECLINED}
+    assert _expert_mlps.kept_tables(experts) >= 1
+
+
+def test_the_routing_entry_declines_a_non_finite_w4a16_result(rng: np.random.Generator,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the structs kept, a row holding inf is still redone by the loop (the reference's inf/NaN pattern)."""
+    args = _args(rng, num_tokens=3)
+    call = (args["hidden_states"], args["router_logits"], args["experts"], 4)
+    fused_moe.moe(*call)  # keeps the hit experts' structs
+    codes = _spy_on_routing_entry(monkeypatch)
+    args["hidden_states"][1, 5] = np.inf
+    got = fused_moe.moe(*call)
+    assert codes and codes[0] == _abi.DECLINED
+    with monkeypatch.context() as loop:
+        loop.setattr(_expert_mlps, "MAX_ROWS", 0)
+        np.testing.assert_array_equal(got, fused_moe.moe(*call))
+    assert_close(got, REFERENCE(args), kind="gemm", dtype="fp32", what="fused_moe with inf, structs kept")
+
+
+def test_kept_structs_are_freed_with_their_experts(rng: np.random.Generator) -> None:
+    """The tables live as long as their experts value, and a new value at a freed one's address starts empty."""
+    if _native.try_load() is None:
+        pytest.skip("the compiled library is not built")
+    args = _args(rng, num_tokens=1)
+    fused_moe.moe(args["hidden_states"], args["router_logits"], args["experts"], 4)
+    assert _expert_mlps.kept_tables(args["experts"]) == 1
+    key = id(args["experts"])
+    del args["experts"]
+    gc.collect()
+    assert key not in _expert_mlps._SETS.entries

@@ -174,7 +174,7 @@ def test_a_weight_freed_while_launches_are_kept_does_not_block(rng: np.random.Ge
     done = threading.Event()
 
     def collect() -> None:
-        with _launches._lock:
+        with _launches._KEPT.lock:
             gc.collect()
             done.set()
 
@@ -182,7 +182,7 @@ def test_a_weight_freed_while_launches_are_kept_does_not_block(rng: np.random.Ge
     worker.start()
     worker.join(20)
     if not done.is_set():  # the worker is stuck holding the lock: give the module a new one for the later tests
-        monkeypatch.setattr(_launches, "_lock", threading.RLock())
+        monkeypatch.setattr(_launches._KEPT, "lock", threading.RLock())
     assert done.is_set(), "the freed weight's callback waited on the lock its own thread held"
-    entry = _launches._KEPT.get(key)
+    entry = _launches._KEPT.entries.get(key)
     assert entry is None or entry[0]() is not None, "the freed weight's launches are dropped"

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import ctypes
 
-__all__ = ["STRUCTS", "AttentionArgs", "DequantTileArgs", "FromFloat32Args", "GatedActivationArgs", "RmsNormArgs",
-           "RotaryEmbeddingArgs", "SampleArgs", "ToFloat32Args", "W4a16BlockedArgs", "W4a16GemvArgs", "W8a8GemmArgs",
-           "WriteKvCacheArgs", "layout", "mismatch"]
+__all__ = ["STRUCTS", "AttentionArgs", "DequantTileArgs", "FromFloat32Args", "GatedActivationArgs", "MoeExpertsArgs",
+           "RmsNormArgs", "RotaryEmbeddingArgs", "SampleArgs", "ToFloat32Args", "W4a16BlockedArgs", "W4a16GemvArgs",
+           "W8a8GemmArgs", "WriteKvCacheArgs", "layout", "mismatch"]
 
 _i32, _i64, _f32, _p = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -158,8 +158,22 @@ class ExpertMlpsArgs(ctypes.Structure):
     _fields_ = [("up", _p), ("act", _p), ("down", _p), ("jobs", _i64), ("kind", _i32), ("threads", _i32)]
 
 
+class MoeExpertsArgs(ctypes.Structure):
+    """``hal_cpu_moe_experts_args``: a small MoE call from its routing, over the experts' kept GEMM structs."""
+
+    _fields_ = [
+        ("x", _p), ("x_stride", _i64), ("ids", _p), ("ids_stride", _i64), ("weights", _p), ("weights_stride", _i64),
+        ("out", _p), ("up", _p), ("down", _p), ("ready", _p), ("tokens", _i64), ("top_k", _i64),
+        ("num_experts", _i64), ("hidden", _i64), ("intermediate_size", _i64), ("x_itemsize", _i32),
+        ("max_rows", _i32), ("kind", _i32), ("activation", _i32), ("threads", _i32),
+    ]
+
+
 #: ``hal_cpu_expert_mlps``'s ``kind`` per GEMM kernel entry point.
 EXPERT_W4A16, EXPERT_W8A8, EXPERT_W4A8 = 0, 1, 2
+
+#: ``hal_cpu_moe_experts``'s answer when the call is not one it serves (its output untouched).
+DECLINED = 2
 
 
 #: ABI name (as ``hal_cpu_abi`` knows it) -> mirror.
@@ -178,6 +192,7 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "rotary_embedding": RotaryEmbeddingArgs,
     "from_float32": FromFloat32Args,
     "expert_mlps": ExpertMlpsArgs,
+    "moe_experts": MoeExpertsArgs,
 }
 
 

@@ -74,6 +74,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "hal_cpu_rotary_embedding": (ctypes.c_int, [ctypes.POINTER(_abi.RotaryEmbeddingArgs)]),
     "hal_cpu_from_float32": (ctypes.c_int, [ctypes.POINTER(_abi.FromFloat32Args)]),
     "hal_cpu_expert_mlps": (ctypes.c_int, [ctypes.POINTER(_abi.ExpertMlpsArgs)]),
+    "hal_cpu_moe_experts": (ctypes.c_int, [ctypes.POINTER(_abi.MoeExpertsArgs)]),
 }
 
 

@@ -24,11 +24,8 @@ to float32) is built for its call alone, as before.
 from __future__ import annotations
 
 import ctypes
-import threading
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -36,6 +33,7 @@ import numpy as np
 from hal_core.quant import QuantizedWeight
 
 from .. import _native
+from ._kept import KeptPerValue
 from ._native_args import fill_struct
 
 __all__ = ["MAX_LAUNCHES_PER_WEIGHT", "Launch", "kept", "launch_count", "weight_arrays"]
@@ -85,48 +83,15 @@ def weight_arrays(qweight: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.
     return qw, scales, zeros, g_idx, derived
 
 
-#: id(weight) -> (a weak reference to it, {signature: launch} oldest first). A weight compares by value and is
-#: unhashable, so it is found by identity; the reference is checked on every look-up and its callback drops the
-#: entry when the weight is freed.
-_KEPT: dict[int, tuple[weakref.ref[QuantizedWeight], dict[tuple[Any, ...], Launch]]] = {}
-#: Reentrant: a weight's callback (:func:`_forget`) may run in a thread that holds it, when the cyclic garbage
-#: collector frees some weight during an allocation inside :func:`kept`.
-_lock = threading.RLock()
+#: Launches per weight and signature; only those over the weight's own arrays are kept.
+_KEPT: KeptPerValue[Launch] = KeptPerValue(MAX_LAUNCHES_PER_WEIGHT)
 
 
 def kept(qweight: QuantizedWeight, signature: tuple[Any, ...], build: Callable[[], Launch]) -> Launch:
     """The launch kept for ``qweight`` and ``signature``, else ``build()`` (kept unless it is ``derived``)."""
-    key = id(qweight)
-    entry = _KEPT.get(key)
-    if entry is not None and entry[0]() is qweight:
-        found = entry[1].get(signature)
-        if found is not None:
-            return found
-    launch = build()
-    if launch.derived:
-        return launch
-    with _lock:
-        entry = _KEPT.get(key)
-        if entry is None or entry[0]() is not qweight:
-            entry = _KEPT[key] = (weakref.ref(qweight, partial(_forget, key)), {})
-        per_weight = entry[1]
-        while len(per_weight) >= MAX_LAUNCHES_PER_WEIGHT:
-            del per_weight[next(iter(per_weight))]
-        per_weight[signature] = launch
-    return launch
-
-
-def _forget(key: int, _ref: object = None) -> None:
-    """Drop the entry of a freed weight (a live weight that took its id since keeps its own)."""
-    with _lock:
-        entry = _KEPT.get(key)
-        if entry is not None and entry[0]() is None:
-            del _KEPT[key]
+    return _KEPT.get(qweight, signature, build, keep=lambda launch: not launch.derived)
 
 
 def launch_count(qweight: QuantizedWeight | None = None) -> int:
     """How many launches are kept for ``qweight`` now (None: for every weight alive)."""
-    if qweight is None:
-        return sum(len(launches) for ref, launches in list(_KEPT.values()) if ref() is not None)
-    entry = _KEPT.get(id(qweight))
-    return len(entry[1]) if entry is not None and entry[0]() is qweight else 0
+    return _KEPT.count() if qweight is None else len(_KEPT.found(qweight))

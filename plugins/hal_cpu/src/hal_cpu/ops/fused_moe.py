@@ -14,9 +14,9 @@
 
 One token (decode) skips the grouping: its ``top_k`` experts in expert order, each on the token's row. Where
 every expert hit has at most :data:`~hal_cpu.ops._expert_mlps.MAX_ROWS` rows and there are at least as many
-experts as threads (decode, small batches), step 3 is one native call that runs each expert's three calls on
-one thread, the experts spread over the threads (:mod:`hal_cpu.ops._expert_mlps`); the kernels, and so the
-bits, are the loop's.
+experts as threads (decode, small batches), steps 2 to 4 are one native call that runs each expert's three
+calls on one thread, the experts spread over the threads, with their argument structs kept per experts value
+(:mod:`hal_cpu.ops._expert_mlps`); the kernels, and so the bits, are the loop's.
 
 Experts without tokens are never touched. Allocated per call: the routing arrays, and per expert its
 gathered rows, ``[n, 2 * intermediate]`` and ``[n, intermediate]`` and ``[n, hidden]`` floats (``n``: its
@@ -76,14 +76,14 @@ def moe(x: np.ndarray, logits: np.ndarray, experts: ExpertWeights, top_k: int, r
     if tokens == 0:
         return out
     ids, weights = route(logits, top_k, routing)
-    hit, rows, scales = _groups(ids, weights, experts.num_experts)
     native = _native.try_load()
-    found = None
-    if native is not None and len(hit) >= native.threads and max(map(len, scales)) <= _expert_mlps.MAX_ROWS:
-        gathered = [np.ascontiguousarray(x[r]) for r in rows]
-        found = _expert_mlps.outputs(native, gathered, experts, hit, activation, activations)
-    for j, (e, r, w) in enumerate(zip(hit, rows, scales, strict=True)):  # in expert order
-        y = found[j] if found is not None else _expert(x[r], experts, e, activation, activations)
+    if native is not None:
+        found = _expert_mlps.combined(native, x, ids, weights, experts, activation, activations)
+        if found is not None:
+            return found
+    hit, rows, scales = _groups(ids, weights, experts.num_experts)
+    for e, r, w in zip(hit, rows, scales, strict=True):  # in expert order
+        y = _expert(x[r], experts, e, activation, activations)
         y *= w[:, None]
         out[r] += y  # rows are distinct within one expert
     return out
