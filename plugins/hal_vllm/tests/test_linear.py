@@ -85,6 +85,12 @@ def _check(method: object, layer: torch.nn.Module, dense: np.ndarray, dtype: tor
         assert error < TOLERANCE[dtype], (shape, error)
     stats = hal_core.stats()["cpu"]["quantized_gemm"]
     assert stats["calls"] - before == 3 and not stats["fallbacks"]
+    # As vLLM runs it by default, compiled: one graph (hal's operator), the eager layer's bits.
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: method.apply(layer, x), backend="inductor", fullgraph=True)  # type: ignore[attr-defined]
+    for shape in ((3, K), (2, 4, K)):
+        x = torch.tensor(rng.standard_normal(shape), dtype=dtype)
+        torch.testing.assert_close(compiled(x), method.apply(layer, x), rtol=0, atol=0)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

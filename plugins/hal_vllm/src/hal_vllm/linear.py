@@ -19,8 +19,11 @@ kernel receives the layer's tensors as vLLM holds them once loaded:
 It builds hal's weight once, at load time (views of the layer's tensors
 where the bits are unchanged; the zero points unpacked), and each forward
 is one ``quantized_gemm`` of the flattened activations into a new output
-tensor. ``VLLM_DISABLED_KERNELS=HalWNA16LinearKernel`` gives the layers
-back to vLLM's own kernels while attention stays on hal.
+tensor. While vLLM compiles the model (``torch.compile``, its default), the
+layer is ``torch.ops.hal.quantized_gemm`` over the same tensors instead: an
+operator the compiler keeps whole (the bound call's numpy views would have
+it trace into hal's Python). ``VLLM_DISABLED_KERNELS=HalWNA16LinearKernel``
+gives the layers back to vLLM's own kernels while attention stays on hal.
 """
 
 from __future__ import annotations
@@ -99,6 +102,7 @@ class HalWNA16LinearKernel(MPLinearKernel):  # type: ignore[misc, unused-ignore]
         self._weight = weight_from_tensors(tensors, bits=4).map_arrays(lambda a: route.native(a, "qweight"))
         self._route = route
         self._gemm = route.ops.bind("quantized_gemm", qweight=self._weight)  # repeated calls: the planned runner
+        self._tensors = tensors  # for torch.ops.hal.quantized_gemm while vLLM compiles the model
 
     def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W (+ bias)`` over the last dimension of ``x``, through hal's ``quantized_gemm``."""
@@ -106,10 +110,15 @@ class HalWNA16LinearKernel(MPLinearKernel):  # type: ignore[misc, unused-ignore]
         rows = x.reshape(-1, k)
         if not rows.is_contiguous():
             rows = rows.contiguous()
-        out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
-        if rows.shape[0]:
-            native = self._route.native
-            self._gemm(x=native(rows, "x"), out=native(out, "out"))
+        if torch.compiler.is_compiling():  # the operator, opaque to the compiler (its fake gives the shape)
+            t = self._tensors
+            out = torch.ops.hal.quantized_gemm(rows, t["qweight"], t["scales"], t.get("zeros"), None, 4,
+                                               self._weight.group_size, None)
+        else:
+            out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
+            if rows.shape[0]:
+                native = self._route.native
+                self._gemm(x=native(rows, "x"), out=native(out, "out"))
         if bias is not None:
             out += bias
         return out.reshape(*x.shape[:-1], n)
