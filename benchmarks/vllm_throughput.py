@@ -22,7 +22,10 @@ model's projections as a 4-bit checkpoint of that format (groups of
 or bf16 only. The ``vllm`` side is then vLLM's own int4 kernel; with
 ``--baseline hal-attention`` it keeps hal's attention and gives only the
 linear layers back to vLLM (``VLLM_DISABLED_KERNELS=HalWNA16LinearKernel``),
-so the ratio is that of the int4 GEMMs alone.
+so the ratio is that of the int4 GEMMs alone. ``--int4-activations`` sets the
+hal side's ``HAL_VLLM_INT4_ACTIVATIONS``: ``auto`` (the plugin's default: W4A8
+from two rows), ``int8`` or ``float`` (W4A16, the arithmetic of vLLM's own
+kernel where it does not take its AMX W4A8 path).
 
 Tensor parallelism: ``--tensor-parallel-size 2`` runs each side with two
 ranks (vLLM's multi-process executor); bind each rank to its own cores with
@@ -87,7 +90,7 @@ def _model(path: Path, args: argparse.Namespace) -> None:
 def _side_env(side: str, args: argparse.Namespace) -> dict[str, str]:
     """The environment of one side's engine (its processes inherit it)."""
     if side == "hal":
-        return {"HAL_VLLM": "1", "VLLM_DISABLED_KERNELS": ""}
+        return {"HAL_VLLM": "1", "VLLM_DISABLED_KERNELS": "", "HAL_VLLM_INT4_ACTIVATIONS": args.int4_activations}
     if args.baseline == "hal-attention":
         return {"HAL_VLLM": "1", "VLLM_DISABLED_KERNELS": "HalWNA16LinearKernel"}
     return {"HAL_VLLM": "0", "VLLM_DISABLED_KERNELS": ""}
@@ -190,6 +193,8 @@ def main() -> None:
     parser.add_argument("--quant", default="none", choices=("none", "gptq", "awq"),
                         help="write the projections as a 4-bit checkpoint of this format (fp16/bf16)")
     parser.add_argument("--group-size", type=int, default=128, help="the quantized checkpoint's group size")
+    parser.add_argument("--int4-activations", default="auto", choices=("float", "auto", "int8"),
+                        help="the hal side's HAL_VLLM_INT4_ACTIVATIONS (its int4 layers' activation precision)")
     parser.add_argument("--baseline", default="vllm", choices=("vllm", "hal-attention"),
                         help="the vllm side: vLLM's own kernels, or hal's attention with vLLM's int4 linear layers")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks per side (vLLM's mp executor)")

@@ -41,6 +41,7 @@ def vllm_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setenv("HAL_VLLM", "1")
+    monkeypatch.setenv("HAL_VLLM_INT4_ACTIVATIONS", "float")  # W4A16, held to the float64 weight's tolerance
     register()
     init_file = Path(tmp_path_factory.mktemp("dist")) / "init"
     with set_current_vllm_config(VllmConfig()):
@@ -151,3 +152,42 @@ def test_kernel_declines_what_it_cannot_run() -> None:
     assert not ok and "int4" in why
     ok, why = HalWNA16LinearKernel.can_implement(config(partition_weight_shape=(K + 32, N)))
     assert not ok and "group size" in why
+
+
+@pytest.mark.parametrize("setting", ["int8", "auto", "float", None])
+def test_int4_activations_setting(setting: str | None, rng: np.random.Generator,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``HAL_VLLM_INT4_ACTIVATIONS`` (unset: ``auto``) reaches every call, eager and compiled: the layer gives
+    hal's own ``quantized_gemm`` with that setting bit for bit, within W4A8's error of the float64 weight; a
+    misspelt value stops the layer's loading, naming it."""
+    if setting is None:  # unset: hal's "auto"
+        monkeypatch.delenv("HAL_VLLM_INT4_ACTIVATIONS")
+    else:
+        monkeypatch.setenv("HAL_VLLM_INT4_ACTIVATIONS", setting)
+    dtype = torch.bfloat16
+    codes, _, scales, dense = _weights(rng, symmetric=True, dtype=dtype)
+    config = AutoGPTQConfig(weight_bits=4, group_size=GROUP, desc_act=False, is_sym=True, lm_head_quantized=False,
+                            dynamic={}, full_config={})
+    method = AutoGPTQLinearMethod(config)
+    layer = torch.nn.Module()
+    method.create_weights(layer, K, [N], K, N, dtype)
+    layer.qweight.data.copy_(torch.from_numpy(_pack_along_n(codes.T).T.copy()))
+    layer.scales.data.copy_(torch.tensor(scales, dtype=dtype))
+    layer.qzeros.data.copy_(torch.from_numpy(_pack_along_n(np.full((K // GROUP, N), 7))))
+    method.process_weights_after_loading(layer)
+    kernel = method.kernel  # type: ignore[attr-defined]
+    ops = hal_core.get_backend("cpu").ops
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: method.apply(layer, x), backend="inductor", fullgraph=True)  # type: ignore[attr-defined]
+    for rows in (1, 6):
+        x = torch.tensor(rng.standard_normal((rows, K)), dtype=dtype)
+        y = method.apply(layer, x)  # type: ignore[attr-defined]
+        want = ops.quantized_gemm(x=x.view(torch.int16).numpy().view(kernel._weight.scales.dtype),
+                                  qweight=kernel._weight, activations=setting or "auto")
+        np.testing.assert_array_equal(y.view(torch.int16).numpy(), want.view(np.int16))
+        torch.testing.assert_close(compiled(x), y, rtol=0, atol=0)
+        expected = x.double().numpy() @ dense
+        assert np.abs(y.double().numpy() - expected).max() / np.abs(expected).max() < 3e-2
+    monkeypatch.setenv("HAL_VLLM_INT4_ACTIVATIONS", "int4")
+    with pytest.raises(hal_core.EnvironmentVariableError, match="HAL_VLLM_INT4_ACTIVATIONS"):
+        method.process_weights_after_loading(layer)

@@ -19,11 +19,13 @@ kernel receives the layer's tensors as vLLM holds them once loaded:
 It builds hal's weight once, at load time (views of the layer's tensors
 where the bits are unchanged; the zero points unpacked), and each forward
 is one ``quantized_gemm`` of the flattened activations into a new output
-tensor. While vLLM compiles the model (``torch.compile``, its default), the
-layer is ``torch.ops.hal.quantized_gemm`` over the same tensors instead: an
-operator the compiler keeps whole (the bound call's numpy views would have
-it trace into hal's Python). ``VLLM_DISABLED_KERNELS=HalWNA16LinearKernel``
-gives the layers back to vLLM's own kernels while attention stays on hal.
+tensor, with the activation precision ``HAL_VLLM_INT4_ACTIVATIONS`` sets
+(:func:`int4_activations`; hal's ``"auto"`` by default). While vLLM compiles the model
+(``torch.compile``, its default), the layer is ``torch.ops.hal.quantized_gemm``
+over the same tensors instead: an operator the compiler keeps whole (the
+bound call's numpy views would have it trace into hal's Python).
+``VLLM_DISABLED_KERNELS=HalWNA16LinearKernel`` gives the layers back to
+vLLM's own kernels while attention stays on hal.
 """
 
 from __future__ import annotations
@@ -36,11 +38,24 @@ from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import (
 )
 from vllm.scalar_type import scalar_types
 
+from hal_core import env
 from hal_core.torch import FLOAT_DTYPE_NAMES
 
 from ._startup import Route, device_type, serving_backend
 
-__all__ = ["HalWNA16LinearKernel", "unpack_zero_points"]
+__all__ = ["ACTIVATION_SETTINGS", "HalWNA16LinearKernel", "int4_activations", "unpack_zero_points"]
+
+#: ``HAL_VLLM_INT4_ACTIVATIONS``'s values: hal's ``quantized_gemm`` ``activations`` setting for the int4 layers.
+ACTIVATION_SETTINGS = ("float", "auto", "int8")
+
+
+def int4_activations() -> str:
+    """The int4 layers' activation precision, ``HAL_VLLM_INT4_ACTIVATIONS``: ``"auto"`` (the default, as in hal's
+    own quantized models) lets hal choose per call, W4A8 (each row quantized to int8 on the fly, integer dot
+    products) from two rows where it measured faster, W4A16 for one; ``"int8"`` is W4A8 always, ``"float"``
+    W4A16 always (the arithmetic of vLLM's own int4 kernel for fp16, and for bf16 on CPUs without AMX). A
+    misspelt value is an error naming the variable."""
+    return env.choice("HAL_VLLM_INT4_ACTIVATIONS", "auto", ACTIVATION_SETTINGS)
 
 _WEIGHT_TYPES = {"uint4b8": False, "uint4": True}  # vLLM's int4 weight types -> whether zero points come with them
 
@@ -85,6 +100,7 @@ class HalWNA16LinearKernel(MPLinearKernel):  # type: ignore[misc, unused-ignore]
         """Build hal's weight over the layer's loaded tensors (once, at load time)."""
         from hal_core.torch import weight_from_tensors
 
+        activations = int4_activations()  # a misspelt setting stops the loading before anything is built
         qweight, scales, zeros = self._get_weight_params(layer)
         if getattr(qweight, "input_dim", 0) != getattr(qweight, "packed_dim", 0):
             raise ValueError("hal-vllm: expected int4 weights packed along the input dimension (GPTQ layout)")
@@ -101,7 +117,9 @@ class HalWNA16LinearKernel(MPLinearKernel):  # type: ignore[misc, unused-ignore]
         # numpy views of the layer's tensors (the zero points new), made once
         self._weight = weight_from_tensors(tensors, bits=4).map_arrays(lambda a: route.native(a, "qweight"))
         self._route = route
-        self._gemm = route.ops.bind("quantized_gemm", qweight=self._weight)  # repeated calls: the planned runner
+        self._activations = activations
+        # repeated calls: the planned runner
+        self._gemm = route.ops.bind("quantized_gemm", qweight=self._weight, activations=self._activations)
         self._tensors = tensors  # for torch.ops.hal.quantized_gemm while vLLM compiles the model
 
     def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -113,7 +131,7 @@ class HalWNA16LinearKernel(MPLinearKernel):  # type: ignore[misc, unused-ignore]
         if torch.compiler.is_compiling():  # the operator, opaque to the compiler (its fake gives the shape)
             t = self._tensors
             out = torch.ops.hal.quantized_gemm(rows, t["qweight"], t["scales"], t.get("zeros"), None, 4,
-                                               self._weight.group_size, None)
+                                               self._weight.group_size, self._activations)
         else:
             out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
             if rows.shape[0]:
