@@ -17,7 +17,8 @@
 // nibbles, four against the high ones, without moving any code byte.
 //   avx512vnni: vpdpbusd (4 unsigned code bytes x 4 signed q bytes summed into an int32 lane) over
 //     register tiles of up to kW4a8TileRows rows x 64 columns (16 words of a code row per vector), one
-//     group at a time; columns past the last full vector of 16 run the plain loop below.
+//     group at a time; up to kW4a8VnniSweepRows rows are swept across each thread's whole column range
+//     instead (w4a8_vnni_sweep); columns past the last full vector of 16 run the plain loop below.
 //   avx2 and avx512 (without VNNI): vpmaddubsw byte-pair products summed in int16 over four code rows, then
 //     vpmaddwd into int32 (w4a8_avx2.inl), 4 rows x 16 columns per register tile; up to 8 rows are swept
 //     across each thread's whole column range instead (w4a8_avx2_sweep), the same integers and fold.
@@ -214,6 +215,81 @@ inline void w4a8_vnni_block(const hal_cpu_w4a8_gemm_args &a, const W4a8Panel &p,
       }
     }
 }
+
+//: Rows of x up to which the VNNI kernel sweeps each thread's column range (w4a8_vnni_sweep) instead of the tiles
+//: (measured on a Zen 4 VM: 1.7-2.2x the tiles at one row, 1.4-1.9x at two, level to 1.4x at eight).
+constexpr int64_t kW4a8VnniSweepRows = 8;
+//: Code rows swept together across the range (their int32 sums stay in registers between them).
+constexpr int64_t kW4a8VnniWords = 8;
+
+// Rows [0, R) of x against columns [c0, c1) (a multiple of 16), the task's whole range: each group's code rows are
+// swept kW4a8VnniWords at a time across the range, so every code row is read once, as one long run (the tiles read
+// 1 KiB runs a code row apart: a new page per code row, whose TLB misses cost more than the arithmetic at one row),
+// and the group's int32 sums wait in part[R][c1 - c0] between sweeps. The integers and the fold are the tiles': the
+// same bits.
+template <class SS, int R>
+inline void w4a8_vnni_sweep(const hal_cpu_w4a8_gemm_args &a, const W4a8Panel &p, int64_t c0, int64_t c1,
+                            int32_t *part) {
+    const int64_t k = a.k, n = a.n, group = a.group_size, groups = k / group, width = c1 - c0;
+    const VI::i nibbles = _mm512_set1_epi32(0x0F0F0F0F);
+    const auto *scales = static_cast<const typename SS::T *>(a.scales);
+    const int8_t *xq = p.q.data();
+    for (int64_t g = 0; g < groups; ++g) {
+        const int64_t w_begin = g * group / 8, w_end = (g + 1) * group / 8;
+        for (int64_t w0 = w_begin; w0 < w_end; w0 += kW4a8VnniWords) {
+            const int64_t words = std::min<int64_t>(kW4a8VnniWords, w_end - w0);
+            const bool first = w0 == w_begin;
+            const uint32_t *rows = a.qweight + w0 * n;
+            for (int64_t c = c0; c < c1; c += 16) {
+                VI::i acc[R];
+                for (int r = 0; r < R; ++r)
+                    acc[r] = first ? VI::zero() : _mm512_loadu_si512(part + r * width + (c - c0));
+                for (int64_t i = 0; i < words; ++i) {
+                    const VI::i word = _mm512_loadu_si512(rows + i * n + c);
+                    const VI::i lo = _mm512_and_si512(word, nibbles);
+                    const VI::i hi = _mm512_and_si512(_mm512_srli_epi32(word, 4), nibbles);
+                    for (int r = 0; r < R; ++r) {
+                        acc[r] = VI::dot(acc[r], lo, VI::bcast4(xq + r * k + 8 * (w0 + i)));
+                        acc[r] = VI::dot(acc[r], hi, VI::bcast4(xq + r * k + 8 * (w0 + i) + 4));
+                    }
+                }
+                for (int r = 0; r < R; ++r) _mm512_storeu_si512(part + r * width + (c - c0), acc[r]);
+            }
+        }
+        for (int64_t c = c0; c < c1; c += 16) {
+            const int64_t col = g * n + c;
+            const V::f s = vload<SS>(scales + col);
+            const auto *zp = reinterpret_cast<const __m128i *>(a.zeros + col);
+            const VI::i z = a.zeros ? _mm512_cvtepu8_epi32(_mm_loadu_si128(zp)) : _mm512_set1_epi32(a.default_zero);
+            for (int r = 0; r < R; ++r) {
+                const VI::i qs = _mm512_set1_epi32(p.sum[r * groups + g]);
+                const VI::i d = _mm512_sub_epi32(_mm512_loadu_si512(part + r * width + (c - c0)),
+                                                 _mm512_mullo_epi32(z, qs));
+                float *out = a.y + r * n + c;
+                V::store(out, _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(d), V::load(out)));
+            }
+        }
+    }
+}
+
+// Every row of a call of at most kW4a8VnniSweepRows rows against columns [c0, c1) (a multiple of 16).
+template <class SS>
+inline void w4a8_sweep_rows(const hal_cpu_w4a8_gemm_args &a, const W4a8Panel &p, int64_t c0, int64_t c1,
+                            int32_t *part) {
+    switch (a.m) {
+        case 1: w4a8_vnni_sweep<SS, 1>(a, p, c0, c1, part); break;
+        case 2: w4a8_vnni_sweep<SS, 2>(a, p, c0, c1, part); break;
+        case 3: w4a8_vnni_sweep<SS, 3>(a, p, c0, c1, part); break;
+        case 4: w4a8_vnni_sweep<SS, 4>(a, p, c0, c1, part); break;
+        case 5: w4a8_vnni_sweep<SS, 5>(a, p, c0, c1, part); break;
+        case 6: w4a8_vnni_sweep<SS, 6>(a, p, c0, c1, part); break;
+        case 7: w4a8_vnni_sweep<SS, 7>(a, p, c0, c1, part); break;
+        default: w4a8_vnni_sweep<SS, 8>(a, p, c0, c1, part); break;
+    }
+}
+constexpr int64_t kW4a8SweepRows = kW4a8VnniSweepRows;
+constexpr int64_t kW4a8SweepLanes = 16;
+#define HAL_W4A8_SWEEP 1
 #include "w4a8_amx.inl"
 constexpr bool kW4a8VnniTiles = true;
 #else
@@ -224,6 +300,14 @@ inline bool w4a8_amx_applies(const hal_cpu_w4a8_gemm_args &) { return false; }
 #if defined(HAL_INT8_AVX2)  // w8a8.inl
 #define HAL_W4A8_AVX2 1
 #include "w4a8_avx2.inl"
+template <class SS>
+inline void w4a8_sweep_rows(const hal_cpu_w4a8_gemm_args &a, const W4a8Panel &p, int64_t c0, int64_t c1,
+                            int32_t *part) {
+    w4a8_avx2_sweep_rows<SS>(a, p, c0, c1, part);
+}
+constexpr int64_t kW4a8SweepRows = kW4a8Avx2SweepRows;
+constexpr int64_t kW4a8SweepLanes = 8;
+#define HAL_W4A8_SWEEP 1
 #endif
 
 // Whether W4A8 and W8A8 with many rows run on AMX-INT8 tiles here (hal_cpu_gemm_amx; each has its own conditions).
@@ -243,12 +327,13 @@ int w4a8_t(const hal_cpu_w4a8_gemm_args &a) {
     if (amx) w4a8_amx_tile_panel(a, p);
 #endif
     std::atomic<bool> failed{false};
-#if defined(HAL_W4A8_AVX2)
-    if (m <= kW4a8Avx2SweepRows) {  // one contiguous range of columns (whole vectors of 8) per thread, swept
-        const int64_t eights = n / 8;
-        const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(std::max<int32_t>(a.threads, 1), eights));
+#if defined(HAL_W4A8_SWEEP)
+    if (!amx && m <= kW4a8SweepRows) {  // one contiguous range of columns (whole vectors) per thread, swept
+        constexpr int64_t lanes = kW4a8SweepLanes;
+        const int64_t vecs = n / lanes;
+        const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(std::max<int32_t>(a.threads, 1), vecs));
         parallel_for(tasks, a.threads, [&](int64_t t) {
-            const int64_t c0 = eights * t / tasks * 8, c1 = eights * (t + 1) / tasks * 8;
+            const int64_t c0 = vecs * t / tasks * lanes, c1 = vecs * (t + 1) / tasks * lanes;
             for (int64_t r = 0; r < m; ++r) std::fill(a.y + r * n + c0, a.y + r * n + c1, 0.0f);
             if (c1 == c0) return;
             int32_t *part = new (std::nothrow) int32_t[size_t(m * (c1 - c0))];
@@ -256,13 +341,13 @@ int w4a8_t(const hal_cpu_w4a8_gemm_args &a) {
                 failed = true;
                 return;
             }
-            w4a8_avx2_sweep_rows<SS>(a, p, c0, c1, part);
+            w4a8_sweep_rows<SS>(a, p, c0, c1, part);
             delete[] part;
         });
         if (failed) return HAL_ENOMEM;
-        if (eights * 8 < n) {
-            for (int64_t r = 0; r < m; ++r) std::fill(a.y + r * n + eights * 8, a.y + (r + 1) * n, 0.0f);
-            w4a8_plain<SS>(a, p, 0, m, eights * 8, n);
+        if (vecs * lanes < n) {
+            for (int64_t r = 0; r < m; ++r) std::fill(a.y + r * n + vecs * lanes, a.y + (r + 1) * n, 0.0f);
+            w4a8_plain<SS>(a, p, 0, m, vecs * lanes, n);
         }
         for (int64_t r = 0; r < m; ++r) {
             const float s = p.sx[r];

@@ -81,9 +81,9 @@ def test_integer_sums_are_exact(variant: str, rng: np.random.Generator, m: int, 
 def test_variants_and_threads_agree_bit_for_bit(select_isa: Callable[[str], AbstractContextManager[None]],
                                                 rng: np.random.Generator, m: int, case: str) -> None:
     """vpdpbusd (avx512vnni), vpmaddubsw (avx2; g40: 5 code rows a group, a partial batch of int16 sums) and the
-    plain integer loop of the other variants give the same bits, at any thread count (up to 8 rows on avx2: each
-    thread's column range swept, 25 vectors of 8 cut unevenly): integer sums are exact and the float epilogue is
-    the same fma chain."""
+    plain integer loop of the other variants give the same bits, at any thread count (up to 8 rows on avx2 and
+    avx512vnni: each thread's column range swept, 25 vectors of 8 or 12 of 16 cut unevenly, 8 columns left to the
+    plain loop): integer sums are exact and the float epilogue is the same fma chain."""
     dtype = {"fp16-x": "fp16", "bf16-x": "bf16"}.get(case, "fp32")
     group = {"g32-zeros": 32, "g40-zeros": 40}.get(case, 128)
     args = quantized_gemm_inputs(rng, m=m, k=520 if group == 40 else 512, n=200, bits=4, group_size=group,
