@@ -94,9 +94,9 @@ def _check(method: object, layer: torch.nn.Module, dense: np.ndarray, dtype: tor
         torch.testing.assert_close(compiled(x), method.apply(layer, x), rtol=0, atol=0)  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gptq_layer(dtype: torch.dtype, rng: np.random.Generator) -> None:
-    """GPTQ (symmetric, codes biased by 8): the checkpoint's words reach hal as they are."""
+def _gptq_layer(rng: np.random.Generator, dtype: torch.dtype) -> tuple[object, torch.nn.Module, np.ndarray]:
+    """A GPTQ layer made by vLLM's linear method from symmetric checkpoint tensors, loaded (its kernel chosen and
+    ready): ``(method, layer, the float64 weight)``."""
     codes, _, scales, dense = _weights(rng, symmetric=True, dtype=dtype)
     config = AutoGPTQConfig(weight_bits=4, group_size=GROUP, desc_act=False, is_sym=True, lm_head_quantized=False,
                             dynamic={}, full_config={})
@@ -107,6 +107,13 @@ def test_gptq_layer(dtype: torch.dtype, rng: np.random.Generator) -> None:
     layer.scales.data.copy_(torch.tensor(scales, dtype=dtype))
     layer.qzeros.data.copy_(torch.from_numpy(_pack_along_n(np.full((K // GROUP, N), 7))))  # v1: stored z - 1
     method.process_weights_after_loading(layer)
+    return method, layer, dense
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gptq_layer(dtype: torch.dtype, rng: np.random.Generator) -> None:
+    """GPTQ (symmetric, codes biased by 8): the checkpoint's words reach hal as they are."""
+    method, layer, dense = _gptq_layer(rng, dtype)
     _check(method, layer, dense, dtype, rng)
 
 
@@ -164,23 +171,13 @@ def test_int4_activations_setting(setting: str | None, rng: np.random.Generator,
         monkeypatch.delenv("HAL_VLLM_INT4_ACTIVATIONS")
     else:
         monkeypatch.setenv("HAL_VLLM_INT4_ACTIVATIONS", setting)
-    dtype = torch.bfloat16
-    codes, _, scales, dense = _weights(rng, symmetric=True, dtype=dtype)
-    config = AutoGPTQConfig(weight_bits=4, group_size=GROUP, desc_act=False, is_sym=True, lm_head_quantized=False,
-                            dynamic={}, full_config={})
-    method = AutoGPTQLinearMethod(config)
-    layer = torch.nn.Module()
-    method.create_weights(layer, K, [N], K, N, dtype)
-    layer.qweight.data.copy_(torch.from_numpy(_pack_along_n(codes.T).T.copy()))
-    layer.scales.data.copy_(torch.tensor(scales, dtype=dtype))
-    layer.qzeros.data.copy_(torch.from_numpy(_pack_along_n(np.full((K // GROUP, N), 7))))
-    method.process_weights_after_loading(layer)
+    method, layer, dense = _gptq_layer(rng, torch.bfloat16)
     kernel = method.kernel  # type: ignore[attr-defined]
     ops = hal_core.get_backend("cpu").ops
     torch._dynamo.reset()
     compiled = torch.compile(lambda x: method.apply(layer, x), backend="inductor", fullgraph=True)  # type: ignore[attr-defined]
     for rows in (1, 6):
-        x = torch.tensor(rng.standard_normal((rows, K)), dtype=dtype)
+        x = torch.tensor(rng.standard_normal((rows, K)), dtype=torch.bfloat16)
         y = method.apply(layer, x)  # type: ignore[attr-defined]
         want = ops.quantized_gemm(x=x.view(torch.int16).numpy().view(kernel._weight.scales.dtype),
                                   qweight=kernel._weight, activations=setting or "auto")
