@@ -148,6 +148,25 @@ def test_a_registry_change_drops_the_runners(cpu: hal_core.Backend, hal_rng: np.
     assert impl.runner_calls == 1
 
 
+
+def test_signature_only_drops_the_calls_own_arrays(cpu: hal_core.Backend, hal_rng: np.random.Generator) -> None:
+    """What a plan may keep of its first call: the bound arguments and the plain values, not the call's own
+    arrays (the activations) nor the caller's options object."""
+    seen: list[OpCall] = []
+    impl = _Planned()
+    plan = impl.plan
+    impl.plan = lambda call: (seen.append(call), plan(call))[1]  # type: ignore[method-assign]
+    impl.register(cpu)
+    w = _weight(hal_rng)
+    bound = cpu.ops.bind("quantized_gemm", qweight=w)
+    bound(x=hal_rng.standard_normal((2, 64)).astype(np.float32))
+    (call,) = seen
+    kept = call.signature_only()
+    assert "x" in call.args and "x" not in kept.args
+    assert kept.args["qweight"] is w and kept.fixed == call.fixed and kept.spec is call.spec
+    assert all(call.args[name] == value for name, value in kept.args.items() if name != "qweight")
+    assert kept.given_options is None
+
 PLANNED_PLUGIN = '''
 from hal_core import API_VERSION, hookimpl
 from hal_core.ops import OpCall

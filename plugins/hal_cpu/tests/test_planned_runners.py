@@ -5,6 +5,8 @@ to the wrapper where the plan no longer holds (another thread count)."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -206,3 +208,72 @@ def test_another_thread_count_runs_the_wrapper(cpu: hal_core.Backend, hal_rng: n
     _same(gemm(x=x), want_gemm)
     _same(norm(x=h), want_norm)
     assert len(gemm_calls) == 1 and len(norm_calls) == 1
+
+
+Case = tuple[str, Any, dict[str, Any], Callable[[], dict[str, Any]]]
+
+
+def _planned_cases(rng: np.random.Generator) -> dict[str, Case]:
+    """``case -> (op, (wrapper module, name), bound arguments, a function making one call's own arrays)``: every
+    CPU runner, at sizes where the wrapper's plan is made (W4A8 at a prompt's rows too)."""
+    from hal_core.rope import rope_cos_sin_cache
+
+    w4 = quantize(rng.standard_normal((256, 96)).astype(np.float32), bits=4, group_size=64)
+    w8 = quantize(rng.standard_normal((256, 96)).astype(np.float32), bits=8, group_size=64)
+    attention = paged_attention_inputs(rng, seq_lens=[40], num_heads=4, num_kv_heads=2, head_size=64, block_size=16,
+                                       dtype="bf16")
+    kv = write_kv_cache_inputs(rng, num_tokens=3, num_blocks=8, num_kv_heads=2, block_size=16, head_size=64,
+                               dtype="bf16")
+    return {
+        "w4a16-decode": ("quantized_gemm", (quantized_gemm, "gemm"), {"qweight": w4},
+                         lambda: {"x": _rows(rng, (1, 256), "bf16")}),
+        "w4a8-prompt": ("quantized_gemm", (quantized_gemm, "gemm"), {"qweight": w4, "activations": "int8"},
+                        lambda: {"x": _rows(rng, (64, 256), "bf16")}),
+        "w8a8-prompt": ("quantized_gemm", (quantized_gemm, "gemm"), {"qweight": w8},
+                        lambda: {"x": _rows(rng, (64, 256), "fp32")}),
+        "rms_norm": ("rms_norm", (rms_norm, "norm"), {"weight": rng.standard_normal(520).astype(np.float32),
+                                                      "epsilon": 1e-5},
+                     lambda: {"x": _rows(rng, (3, 520), "fp32"), "residual": _rows(rng, (3, 520), "fp32")}),
+        "gated_activation": ("gated_activation", (gated_activation, "gated"), {"activation": "silu"},
+                             lambda: {"gate": _rows(rng, (2, 300), "bf16"), "up": _rows(rng, (2, 300), "bf16")}),
+        "rotary_embedding": ("rotary_embedding", (rotary_embedding, "rotate"),
+                             {"cos_sin_cache": rope_cos_sin_cache(64, 512), "style": "neox"},
+                             lambda: {"positions": np.array([3, 9], np.int64),
+                                      "query": _rows(rng, (2, 4, 64), "fp32"), "key": _rows(rng, (2, 2, 64), "fp32")}),
+        "write_kv_cache": ("write_kv_cache", (write_kv_cache, "scatter"),
+                           {"key_cache": kv["key_cache"], "value_cache": kv["value_cache"]},
+                           lambda: {"key": _rows(rng, (3, 2, 64), "bf16"), "value": _rows(rng, (3, 2, 64), "bf16"),
+                                    "slot_mapping": np.array([1, 20, -1], np.int64)}),
+        "paged_attention": ("paged_attention", (paged_attention, "attend"),
+                            {"key_cache": attention["key_cache"], "value_cache": attention["value_cache"],
+                             "scale": 0.125},
+                            lambda: {"query": _rows(rng, (1, 4, 64), "bf16"),
+                                     "block_tables": attention["block_tables"].copy(),
+                                     "seq_lens": np.array([40], np.int32),
+                                     "query_start_loc": np.array([0, 1], np.int32)}),
+    }
+
+
+@pytest.mark.parametrize("case", ["w4a16-decode", "w4a8-prompt", "w8a8-prompt", "rms_norm", "gated_activation",
+                                  "rotary_embedding", "write_kv_cache", "paged_attention"])
+def test_a_runner_keeps_none_of_its_first_calls_arrays(cpu: hal_core.Backend, hal_rng: np.random.Generator,
+                                                       hal_seed: int, case: str,
+                                                       wrapper_calls: Callable[[Any, str], list[int]]) -> None:
+    """The call a signature's plan is made from is a caller's like any other: once the caller drops its arrays
+    (a prompt's activations: tens of MB a layer), they are freed, while the runner serves the signature. A plan
+    that kept its first call would keep one prompt's activations per layer alive as long as the bound op."""
+    print(f"seed={hal_seed}")
+    op, (module, wrapper), fixed, own = _planned_cases(hal_rng)[case]
+    bound = cpu.ops.bind(op, **fixed)
+    calls = wrapper_calls(module, wrapper)
+    first = own()
+    freed = [weakref.ref(a if a.base is None else a.base) for a in first.values() if isinstance(a, np.ndarray)]
+    bound(**first)
+    del first
+    gc.collect()
+    assert [ref() is None for ref in freed] == [True] * len(freed)
+    later = own()
+    want = getattr(cpu.ops, op)(**fixed, **{k: v.copy() for k, v in later.items()})
+    got = bound(**later)
+    assert len(calls) == 2  # the first call and the door's: the later call ran the runner
+    _same(got, want)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +18,9 @@ __all__ = ["OpCall", "OpImpl", "Runner"]
 #: What :attr:`OpImpl.plan` returns: a function of one call's validated arguments (by name) returning what the
 #: implementation's ``fn`` returns for them.
 Runner = Callable[[Mapping[str, Any]], Any]
+
+#: The argument values :meth:`OpCall.signature_only` keeps besides the bound ones.
+_PLAIN = (int, float, str, bool, type(None))
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,14 @@ class OpCall:
     def __getitem__(self, name: str) -> Any:
         return self.args[name]
 
+    def signature_only(self) -> OpCall:
+        """This call without the values that are its own: the arguments not :attr:`fixed` other than plain numbers,
+        strings and None, and the caller's options object. What a :attr:`OpImpl.plan` keeps for later calls of the
+        signature (``replace(kept, args=args, fixed=frozenset())`` is such a call): a plan that kept the call itself
+        would keep its first call's activations, as large as a prompt, alive as long as the signature."""
+        kept = {name: value for name, value in self.args.items() if name in self.fixed or type(value) in _PLAIN}
+        return replace(self, args=kept, given_options=None)
+
     @cached_property
     def options(self) -> Any:
         """The op's :attr:`~OpSpec.options` group as one value (``paged_attention``: an
@@ -100,7 +111,8 @@ class OpImpl:
     (:attr:`OpCall.fixed` names them: an array there keeps its address). It leaves to each call the values
     of every array, the addresses of the others, and the hints (``max_seq_len``: an upper bound, given per
     call or not at all). ``runner(args)`` gets arguments that passed the op's checks, returns what
-    ``fn(OpCall(args=args, ...))`` would and keeps none of them. It does per call only what varies
+    ``fn(OpCall(args=args, ...))`` would and keeps none of them; nor may the plan keep ``call``'s own arrays
+    (keep :meth:`OpCall.signature_only` where a runner needs a call). It does per call only what varies
     (typically: the addresses of the call's arrays and a new output) and calls ``fn`` itself for anything its
     plan does not cover (a setting changed since, such as the thread count). hal checks the planned result's
     shape and dtype on every call and treats a runner's exception as ``fn``'s (the call falls back).

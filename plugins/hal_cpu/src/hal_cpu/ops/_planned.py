@@ -47,9 +47,10 @@ def struct_runner(call: OpCall, fn: Callable[[OpCall], Any], kernel: Callable[[A
     template = fill_struct(struct, {**fields, **blank})
     threads = _threads.current()
     copy, pointer, byref, current = struct.from_buffer_copy, _native.pointer, ctypes.byref, _threads.current
+    kept = call.signature_only()
 
     def unplanned(args: Mapping[str, Any]) -> Any:
-        return fn(replace(call, args=args, fixed=frozenset()))
+        return fn(replace(kept, args=args, fixed=frozenset()))
 
     out_field, shape, dtype = out if out is not None else ("", (), None)
 

@@ -162,9 +162,10 @@ def plan_paged_attention(call: OpCall) -> Runner | None:
     kernel, copy, pointer, byref = native.lib.hal_cpu_paged_attention, _abi.AttentionArgs.from_buffer_copy, \
         _native.pointer, ctypes.byref
     shape, dtype = query.shape, query.dtype
+    kept = call.signature_only()
 
     def run(args: Mapping[str, Any]) -> np.ndarray:
-        each = replace(call, args=args, fixed=frozenset())  # the knobs read the call's lengths through it
+        each = replace(kept, args=args, fixed=frozenset())  # the knobs read the call's lengths through it
         filled = copy(template)
         for field, name in pointers:
             setattr(filled, field, pointer(args[name]))

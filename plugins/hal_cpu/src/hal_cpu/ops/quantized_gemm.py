@@ -124,10 +124,11 @@ def plan_quantized_gemm(call: OpCall) -> Runner | None:
         check_finite = rule == "registers" and qweight.bits == 4
     threads, current = native.threads, _threads.current
     shape, dtype = (x.shape[0], qweight.shape[1]), call.spec.output_dtype(call.args)
+    kept = call.signature_only()
 
     def run(args: Mapping[str, Any]) -> np.ndarray:
         if current() != threads:
-            return quantized_gemm(replace(call, args=args, fixed=frozenset()))
+            return quantized_gemm(replace(kept, args=args, fixed=frozenset()))
         x = args["x"]
         y = np.empty(shape, dtype=np.float32)
         if launch.run(x, y):
