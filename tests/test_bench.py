@@ -179,8 +179,8 @@ def test_plot_draws_a_file(cpu, tmp_path: Path) -> None:
 
 
 def test_presets_hold_the_documented_shapes() -> None:
-    """decode: GQA 32/8 d128 in fp16/bf16/fp32 at 8x512, 32x4096, 1x32k; gemm: W4A16 G128 and W8A8 at M = 1..64 in
-    powers of two and 256 (W4A16 M = 1 and 16 in bf16 too)."""
+    """decode: GQA 32/8 d128 in fp16/bf16/fp32 at 8x512, 32x4096, 1x32k; gemm: W4A16, W4A8 and W8A8 (G128) at
+    M = 1..64 in powers of two, 256 and 512 (W4A16 M = 1 and 16 in bf16 too)."""
     decode = bench.preset_cases("decode")
     for dtype in ("fp16", "bf16", "fp32"):
         for seqs, ctx in ((8, 512), (32, 4096), (1, 32768)):
@@ -188,13 +188,13 @@ def test_presets_hold_the_documented_shapes() -> None:
                                    head=128) in decode
     assert any(c.op == "write_kv_cache" for c in decode)
     gemm = bench.preset_cases("gemm")
-    for bits in (4, 8):
+    for bits, abits in ((4, 16), (4, 8), (8, 16)):
         for k, n in ((4096, 11008), (11008, 4096)):
-            for m in (1, 2, 4, 8, 16, 32, 64, 256):
-                assert bench.make_case("quantized_gemm", m=m, k=k, n=n, bits=bits, group=128) in gemm
+            for m in (1, 2, 4, 8, 16, 32, 64, 256, 512):
+                assert bench.make_case("quantized_gemm", m=m, k=k, n=n, bits=bits, abits=abits, group=128) in gemm
             for m in (1, 16):
-                assert (bench.make_case("quantized_gemm", m=m, k=k, n=n, bits=bits, group=128, dtype="bf16")
-                        in gemm) == (bits == 4)
+                assert (bench.make_case("quantized_gemm", m=m, k=k, n=n, bits=bits, abits=abits, group=128,
+                                        dtype="bf16") in gemm) == ((bits, abits) == (4, 16))
     everything = bench.preset_cases("all")
     assert len(everything) == len(set(everything)) >= len(decode) + len(gemm)
     assert {c.op for c in bench.preset_cases("all", ["write_kv_cache"])} == {"write_kv_cache"}

@@ -279,13 +279,17 @@ def _activations(p: Mapping[str, Any]) -> dict[str, str]:
 
 
 #: The ``gemm`` preset's batch sizes: decode (M = 1), batched decode (2..64, still bound by the weight bytes at
-#: first) and a compute-bound prefill-sized M.
-GEMM_SWEEP_M = (1, 2, 4, 8, 16, 32, 64, 256)
+#: first) and compute-bound prompt-sized M.
+GEMM_SWEEP_M = (1, 2, 4, 8, 16, 32, 64, 256, 512)
+
+#: The ``gemm`` preset's formats as ``(bits, abits)``: W4A16, W4A8 (int8 activations) and W8A8.
+GEMM_FORMATS = ((4, 16), (4, 8), (8, 16))
 
 
 def _gemm_cases() -> list[dict[str, Any]]:
     shapes = ((4096, 11008), (11008, 4096))
-    cases = [_gemm(m, k, n, bits) for bits in (4, 8) for k, n in shapes for m in GEMM_SWEEP_M]
+    cases = [_gemm(m, k, n, bits, abits=abits) for bits, abits in GEMM_FORMATS for k, n in shapes
+             for m in GEMM_SWEEP_M]
     # W4A16 small M also with bf16 activations, the dtype torch's int4 peer runs: the like-for-like comparison.
     return cases + [_gemm(m, k, n, 4, "bf16") for k, n in shapes for m in (1, 16)]
 
