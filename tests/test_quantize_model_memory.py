@@ -1,4 +1,5 @@
-"""After quantize_model no page of the float checkpoint stays in the process: mapped tensors are copied out of it.
+"""After quantize_model no page of the float checkpoint stays in the process: mapped tensors are copied out of it;
+after load_quantized none of the GPTQ checkpoint's either.
 
 Memory accounting only (resident pages and bytes from /proc), no timing. Linux only: the mappings are read from
 /proc/self/maps and /proc/self/smaps.
@@ -76,6 +77,55 @@ print(json.dumps({"base_kb": base, "after_kb": status_kb("VmRSS"), "loaded": loa
 """
 
 
+#: Writes a quantized Llama as a GPTQ checkpoint (save_quantized), with an int8 lm_head and the embedding in float.
+SAVE_GPTQ = """
+import sys, torch, transformers
+import hal_core.torch as hal_torch
+config = transformers.LlamaConfig(vocab_size=16384, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                                  num_attention_heads=8, num_key_value_heads=4)
+torch.manual_seed(2)
+model = transformers.AutoModelForCausalLM.from_config(config)
+hal_torch.quantize_model(model, layer_bits={"lm_head": 8})
+hal_torch.save_quantized(model, sys.argv[1])
+"""
+
+#: Loads that checkpoint twice (the first warms the process up) and reports what stays mapped and resident.
+MEASURE_LOAD = MEASURE.split("torch.set_num_threads(1)")[0] + """
+torch.set_num_threads(1)
+path = sys.argv[1]
+hal_torch.load_quantized(path, dtype=torch.float32)
+gc.collect()
+base, peak_before = status_kb("VmRSS"), status_kb("VmHWM")
+model = hal_torch.load_quantized(path, dtype=torch.float32)
+gc.collect()
+tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+print(json.dumps({"base_kb": base, "after_kb": status_kb("VmRSS"), "after": mapped(path + "/model.safetensors"),
+                  "model_bytes": sum(t.numel() * t.element_size() for t in tensors.values())}))
+"""
+
+
+def test_no_page_of_a_gptq_checkpoint_stays_mapped_after_load_quantized(tmp_path: Path) -> None:
+    """load_quantized reads with safetensors, which gives the scales, the embedding and the norms as views of its
+    mapping of the file: they are copied out, so no mapping of the file outlives the call and RSS grows by the
+    model's bytes only (not by the file's pages beside the converted codes)."""
+    pytest.importorskip("transformers", reason="transformers is not installed (make test installs it)")
+    target = tmp_path / "gptq"
+    subprocess.run([sys.executable, "-c", SAVE_GPTQ, str(target)], check=True, capture_output=True, timeout=300)
+    file_bytes = (target / "model.safetensors").stat().st_size
+    proc = subprocess.run([sys.executable, "-c", MEASURE_LOAD, str(target)], capture_output=True, text=True,
+                          timeout=600)
+    print(proc.stdout, proc.stderr[-3000:])
+    assert proc.returncode == 0
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["after"] == [0, 0]  # no mapping of the checkpoint remains, so no page of it is resident
+    kept = got["model_bytes"]
+    grown = (got["after_kb"] - got["base_kb"]) * 1024
+    print(f"checkpoint {file_bytes / 2**20:.1f} MiB; model {kept / 2**20:.1f} MiB; RSS grew by "
+          f"{grown / 2**20:.1f} MiB")
+    assert kept > file_bytes / 2
+    assert grown <= 1.15 * kept
+
+
 def test_no_page_of_a_from_pretrained_checkpoint_stays_resident_after_quantize_model(tmp_path: Path) -> None:
     """An fp32 safetensors model from from_pretrained, quantized: the file is unmapped, RSS grows by the model."""
     pytest.importorskip("transformers", reason="transformers is not installed (make test installs it)")
@@ -150,3 +200,31 @@ def test_a_checkpoint_deleted_since_it_was_mapped_is_released_too(tmp_path: Path
     report = quantize_model(torch.nn.Sequential(norm, torch.nn.Linear(32, 32)), group_size=32)
     assert report.unmapped_bytes == 32 * 4 and f"{path} (deleted)" not in _mapped_paths()
     assert np.array_equal(norm.weight.detach().numpy(), values[:32])
+
+
+def _resident_kb(path: Path) -> int:
+    """This process's resident kB of its mappings of ``path`` (/proc/self/smaps)."""
+    rss, current = 0, None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        parts = line.split()
+        if not parts[0].endswith(":"):
+            current = parts[5] if len(parts) >= 6 else ""
+        elif parts[0] == "Rss:" and current == str(path):
+            rss += int(parts[1])
+    return rss
+
+
+def test_dropped_pages_of_a_mapped_file_leave_it_readable(tmp_path: Path) -> None:
+    """drop_file_pages: the pages read are no longer resident, and reading the mapping again gives the same bytes."""
+    from hal_core.torch._release import drop_file_pages
+
+    path = (tmp_path / "read.bin").resolve()
+    values = np.random.default_rng(10).standard_normal(1 << 20).astype(np.float32)
+    values.tofile(path)
+    mapping = np.memmap(path, dtype=np.float32, mode="r")
+    assert float(mapping.sum(dtype=np.float64)) == float(values.sum(dtype=np.float64))  # every page read
+    assert _resident_kb(path) >= 3 * 1024
+    assert drop_file_pages({str(path)}) >= values.nbytes
+    assert _resident_kb(path) == 0
+    assert np.array_equal(mapping, values)
+    assert drop_file_pages({str(tmp_path / "other.bin")}) == 0  # not mapped: nothing advised

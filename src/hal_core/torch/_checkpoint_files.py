@@ -163,6 +163,8 @@ class Tensors:
                 raise CheckpointError(f"{folder.show(INDEX)}: weight_map[{key!r}] names {name!r}, but "
                                       f"{folder.show(name)} does not hold {key!r}")
         self.folder = folder
+        #: The resolved paths of the files read (as ``/proc/self/maps`` names their mappings).
+        self.paths = {str(Path(path).resolve()) for _, path in files}
         self._errors = (SafetensorError, OSError, RuntimeError, ValueError, TypeError)  # what a read may raise
         self.used: set[str] = set()
 

@@ -38,6 +38,7 @@ from ._layer_progress import ProgressArg, layer_progress
 from ._load_moe import load_moe, plan_moe
 from ._modules import QuantLinear, check_activations
 from ._moe_layout import stored_name
+from ._release import drop_file_pages, move_out_of_file_mappings, return_free_heap
 from ._stored_layers import check_header, check_stored_layer, read_stored_layer
 
 __all__ = ["CheckpointFormat", "checkpoint_format", "load_quantized"]
@@ -153,7 +154,9 @@ def load_quantized(path: str | os.PathLike[str], *, dtype: torch.dtype | str = "
     malformed tensor value (a NaN scale, a ``g_idx`` out of range) is
     refused as its layer is converted. Nothing is returned after an error.
     Checkpoint tensors the model does not use are logged as a warning on
-    the ``hal`` logger. Returns the model in ``eval()`` mode.
+    the ``hal`` logger. Returns the model in ``eval()`` mode, holding no view of the checkpoint's files (the
+    tensors safetensors reads as views of its file mapping are copied out), so the process keeps the checkpoint's
+    bytes once, not its mapped pages beside them.
     """
     import transformers
 
@@ -204,9 +207,11 @@ def load_quantized(path: str | os.PathLike[str], *, dtype: torch.dtype | str = "
         with layer_progress(progress, len(layers) + len(blocks), "loading") as step:  # now only values can fail
             for name in list(layers):
                 _load_layer(fmt, name, layers.pop(name), tensors, torch_dtype, device, activations)
+                drop_file_pages(tensors.paths)  # what was read is converted: its pages need not stay resident
                 step(name)
             for block in blocks:
                 block.replace(model, load_moe(block, fmt, tensors, device, activations))
+                drop_file_pages(tensors.paths)
                 step(block.name)
         _load_others(plan, tensors, torch_dtype, device)
         unused = sorted(set(tensors.where) - tensors.used)
@@ -214,6 +219,10 @@ def load_quantized(path: str | os.PathLike[str], *, dtype: torch.dtype | str = "
         log.warning("hal: %d checkpoint tensors are not used by the model: %s", len(unused),
                     ", ".join(unused[:8]) + (", ..." if len(unused) > 8 else ""))
     _materialise_derived_buffers(model, device)
+    # safetensors gives some tensors (scales, embeddings, norms) as views of its mapping of the file; while one
+    # lives, the whole mapping does, every page read resident beside the copies made of the codes.
+    move_out_of_file_mappings(model)
+    return_free_heap()
     return model.eval()
 
 

@@ -16,6 +16,12 @@ counts (its pages stay resident just the same); shared memory
 (``/dev/shm``, which torch's multiprocessing uses, memfd and System V
 segments) is left alone.
 
+:func:`drop_file_pages` lets the kernel take back this process's pages of
+mapped files it has read and copied (``madvise(MADV_DONTNEED)``): the
+mapping stays valid, a later read of it faults its pages back in from the
+file, so the checkpoint's pages do not stay resident beside their copies
+while a loader converts one layer after another.
+
 :func:`return_free_heap` hands the C heap's free pages back to the system
 (glibc's ``malloc_trim``): quantizing frees one float64 transient per
 layer, and glibc keeps up to a few such blocks in the process otherwise.
@@ -29,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["file_mappings", "move_out_of_file_mappings", "return_free_heap"]
+__all__ = ["drop_file_pages", "file_mappings", "move_out_of_file_mappings", "return_free_heap"]
 
 #: Mappings that are shared memory, not a file's pages: left alone (torch's multiprocessing tensors live there).
 _SHARED = ("/dev/", "/memfd:", "/SYSV")
@@ -132,3 +138,27 @@ def return_free_heap() -> bool:
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)
     return True
+
+
+#: ``madvise``'s advice that the pages are not needed (Linux; the same value on every architecture).
+_MADV_DONTNEED = 4
+
+
+def drop_file_pages(paths: set[str]) -> int:
+    """Advise the kernel that this process no longer needs its resident pages of every mapping of the files
+    ``paths`` (resolved paths, as ``/proc/self/maps`` names them); returns the bytes of those mappings, 0 where
+    there are none or the C library has no ``madvise``. Only for read-only mappings of unchanged files (a
+    loader's): a later read of the mapping faults the same bytes back in from the file."""
+    mappings = [(start, end) for start, end, path in file_mappings() if path in paths]
+    if not mappings:
+        return 0
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (AttributeError, OSError):
+        return 0
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    advised = 0
+    for start, end in mappings:
+        if madvise(start, end - start, _MADV_DONTNEED) == 0:
+            advised += end - start
+    return advised
