@@ -6,7 +6,7 @@
 // exp((x - max) / T) (SIMD, stored once), the top-p threshold by the same radix descent over histograms
 // of mass, min-p from the maximum (weight 1), the kept mass (SIMD, per chunk) and the inverse-CDF walk in
 // index order. Workspace: one row of float32 weights per task (plus one row of float32 logits for
-// fp16/bf16 rows).
+// fp16/bf16 rows); a greedy row none (its chunks go through a 16 KiB stack buffer).
 // ---------------------------------------------------------------------------------------------
 
 namespace sampling {
@@ -152,16 +152,38 @@ struct Row {
     int64_t seed;
 };
 
-// One row of float32 logits x (weights scratch w, n floats); returns the token or -1.
+// A greedy row of any dtype (row_ptr's): the first index of its maximum, -1 for a row holding NaN or only -inf.
+// Chunk by chunk (fp16/bf16 converted into a stack buffer, float32 read in place): each chunk's maximum and NaN
+// test (SIMD), then its first index only where the maximum grows, so the earliest of equal maxima is kept.
+inline int64_t greedy_row(const void *row, int32_t dtype, int64_t n) {
+    alignas(64) float buf[kChunk];
+    float best = -kInf;
+    int64_t at = -1;
+    for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+        const int64_t len = std::min(kChunk, n - c0);
+        const float *x = static_cast<const float *>(row) + c0;
+        if (dtype != HAL_F32) {
+            any_row_to_f32(static_cast<const uint16_t *>(row) + c0, dtype, len, buf);
+            x = buf;
+        }
+        bool nan = false;
+        const float m = row_max(x, len, nan);
+        if (nan) return -1;
+        if (m > best) {
+            best = m;
+            int64_t i = 0;
+            while (x[i] != m) ++i;
+            at = c0 + i;
+        }
+    }
+    return at;
+}
+
+// One row of float32 logits x (weights scratch w, n floats), temperature > 0; returns the token or -1.
 inline int64_t sample_row(const float *x, float *w, int64_t n, const Row &r) {
     bool nan = false;
     const float m = row_max(x, n, nan);
     if (nan || m == -kInf) return -1;
-    if (r.temperature == 0.0f) {
-        for (int64_t i = 0; i < n; ++i)
-            if (x[i] == m) return i;
-        return -1;
-    }
     if (m == kInf) {
         for (int64_t i = 0; i < n; ++i) w[i] = x[i] == kInf ? 1.0f : 0.0f;
     } else {
@@ -189,9 +211,12 @@ int sample(const hal_cpu_sample_args *args) {
         const sampling::Row r{a.temperature[s], a.top_p ? a.top_p[s] : 1.0f, a.min_p ? a.min_p[s] : 0.0f,
                               a.top_k ? int64_t(a.top_k[s]) : 0, a.seeds[s]};
         const void *row = row_ptr(a.logits, a.dtype, s, a.logits_stride);
-        const bool greedy = r.temperature == 0.0f;
+        if (r.temperature == 0.0f) {
+            a.out[s] = sampling::greedy_row(row, a.dtype, n);
+            return;
+        }
         const bool convert = a.dtype != HAL_F32;
-        std::unique_ptr<float[]> scratch(new (std::nothrow) float[size_t(n) * ((greedy ? 0 : 1) + (convert ? 1 : 0)) + 1]);
+        std::unique_ptr<float[]> scratch(new (std::nothrow) float[size_t(n) * (convert ? 2 : 1)]);
         if (!scratch) {
             status.store(HAL_ENOMEM, std::memory_order_relaxed);
             return;

@@ -93,6 +93,34 @@ def test_sample_kernel_greedy_first_maximum(variant: str, rng: np.random.Generat
     np.testing.assert_array_equal(_draw(args), [17, 17, 17, 17])
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+def test_sample_kernel_greedy_over_chunks(variant: str, rng: np.random.Generator, dtype: str) -> None:
+    """Greedy rows of a 128k vocabulary (32 of the kernel's 4096-logit chunks): the first maximum when ties fall
+    in different chunks, at a chunk's last and next chunk's first logit, a later larger maximum, a NaN after the
+    maximum, a row of -inf; fp16/bf16 values that round to the same maximum tie too."""
+    from hal_core.arrays import numpy_dtype
+
+    vocab = 128256
+    logits = rng.uniform(-4.0, 4.0, (8, vocab)).astype(np.float32)
+    logits[0, [4095, 4096, 9000]] = 7.0  # tied across chunks: the first
+    logits[1, [4096, 8191]] = 7.0  # a chunk's first logit
+    logits[2, 100] = 7.0
+    logits[2, vocab - 1] = 7.5  # a larger maximum in the last, partial chunk
+    logits[3, 5] = 7.0
+    logits[3, 70000] = np.nan  # NaN after the maximum: -1
+    logits[4] = -np.inf
+    logits[5, 3] = np.inf
+    logits[5, 4] = np.inf
+    logits[6, [20000, 60000]] = [7.0, 7.0 + 2.0 ** -20]  # one value in fp16/bf16, larger in fp32
+    logits[7] = -np.inf
+    logits[7, 130] = -1e30 if dtype != "fp16" else -60000.0  # only one finite logit
+    x = logits.astype(numpy_dtype(dtype))
+    args = {"logits": x, "temperature": np.zeros(8, np.float32), "seeds": np.zeros(8, np.int64)}
+    want = [4095, 4096, vocab - 1, -1, -1, 3, 20000 if dtype != "fp32" else 60000, 130]
+    np.testing.assert_array_equal(_draw(args), want)
+    np.testing.assert_array_equal(_draw(args, threads=1), want)
+
+
 def test_sample_kernel_seed_alone_decides(rng: np.random.Generator) -> None:
     """The same seed gives the same token whatever the batch around it; another seed may not."""
     args = sample_inputs(rng, num_seqs=8, vocab_size=4000, dtype="fp32", greedy=False)
