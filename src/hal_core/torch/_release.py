@@ -140,7 +140,7 @@ def return_free_heap() -> bool:
     return True
 
 
-#: ``madvise``'s advice that the pages are not needed (Linux; the same value on every architecture).
+#: ``madvise``'s advice that the pages are not needed (Linux's value on x86, Arm and most architectures).
 _MADV_DONTNEED = 4
 
 
