@@ -95,9 +95,27 @@ def test_engine_serves_a_gptq_checkpoint_with_its_stored_codes(cpu, tmp_path: Pa
     assert (tmp_path / "gptq" / "model.safetensors.index.json").exists()
     with Engine(tmp_path / "gptq", backend=cpu, group_size=GROUP, activations="float") as engine:
         assert engine.weights.layers[0].qkv.bits == 4 and engine.weights.lm_head.bits == 8
+        # every tensor was read and converted: no page of the shards stays resident (the embedding, still a view,
+        # faults its rows back in as steps read them)
+        assert resident_kb(tmp_path / "gptq") in (0, None)
         got = engine.generate(prompts, max_new_tokens=6, stop_token_ids=())
     for tokens, (want, logits) in zip(got, expected, strict=True):
         assert_same_greedy(tokens, want, logits)
+
+
+def resident_kb(folder: Path) -> int | None:
+    """This process's resident kB of its mappings of the files in ``folder`` (None without /proc/self/smaps)."""
+    smaps = Path("/proc/self/smaps")
+    if not smaps.exists():
+        return None
+    root, total, inside = str(folder.resolve()), 0, False
+    for line in smaps.read_text().splitlines():
+        parts = line.split()
+        if not parts[0].endswith(":"):
+            inside = len(parts) >= 6 and parts[5].startswith(root + "/")
+        elif parts[0] == "Rss:" and inside:
+            total += int(parts[1])
+    return total
 
 
 def test_engine_runs_every_step_op_on_the_backend(cpu, tmp_path: Path) -> None:

@@ -51,6 +51,11 @@ class Tensors:
             raise CheckpointError(f"{where} {file!r}, which is missing from {self.folder}")
         return path
 
+    def drop_pages(self) -> None:
+        """:meth:`SafetensorsFile.drop_pages` on every file opened so far."""
+        for file in self._opened.values():
+            file.drop_pages()
+
     def has(self, name: str) -> bool:
         return name in self._files
 

@@ -1,7 +1,8 @@
 """A torch-free reader of safetensors files: each tensor a read-only numpy view of the file's mapping.
 
 Only the header is parsed eagerly; a tensor's pages are read when it is used
-(the mapping is shared by every tensor of the file). Every entry is checked
+(the mapping is shared by every tensor of the file), and :meth:`SafetensorsFile.drop_pages` lets the process
+give back the pages it has read once it has what it needs of them. Every entry is checked
 against the file before it is handed out: a known dtype, a shape whose bytes
 equal its span, a span inside the data section.
 """
@@ -86,6 +87,12 @@ class SafetensorsFile(Mapping[str, np.ndarray]):
         assert self._map is not None
         return np.frombuffer(self._map, dtype, count=(stop - start) // dtype.itemsize,
                              offset=self._base + start).reshape(shape)
+
+    def drop_pages(self) -> None:
+        """Let the kernel take back this process's resident pages of the file (``MADV_DONTNEED``, where the
+        platform has it): views handed out stay valid, a later read faults its pages back in from the file."""
+        if self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape, from the header (nothing read)."""

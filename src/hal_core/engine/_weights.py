@@ -270,6 +270,7 @@ def load_weights(folder: str | Path, config: ModelConfig, backend: Backend, *, d
             layer.gate_up = projections.joined([f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], backend)
             layer.down = projections.joined([f"{p}.mlp.down_proj"], backend)
         layers.append(layer)
+        tensors.drop_pages()  # the layer's tensors are copied (joined, quantized, converted): the file's pages can go
     if progress is not None:
         progress("lm_head")
     embed = tensors.get("model.embed_tokens.weight")
@@ -278,8 +279,10 @@ def load_weights(folder: str | Path, config: ModelConfig, backend: Backend, *, d
                              bits=lm_head_bits, group_size=group_size)
     else:
         head = projections.weight("lm_head", lm_head_bits)
-    return ModelWeights(embed=embed if backend.is_host else backend.asarray(embed), layers=layers,
-                        final_norm=vector("model.norm.weight"), lm_head=head.map_arrays(backend.asarray))
+    weights = ModelWeights(embed=embed if backend.is_host else backend.asarray(embed), layers=layers,
+                           final_norm=vector("model.norm.weight"), lm_head=head.map_arrays(backend.asarray))
+    tensors.drop_pages()  # on the host the embedding stays a view: the rows a step reads come back as it reads them
+    return weights
 
 
 def embedding_rows(weights: ModelWeights, ids: Any, dtype: np.dtype, backend: Backend) -> Any:
