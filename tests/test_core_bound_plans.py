@@ -151,7 +151,7 @@ def test_a_registry_change_drops_the_runners(cpu: hal_core.Backend, hal_rng: np.
 
 def test_signature_only_drops_the_calls_own_arrays(cpu: hal_core.Backend, hal_rng: np.random.Generator) -> None:
     """What a plan may keep of its first call: the bound arguments and the plain values, not the call's own
-    arrays (the activations) nor the caller's options object."""
+    arrays (the activations); the options object bound with the op stays."""
     seen: list[OpCall] = []
     impl = _Planned()
     plan = impl.plan
@@ -165,7 +165,7 @@ def test_signature_only_drops_the_calls_own_arrays(cpu: hal_core.Backend, hal_rn
     assert "x" in call.args and "x" not in kept.args
     assert kept.args["qweight"] is w and kept.fixed == call.fixed and kept.spec is call.spec
     assert all(call.args[name] == value for name, value in kept.args.items() if name != "qweight")
-    assert kept.given_options is None
+    assert kept.given_options is call.given_options
 
 PLANNED_PLUGIN = '''
 from hal_core import API_VERSION, hookimpl

@@ -70,12 +70,13 @@ class OpCall:
         return self.args[name]
 
     def signature_only(self) -> OpCall:
-        """This call without the values that are its own: the arguments not :attr:`fixed` other than plain numbers,
-        strings and None, and the caller's options object. What a :attr:`OpImpl.plan` keeps for later calls of the
-        signature (``replace(kept, args=args, fixed=frozenset())`` is such a call): a plan that kept the call itself
-        would keep its first call's activations, as large as a prompt, alive as long as the signature."""
+        """This call without the arguments that are its own: those not :attr:`fixed` other than plain numbers,
+        strings and None (the options object a bound op was given stays: it is the same in every call). What a
+        :attr:`OpImpl.plan` keeps for later calls of the signature (``replace(kept, args=args, fixed=frozenset())``
+        is such a call): a plan that kept the call itself would keep its first call's activations, as large as a
+        prompt, alive as long as the signature."""
         kept = {name: value for name, value in self.args.items() if name in self.fixed or type(value) in _PLAIN}
-        return replace(self, args=kept, given_options=None)
+        return replace(self, args=kept)
 
     @cached_property
     def options(self) -> Any:
