@@ -12,10 +12,15 @@ inline void store_as(typename S::T *p, V::f v) {
     if constexpr (std::is_same_v<S, F32>) {
         V::store(p, v);
     } else {
-        float tmp[W];
+        alignas(64) float tmp[W];
         V::store(tmp, v);
+#if defined(HAL_HALF_LANES)
+        if constexpr (std::is_same_v<S, F16>) f16_rne_lanes(tmp, p);
+        else bf16_rne_lanes(tmp, p, false);  // the bits of f32_to_bf16_bits, W lanes at a time
+#else
         for (int l = 0; l < W; ++l)
             p[l] = std::is_same_v<S, F16> ? f32_to_f16_bits(tmp[l]) : f32_to_bf16_bits(tmp[l]);
+#endif
     }
 }
 
