@@ -5,6 +5,7 @@ the caller a correct answer."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import FrozenInstanceError, replace
 from typing import Any
 
 import numpy as np
@@ -166,6 +167,29 @@ def test_signature_only_drops_the_calls_own_arrays(cpu: hal_core.Backend, hal_rn
     assert kept.args["qweight"] is w and kept.fixed == call.fixed and kept.spec is call.spec
     assert all(call.args[name] == value for name, value in kept.args.items() if name != "qweight")
     assert kept.given_options is call.given_options
+
+
+def test_with_args_is_the_kept_call_with_new_arguments(cpu: hal_core.Backend, hal_rng: np.random.Generator) -> None:
+    """``kept.with_args(args)``, what a runner makes per call, equals ``replace(kept, args=args, fixed=frozenset())``
+    field by field and carries none of the kept call's cached values."""
+    seen: list[OpCall] = []
+    impl = _Planned()
+    plan = impl.plan
+    impl.plan = lambda call: (seen.append(call), plan(call))[1]  # type: ignore[method-assign]
+    impl.register(cpu)
+    bound = cpu.ops.bind("quantized_gemm", qweight=_weight(hal_rng))
+    bound(x=hal_rng.standard_normal((2, 64)).astype(np.float32))
+    kept = seen[0].signature_only()
+    first = kept.with_args({**kept.args, "x": hal_rng.standard_normal((2, 64)).astype(np.float32)})
+    _ = first.nbytes, first.flops  # cached on that call
+    args = {**kept.args, "x": hal_rng.standard_normal((3, 64)).astype(np.float32)}
+    each = first.with_args(args)
+    assert each == replace(first, args=args, fixed=frozenset())
+    assert each.args is args and each.fixed == frozenset() and type(each) is OpCall
+    assert "nbytes" not in each.__dict__ and "flops" not in each.__dict__
+    assert each.nbytes == kept.spec.nbytes(args) != first.nbytes
+    with pytest.raises(FrozenInstanceError):
+        each.args = {}  # type: ignore[misc]
 
 PLANNED_PLUGIN = '''
 from hal_core import API_VERSION, hookimpl

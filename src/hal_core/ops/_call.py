@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -72,11 +72,23 @@ class OpCall:
     def signature_only(self) -> OpCall:
         """This call without the arguments that are its own: those not :attr:`fixed` other than plain numbers,
         strings and None (the options object a bound op was given stays: it is the same in every call). What a
-        :attr:`OpImpl.plan` keeps for later calls of the signature (``replace(kept, args=args, fixed=frozenset())``
-        is such a call): a plan that kept the call itself would keep its first call's activations, as large as a
-        prompt, alive as long as the signature."""
+        :attr:`OpImpl.plan` keeps for later calls of the signature (``kept.with_args(args)`` is such a call): a
+        plan that kept the call itself would keep its first call's activations, as large as a prompt, alive as
+        long as the signature."""
         kept = {name: value for name, value in self.args.items() if name in self.fixed or type(value) in _PLAIN}
         return replace(self, args=kept)
+
+    def with_args(self, args: Mapping[str, Any]) -> OpCall:
+        """This call with ``args`` as its arguments and none bound: ``replace(self, args=args, fixed=frozenset())``
+        at a third of its cost (a plan's runner makes one per call). Only the fields are copied: what a call
+        caches (:attr:`flops`, :attr:`options`, an implementation's per-call values) is computed anew."""
+        call = object.__new__(OpCall)
+        state, own = call.__dict__, self.__dict__
+        for name in _FIELDS:
+            state[name] = own[name]  # a frozen dataclass: set as its own __init__ does
+        state["args"] = args
+        state["fixed"] = frozenset()
+        return call
 
     @cached_property
     def options(self) -> Any:
@@ -92,6 +104,10 @@ class OpCall:
 
 def _always(call: OpCall) -> bool:
     return True
+
+
+#: OpCall's dataclass fields, the state :meth:`OpCall.with_args` copies.
+_FIELDS = tuple(f.name for f in fields(OpCall))
 
 
 @dataclass(frozen=True)

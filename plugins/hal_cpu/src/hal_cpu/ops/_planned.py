@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -50,7 +49,7 @@ def struct_runner(call: OpCall, fn: Callable[[OpCall], Any], kernel: Callable[[A
     kept = call.signature_only()
 
     def unplanned(args: Mapping[str, Any]) -> Any:
-        return fn(replace(kept, args=args, fixed=frozenset()))
+        return fn(kept.with_args(args))
 
     out_field, shape, dtype = out if out is not None else ("", (), None)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -165,7 +164,7 @@ def plan_paged_attention(call: OpCall) -> Runner | None:
     kept = call.signature_only()
 
     def run(args: Mapping[str, Any]) -> np.ndarray:
-        each = replace(kept, args=args, fixed=frozenset())  # the knobs read the call's lengths through it
+        each = kept.with_args(args)  # the knobs read the call's lengths through it
         filled = copy(template)
         for field, name in pointers:
             setattr(filled, field, pointer(args[name]))

@@ -67,7 +67,6 @@ argument struct, its tiles and threads) is kept with the weight for the next suc
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -128,7 +127,7 @@ def plan_quantized_gemm(call: OpCall) -> Runner | None:
 
     def run(args: Mapping[str, Any]) -> np.ndarray:
         if current() != threads:
-            return quantized_gemm(replace(kept, args=args, fixed=frozenset()))
+            return quantized_gemm(kept.with_args(args))
         x = args["x"]
         y = np.empty(shape, dtype=np.float32)
         if launch.run(x, y):
