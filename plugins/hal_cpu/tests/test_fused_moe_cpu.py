@@ -25,6 +25,12 @@ def _args(rng: np.random.Generator, **overrides: Any) -> dict[str, Any]:
     return fused_moe_inputs(rng, **{**params, **overrides})
 
 
+def _kind(bits: int) -> str:
+    """The tolerance kind: int8 experts (W8A8) quantise the gated intermediate again, and a value within float32
+    rounding of a code's tie may take the neighbouring code (see ``moe_w8a8`` in the tolerance table)."""
+    return "gemm" if bits == 4 else "moe_w8a8"
+
+
 def _moe(args: dict[str, Any]) -> np.ndarray:
     return fused_moe.moe(args["hidden_states"], args["router_logits"], args["experts"], args["top_k"],
                          args.get("routing") or "softmax_topk", args.get("activation") or "silu")
@@ -63,7 +69,7 @@ def test_each_expert_is_one_gemm_per_projection_over_all_its_tokens(rng: np.rand
     expected = sorted([(id(experts.w13[e]), n) for e, n in tokens_of.items()]
                       + [(id(experts.w2[e]), n) for e, n in tokens_of.items()])
     assert sorted(calls) == expected
-    assert_close(got, REFERENCE(args), kind="gemm", dtype="fp32", what="fused_moe")
+    assert_close(got, REFERENCE(args), kind=_kind(bits), dtype="fp32", what="fused_moe")
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -73,7 +79,7 @@ def test_numpy_fallback_matches_reference(rng: np.random.Generator, monkeypatch:
     """Without the compiled library (numpy GEMM and activation) the result still matches float64."""
     monkeypatch.setattr(_native, "try_load", lambda: None)
     args = _args(rng, bits=bits, dtype=dtype, routing="topk_softmax")
-    assert_close(_moe(args).astype(args["hidden_states"].dtype), REFERENCE(args), kind="gemm", dtype=dtype)
+    assert_close(_moe(args).astype(args["hidden_states"].dtype), REFERENCE(args), kind=_kind(bits), dtype=dtype)
 
 
 @pytest.mark.parametrize("routing", ROUTINGS)
