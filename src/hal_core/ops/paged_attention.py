@@ -58,6 +58,7 @@ from ..tuning._buckets import pow2
 from ._catalog import register_op
 from ._checks import SMALL_INDEX_ARRAY, check_block_tables, check_disjoint, fail, host_index_checks
 from ._declare import Arg, Feature, Output
+from ._index_memo import PassedIndices
 from ._spec import OpSpec
 from .paged_attention_cases import PAGED_ATTENTION_BENCH, attention_dtypes, paged_attention_inputs
 from .paged_attention_options import ATTENTION_OPTIONS, AttentionOptions
@@ -66,6 +67,9 @@ __all__ = ["AttentionOptions", "PagedAttention", "attention_dtypes", "is_prefill
            "variants"]
 
 _CACHE = "[num_blocks, num_kv_heads, block_size, head_size]"
+
+#: The last block tables, lengths and query offsets whose checks passed (a step's layers share them).
+_PASSED = PassedIndices()
 
 
 def variants(args: Mapping[str, Any]) -> frozenset[str]:
@@ -131,14 +135,21 @@ class PagedAttention(OpSpec):
     def check_index_values(self, args: Mapping[str, Any]) -> None:
         """Lengths in ``[0, min(capacity, max_seq_len)]``, used table entries in ``[0, num_blocks)``, and
         ``query_start_loc`` from 0 to ``num_tokens`` without decreasing, each ``q_len`` at most its sequence's
-        length and ``max_query_len`` (host arrays)."""
+        length and ``max_query_len`` (host arrays; skipped where the last call's that passed held the same
+        values, :mod:`~hal_core.ops._index_memo`)."""
         num_blocks, _, block_size, _ = args["key_cache"].shape
-        seq_lens = np.asarray(args["seq_lens"])
-        check_block_tables(np.asarray(args["block_tables"]), seq_lens, num_blocks, block_size,
-                           args.get("max_seq_len"))
+        seq_lens, tables = np.asarray(args["seq_lens"]), np.asarray(args["block_tables"])
         qsl = args.get("query_start_loc")
-        if qsl is not None:
-            check_query_start_loc(np.asarray(qsl), seq_lens, args["query"].shape[0], args.get("max_query_len"))
+        starts = None if qsl is None else np.asarray(qsl)
+        num_tokens, max_seq_len, max_query_len = args["query"].shape[0], args.get("max_seq_len"), \
+            args.get("max_query_len")
+        key = _PASSED.key((num_blocks, block_size, num_tokens, max_seq_len, max_query_len), tables, seq_lens, starts)
+        if _PASSED.passed(key):
+            return  # the same values passed on the last call (another layer of the step)
+        check_block_tables(tables, seq_lens, num_blocks, block_size, max_seq_len)
+        if starts is not None:
+            check_query_start_loc(starts, seq_lens, num_tokens, max_query_len)
+        _PASSED.keep(key)
 
     def bucket(self, args: Mapping[str, Any]) -> str:
         """``dtype:b<pow2 seqs>:ctx<pow2 longest context>`` (the table's capacity on device arrays); prefill

@@ -32,6 +32,7 @@ from ..tuning._buckets import pow2
 from ._catalog import register_op
 from ._checks import check_disjoint, check_slots, check_writable, host_index_checks
 from ._declare import Arg, BenchCases, Feature
+from ._index_memo import PassedIndices
 from ._inputs import uniform
 from ._spec import OpSpec
 from .paged_attention import attention_dtypes
@@ -40,6 +41,9 @@ __all__ = ["WriteKVCache", "write_kv_cache_inputs"]
 
 _TOKENS = "[num_tokens, num_kv_heads, head_size]"
 _CACHE = "[num_blocks, num_kv_heads, block_size, head_size]"
+
+#: The last slot mapping whose checks passed (a step's layers share it).
+_PASSED = PassedIndices()
 
 
 class WriteKVCache(OpSpec):
@@ -68,9 +72,14 @@ class WriteKVCache(OpSpec):
             self.check_index_values(args)
 
     def check_index_values(self, args: Mapping[str, Any]) -> None:
-        """Slots below ``num_blocks * block_size`` (or negative) and distinct (a host ``slot_mapping``)."""
+        """Slots below ``num_blocks * block_size`` (or negative) and distinct (a host ``slot_mapping``; skipped where
+        the last call's that passed held the same values, :mod:`~hal_core.ops._index_memo`)."""
         kc = args["key_cache"]
-        check_slots(np.asarray(args["slot_mapping"]), kc.shape[0] * kc.shape[2])
+        slots, capacity = np.asarray(args["slot_mapping"]), kc.shape[0] * kc.shape[2]
+        key = _PASSED.key((capacity,), slots)
+        if not _PASSED.passed(key):  # else the same slots passed on the last call (another layer of the step)
+            check_slots(slots, capacity)
+            _PASSED.keep(key)
 
     def is_empty(self, args: Mapping[str, Any]) -> bool:
         return 0 in args["key"].shape
