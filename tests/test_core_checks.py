@@ -10,6 +10,7 @@ import pytest
 
 from hal_core import ArgumentError
 from hal_core.arrays import TaggedArray
+from hal_core.ops import _checks
 from hal_core.ops._checks import byte_range, check_disjoint, check_writable
 
 
@@ -64,6 +65,24 @@ def test_check_disjoint() -> None:
     for first, second in [(a, a), (a[:5], a[4:]), (_device_like(a[:5]), _device_like(a[3:]))]:
         with pytest.raises(ArgumentError, match="'key_cache' and 'value_cache'"):
             check_disjoint("key_cache", first, "value_cache", second)
+
+
+@pytest.mark.parametrize("work", [None, 0], ids=["numpy-solver", "own-search"])
+@pytest.mark.parametrize("shape", [(6, 2, 16, 128), (3, 1, 4, 32), (5, 4, 1, 8)])
+def test_check_disjoint_interleaved_halves(monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...],
+                                           work: int | None) -> None:
+    """An engine's K and V halves of one cache (``[..., 2 * block, head]``) pass, whichever test answers (numpy's
+    solver, or hal's own where the solver gives up: work bound 0); halves shifted by one row share memory and
+    are refused."""
+    if work is not None:
+        monkeypatch.setattr(_checks, "_OVERLAP_WORK", work)
+    blocks, heads, block, width = shape
+    halves = np.zeros(shape, np.float16).reshape(blocks, heads, 2 * block, width // 2)
+    key, value = halves[:, :, :block], halves[:, :, block:]
+    check_disjoint("key_cache", key, "value_cache", value)
+    if block > 1:
+        with pytest.raises(ArgumentError, match="overlap in memory"):
+            check_disjoint("key_cache", key, "value_cache", halves[:, :, block - 1:2 * block - 1])
 
 
 def test_check_writable() -> None:

@@ -29,6 +29,11 @@ __all__ = [
 SMALL_INDEX_ARRAY = 256
 
 
+#: The most candidate solutions :func:`numpy.shares_memory` may try before :func:`check_disjoint` uses its own test
+#: (an engine's K and V halves need a handful).
+_OVERLAP_WORK = 10_000
+
+
 def fail(arg: str, expected: str, actual: Any) -> ArgumentError:
     """An ArgumentError in the common format."""
     return ArgumentError(f"argument {arg!r}: expected {expected}, got {actual}")
@@ -182,12 +187,20 @@ def check_disjoint(first: str, a: Any, second: str, b: Any) -> None:
     """Refuse two arrays (on one device) that share an element, e.g. one array given as both caches.
 
     Arrays whose extents interleave without sharing an element (the K and V halves of an engine's
-    ``[..., 2 * block_size, head_size]`` cache view) are accepted: the check is exact for arrays of one
-    shape and strides, and by extent otherwise.
+    ``[..., 2 * block_size, head_size]`` cache view) are accepted. Two numpy arrays are compared exactly
+    by numpy's overlap solver (:func:`numpy.shares_memory`, under a work bound: about 0.5 µs for those
+    halves); other arrays, and numpy ones the solver gives up on, by hal's own test below: exact for
+    arrays of one shape and strides, by extent otherwise.
     """
-    if type(a) is np.ndarray and type(b) is np.ndarray and a is not b \
-            and not (a.size and b.size and np.may_share_memory(a, b)):
-        return  # numpy's extent check, in C (the hot path on a host)
+    if type(a) is np.ndarray and type(b) is np.ndarray and a is not b:
+        if not (a.size and b.size and np.may_share_memory(a, b)):
+            return  # numpy's extent check, in C (the hot path on a host)
+        try:
+            # numpy types max_work as the flags -1 and 0 only, though it documents and takes any bound
+            if not np.shares_memory(a, b, max_work=_OVERLAP_WORK):  # type: ignore[arg-type]
+                return  # interleaved, no byte shared (an engine's K and V halves, every call)
+        except np.exceptions.TooHardError:
+            pass
     if a is b or untag(a) is untag(b):
         raise ArgumentError(f"arguments {first!r} and {second!r} are the same array; pass two separate arrays")
     ra, rb = byte_range(a), byte_range(b)
