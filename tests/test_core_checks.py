@@ -67,22 +67,26 @@ def test_check_disjoint() -> None:
             check_disjoint("key_cache", first, "value_cache", second)
 
 
-@pytest.mark.parametrize("work", [None, 0], ids=["numpy-solver", "own-search"])
+@pytest.mark.parametrize("way", ["numpy-solver", "own-search", "device"])
 @pytest.mark.parametrize("shape", [(6, 2, 16, 128), (3, 1, 4, 32), (5, 4, 1, 8)])
 def test_check_disjoint_interleaved_halves(monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...],
-                                           work: int | None) -> None:
+                                           way: str) -> None:
     """An engine's K and V halves of one cache (``[..., 2 * block, head]``) pass, whichever test answers (numpy's
-    solver, or hal's own where the solver gives up: work bound 0); halves shifted by one row share memory and
-    are refused."""
-    if work is not None:
-        monkeypatch.setattr(_checks, "_OVERLAP_WORK", work)
+    solver; hal's own where the solver gives up, work bound 0; hal's own for device-style arrays), twice (the
+    second answer kept from the first); halves shifted by one row share memory and are refused, twice."""
+    if way == "own-search":
+        monkeypatch.setattr(_checks, "_OVERLAP_WORK", 0)
+    view = _device_like if way == "device" else (lambda a: a)
     blocks, heads, block, width = shape
     halves = np.zeros(shape, np.float16).reshape(blocks, heads, 2 * block, width // 2)
-    key, value = halves[:, :, :block], halves[:, :, block:]
-    check_disjoint("key_cache", key, "value_cache", value)
+    key, value = view(halves[:, :, :block]), view(halves[:, :, block:])
+    for _ in range(2):
+        check_disjoint("key_cache", key, "value_cache", value)
     if block > 1:
-        with pytest.raises(ArgumentError, match="overlap in memory"):
-            check_disjoint("key_cache", key, "value_cache", halves[:, :, block - 1:2 * block - 1])
+        shifted = view(halves[:, :, block - 1:2 * block - 1])
+        for _ in range(2):
+            with pytest.raises(ArgumentError, match="overlap in memory"):
+                check_disjoint("key_cache", key, "value_cache", shifted)
 
 
 def test_check_writable() -> None:
