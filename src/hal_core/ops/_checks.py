@@ -204,8 +204,8 @@ def check_disjoint(first: str, a: Any, second: str, b: Any) -> None:
 
     Arrays whose extents interleave without sharing an element (the K and V halves of an engine's
     ``[..., 2 * block_size, head_size]`` cache view) are accepted. Two numpy arrays are compared exactly
-    by numpy's overlap solver (:func:`numpy.shares_memory`, under a work bound: about 0.5 µs for those
-    halves); other arrays, and numpy ones the solver gives up on, by hal's own test below: exact for
+    by numpy's overlap solver (:func:`numpy.shares_memory`, under a work bound: about 1 µs a check for
+    those halves); other arrays, and numpy ones the solver gives up on, by hal's own test below: exact for
     arrays of one shape and strides, by extent otherwise.
     """
     if type(a) is np.ndarray and type(b) is np.ndarray and a is not b:

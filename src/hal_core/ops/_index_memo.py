@@ -4,7 +4,7 @@ A decoder step calls ``paged_attention`` and ``write_kv_cache`` once per
 layer with the same block tables, lengths and slot mapping, and an engine
 refills those arrays in place from step to step (so an array's identity says
 nothing about its values). Checking the values costs more than the decode
-call's other per-call work (10-15 µs for a batch of 8), so each op keeps the
+call's other per-call work (about 13 µs for a batch of 8), so each op keeps the
 last set that passed, as bytes with its shapes, dtypes and the sizes the
 check compared against, and a call whose arrays hold the same bytes skips
 the check. The check is a function of exactly those, so a hit is exact: no
