@@ -27,6 +27,16 @@ hal side's ``HAL_VLLM_INT4_ACTIVATIONS``: ``auto`` (the plugin's default: W4A8
 from two rows), ``int8`` or ``float`` (W4A16, the arithmetic of vLLM's own
 kernel where it does not take its AMX W4A8 path).
 
+Mixture of experts: ``--moe`` builds a Mixtral of the given shape with
+``--experts`` experts of ``--expert-intermediate`` columns, ``--top-k`` per
+token (fp16 only), written twice by hal-vllm's test writer
+(``vllm_moe_models``): as a 4-bit GPTQ checkpoint (AWQ with ``--quant
+awq``), which the hal side serves
+(its MoE layers on hal's ``fused_moe``, its projections on hal's int4 GEMM),
+and as its dense fp16 twin (every projection dequantized), which the
+``vllm`` side serves with vLLM's own kernels. vLLM 0.32's CPU build has no
+int4 MoE kernel on a CPU without AMX, so its fp16 model is the peer there.
+
 Tensor parallelism: ``--tensor-parallel-size 2`` runs each side with two
 ranks (vLLM's multi-process executor); bind each rank to its own cores with
 vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` (one core list per rank, e.g.
@@ -38,6 +48,8 @@ Usage (in the environment ``make test-vllm`` builds)::
 
     .venv-vllm/bin/python benchmarks/vllm_throughput.py --json benchmarks/results/DATE-MACHINE-vllm.json
     .venv-vllm/bin/python benchmarks/vllm_throughput.py --quant gptq --dtype float16 --json ...
+    .venv-vllm/bin/python benchmarks/vllm_throughput.py --moe --dtype float16 --hidden 2048 --heads 16 \
+        --kv-heads 4 --head-size 128 --json ...
     .venv-vllm/bin/python benchmarks/vllm_throughput.py --quant awq --dtype float16 --baseline hal-attention --json ...
     VLLM_CPU_OMP_THREADS_BIND='0-15|16-31' .venv-vllm/bin/python benchmarks/vllm_throughput.py \
         --tensor-parallel-size 2 --json ...
@@ -85,6 +97,18 @@ def _model(path: Path, args: argparse.Namespace) -> None:
     from vllm_engines import save_quantized_llama
 
     save_quantized_llama(path, args.quant, config, group_size=args.group_size)
+
+
+def _moe_models(root: Path, args: argparse.Namespace) -> dict[str, Path]:
+    """The ``--quant`` Mixtral (the hal side's) and its dense fp16 twin (the vllm side's), by side."""
+    sys.path.insert(0, str(QUANT_WRITER))
+    from vllm_moe_models import MoeShape, save_moe_checkpoints
+
+    shape = MoeShape(hidden=args.hidden, intermediate=args.expert_intermediate, experts=args.experts,
+                     top_k=args.top_k, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                     head_size=args.head_size, vocab=args.vocab, max_model_len=args.max_model_len)
+    quantized, dense = save_moe_checkpoints(root, args.quant, shape, group_size=args.group_size)
+    return {"hal": quantized, "vllm": dense}
 
 
 def _side_env(side: str, args: argparse.Namespace) -> dict[str, str]:
@@ -140,6 +164,7 @@ def _measure(side: str, path: Path, args: argparse.Namespace) -> dict[str, Any]:
         results["hal_stats"] = [report["stats"] for report in reports]
         results["worker_cpus"] = [report["cpus"] for report in reports]  # both sides' workers must be bound alike
         results["linear_kernels"] = sorted({kernel for report in reports for kernel in report["linear"].values()})
+        results["moe_methods"] = sorted({method for report in reports for method in report["moe"].values()})
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -197,10 +222,17 @@ def main() -> None:
                         help="the hal side's HAL_VLLM_INT4_ACTIVATIONS (its int4 layers' activation precision)")
     parser.add_argument("--baseline", default="vllm", choices=("vllm", "hal-attention"),
                         help="the vllm side: vLLM's own kernels, or hal's attention with vLLM's int4 linear layers")
+    parser.add_argument("--moe", action="store_true",
+                        help="a Mixtral: GPTQ (--quant awq: AWQ) int4 on the hal side, its dense fp16 twin on vLLM's")
+    parser.add_argument("--experts", type=int, default=64, help="--moe: experts per layer")
+    parser.add_argument("--top-k", type=int, default=8, help="--moe: experts per token")
+    parser.add_argument("--expert-intermediate", type=int, default=768, help="--moe: each expert's columns")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks per side (vLLM's mp executor)")
     parser.add_argument("--json", type=Path, help="write the report here")
     parser.add_argument("--note", default="", help="what the report should say about this run (kept in the JSON)")
     args = parser.parse_args()
+    if args.moe and args.quant == "none":
+        args.quant = "gptq"  # the MoE model's format
     if args.quant != "none" and args.dtype == "float32":
         parser.error(f"--quant {args.quant} needs --dtype float16 or bfloat16 (vLLM's int4 layers take no fp32)")
     if args.baseline == "hal-attention" and args.quant == "none":
@@ -209,6 +241,8 @@ def main() -> None:
         parser.error("--sliding-window builds a float Mistral model: leave --quant at none")
     if args.sliding_window < 0:
         parser.error(f"--sliding-window must be 0 (none) or positive, got {args.sliding_window}")
+    if args.moe and (args.sliding_window or args.dtype != "float16" or args.baseline != "vllm"):
+        parser.error("--moe compares a quantized and a dense fp16 model: give --dtype float16, no window or baseline")
     if args.tensor_parallel_size < 1:
         parser.error(f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}")
 
@@ -218,11 +252,15 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder)
-        _model(path, args)
+        if args.moe:
+            paths = _moe_models(path, args)
+        else:
+            _model(path, args)
+            paths = {side: path for side in SIDES}
         rounds: list[dict[str, Any]] = []
         for r in range(args.rounds):
             order = SIDES if r % 2 == 0 else SIDES[::-1]
-            rounds.append({side: _measure(side, path, args) for side in order})
+            rounds.append({side: _measure(side, paths[side], args) for side in order})
     summary: dict[str, Any] = {}
     for load in ("decode-heavy", "prefill-heavy"):
         best = {side: {key: max(rnd[side][load][key] for rnd in rounds) for key in ("prompt_tok_s", "generated_tok_s")}

@@ -81,7 +81,7 @@ def save_qwen2_window(path: Path) -> SavedModel:
     return _saved(path, config, config.sliding_window)
 
 
-def _pack_along_n(codes: np.ndarray, order: tuple[int, ...] = tuple(range(8))) -> np.ndarray:
+def pack_along_n(codes: np.ndarray, order: tuple[int, ...] = tuple(range(8))) -> np.ndarray:
     """int32 words ``[rows, N/8]``: nibble j of word [r, c] holds ``codes[r, 8c + order[j]]``."""
     rows, n = codes.shape
     grouped = codes.reshape(rows, n // 8, 8)[:, :, list(order)].astype(np.uint32)
@@ -122,8 +122,8 @@ def save_quantized_llama(path: Path, method: str, config: Any = None, group_size
             tensors[f"{base}.g_idx"] = torch.arange(k, dtype=torch.int32) // group_size
         else:
             codes = weight.codes().astype(np.int64)
-            tensors[f"{base}.qweight"] = torch.from_numpy(_pack_along_n(codes, AWQ_ORDER))
-            tensors[f"{base}.qzeros"] = torch.from_numpy(_pack_along_n(weight.zeros.astype(np.int64), AWQ_ORDER))
+            tensors[f"{base}.qweight"] = torch.from_numpy(pack_along_n(codes, AWQ_ORDER))
+            tensors[f"{base}.qzeros"] = torch.from_numpy(pack_along_n(weight.zeros.astype(np.int64), AWQ_ORDER))
     save_file(tensors, str(path / "model.safetensors"))
     saved = config.to_dict()
     saved["quantization_config"] = (
@@ -162,10 +162,12 @@ def engine_options(path: Path, **overrides: Any) -> dict[str, Any]:
     return options
 
 
-def generate(path: Path, *, env: dict[str, str], **options: Any) -> tuple[list[Any], list[dict[str, Any]]]:
+def generate(path: Path, *, env: dict[str, str], logprobs: int | None = None,
+             **options: Any) -> tuple[list[Any], list[dict[str, Any]]]:
     """Greedy generation of :func:`prompts` on a fresh engine with ``env`` set (its processes inherit it).
 
-    Returns vLLM's outputs (with the prompts' log-probabilities) and one
+    Returns vLLM's outputs (with the prompts' log-probabilities, and the
+    ``logprobs`` most likely tokens of each generated position where given) and one
     :meth:`~hal_vllm.worker.HalWorkerExtension.hal_stats` report per worker.
     ``env`` is restored afterwards; the engine's processes end before this returns.
     """
@@ -177,7 +179,8 @@ def generate(path: Path, *, env: dict[str, str], **options: Any) -> tuple[list[A
         llm = LLM(**engine_options(path, **options))
         try:
             outputs = llm.generate(prompts(), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
-                                                             detokenize=False, prompt_logprobs=0))
+                                                             detokenize=False, prompt_logprobs=0,
+                                                             logprobs=logprobs))
             reports = llm.collective_rpc("hal_stats")
         finally:
             llm.llm_engine.engine_core.shutdown()  # its processes end now, not when the object is collected
@@ -195,6 +198,29 @@ def generate(path: Path, *, env: dict[str, str], **options: Any) -> tuple[list[A
 def tokens(outputs: list[Any]) -> list[list[int]]:
     """The generated token ids of each prompt."""
     return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def first_divergence(expected: list[Any], outputs: list[Any]) -> list[tuple[int, int] | None]:
+    """Per prompt, where two greedy runs first chose different tokens (``(position, rank)``: the rank of each
+    run's token among the other run's top log-probabilities, the larger), or None where they agree throughout.
+
+    Two kernels that round differently may break a near tie the other way; from there the sequences differ.
+    Where a run's token is missing from the other's top list, the rank is the list's length.
+    """
+    found: list[tuple[int, int] | None] = []
+    for mine, theirs in zip(outputs, expected, strict=True):
+        a, b = mine.outputs[0], theirs.outputs[0]
+        position = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), None)
+        if position is None:
+            found.append(None)
+            continue
+        ranks = []
+        pairs = ((a.token_ids[position], b.logprobs[position]), (b.token_ids[position], a.logprobs[position]))
+        for token, top in pairs:
+            ordered = sorted(top, key=lambda t: -top[t].logprob)
+            ranks.append(ordered.index(token) if token in ordered else len(ordered))
+        found.append((position, max(ranks)))
+    return found
 
 
 def prompt_logprobs(outputs: list[Any]) -> np.ndarray:

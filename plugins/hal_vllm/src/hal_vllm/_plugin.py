@@ -26,11 +26,12 @@ def enabled() -> bool:
 
 
 def register() -> None:
-    """Point vLLM's attention (and, on CPU, int4 linear layers) at hal; nothing unless ``HAL_VLLM`` is on.
+    """Point vLLM's attention (and, on CPU, int4 linear and GPTQ MoE layers) at hal; nothing unless ``HAL_VLLM`` is on.
 
     On CPU, vLLM always picks its ``CPU_ATTN`` backend, so that name is
-    overridden, and :class:`hal_vllm.linear.HalWNA16LinearKernel` goes first
-    among the CPU's mixed-precision linear kernels. On CUDA and ROCm hal's
+    overridden, :class:`hal_vllm.linear.HalWNA16LinearKernel` goes first
+    among the CPU's mixed-precision linear kernels, and GPTQ checkpoints'
+    MoE layers get hal's method (:func:`hal_vllm.moe.install`). On CUDA and ROCm hal's
     backend is vLLM's ``CUSTOM`` one, chosen with ``--attention-backend
     CUSTOM``. Raises :class:`~hal_core.ConfigurationError` on a vLLM minor
     the plugin was not tested with for this platform's vLLM build
@@ -59,6 +60,9 @@ def register() -> None:
     if build == "cpu":
         register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND)
         _put_linear_kernel_first()
+        from .moe import install
+
+        install(vllm.__version__)
     else:
         register_backend(AttentionBackendEnum.CUSTOM, GPU_BACKEND)
 

@@ -30,7 +30,8 @@ class HalWorkerExtension:
         ``attention`` maps each attention layer's name to ``{"impl": class name, "window": sliding window or
         None, "heads": query heads, "kv_heads": KV heads}`` (this rank's share of the heads); ``linear``
         maps each linear layer that vLLM runs through a mixed-precision kernel (GPTQ, AWQ) to that
-        kernel's class name.
+        kernel's class name; ``moe`` maps each MoE layer to its method's name (``HalGPTQMoEMethod`` where
+        hal runs it).
         """
         layers = self.vllm_config.compilation_config.static_forward_context
         attention = {}
@@ -40,12 +41,16 @@ class HalWorkerExtension:
             attention[name] = {"impl": type(impl).__qualname__, "window": window if window and window > 0 else None,
                                "heads": getattr(impl, "num_heads", None),
                                "kv_heads": getattr(impl, "num_kv_heads", None)}
-        linear = {}
+        linear, moe = {}, {}
         for name, module in self.model_runner.get_model().named_modules():
-            kernel = getattr(getattr(module, "quant_method", None), "kernel", None)
+            method = getattr(module, "quant_method", None)
+            kernel = getattr(method, "kernel", None)
             if kernel is not None:
                 linear[name] = type(kernel).__qualname__
+            if method is not None and hasattr(method, "is_monolithic"):  # a MoE layer's (FusedMoEMethodBase)
+                moe[name] = method.method_name
         from vllm.distributed import get_tensor_model_parallel_rank
 
         return {"pid": os.getpid(), "rank": get_tensor_model_parallel_rank(), "cpus": sorted(os.sched_getaffinity(0)),
-                "stats": hal_core.stats(), "attention": attention, "linear": linear}
+                "stats": hal_core.stats(), "attention": attention, "linear": linear,
+                "moe": moe}
