@@ -10,9 +10,11 @@ projection dequantized: the model the GPTQ words describe, rounded to fp16;
 :mod:`vllm_moe_models`), served with hal's attention too, so the two runs
 differ only in the projections' and experts' kernels: hal's W4A16 int4
 ones (``HAL_VLLM_INT4_ACTIVATIONS=float``) against vLLM's fp16 ones. fp16, as
-in :mod:`test_engine_quantized`. The quantized model is also served compiled
-(vLLM's default, ``torch.compile``), where hal's layers are the operator
-``torch.ops.hal_vllm.fused_moe``.
+in :mod:`test_engine_quantized`. A GPTQ Mixtral and an AWQ one, and a GPTQ
+Qwen3-MoE (another routing), are compared so; the GPTQ Mixtral is also
+served compiled (vLLM's default, ``torch.compile``), where hal's layers are
+the operator ``torch.ops.hal_vllm.fused_moe``, and with two tensor-parallel
+ranks.
 """
 
 from __future__ import annotations
@@ -28,18 +30,25 @@ from vllm_moe_models import LAYERS, save_moe_checkpoints
 
 #: hal's method for each checkpoint format's MoE layers.
 METHODS = {"gptq": "HalGPTQMoEMethod", "awq": "HalAWQMoEMethod"}
+#: (architecture, format) of the models served: Mixtral routes softmax, top-k, renormalised (vLLM's
+#: RenormalizeNaive), Qwen3-MoE with norm_topk_prob=False without the renormalisation (vLLM's Default).
+MODELS = (("mixtral", "gptq"), ("mixtral", "awq"), ("qwen3_moe", "gptq"))
 
 
-@pytest.fixture(scope="module", params=sorted(METHODS))
-def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, declared: Any) -> dict[str, Any]:
-    """The format's int4 Mixtral served with hal's MoE method (eager and compiled), and its dense twin served
-    with vLLM's own MoE."""
-    quantized, dense = save_moe_checkpoints(tmp_path_factory.mktemp("moe"), request.param)
+def _env(declared: Any, **more: str) -> dict[str, str]:
     strict = declared("fp16", HEAD_SIZE, BLOCK_SIZE, {"prefill", "strided_cache"})
-    env = {"HAL_VLLM": "1", "HAL_STRICT": "1" if strict else "0", "HAL_VLLM_INT4_ACTIVATIONS": "float"}
-    runs: dict[str, Any] = {"method": METHODS[request.param]}
-    for side, path, eager in (("hal", quantized, True), ("compiled", quantized, False), ("dense", dense, True)):
-        outputs, (report,) = generate(path, env=env, dtype="float16", enforce_eager=eager, logprobs=2)
+    return {"HAL_VLLM": "1", "HAL_STRICT": "1" if strict else "0", "HAL_VLLM_INT4_ACTIVATIONS": "float", **more}
+
+
+@pytest.fixture(scope="module", params=MODELS, ids=["-".join(m) for m in MODELS])
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, declared: Any) -> dict[str, Any]:
+    """The architecture's int4 model in the format, served with hal's MoE method, and its dense twin served with
+    vLLM's own MoE."""
+    arch, method = request.param
+    quantized, dense = save_moe_checkpoints(tmp_path_factory.mktemp("moe"), method, arch=arch)
+    runs: dict[str, Any] = {"method": METHODS[method]}
+    for side, path in (("hal", quantized), ("dense", dense)):
+        outputs, (report,) = generate(path, env=_env(declared), dtype="float16", logprobs=2)
         runs[side] = {"outputs": outputs, "report": report}
     return runs
 
@@ -72,16 +81,6 @@ def test_tokens_follow_vllms_own_kernels_on_the_dense_model(served: dict[str, An
     print("first divergence per prompt (position, rank of each token in the other's top two):", parted)
     assert all(p is None or p[1] <= 1 for p in parted)
     assert sum(p is None for p in parted) >= len(parted) - 1  # at most one sequence meets such a tie
-
-
-def test_compiled_model_runs_hal_and_generates_the_eager_tokens(served: dict[str, Any]) -> None:
-    """Compiled by vLLM, the quantized model's MoE layers still run on hal's kernel, with the eager run's tokens."""
-    compiled, eager = served["compiled"], served["hal"]
-    moe = compiled["report"]["stats"]["cpu"]["fused_moe"]
-    print("compiled:", tokens(compiled["outputs"]), moe)
-    assert list(compiled["report"]["moe"].values()) == [served["method"]] * LAYERS
-    assert moe["calls"] > 0 and moe["implementations"] == {"cpu.fused_moe": moe["calls"]} and not moe["fallbacks"]
-    assert tokens(compiled["outputs"]) == tokens(eager["outputs"])
 
 
 def _layer(**changes: Any) -> Any:
@@ -133,16 +132,27 @@ def test_refusal_names_what_hal_does_not_serve() -> None:
 
 @pytest.fixture(scope="module")
 def parallel(tmp_path_factory: pytest.TempPathFactory, declared: Any) -> dict[str, Any]:
-    """The GPTQ Mixtral on hal in one process and with two tensor-parallel ranks (one core each)."""
+    """The GPTQ Mixtral on hal in one process (eager, then compiled by vLLM) and with two tensor-parallel ranks
+    (one core each)."""
     quantized, _ = save_moe_checkpoints(tmp_path_factory.mktemp("moe-tp"), "gptq")
-    strict = declared("fp16", HEAD_SIZE, BLOCK_SIZE, {"prefill", "strided_cache"})
-    env = {"HAL_VLLM": "1", "HAL_STRICT": "1" if strict else "0", "HAL_VLLM_INT4_ACTIVATIONS": "float",
-           "HAL_CPU_THREADS": "1"}
+    env = _env(declared, HAL_CPU_THREADS="1")
     cores = sorted(os.sched_getaffinity(0))
     one, _ = generate(quantized, env=env, dtype="float16", logprobs=2)
+    compiled, (report,) = generate(quantized, env=env, dtype="float16", logprobs=2, enforce_eager=False)
     two, reports = generate(quantized, env={**env, "VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}|{cores[-1]}"},
                             dtype="float16", logprobs=2, tensor_parallel_size=2, distributed_executor_backend="mp")
-    return {"one": one, "two": two, "reports": reports}
+    return {"one": one, "compiled": (compiled, report), "two": two, "reports": reports}
+
+
+def test_compiled_model_runs_hal_and_generates_the_eager_tokens(parallel: dict[str, Any]) -> None:
+    """Compiled by vLLM (its default), the MoE layers are the operator ``torch.ops.hal_vllm.fused_moe`` and still
+    run on hal's kernel, with the eager run's tokens."""
+    compiled, report = parallel["compiled"]
+    moe = report["stats"]["cpu"]["fused_moe"]
+    print("compiled:", tokens(compiled), moe)
+    assert list(report["moe"].values()) == ["HalGPTQMoEMethod"] * LAYERS
+    assert moe["calls"] > 0 and moe["implementations"] == {"cpu.fused_moe": moe["calls"]} and not moe["fallbacks"]
+    assert tokens(compiled) == tokens(parallel["one"])
 
 
 def test_two_ranks_run_their_share_of_the_experts_on_hal(parallel: dict[str, Any]) -> None:
