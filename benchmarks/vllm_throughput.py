@@ -31,11 +31,12 @@ Mixture of experts: ``--moe`` builds a Mixtral of the given shape with
 ``--experts`` experts of ``--expert-intermediate`` columns, ``--top-k`` per
 token (fp16 only), written twice by hal-vllm's test writer
 (``vllm_moe_models``): as a 4-bit GPTQ checkpoint (AWQ with ``--quant
-awq``), which the hal side serves
-(its MoE layers on hal's ``fused_moe``, its projections on hal's int4 GEMM),
-and as its dense fp16 twin (every projection dequantized), which the
-``vllm`` side serves with vLLM's own kernels. vLLM 0.32's CPU build has no
-int4 MoE kernel on a CPU without AMX, so its fp16 model is the peer there.
+awq``), which the hal side serves (its MoE layers on hal's ``fused_moe``,
+its projections on hal's int4 GEMM), and as its dense fp16 twin (every
+projection dequantized), which the ``vllm`` side serves with vLLM's own
+kernels. vLLM 0.32's CPU build has no int4 MoE kernel on a CPU without AMX,
+so its fp16 model is the peer there; the two sides' tokens are reported,
+not expected equal (int4 against fp16 arithmetic).
 
 Tensor parallelism: ``--tensor-parallel-size 2`` runs each side with two
 ranks (vLLM's multi-process executor); bind each rank to its own cores with

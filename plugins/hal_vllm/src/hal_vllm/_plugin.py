@@ -26,14 +26,14 @@ def enabled() -> bool:
 
 
 def register() -> None:
-    """Point vLLM's attention (and, on CPU, int4 linear and GPTQ MoE layers) at hal; nothing unless ``HAL_VLLM`` is on.
+    """Point vLLM's attention (and, on CPU, int4 linear and MoE layers) at hal; nothing unless ``HAL_VLLM`` is on.
 
     On CPU, vLLM always picks its ``CPU_ATTN`` backend, so that name is
     overridden, :class:`hal_vllm.linear.HalWNA16LinearKernel` goes first
-    among the CPU's mixed-precision linear kernels, and GPTQ checkpoints'
-    MoE layers get hal's method (:func:`hal_vllm.moe.install`). On CUDA and ROCm hal's
-    backend is vLLM's ``CUSTOM`` one, chosen with ``--attention-backend
-    CUSTOM``. Raises :class:`~hal_core.ConfigurationError` on a vLLM minor
+    among the CPU's mixed-precision linear kernels, and GPTQ and AWQ
+    checkpoints' MoE layers get hal's methods (:func:`hal_vllm.moe.install`).
+    On CUDA and ROCm hal's backend is vLLM's ``CUSTOM`` one, chosen with
+    ``--attention-backend CUSTOM``. Raises :class:`~hal_core.ConfigurationError` on a vLLM minor
     the plugin was not tested with for this platform's vLLM build
     (:data:`hal_vllm.SUPPORTED_MINORS`), and RuntimeError on another platform.
     """

@@ -30,8 +30,8 @@ class HalWorkerExtension:
         ``attention`` maps each attention layer's name to ``{"impl": class name, "window": sliding window or
         None, "heads": query heads, "kv_heads": KV heads}`` (this rank's share of the heads); ``linear``
         maps each linear layer that vLLM runs through a mixed-precision kernel (GPTQ, AWQ) to that
-        kernel's class name; ``moe`` maps each MoE layer to its method's name (``HalGPTQMoEMethod`` where
-        hal runs it).
+        kernel's class name; ``moe`` maps each MoE layer to its method's name (``HalGPTQMoEMethod`` or
+        ``HalAWQMoEMethod`` where hal runs it).
         """
         layers = self.vllm_config.compilation_config.static_forward_context
         attention = {}
@@ -52,5 +52,4 @@ class HalWorkerExtension:
         from vllm.distributed import get_tensor_model_parallel_rank
 
         return {"pid": os.getpid(), "rank": get_tensor_model_parallel_rank(), "cpus": sorted(os.sched_getaffinity(0)),
-                "stats": hal_core.stats(), "attention": attention, "linear": linear,
-                "moe": moe}
+                "stats": hal_core.stats(), "attention": attention, "linear": linear, "moe": moe}
