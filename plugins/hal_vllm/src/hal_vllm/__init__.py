@@ -4,7 +4,9 @@ Installed, the plugin does nothing until ``HAL_VLLM=1``: then, in every
 vLLM process, :func:`register` points vLLM's CPU attention backend
 (``CPU_ATTN``) at :class:`hal_vllm.cpu.HalCPUAttentionBackend`, or, on CUDA
 and ROCm, vLLM's ``CUSTOM`` backend (``--attention-backend CUSTOM``) at
-:class:`hal_vllm.gpu.HalAttentionBackend`. Importing this package imports
+:class:`hal_vllm.gpu.HalAttentionBackend`. On CPU it also runs GPTQ and AWQ
+int4 linear layers (:mod:`hal_vllm.linear`) and their mixture-of-experts
+layers (:mod:`hal_vllm.moe`) on hal. Importing this package imports
 neither vLLM nor torch. See docs/engine-guide.md, "hal under vLLM".
 """
 
