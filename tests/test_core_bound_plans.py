@@ -191,6 +191,7 @@ def test_with_args_is_the_kept_call_with_new_arguments(cpu: hal_core.Backend, ha
     with pytest.raises(FrozenInstanceError):
         each.args = {}  # type: ignore[misc]
 
+
 PLANNED_PLUGIN = '''
 from hal_core import API_VERSION, hookimpl
 from hal_core.ops import OpCall
