@@ -47,21 +47,20 @@ LAYERS = MoeShape().layers
 
 @dataclass(frozen=True)
 class Architecture:
-    """Where a MoE architecture's checkpoints keep a layer's router and experts, and its routing."""
+    """Where a MoE architecture's checkpoints keep a layer's router and experts."""
 
     name: str  # transformers' class name
     moe: str  # the MoE block under model.layers.N
     gate_up_down: tuple[str, str, str]  # the experts' projection names
     head_norms: bool  # per-head RMSNorm of queries and keys (Qwen3)
-    routing: str  # what vLLM calls the routing the config asks for
 
 
 #: The architectures the writer knows, by transformers' model type.
 ARCHITECTURES = {
     # softmax, top-k, renormalised (vLLM's RenormalizeNaive)
-    "mixtral": Architecture("MixtralForCausalLM", "block_sparse_moe", ("w1", "w3", "w2"), False, "RenormalizeNaive"),
+    "mixtral": Architecture("MixtralForCausalLM", "block_sparse_moe", ("w1", "w3", "w2"), False),
     # norm_topk_prob=False: softmax, top-k, not renormalised (vLLM's Default)
-    "qwen3_moe": Architecture("Qwen3MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), True, "Default"),
+    "qwen3_moe": Architecture("Qwen3MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), True),
 }
 
 
