@@ -137,6 +137,27 @@ def test_write_kv_cache_rejects_a_slot_beyond_the_cache_before_writing() -> None
     assert torch.equal(torch.nan_to_num(before), torch.nan_to_num(t["key_cache"]))
 
 
+def test_repeated_host_calls_keep_their_signature_and_still_check_values() -> None:
+    """The CPU operators run a kept signature's plan (an op bound with nothing fixed): new values give new
+    results, a value the signature cannot vouch for (a slot beyond the cache) is still refused before any write."""
+    rng = np.random.default_rng(4)
+    seeds = [int(s) for s in rng.integers(0, 2**31, 3)]
+    print(f"seeds={seeds}")
+    for seed in seeds:  # one signature: the second and third calls take the kept one
+        args = write_kv_cache_inputs(np.random.default_rng(seed), num_tokens=4, num_blocks=2, num_kv_heads=1,
+                                     block_size=8, head_size=64, dtype="fp32")
+        expected_k, expected_v = OPS["write_kv_cache"].reference(args)
+        t = {name: tensor(value) for name, value in args.items()}
+        hal_torch.write_kv_cache(t["key"], t["value"], t["key_cache"], t["value_cache"], t["slot_mapping"])
+        assert_close(host(t["key_cache"]), expected_k, kind="copy", dtype="fp32", what="key_cache")
+        assert_close(host(t["value_cache"]), expected_v, kind="copy", dtype="fp32", what="value_cache")
+    before = t["key_cache"].clone()
+    with pytest.raises(hal_core.ArgumentError, match="slot_mapping"):
+        hal_torch.write_kv_cache(t["key"], t["value"], t["key_cache"], t["value_cache"],
+                                 torch.tensor([0, 1, 2, 16], dtype=t["slot_mapping"].dtype))  # the same signature
+    assert torch.equal(torch.nan_to_num(before), torch.nan_to_num(t["key_cache"]))
+
+
 # -- quantized_gemm -----------------------------------------------------------------
 
 GEMM_CASES = [  # m, k, n, bits, group_size, symmetric, act_order

@@ -245,7 +245,7 @@ class QuantLinear(torch.nn.Module):
 
     def _check_input(self, x: torch.Tensor) -> None:
         """ArgumentError / ArgumentTypeError naming ``x`` and this layer, before any work."""
-        check_activation(x, "x", self._describe(), self.in_features, self._buffers["qweight"],  # type: ignore[arg-type]
+        check_activation(x, "x", self._describe, self.in_features, self._buffers["qweight"],  # type: ignore[arg-type]
                          "the layer's weight")
 
     def _host_gemm(self, rows: torch.Tensor) -> torch.Tensor:

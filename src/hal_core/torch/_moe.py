@@ -220,7 +220,7 @@ class QuantMoE(torch.nn.Module):
 
     def _check_input(self, x: Any) -> None:
         """ArgumentError / ArgumentTypeError naming ``hidden_states`` and this block, before any work."""
-        check_activation(x, "hidden_states", self._describe(), self.hidden_size,
+        check_activation(x, "hidden_states", self._describe, self.hidden_size,
                          self._buffers["w13_qweight"], "the experts")  # type: ignore[arg-type]
 
     def _logits(self, rows: torch.Tensor) -> torch.Tensor:

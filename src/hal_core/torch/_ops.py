@@ -118,6 +118,21 @@ def _host_bound_call(spec: OpSpec, backend: Any, args: dict[str, Any]) -> Any:
     return found[1](**{name: value for name, value in args.items() if isinstance(value, np.ndarray)})
 
 
+#: Bound ops with nothing fixed, for the CPU calls of the ops without a weight: (op, id of the backend) -> (that
+#: backend, the op bound). The same front door, checks and kernels; a repeated signature (shapes, dtypes, scalar
+#: values) skips what its first call derived and runs the implementation's planned runner (:class:`BoundOp`).
+_HOST_UNBOUND: dict[tuple[str, int], tuple[Any, BoundOp]] = {}
+
+
+def _host_call(spec: OpSpec, backend: Any, args: dict[str, Any]) -> Any:
+    """An op's CPU call without a weight, through the op bound with nothing fixed (see :data:`_HOST_UNBOUND`)."""
+    key = (spec.name, id(backend))
+    found = _HOST_UNBOUND.get(key)
+    if found is None or found[0] is not backend:
+        found = _HOST_UNBOUND[key] = (backend, backend.ops.bind(spec.name))
+    return found[1](**args)
+
+
 def _lead(spec: OpSpec, args: Mapping[str, Any]) -> torch.Tensor:
     """The first tensor argument given: its device decides the backend."""
     for name in spec.array_names:
@@ -143,7 +158,7 @@ def _real(op: TorchOp) -> Callable[..., Any]:
             # converts nothing; hal's own result array is handed to torch as a view (no output copy)
             args = host_args(values)
             result = (_host_bound_call(spec, backend, args) if spec.weight_names
-                      else backend.ops.call(spec.name, args))
+                      else _host_call(spec, backend, args))
             return to_tensor(result) if op.returns_tensor else None
         given = dict(zip(names, values, strict=False))  # defaults are not passed
         args = _op_args(spec, given, fake=False)
