@@ -43,10 +43,11 @@ def _same_bits(got: np.ndarray, expected: np.ndarray, dtype: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("n", [_common.NARROW_NATIVE_MIN, 100_003, 3 * _common.NARROW_CHUNK + 17])
-def test_rounding_gives_numpys_bits(variant: str, rng: np.random.Generator, dtype: str, n: int) -> None:
-    """Every element as numpy's astype rounds it (nearest even), tails past the vector width and chunk included."""
-    values = _specials(rng, n)
+@pytest.mark.parametrize("n", [None, 5_637, 100_003, 3 * _common.NARROW_CHUNK + 17])
+def test_rounding_gives_numpys_bits(variant: str, rng: np.random.Generator, dtype: str, n: int | None) -> None:
+    """Every element as numpy's astype rounds it (nearest even), tails past the vector width and chunk included
+    (None: the smallest result the kernel rounds)."""
+    values = _specials(rng, _common.NARROW_NATIVE_MIN[np.dtype(DTYPES[dtype])] if n is None else n)
     got = _common.narrow(values, DTYPES[dtype])
     assert got.dtype == DTYPES[dtype] and got.shape == values.shape
     with np.errstate(over="ignore", invalid="ignore"):
@@ -78,7 +79,7 @@ def test_small_and_other_results_take_astype(rng: np.random.Generator) -> None:
     small = rng.standard_normal(100).astype(np.float32)
     np.testing.assert_array_equal(_common.narrow(small, BFLOAT16).view(np.uint16),
                                   small.astype(BFLOAT16).view(np.uint16))
-    big = rng.standard_normal(_common.NARROW_NATIVE_MIN).astype(np.float32)
+    big = rng.standard_normal(max(_common.NARROW_NATIVE_MIN.values())).astype(np.float32)
     assert _common.narrow(big, np.float32) is big
 
 
@@ -89,5 +90,5 @@ def test_a_prompt_sized_gemm_result_is_numpys_cast_of_its_float32_result(rng: np
     x = rng.standard_normal((64, 256)).astype(DTYPES[dtype])
     weight = quantize(rng.standard_normal((256, 1024)), bits=4, group_size=64)
     f32 = quantized_gemm.gemm(x, weight, kernel="blocked")
-    assert f32.dtype == np.float32 and f32.size >= _common.NARROW_NATIVE_MIN
+    assert f32.dtype == np.float32 and f32.size >= _common.NARROW_NATIVE_MIN[np.dtype(DTYPES[dtype])]
     _same_bits(_common.narrow(f32, DTYPES[dtype]), f32.astype(DTYPES[dtype]), dtype)
