@@ -122,6 +122,8 @@ def _host_bound_call(spec: OpSpec, backend: Any, args: dict[str, Any]) -> Any:
 #: backend, the op bound). The same front door, checks and kernels; a repeated signature (shapes, dtypes, scalar
 #: values) skips what its first call derived and runs the implementation's planned runner (:class:`BoundOp`).
 _HOST_UNBOUND: dict[tuple[str, int], tuple[Any, BoundOp]] = {}
+#: Every op on a few backends; beyond it the cache starts over.
+_HOST_UNBOUND_MAX = 256
 
 
 def _host_call(spec: OpSpec, backend: Any, args: dict[str, Any]) -> Any:
@@ -129,6 +131,8 @@ def _host_call(spec: OpSpec, backend: Any, args: dict[str, Any]) -> Any:
     key = (spec.name, id(backend))
     found = _HOST_UNBOUND.get(key)
     if found is None or found[0] is not backend:
+        if len(_HOST_UNBOUND) >= _HOST_UNBOUND_MAX:  # backends of runtimes reset since: never asked for again
+            _HOST_UNBOUND.clear()
         found = _HOST_UNBOUND[key] = (backend, backend.ops.bind(spec.name))
     return found[1](**args)
 
