@@ -11,6 +11,7 @@ from torch_helpers import TORCH_DTYPES, cuda_or_skip, host, tensor, torch
 
 import hal_core
 import hal_core.torch as hal_torch
+import hal_core.torch._ops as hal_torch_ops
 from hal_core.ops import OPS
 from hal_core.testing.inputs import (
     assert_close,
@@ -140,6 +141,7 @@ def test_write_kv_cache_rejects_a_slot_beyond_the_cache_before_writing() -> None
 def test_repeated_host_calls_keep_their_signature_and_still_check_values() -> None:
     """The CPU operators run a kept signature's plan (an op bound with nothing fixed): new values give new
     results, a value the signature cannot vouch for (a slot beyond the cache) is still refused before any write."""
+    hal_torch_ops._HOST_UNBOUND.clear()  # the signatures of earlier tests' calls
     rng = np.random.default_rng(4)
     seeds = [int(s) for s in rng.integers(0, 2**31, 3)]
     print(f"seeds={seeds}")
@@ -151,10 +153,14 @@ def test_repeated_host_calls_keep_their_signature_and_still_check_values() -> No
         hal_torch.write_kv_cache(t["key"], t["value"], t["key_cache"], t["value_cache"], t["slot_mapping"])
         assert_close(host(t["key_cache"]), expected_k, kind="copy", dtype="fp32", what="key_cache")
         assert_close(host(t["value_cache"]), expected_v, kind="copy", dtype="fp32", what="value_cache")
+    backend = hal_core.get_backend("cpu")
+    bound = hal_torch_ops._HOST_UNBOUND[("write_kv_cache", id(backend))][1]
+    assert bound.signature_count() == 1  # the three calls shared one kept signature
     before = t["key_cache"].clone()
     with pytest.raises(hal_core.ArgumentError, match="slot_mapping"):
         hal_torch.write_kv_cache(t["key"], t["value"], t["key_cache"], t["value_cache"],
                                  torch.tensor([0, 1, 2, 16], dtype=t["slot_mapping"].dtype))  # the same signature
+    assert bound.signature_count() == 1
     assert torch.equal(torch.nan_to_num(before), torch.nan_to_num(t["key_cache"]))
 
 
