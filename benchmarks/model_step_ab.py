@@ -14,6 +14,8 @@ a second round is the one timed. Variants:
 - ``kernelize``: then :func:`hal_core.torch.kernelize` (norms, MLP
   activation and rotary on hal's ops; q/k/v and gate/up one GEMM each;
   each decoder layer's eager step as its hal calls);
+- ``kernelize-torch``: as ``kernelize``, with each decoder layer's calls made on
+  torch tensors (its lean forward's numpy lane off);
 - ``kernelize-modules``: as ``kernelize``, with each decoder layer run module
   by module (its lean forward removed);
 - ``kernelize-nofuse``: :func:`~hal_core.torch.kernelize` with ``fuse=False``.
@@ -46,7 +48,7 @@ from hal_core.bench import resolve_model
 from hal_core.bench._machine import git_commit, machine_info, versions
 from hal_core.bench._model_worker import _new_cache, prepare, prompt_ids
 
-VARIANTS = ("plain", "kernelize", "kernelize-modules", "kernelize-nofuse")
+VARIANTS = ("plain", "kernelize", "kernelize-torch", "kernelize-modules", "kernelize-nofuse")
 
 
 def _model(checkpoint: str, variant: str) -> Any:
@@ -58,6 +60,9 @@ def _model(checkpoint: str, variant: str) -> Any:
     if variant == "kernelize-modules":  # fused, but each decoder layer module by module (no lean forward)
         for layer in model.model.layers:
             layer.__dict__.pop("forward", None)
+    if variant == "kernelize-torch":  # the lean forward's calls on torch tensors
+        for layer in model.model.layers:
+            layer.forward.numpy_lane = False
     return model
 
 

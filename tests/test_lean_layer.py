@@ -14,6 +14,7 @@ from torch_helpers import torch
 from transformers_helpers import VOCAB, llama, prompts
 
 import hal_core.torch.transformers as hal_hf
+from hal_core import ArgumentError
 from hal_core.torch import kernelize, quantize_model
 from hal_core.torch._lean_layer import LeanLayer
 
@@ -95,6 +96,11 @@ def test_lean_layers_give_the_module_by_module_outputs(cpu, arch: str, dtype: to
     for step, (a, b) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(a, b), (step, float((a.float() - b.float()).abs().max()))
     assert _lean_calls(lean) == 2 * len(got)
+    # Llama and Mistral run as numpy calls; q/k/v biases (Qwen2) and per-head norms (Qwen3) module by module
+    numpy_lane = sum(layer.forward.host_calls for layer in lean.model.layers)
+    assert numpy_lane == (2 * len(got) if arch in ("llama", "mistral-window") else 0)
+    rows = sum(layer.forward.row_attention_calls for layer in lean.model.layers)  # hal's cache, given numpy rows
+    assert rows == (numpy_lane if attn == "hal" else 0)
 
 
 def test_hooks_grad_training_and_hidden_states_take_the_original_path(cpu) -> None:
@@ -177,3 +183,28 @@ def test_what_has_no_lean_layer(cpu) -> None:
     assert kernelize(quantized, fuse=False).layers == []
     assert kernelize(quantized).layers == ["model.layers.0", "model.layers.1"]
     assert kernelize(quantized).layers == []
+
+
+def test_the_numpy_lane_refuses_and_steps_aside_as_the_module_path(cpu) -> None:
+    """A HalPagedCache of another dtype: the numpy lane (hal's attention given numpy rows) raises the module path's
+    ArgumentError; a bias on o_proj keeps that layer module by module, with the same logits."""
+    seed = _seed()
+    lean, modules = _pair("llama", seed, attn="hal")
+    ids, mask = prompts(seed)
+    errors = []
+    for model in (lean, modules):
+        cache = hal_hf.HalPagedCache(model.config, num_blocks=32, block_size=4, dtype=torch.bfloat16)
+        with torch.no_grad(), pytest.raises(ArgumentError) as info:
+            model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        errors.append(str(info.value))
+    assert errors[0] == errors[1] and "build the cache from this model's config, dtype and device" in errors[0]
+    first, second = (layer.forward for layer in lean.model.layers)
+    assert (first.host_calls, second.host_calls) == (1, 0)  # the refusal came at layer 0's attention
+    bias = torch.randn(64, generator=torch.Generator().manual_seed(seed)) * 0.1
+    for model in (lean, modules):
+        model.model.layers[0].self_attn.o_proj.bias = torch.nn.Parameter(bias.clone(), requires_grad=False)
+    with torch.no_grad():
+        got = _steps(lean, ids, mask, _cache(lean, "hal"), steps=2)
+        want = _steps(modules, ids, mask, _cache(modules, "hal"), steps=2)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert (first.calls, first.host_calls, second.host_calls, second.row_attention_calls) == (4, 1, 3, 3)

@@ -40,7 +40,7 @@ import torch
 from ..interop import host_view
 from ..ops import BoundOp
 from ._convert import to_tensor
-from ._host import eager_host, route_for
+from ._host import HostRoute, eager_host, route_for
 from ._modules import QuantLinear
 from ._weights import _weight
 
@@ -136,7 +136,11 @@ class ProjectionGroup:
     # -- calls -------------------------------------------------------------------
 
     def _fused_host(self, rows: torch.Tensor) -> torch.Tensor:
-        route = route_for(rows)
+        return to_tensor(self.host_bound(route_for(rows))(x=host_view(rows, "x")))
+
+    def host_bound(self, route: HostRoute) -> BoundOp:
+        """The fused GEMM bound on ``route`` (made again when the route's backend or ``activations`` changed); call
+        it with ``x=`` a numpy view of ``[M, K]``: it returns ``[M, sum of the members' out_features]``, no bias."""
         bound = self._bound
         if bound is None or bound[0] is not route.backend or bound[1] != self.activations:
             qweight, scales, zeros = (None if tensor is None else route.native(tensor, key)
@@ -145,7 +149,7 @@ class ProjectionGroup:
             if self.activations is not None:
                 fixed["activations"] = self.activations
             bound = self._bound = (route.backend, self.activations, route.bind("quantized_gemm", **fixed))
-        return to_tensor(bound[2](x=host_view(rows, "x")))
+        return bound[2]
 
     def _fused_op(self, rows: torch.Tensor) -> torch.Tensor:
         fused = self.fused

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
+from ..interop import host_view
 from ..ops import BoundOp
 from ._host import HostRoute
 
-__all__ = ["held_bound", "rotary_table"]
+__all__ = ["held_bound", "rotary_arrays", "rotary_table"]
 
 
 def held_bound(held: list[Any], route: HostRoute, op: str, key: tuple[Any, ...], **fixed: Any) -> BoundOp:
@@ -47,3 +49,17 @@ def rotary_table(cos: torch.Tensor, sin: torch.Tensor, batch: int) -> tuple[torc
     positions = torch.arange(batch * cos.shape[1], dtype=torch.int64, device=cos.device) % table.shape[0]
     _last_table[:] = [(cos, sin, cos._version, batch, positions, table)]
     return positions, table
+
+
+#: The numpy views of the last table :func:`rotary_arrays` gave: ``(positions, table, their views)``.
+_last_arrays: list[tuple[torch.Tensor, torch.Tensor, tuple[np.ndarray, np.ndarray]]] = []
+
+
+def rotary_arrays(cos: torch.Tensor, sin: torch.Tensor, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`rotary_table` as numpy views (made once per table: every layer of a forward asks for the same)."""
+    positions, table = rotary_table(cos, sin, batch)
+    if _last_arrays and _last_arrays[0][0] is positions and _last_arrays[0][1] is table:
+        return _last_arrays[0][2]
+    arrays = (host_view(positions, "positions"), host_view(table, "cos_sin_cache"))
+    _last_arrays[:] = [(positions, table, arrays)]
+    return arrays

@@ -20,8 +20,24 @@ directly:
 - the residual add, ``post_attention_layernorm``, one fused gate/up GEMM,
   hal's ``gated_activation``, ``down_proj``, the residual add.
 
+Where no projection has a bias, the layer has no per-head norms and both
+norms' weights have the input's dtype (Llama, Mistral), the calls run on
+numpy views (the numpy lane): the hidden states become a numpy view once,
+each hal call takes and returns numpy arrays, and torch sees only the
+query, key and value handed to the cache and the attention function (views
+of the q/k/v GEMM's result) and the layer's result. Inside a model every
+call follows a GEMM that has just streamed megabytes of weights through the
+caches, so each torch op between two hal calls is read back from memory
+(``benchmarks/cold_calls.py``: after 32 MB streamed, a ``QuantLinear`` call
+costs 140-150 µs over its bound op against 15 µs back to back); the lane
+makes the torch ops of a layer a handful. The first residual add is the
+``post_attention_layernorm``'s fused one (``rms_norm`` with ``residual``:
+the same rounded sum), the last a numpy add of the same dtype.
+
 Every op, operand and rounding is the one the kernelized layer runs, so the
-outputs are bit for bit the same (tested). The lean path is taken only where
+outputs are bit for bit the same (tested; in the numpy lane a NaN made by a
+residual add of two infinities may carry the other sign). The lean path is
+taken only where
 that holds, checked on every call: no autograd, no trace, a CPU float input
 ``[batch, seq, hidden]``, the ``cos``/``sin`` the rotary kernel takes, both
 fused groups intact, the MLP's ``forward`` still kernelize's, the attention's
@@ -37,13 +53,15 @@ import importlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch.nn.modules import module as _torch_module
 
 from ..interop import host_view
+from ..ops import BoundOp
 from ._convert import to_tensor
-from ._held_calls import held_bound, rotary_table
-from ._host import route_for
+from ._held_calls import held_bound, rotary_arrays, rotary_table
+from ._host import HostRoute, route_for
 
 __all__ = ["LAYERS", "LayerCode", "LeanLayer", "lean_problem"]
 
@@ -117,8 +135,19 @@ class LeanLayer:
         self.window_from = code.window_from
         self._rotary: list[Any] = []  # the bound rotary_embedding (held_bound)
         self._activation: list[Any] = []  # the bound gated_activation
-        #: Calls the lean path served (the tests read it).
-        self.calls = 0
+        #: the numpy lane's bound norms (input, post-attention), their epsilons as kernelize's norms read them, and
+        #: the projections whose bias it would have to add (it serves layers without)
+        self._norm_ops: tuple[list[Any], list[Any]] = ([], [])
+        self.epsilons = tuple(float(getattr(n, "variance_epsilon", getattr(n, "eps", 1e-6))) for n in self.norms)
+        self.projections: tuple[Any, ...] = (*self.members, attn.o_proj, mlp.down_proj)
+        from . import transformers as hal_tf  # imports transformers: a model with decoder layers has it loaded
+
+        self.attend_rows, self.rows_served = hal_tf.attend_rows, hal_tf.rows_served
+        #: Calls the lean path served, those of them that ran as numpy calls, and those whose attention took numpy
+        #: rows too (the tests read them).
+        self.calls = self.host_calls = self.row_attention_calls = 0
+        #: False: the lean path makes its calls on torch tensors even where the numpy lane applies (comparisons).
+        self.numpy_lane = True
 
     # -- when ---------------------------------------------------------------------------------------------------
 
@@ -162,34 +191,106 @@ class LeanLayer:
         self.calls += 1
         attn, d = self.attn, self.head_dim
         b, s, _ = hidden_states.shape
-        x = self.norms[0].forward(hidden_states)
-        self.members[0]._check_input(x)
-        q, k, v = self.qkv.outputs(x, True)
-        assert q is not None and k is not None and v is not None
-        if self.head_norms is not None:  # each head normalised (new tensors, this call's own), then rotated
-            q = self.head_norms[0].forward(q.view(b, s, -1, d))
-            k = self.head_norms[1].forward(k.view(b, s, -1, d))
-        q, k = q.reshape(b * s, -1, d), k.reshape(b * s, -1, d)
-        self._rotate(q, k, *position_embeddings, b)
-        query = q.view(b, s, -1, d).transpose(1, 2)
-        key = k.view(b, s, -1, d).transpose(1, 2)
-        value = v.view(b, s, -1, d).transpose(1, 2)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, attn.layer_idx)
         interface = _attention_functions().get_interface(attn.config._attn_implementation, self.eager_attention)
         extra: dict[str, Any] = {}
         if self.window_from == "config":
             extra["sliding_window"] = getattr(attn.config, "sliding_window", None)
         elif self.window_from == "module":
             extra["sliding_window"] = attn.sliding_window
+        lane = self._numpy_lane(hidden_states)
+        if lane is not None:  # the same ops on numpy views: no torch op between them (see the module docs)
+            self.host_calls += 1
+            route, residual = lane
+            heads = self._host_qkv(route, residual, position_embeddings, b)
+            nq, nk = self.qkv.sizes[0] // d, self.qkv.sizes[1] // d
+            if past_key_values is not None and self.rows_served(past_key_values, interface):
+                self.row_attention_calls += 1
+                out_rows = self.attend_rows(attn, past_key_values, heads[:, :nq], heads[:, nq:nq + nk],
+                                            heads[:, nq + nk:], attention_mask, attn.scaling, hidden_states.dtype, b,
+                                            s, {**extra, "position_ids": position_ids, "use_cache": use_cache,
+                                                **kwargs})
+                return self._host_mlp(route, residual, out_rows.reshape(b * s, -1), hidden_states.shape)
+            t = to_tensor(heads).view(b, s, -1, d)
+            query, key, value = (t[:, :, :nq].transpose(1, 2), t[:, :, nq:nq + nk].transpose(1, 2),
+                                 t[:, :, nq + nk:].transpose(1, 2))
+        else:
+            x = self.norms[0].forward(hidden_states)
+            self.members[0]._check_input(x)
+            q, k, v = self.qkv.outputs(x, True)
+            assert q is not None and k is not None and v is not None
+            if self.head_norms is not None:  # each head normalised (new tensors, this call's own), then rotated
+                q = self.head_norms[0].forward(q.view(b, s, -1, d))
+                k = self.head_norms[1].forward(k.view(b, s, -1, d))
+            q, k = q.reshape(b * s, -1, d), k.reshape(b * s, -1, d)
+            self._rotate(q, k, *position_embeddings, b)
+            query = q.view(b, s, -1, d).transpose(1, 2)
+            key = k.view(b, s, -1, d).transpose(1, 2)
+            value = v.view(b, s, -1, d).transpose(1, 2)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, attn.layer_idx)
         out, _ = interface(attn, query, key, value, attention_mask, dropout=0.0, scaling=attn.scaling, **extra,
                            position_ids=position_ids, use_cache=use_cache, **kwargs)
+        if lane is not None and out.dtype is hidden_states.dtype and out.device.type == "cpu":
+            rows = np.ascontiguousarray(host_view(out, "attn_output").reshape(b * s, -1))
+            return self._host_mlp(*lane, rows, hidden_states.shape)
         h = hidden_states + attn.o_proj.forward(out.reshape(b, s, -1).contiguous())
         x = self.norms[1].forward(h)
         self.members[3]._check_input(x)
         gate, up = self.gate_up.outputs(x, True)
         assert gate is not None and up is not None
         return h + self.mlp.down_proj.forward(self._act(gate, up))
+
+    # -- the numpy lane -------------------------------------------------------------------------------------------
+
+    def _numpy_lane(self, hidden_states: torch.Tensor) -> tuple[HostRoute, np.ndarray] | None:
+        """``(route, hidden_states as numpy rows [T, hidden])`` where the layer runs as numpy calls: no bias on a
+        projection, no per-head norms, both norms' weights of the input's dtype on the CPU; else None."""
+        dtype = hidden_states.dtype
+        if not self.numpy_lane or self.head_norms is not None:
+            return None
+        for norm in self.norms:
+            weight = norm._parameters.get("weight")
+            if weight is None or weight.dtype is not dtype or weight.device.type != "cpu":
+                return None
+        for member in self.projections:
+            if member._parameters.get("bias") is not None:
+                return None
+        rows = host_view(hidden_states, "hidden_states")
+        return route_for(hidden_states), rows.reshape(-1, rows.shape[-1])
+
+    def _norm_bound(self, index: int, route: HostRoute) -> BoundOp:
+        """Norm ``index`` (0: input, 1: post-attention) as kernelize's norm binds it: ``rms_norm`` with its weight."""
+        weight = self.norms[index]._parameters["weight"]
+        return held_bound(self._norm_ops[index], route, "rms_norm", (weight, weight.data_ptr(), weight.dtype),
+                          weight=route.native(weight, "weight"), epsilon=self.epsilons[index])
+
+    def _host_qkv(self, route: HostRoute, hidden: np.ndarray, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                  batch: int) -> np.ndarray:
+        """Input norm, fused q/k/v GEMM and rotary on numpy views: the GEMM's result as ``[T, heads, D]`` (query,
+        key then value heads), the query and key heads rotated in place."""
+        x = self._norm_bound(0, route)(x=hidden)
+        qkv = self.qkv.host_bound(route)(x=x)
+        heads = qkv.reshape(qkv.shape[0], -1, self.head_dim)  # the GEMM's own C-contiguous result: a view
+        nq, nk = self.qkv.sizes[0] // self.head_dim, self.qkv.sizes[1] // self.head_dim
+        positions, table = rotary_arrays(*position_embeddings, batch)
+        rotary = held_bound(self._rotary, route, "rotary_embedding", ())
+        rotary(positions=positions, query=heads[:, :nq], cos_sin_cache=table, key=heads[:, nq:nq + nk])
+        return heads
+
+    def _host_mlp(self, route: HostRoute, hidden: np.ndarray, attn_rows: np.ndarray,
+                  shape: torch.Size) -> torch.Tensor:
+        """The layer from ``o_proj`` on (``attn_rows``: the attention's output as ``[T, heads * D]`` rows) as numpy
+        calls; the result ``[B, S, hidden]`` as a torch tensor."""
+        o = self.attn.o_proj._host_bound(route)(x=attn_rows)
+        x = self._norm_bound(1, route)(x=hidden, residual=o)  # o becomes hidden + o, rounded as torch's add rounds
+        gate_up = self.gate_up.host_bound(route)(x=x)
+        split = self.gate_up.sizes[0]
+        act = held_bound(self._activation, route, "gated_activation", (), activation=self.activation)
+        y = self.mlp.down_proj._host_bound(route)(x=act(gate=gate_up[:, :split], up=gate_up[:, split:]))
+        np.add(o, y, out=o)
+        return to_tensor(o).view(shape)
+
+    # -- the module-by-module calls -------------------------------------------------------------------------------
 
     def _rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: int) -> None:
         """The query and key rows ``[T, heads, D]`` rotated in place (kernelize's rotary replacement's kernel call,

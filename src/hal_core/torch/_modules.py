@@ -40,7 +40,7 @@ from ..quant import QuantizedWeight, quantize
 from ..quant._args import as_bool, as_int
 from ._convert import to_tensor
 from ._dtypes import FLOAT_DTYPE_NAMES
-from ._host import route_for
+from ._host import HostRoute, route_for
 from ._input_checks import check_activation
 from ._weights import _weight, weight_to_tensors
 
@@ -259,7 +259,11 @@ class QuantLinear(torch.nn.Module):
         in-place changes to a buffer reach it, its arrays being views. hal's result is a new array the kernel
         just wrote, handed to torch as a view (no output tensor, no copy).
         """
-        route = route_for(rows)
+        return to_tensor(self._host_bound(route_for(rows))(x=host_view(rows, "x")))
+
+    def _host_bound(self, route: HostRoute) -> BoundOp:
+        """The op bound to this layer's weight on ``route`` (see :meth:`_host_gemm`), made again when a buffer, the
+        ``activations`` or the route's backend changed; call it with ``x=`` a numpy view of ``[M, in_features]``."""
         found = self._buffers
         buffers = (found["qweight"], found["scales"], found.get("zeros"), found.get("g_idx"))
         cached = self._host_weight
@@ -272,7 +276,7 @@ class QuantLinear(torch.nn.Module):
             if self.activations is not None:
                 fixed["activations"] = self.activations
             cached = self._host_weight = (buffers, route.bind("quantized_gemm", **fixed), self.activations)
-        return to_tensor(cached[1](x=host_view(rows, "x")))
+        return cached[1]
 
     def extra_repr(self) -> str:
         kind = "symmetric" if self.zeros is None else "zero points"

@@ -35,6 +35,7 @@ __all__ = ["HalPagedCache"]
 #: (``(cache, layer, key)``); ``masking``, the cache that sized the mask the ``"hal"`` mask function makes next
 #: (set under torch.compile only). Set here for the importing thread, so that its compiled forwards meet them in
 #: one state from the first (a thread's first compiled forward sees them unset, then set: one more compile).
+_HOST = torch.device("cpu")
 _context = threading.local()
 _context.current = None
 _context.masking = None
@@ -167,17 +168,23 @@ class HalPagedCache(Cache):
 
     def _enter_layer(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """A layer hands over its new keys and values: checked against the cache before anything changes."""
+        self._enter(layer, (("key", key.shape, key.dtype, key.device), ("value", value.shape, value.dtype,
+                                                                        value.device)), key)
+
+    def _enter(self, layer: int, states: Sequence[tuple[str, Sequence[int], torch.dtype, torch.device]],
+               key: Any) -> None:
+        """:meth:`_enter_layer` on the states' ``(name, [B, KVH, Q, D] shape, dtype, device)``; ``key`` identifies the
+        hand-over to the attention call that follows (``_context.current``)."""
         if not self.key_caches:
             raise ArgumentError("past_key_values: this HalPagedCache was closed (memory given back); make a new one")
         expected = self._states
-        for name, tensor in (("key", key), ("value", value)):
-            shape = tensor.shape
-            if (len(shape) != 4 or shape[1] != expected[0] or shape[3] != expected[1] or tensor.dtype != expected[2]
-                    or tensor.device != expected[3]):
+        for name, shape, dtype, device in states:
+            if (len(shape) != 4 or shape[1] != expected[0] or shape[3] != expected[1] or dtype != expected[2]
+                    or device != expected[3]):
                 config = self.paged.config
                 raise ArgumentError(
-                    f"HalPagedCache layer {layer}: the model's {name} states are {tuple(tensor.shape)} {tensor.dtype} "
-                    f"on {tensor.device}, the cache holds {config.num_kv_heads} kv heads of {config.head_size} "
+                    f"HalPagedCache layer {layer}: the model's {name} states are {tuple(shape)} {dtype} "
+                    f"on {device}, the cache holds {config.num_kv_heads} kv heads of {config.head_size} "
                     f"{self.key_caches[layer].dtype} on {self.key_caches[layer].device}: build the cache from this "
                     f"model's config, dtype and device")
         ahead = layer == 0 and self._ahead_pending is not None  # the step was planned at the mask stage
@@ -199,6 +206,16 @@ class HalPagedCache(Cache):
                 self._step += 1
         self._entered.add(layer)
         _context.current = (self, layer, key)
+
+    def _enter_rows(self, layer: int, shape: tuple[int, int, int, int], dtype: torch.dtype) -> None:
+        """What ``update`` does for a caller that holds layer ``layer``'s new keys and values as numpy rows (of
+        ``[B, KVH, Q, D]`` states) and attends at once (:func:`~hal_core.torch.transformers.attend_rows`): the
+        hand-over checked and counted."""
+        self._enter(layer, (("key", shape, dtype, _HOST), ("value", shape, dtype, _HOST)), None)
+        _context.current = None  # consumed by the caller's attention call, which follows
+        counted = self._layers[layer]
+        counted.is_initialized = True
+        counted.length += shape[2]
 
     def _undo_enter(self, layer: int | None, q_len: int) -> None:
         """A refusal right after ``layer`` handed over its keys (None: while planning at the mask stage, before any

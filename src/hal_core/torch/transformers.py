@@ -288,6 +288,51 @@ def _host_ops(cache: HalPagedCache, layer: int, plan: Plan, q: np.ndarray, k: np
            query_start_loc=native["query_start_loc"], max_query_len=plan.max_query_len, max_seq_len=plan.max_seq_len)
 
 
+def attend_rows(module: torch.nn.Module, cache: HalPagedCache, query: np.ndarray, key: np.ndarray, value: np.ndarray,
+                attention_mask: torch.Tensor | None, scaling: float | None, dtype: torch.dtype, batch: int,
+                q_len: int, kwargs: dict[str, Any]) -> np.ndarray:
+    """``cache.update`` then :func:`hal_attention_forward` for a caller holding numpy rows (kernelize's lean layers):
+    the same checks, plan, ops and kernels on a host cache, without torch tensors in between.
+
+    ``query`` ``[T, H, D]``, ``key``/``value`` ``[T, KVH, D]`` (``T = batch * q_len``, batch-major rows, the states'
+    ``dtype``); ``kwargs`` what the attention function would get. Returns the output ``[T, H, D]``. For a
+    :class:`HalPagedCache` on a host backend, uncompiled (:func:`rows_served`).
+    """
+    layer = int(module.layer_idx)  # type: ignore[arg-type]
+    cache._enter_rows(layer, (batch, key.shape[1], q_len, key.shape[2]), dtype)
+    scale = float(scaling) if scaling is not None else query.shape[2] ** -0.5
+    try:
+        config = _check_options(module, 0.0, kwargs, cache._checked_config if layer else None)
+        options = layer_options(module, kwargs, scale, cache.route)
+    except BaseException:
+        cache._undo_enter(layer, q_len)  # the refused forward never happened
+        raise
+    problem = _model_problem(cache, config) if layer == 0 else None
+    if problem is not None:
+        cache._undo_enter(layer, q_len)
+        raise ArgumentError(problem)
+    cache._checked_config = config
+    plan = cache._plan_for(layer, attention_mask, batch, q_len)
+    q, k, v = np.ascontiguousarray(query), np.ascontiguousarray(key), np.ascontiguousarray(value)
+    if plan.rows is None:
+        out = np.empty(q.shape, q.dtype)
+        _host_ops(cache, layer, plan, q, k, v, out, options)
+    else:  # the real tokens packed, as _host_packed_attention runs them; pad rows get zeros
+        rows = plan.rows.numpy()
+        packed = np.empty((len(rows), *q.shape[1:]), q.dtype)
+        _host_ops(cache, layer, plan, q[rows], k[rows], v[rows], packed, options)
+        out = np.zeros(q.shape, q.dtype)
+        out[rows] = packed
+    cache._written.add(layer)
+    return out
+
+
+def rows_served(cache: Any, attention: Any) -> bool:
+    """Whether :func:`attend_rows` serves a layer whose cache is ``cache`` and attention function ``attention``."""
+    return type(cache) is HalPagedCache and cache._host and attention is hal_attention_forward \
+        and not torch.compiler.is_compiling()
+
+
 def _torch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, options: AttentionOptions) -> tuple[torch.Tensor, None]:
     """The fallback without a HalPagedCache: SDPA over what transformers passed (nothing through hal).
