@@ -20,12 +20,16 @@ directly:
 - the residual add, ``post_attention_layernorm``, one fused gate/up GEMM,
   hal's ``gated_activation``, ``down_proj``, the residual add.
 
-Where no projection has a bias, the layer has no per-head norms and both
-norms' weights have the input's dtype (Llama, Mistral), the calls run on
-numpy views (the numpy lane): the hidden states become a numpy view once,
-each hal call takes and returns numpy arrays, and torch sees only the
-query, key and value handed to the cache and the attention function (views
-of the q/k/v GEMM's result) and the layer's result. Inside a model every
+Where every norm's weight has the input's dtype and lives on the CPU (what
+kernelize's norms need to run on hal at all), the calls run on numpy views
+(the numpy lane): the hidden states become a numpy view once, each hal call
+takes and returns numpy arrays (a projection's bias added in place, cast to
+the result's dtype as its ``forward`` casts it), and with a
+:class:`~hal_core.torch.transformers.HalPagedCache` on a host backend the
+cache's update and hal's attention take numpy rows too
+(:func:`~hal_core.torch.transformers.attend_rows`): torch then sees the
+layer's input and result only (with another cache or attention function,
+the query, key and value as torch views, and the attention's output). Inside a model every
 call follows a GEMM that has just streamed megabytes of weights through the
 caches, so each torch op between two hal calls is read back from memory
 (``benchmarks/cold_calls.py``: after 32 MB streamed, a ``QuantLinear`` call
@@ -80,6 +84,8 @@ LAYERS: dict[str, LayerCode] = {"LlamaDecoderLayer": LayerCode(), "MistralDecode
                                 "Qwen2DecoderLayer": LayerCode("module"),
                                 "Qwen3DecoderLayer": LayerCode("module", head_norms=True)}
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+#: numpy dtype name -> the torch dtype (the numpy lane casts a bias to its result's dtype)
+_TORCH_OF = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def lean_problem(layer: torch.nn.Module) -> str | None:
@@ -137,9 +143,12 @@ class LeanLayer:
         self._activation: list[Any] = []  # the bound gated_activation
         #: the numpy lane's bound norms (input, post-attention), their epsilons as kernelize's norms read them, and
         #: the projections whose bias it would have to add (it serves layers without)
-        self._norm_ops: tuple[list[Any], list[Any]] = ([], [])
-        self.epsilons = tuple(float(getattr(n, "variance_epsilon", getattr(n, "eps", 1e-6))) for n in self.norms)
+        self.all_norms: tuple[Any, ...] = (*self.norms, *(self.head_norms or ()))
+        self._norm_ops: tuple[list[Any], ...] = tuple([] for _ in self.all_norms)
+        self.epsilons = tuple(float(getattr(n, "variance_epsilon", getattr(n, "eps", 1e-6))) for n in self.all_norms)
         self.projections: tuple[Any, ...] = (*self.members, attn.o_proj, mlp.down_proj)
+        #: per projection with a bias: ((its _version, data_ptr, dtype), the bias, its numpy view in that dtype)
+        self._biases: dict[Any, tuple[Any, torch.Tensor, np.ndarray]] = {}
         from . import transformers as hal_tf  # imports transformers: a model with decoder layers has it loaded
 
         self.attend_rows, self.rows_served = hal_tf.attend_rows, hal_tf.rows_served
@@ -201,18 +210,15 @@ class LeanLayer:
         if lane is not None:  # the same ops on numpy views: no torch op between them (see the module docs)
             self.host_calls += 1
             route, residual = lane
-            heads = self._host_qkv(route, residual, position_embeddings, b)
-            nq, nk = self.qkv.sizes[0] // d, self.qkv.sizes[1] // d
+            q_rows, k_rows, v_rows = self._host_qkv(route, residual, position_embeddings, b)
             if past_key_values is not None and self.rows_served(past_key_values, interface):
                 self.row_attention_calls += 1
-                out_rows = self.attend_rows(attn, past_key_values, heads[:, :nq], heads[:, nq:nq + nk],
-                                            heads[:, nq + nk:], attention_mask, attn.scaling, hidden_states.dtype, b,
-                                            s, {**extra, "position_ids": position_ids, "use_cache": use_cache,
-                                                **kwargs})
+                out_rows = self.attend_rows(attn, past_key_values, q_rows, k_rows, v_rows, attention_mask,
+                                            attn.scaling, hidden_states.dtype, b, s,
+                                            {**extra, "position_ids": position_ids, "use_cache": use_cache,
+                                             **kwargs})
                 return self._host_mlp(route, residual, out_rows.reshape(b * s, -1), hidden_states.shape)
-            t = to_tensor(heads).view(b, s, -1, d)
-            query, key, value = (t[:, :, :nq].transpose(1, 2), t[:, :, nq:nq + nk].transpose(1, 2),
-                                 t[:, :, nq + nk:].transpose(1, 2))
+            query, key, value = (to_tensor(r).view(b, s, -1, d).transpose(1, 2) for r in (q_rows, k_rows, v_rows))
         else:
             x = self.norms[0].forward(hidden_states)
             self.members[0]._check_input(x)
@@ -243,50 +249,77 @@ class LeanLayer:
     # -- the numpy lane -------------------------------------------------------------------------------------------
 
     def _numpy_lane(self, hidden_states: torch.Tensor) -> tuple[HostRoute, np.ndarray] | None:
-        """``(route, hidden_states as numpy rows [T, hidden])`` where the layer runs as numpy calls: no bias on a
-        projection, no per-head norms, both norms' weights of the input's dtype on the CPU; else None."""
+        """``(route, hidden_states as numpy rows [T, hidden])`` where the layer runs as numpy calls: every norm's
+        weight of the input's dtype on the CPU, every bias too; else None."""
         dtype = hidden_states.dtype
-        if not self.numpy_lane or self.head_norms is not None:
+        if not self.numpy_lane:
             return None
-        for norm in self.norms:
+        for norm in self.all_norms:
             weight = norm._parameters.get("weight")
             if weight is None or weight.dtype is not dtype or weight.device.type != "cpu":
                 return None
         for member in self.projections:
-            if member._parameters.get("bias") is not None:
+            bias = member._parameters.get("bias")
+            if bias is not None and bias.device.type != "cpu":
                 return None
         rows = host_view(hidden_states, "hidden_states")
         return route_for(hidden_states), rows.reshape(-1, rows.shape[-1])
 
     def _norm_bound(self, index: int, route: HostRoute) -> BoundOp:
-        """Norm ``index`` (0: input, 1: post-attention) as kernelize's norm binds it: ``rms_norm`` with its weight."""
-        weight = self.norms[index]._parameters["weight"]
+        """Norm ``index`` of :attr:`all_norms` as kernelize's norm binds it: ``rms_norm`` with its weight."""
+        weight = self.all_norms[index]._parameters["weight"]
         return held_bound(self._norm_ops[index], route, "rms_norm", (weight, weight.data_ptr(), weight.dtype),
                           weight=route.native(weight, "weight"), epsilon=self.epsilons[index])
 
+    def _add_biases(self, y: np.ndarray, members: tuple[Any, ...], sizes: list[int]) -> None:
+        """Each member's bias added to its columns of ``y`` in place, as its ``forward`` adds it (the bias cast to
+        the result's dtype first); the cast is kept per bias and dtype while the bias is unchanged."""
+        start = 0
+        for member, size in zip(members, sizes, strict=True):
+            bias = member._parameters.get("bias")
+            if bias is not None:
+                key = (bias._version, bias.data_ptr(), y.dtype)
+                held = self._biases.get(member)
+                if held is None or held[0] != key or held[1] is not bias:
+                    cast = bias.detach().to(_TORCH_OF[y.dtype.name])
+                    held = self._biases[member] = (key, bias, host_view(cast, "bias"))
+                np.add(y[:, start:start + size], held[2], out=y[:, start:start + size])
+            start += size
+
     def _host_qkv(self, route: HostRoute, hidden: np.ndarray, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                  batch: int) -> np.ndarray:
-        """Input norm, fused q/k/v GEMM and rotary on numpy views: the GEMM's result as ``[T, heads, D]`` (query,
-        key then value heads), the query and key heads rotated in place."""
+                  batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Input norm, fused q/k/v GEMM (biases added), per-head norms where the layer has them, and rotary, on numpy
+        views: ``(query, key, value)`` as ``[T, heads, D]`` arrays (views of the GEMM's result, or the head norms'
+        results), the query and key rotated in place."""
+        d = self.head_dim
         x = self._norm_bound(0, route)(x=hidden)
         qkv = self.qkv.host_bound(route)(x=x)
-        heads = qkv.reshape(qkv.shape[0], -1, self.head_dim)  # the GEMM's own C-contiguous result: a view
-        nq, nk = self.qkv.sizes[0] // self.head_dim, self.qkv.sizes[1] // self.head_dim
+        self._add_biases(qkv, self.members[:3], self.qkv.sizes)
+        heads = qkv.reshape(qkv.shape[0], -1, d)  # the GEMM's own C-contiguous result: a view
+        nq, nk = self.qkv.sizes[0] // d, self.qkv.sizes[1] // d
+        q, k, v = heads[:, :nq], heads[:, nq:nq + nk], heads[:, nq + nk:]
+        if self.head_norms is not None:  # each head's row normalised (new arrays, this call's own)
+            q = self._norm_bound(2, route)(x=q.reshape(-1, d)).reshape(q.shape)
+            k = self._norm_bound(3, route)(x=k.reshape(-1, d)).reshape(k.shape)
         positions, table = rotary_arrays(*position_embeddings, batch)
         rotary = held_bound(self._rotary, route, "rotary_embedding", ())
-        rotary(positions=positions, query=heads[:, :nq], cos_sin_cache=table, key=heads[:, nq:nq + nk])
-        return heads
+        rotary(positions=positions, query=q, cos_sin_cache=table, key=k)
+        return q, k, v
 
     def _host_mlp(self, route: HostRoute, hidden: np.ndarray, attn_rows: np.ndarray,
                   shape: torch.Size) -> torch.Tensor:
         """The layer from ``o_proj`` on (``attn_rows``: the attention's output as ``[T, heads * D]`` rows) as numpy
         calls; the result ``[B, S, hidden]`` as a torch tensor."""
-        o = self.attn.o_proj._host_bound(route)(x=attn_rows)
+        o_proj, down_proj = self.attn.o_proj, self.mlp.down_proj
+        o = o_proj._host_bound(route)(x=attn_rows)
+        self._add_biases(o, (o_proj,), [o.shape[1]])
         x = self._norm_bound(1, route)(x=hidden, residual=o)  # o becomes hidden + o, rounded as torch's add rounds
         gate_up = self.gate_up.host_bound(route)(x=x)
+        self._add_biases(gate_up, self.members[3:], self.gate_up.sizes)
         split = self.gate_up.sizes[0]
         act = held_bound(self._activation, route, "gated_activation", (), activation=self.activation)
-        y = self.mlp.down_proj._host_bound(route)(x=act(gate=gate_up[:, :split], up=gate_up[:, split:]))
+        y = down_proj._host_bound(route)(x=act(gate=gate_up[:, :split], up=gate_up[:, split:]))
+        self._add_biases(y, (down_proj,), [y.shape[1]])
         np.add(o, y, out=o)
         return to_tensor(o).view(shape)
 
