@@ -45,7 +45,7 @@ def eager_host(*tensors: torch.Tensor) -> bool:
     if torch.compiler.is_compiling():
         return False
     recording = torch.is_grad_enabled()
-    return all(t.device.type == "cpu" and not (recording and t.requires_grad) for t in tensors)
+    return all(t.is_cpu and not (recording and t.requires_grad) for t in tensors)
 
 
 @dataclass(frozen=True)

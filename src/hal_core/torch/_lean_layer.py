@@ -163,7 +163,7 @@ class LeanLayer:
     def _ready(self, x: torch.Tensor, position_embeddings: Any) -> bool:
         if torch.is_grad_enabled() or torch.compiler.is_compiling() or self.layer.training:
             return False
-        if x.device.type != "cpu" or x.dim() != 3 or x.dtype not in _FLOATS:
+        if not x.is_cpu or x.dim() != 3 or x.dtype not in _FLOATS:
             return False
         if _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks:
             return False
@@ -184,7 +184,7 @@ class LeanLayer:
         b, s, _ = x.shape
         return (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor) and cos.dim() == 3
                 and cos.shape[-1] == self.head_dim and cos.shape[0] in (1, b) and cos.shape[1] == s
-                and sin.shape == cos.shape and cos.device.type == "cpu" and not cos.requires_grad)
+                and sin.shape == cos.shape and cos.is_cpu and not cos.requires_grad)
 
     # -- the step -------------------------------------------------------------------------------------------------
 
@@ -236,7 +236,7 @@ class LeanLayer:
             key, value = past_key_values.update(key, value, attn.layer_idx)
         out, _ = interface(attn, query, key, value, attention_mask, dropout=0.0, scaling=attn.scaling, **extra,
                            position_ids=position_ids, use_cache=use_cache, **kwargs)
-        if lane is not None and out.dtype is hidden_states.dtype and out.device.type == "cpu":
+        if lane is not None and out.dtype is hidden_states.dtype and out.is_cpu:
             rows = np.ascontiguousarray(host_view(out, "attn_output").reshape(b * s, -1))
             return self._host_mlp(*lane, rows, hidden_states.shape)
         h = hidden_states + attn.o_proj.forward(out.reshape(b, s, -1).contiguous())
@@ -256,11 +256,11 @@ class LeanLayer:
             return None
         for norm in self.all_norms:
             weight = norm._parameters.get("weight")
-            if weight is None or weight.dtype is not dtype or weight.device.type != "cpu":
+            if weight is None or weight.dtype is not dtype or not weight.is_cpu:
                 return None
         for member in self.projections:
             bias = member._parameters.get("bias")
-            if bias is not None and bias.device.type != "cpu":
+            if bias is not None and not bias.is_cpu:
                 return None
         rows = host_view(hidden_states, "hidden_states")
         return route_for(hidden_states), rows.reshape(-1, rows.shape[-1])
@@ -321,7 +321,7 @@ class LeanLayer:
         y = down_proj._host_bound(route)(x=act(gate=gate_up[:, :split], up=gate_up[:, split:]))
         self._add_biases(y, (down_proj,), [y.shape[1]])
         np.add(o, y, out=o)
-        return to_tensor(o).view(shape)
+        return to_tensor(o.reshape(shape))  # a numpy view: one torch op fewer
 
     # -- the module-by-module calls -------------------------------------------------------------------------------
 

@@ -226,7 +226,7 @@ class QuantLinear(torch.nn.Module):
         self._check_input(x)
         flat = x.dim() == 2  # already [M, K]: no reshape in, no view out
         rows = x.contiguous() if flat else x.reshape(-1, self.in_features).contiguous()
-        if (rows.device.type == "cpu" and not torch.compiler.is_compiling()
+        if (rows.is_cpu and not torch.compiler.is_compiling()
                 and not (rows.requires_grad and torch.is_grad_enabled())):
             y = self._host_gemm(rows)
         else:

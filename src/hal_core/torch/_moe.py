@@ -315,7 +315,7 @@ def _fallback_reason(rows: torch.Tensor, logits: torch.Tensor) -> str | None:
     """Why this call cannot take ``fused_moe``'s host route, or None when it can."""
     if torch.compiler.is_compiling():
         return "traced by torch.compile (fused_moe has no torch operator)"
-    if rows.device.type != "cpu":
+    if not rows.is_cpu:
         return f"hidden_states on {rows.device.type} (fused_moe is called on host tensors)"
     if torch.is_grad_enabled() and (rows.requires_grad or logits.requires_grad):
         return "autograd records the call (run under torch.no_grad() or torch.inference_mode() for fused_moe)"

@@ -40,9 +40,12 @@ _lock = threading.Lock()
 
 def backend_for(tensor: torch.Tensor) -> Backend:
     """The hal backend that addresses ``tensor``'s memory; ArgumentError when none does."""
-    device = tensor.device
     runtime = current()
-    key = (id(runtime), _env.backend_override(), device.type, device.index or 0)
+    if tensor.is_cpu:  # no torch.device object made: the common case
+        key = (id(runtime), _env.backend_override(), "cpu", 0)
+    else:
+        device = tensor.device
+        key = (id(runtime), _env.backend_override(), device.type, device.index or 0)
     found = _chosen.get(key)
     if found is not None and found[0]() is runtime:
         return found[1]
@@ -55,7 +58,7 @@ def backend_for(tensor: torch.Tensor) -> Backend:
 
 
 def _addresses(backend: Backend, tensor: torch.Tensor) -> bool:
-    if tensor.device.type == "cpu":
+    if tensor.is_cpu:
         return backend.is_host
     try:
         found = dlpack_device(tensor)
@@ -87,7 +90,7 @@ def on_torch_stream(backend: Backend, tensor: torch.Tensor) -> Iterator[None]:
     synchronise (their index checks run in the kernels), so a call inside a
     CUDA graph capture is captured like any other launch.
     """
-    if tensor.device.type == "cpu":
+    if tensor.is_cpu:
         yield
         return
     module = torch.get_device_module(tensor.device)  # torch's per-device-type module, named by the tensor
