@@ -28,27 +28,27 @@ the result's dtype as its ``forward`` casts it), and with a
 :class:`~hal_core.torch.transformers.HalPagedCache` on a host backend the
 cache's update and hal's attention take numpy rows too
 (:func:`~hal_core.torch.transformers.attend_rows`): torch then sees the
-layer's input and result only (with another cache or attention function,
-the query, key and value as torch views, and the attention's output). Inside a model every
-call follows a GEMM that has just streamed megabytes of weights through the
-caches, so each torch op between two hal calls is read back from memory
-(``benchmarks/cold_calls.py``: after 32 MB streamed, a ``QuantLinear`` call
-costs 140-150 µs over its bound op against 15 µs back to back); the lane
-makes the torch ops of a layer a handful. The first residual add is the
-``post_attention_layernorm``'s fused one (``rms_norm`` with ``residual``:
-the same rounded sum), the last a numpy add of the same dtype.
+layer's input and result only (with another cache or attention function, the
+query, key and value as torch views, and the attention's output). Inside a
+model every call follows a GEMM that has just streamed megabytes of weights
+through the caches, so each torch op between two hal calls is read back from
+memory (``benchmarks/cold_calls.py``: after 32 MB streamed,
+``QuantLinear.forward`` costs 70-120 µs more than its bound op, against 15 µs
+back to back); the lane makes the torch ops of a layer a handful. The first
+residual add is the ``post_attention_layernorm``'s fused one (``rms_norm``
+with ``residual``: the same rounded sum), the last a numpy add of the same
+dtype.
 
 Every op, operand and rounding is the one the kernelized layer runs, so the
 outputs are bit for bit the same (tested; in the numpy lane a NaN made by a
 residual add of two infinities may carry the other sign). The lean path is
-taken only where
-that holds, checked on every call: no autograd, no trace, a CPU float input
-``[batch, seq, hidden]``, the ``cos``/``sin`` the rotary kernel takes, both
-fused groups intact, the MLP's ``forward`` still kernelize's, the attention's
-its class's, the architecture's rotary function still kernelize's, no forward
-hook on any module involved (nor a global one, nor training mode;
-transformers' own output-capturing hooks count only while they record).
-Anything else runs the layer's original ``forward``.
+taken only where that holds, checked on every call: no autograd, no trace, a
+CPU float input ``[batch, seq, hidden]``, the ``cos``/``sin`` the rotary
+kernel takes, both fused groups intact, the MLP's ``forward`` still
+kernelize's, the attention's its class's, the architecture's rotary function
+still kernelize's, no forward hook on any module involved (nor a global one,
+nor training mode; transformers' own output-capturing hooks count only while
+they record). Anything else runs the layer's original ``forward``.
 """
 
 from __future__ import annotations
@@ -141,8 +141,8 @@ class LeanLayer:
         self.window_from = code.window_from
         self._rotary: list[Any] = []  # the bound rotary_embedding (held_bound)
         self._activation: list[Any] = []  # the bound gated_activation
-        #: the numpy lane's bound norms (input, post-attention), their epsilons as kernelize's norms read them, and
-        #: the projections whose bias it would have to add (it serves layers without)
+        #: the numpy lane's norms (input, post-attention, then Qwen3's query and key head norms), each one's bound
+        #: rms_norm and epsilon (as kernelize's norms read it), and the projections whose biases it adds
         self.all_norms: tuple[Any, ...] = (*self.norms, *(self.head_norms or ()))
         self._norm_ops: tuple[list[Any], ...] = tuple([] for _ in self.all_norms)
         self.epsilons = tuple(float(getattr(n, "variance_epsilon", getattr(n, "eps", 1e-6))) for n in self.all_norms)
