@@ -111,6 +111,24 @@ def test_an_input_changed_in_place_is_computed_again(cpu) -> None:
     assert_close_to(k, reference(x, *module.weights["k_proj"]), "fp32")
 
 
+def test_inference_tensors_are_computed_by_each_member(cpu) -> None:
+    """Under torch.inference_mode an input has no version counter: each member computes the fused GEMM (nothing is
+    kept between siblings), and an input changed in place between two calls gives the changed input's result."""
+    rng = _seed()
+    module = Attention(rng)
+    fuse_siblings(module)
+    with torch.inference_mode():
+        x = torch.from_numpy(rng.standard_normal((2, 3, K)).astype(np.float32))
+        before = _gemm_calls()
+        outs = module(x)
+        assert _gemm_calls() == before + 3
+        _check(module, x, outs, "fp32")
+        module.q_proj(x)
+        x.mul_(-2.0)
+        k = module.k_proj(x)
+    assert_close_to(k, reference(x, *module.weights["k_proj"]), "fp32")
+
+
 def test_a_replaced_weight_dissolves_the_group(cpu) -> None:
     """load_state_dict(assign=True) on one member: the group gives every member its own contiguous columns back
     and the new weight is the one used."""

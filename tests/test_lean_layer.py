@@ -102,6 +102,22 @@ def test_lean_layers_give_the_module_by_module_outputs(cpu, arch: str, dtype: to
     assert rows == (numpy_lane if attn == "hal" else 0)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2-bias", "qwen3-head-norms"])
+def test_inference_mode_gives_the_module_by_module_outputs(cpu, arch: str) -> None:
+    """Under torch.inference_mode (tensors without a version counter: the rotary table and the biases' casts are
+    held by identity) the lean layers give the module-by-module logits, through the numpy lane and hal's cache."""
+    seed = _seed()
+    lean, modules = _pair(arch, seed, torch.bfloat16, "hal")
+    ids, mask = prompts(seed)
+    with torch.inference_mode():
+        got = _steps(lean, ids, mask, _cache(lean, "hal"))
+        want = _steps(modules, ids, mask, _cache(modules, "hal"))
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), (step, float((a.float() - b.float()).abs().max()))
+    rows = sum(layer.forward.row_attention_calls for layer in lean.model.layers)
+    assert _lean_calls(lean) == rows == 2 * len(got)
+
+
 def test_hooks_grad_training_and_hidden_states_take_the_original_path(cpu) -> None:
     """A forward hook on any module the lean path would skip, autograd, training mode: the layer's original code
     runs (the hook is called, the results equal); output_hidden_states and output_attentions (recorded by

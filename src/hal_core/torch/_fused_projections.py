@@ -18,6 +18,9 @@ inside an unmodified model:
   columns; a sibling called next with the same tensor, unchanged (its
   ``_version``), takes its columns of that result; any other call computes
   again, so results never depend on the order or the number of calls;
+- an inference tensor (made under ``torch.inference_mode``) has no version
+  counter, so nothing is kept for it: each member's call computes the fused
+  GEMM (the lean decoder layers make one fused call and are unaffected);
 - outside eager host calls (autograd recording, ``torch.compile``, a device
   tensor) each member's call runs ``torch.ops.hal.quantized_gemm`` on the
   fused weight and takes its columns (correct, and as many GEMMs as calls);
@@ -195,7 +198,7 @@ class ProjectionGroup:
         out = outs[index]
         assert out is not None
         self._stash = None
-        if host:
+        if host and not x.is_inference():  # an inference tensor has no version to tell a later write by
             outs[index] = None
             self._stash = (x, x._version, outs, [len(outs) - 1])
         return out

@@ -12,7 +12,7 @@ from ..interop import host_view
 from ..ops import BoundOp
 from ._host import HostRoute
 
-__all__ = ["held_bound", "rotary_arrays", "rotary_table"]
+__all__ = ["held_bound", "rotary_arrays", "rotary_table", "version_of"]
 
 
 def held_bound(held: list[Any], route: HostRoute, op: str, key: tuple[Any, ...], **fixed: Any) -> BoundOp:
@@ -26,14 +26,22 @@ def held_bound(held: list[Any], route: HostRoute, op: str, key: tuple[Any, ...],
     return bound
 
 
+def version_of(tensor: torch.Tensor) -> int | None:
+    """``tensor._version`` (its in-place writes so far), or None for an inference tensor (one made under
+    ``torch.inference_mode``: torch keeps no version counter for it, and reading one raises)."""
+    return None if tensor.is_inference() else tensor._version
+
+
 def _same(held: Any, now: Any) -> bool:
     """Tensors and backends by identity, numbers, dtypes and shapes by value."""
     return held is now or (not isinstance(held, torch.Tensor) and type(held) is type(now) and held == now)
 
 
-#: The last forward's ``(cos, sin, cos._version, batch, positions, table)``. The tensors themselves are held (one
-#: forward's, bounded) and compared by identity: a freed tensor's address is reused by the next forward's.
-_last_table: list[tuple[torch.Tensor, torch.Tensor, int, int, torch.Tensor, torch.Tensor]] = []
+#: The last forward's ``(cos, sin, its version, batch, positions, table)``. The tensors themselves are held (one
+#: forward's, bounded) and compared by identity: a freed tensor's address is reused by the next forward's. An
+#: inference tensor has no version (:func:`version_of`): it is held by identity alone (a model's forward makes its
+#: ``cos``/``sin`` anew and writes them nowhere).
+_last_table: list[tuple[torch.Tensor, torch.Tensor, int | None, int, torch.Tensor, torch.Tensor]] = []
 
 
 def rotary_table(cos: torch.Tensor, sin: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,12 +50,12 @@ def rotary_table(cos: torch.Tensor, sin: torch.Tensor, batch: int) -> tuple[torc
     per forward (every layer passes the same tensors)."""
     if _last_table:
         held_cos, held_sin, version, held_batch, positions, table = _last_table[0]
-        if held_cos is cos and held_sin is sin and version == cos._version and held_batch == batch:
+        if held_cos is cos and held_sin is sin and version == version_of(cos) and held_batch == batch:
             return positions, table
     half = cos.shape[-1] // 2
     table = torch.cat([cos[..., :half], sin[..., :half]], dim=-1).reshape(-1, 2 * half).float().contiguous()
     positions = torch.arange(batch * cos.shape[1], dtype=torch.int64, device=cos.device) % table.shape[0]
-    _last_table[:] = [(cos, sin, cos._version, batch, positions, table)]
+    _last_table[:] = [(cos, sin, version_of(cos), batch, positions, table)]
     return positions, table
 
 

@@ -64,7 +64,7 @@ from torch.nn.modules import module as _torch_module
 from ..interop import host_view
 from ..ops import BoundOp
 from ._convert import to_tensor
-from ._held_calls import held_bound, rotary_arrays, rotary_table
+from ._held_calls import held_bound, rotary_arrays, rotary_table, version_of
 from ._host import HostRoute, route_for
 
 __all__ = ["LAYERS", "LayerCode", "LeanLayer", "lean_problem"]
@@ -278,7 +278,7 @@ class LeanLayer:
         for member, size in zip(members, sizes, strict=True):
             bias = member._parameters.get("bias")
             if bias is not None:
-                key = (bias._version, bias.data_ptr(), y.dtype)
+                key = (version_of(bias), bias.data_ptr(), y.dtype)
                 held = self._biases.get(member)
                 if held is None or held[0] != key or held[1] is not bias:
                     cast = bias.detach().to(_TORCH_OF[y.dtype.name])

@@ -16,12 +16,13 @@ from typing import Any
 import torch
 
 from ..ops import AttentionOptions
+from ._held_calls import version_of
 from ._host import HostRoute
 
 __all__ = ["layer_options", "layer_values"]
 
 #: module -> (scale, window, softcap, route), the sinks tensor, its version, the options built from them.
-_LAYERS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[Any, ...], Any, int, AttentionOptions]] = \
+_LAYERS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[Any, ...], Any, int | None, AttentionOptions]] = \
     weakref.WeakKeyDictionary()
 
 
@@ -32,14 +33,14 @@ def layer_options(module: torch.nn.Module, kwargs: dict[str, Any], scale: float,
     window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), _sinks(module, kwargs)
     key = (scale, window, softcap, route)
     held = _LAYERS.get(module)
-    if held is not None and held[0] == key and held[1] is sinks and (sinks is None or held[2] == sinks._version):
+    if held is not None and held[0] == key and held[1] is sinks and (sinks is None or held[2] == version_of(sinks)):
         return held[3]
     native: Any = None
     if sinks is not None:
         native = sinks.detach().to(torch.float32).reshape(-1).contiguous()
         native = native if route is None else route.native(native, "sinks")
     options = AttentionOptions(scale=scale, window=window, softcap=softcap, sinks=native)
-    _LAYERS[module] = (key, sinks, 0 if sinks is None else sinks._version, options)
+    _LAYERS[module] = (key, sinks, 0 if sinks is None else version_of(sinks), options)
     return options
 
 
