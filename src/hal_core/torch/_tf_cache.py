@@ -31,11 +31,12 @@ from ._tf_plan import Plan, Seen, make_plan, new_positions, same_mask
 
 __all__ = ["HalPagedCache"]
 
+#: The device of states handed over as numpy rows (:meth:`HalPagedCache._enter_rows`).
+_HOST = torch.device("cpu")
 #: Per thread: ``current``, the layer whose new keys and values the next ``"hal"`` attention call consumes
 #: (``(cache, layer, key)``); ``masking``, the cache that sized the mask the ``"hal"`` mask function makes next
 #: (set under torch.compile only). Set here for the importing thread, so that its compiled forwards meet them in
 #: one state from the first (a thread's first compiled forward sees them unset, then set: one more compile).
-_HOST = torch.device("cpu")
 _context = threading.local()
 _context.current = None
 _context.masking = None
