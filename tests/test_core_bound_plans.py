@@ -94,7 +94,9 @@ def test_a_signature_plans_once_and_its_runner_serves_the_next_calls(cpu: hal_co
     assert impl.fn_calls == 2 and len(impl.plans) == 2
 
 
-def test_the_front_door_never_runs_a_plan(cpu: hal_core.Backend, hal_rng: np.random.Generator) -> None:
+def test_the_front_door_runs_no_plan_for_a_weight_given_per_call(cpu: hal_core.Backend,
+                                                                  hal_rng: np.random.Generator) -> None:
+    """A weight is a value no signature holds: the front door checks it in full and runs ``fn`` every call."""
     impl = _Planned()
     impl.register(cpu)
     w = _weight(hal_rng)
@@ -248,3 +250,78 @@ def test_force_cpu_is_read_on_every_planned_call(make_plugin: Any, hal_rng: np.r
 def test_register_refuses_a_plan_that_is_not_callable(cpu: hal_core.Backend) -> None:
     with pytest.raises(TypeError, match="plan must be callable"):
         cpu.ops.registry.register("quantized_gemm", lambda call: None, name="bad", plan=42)  # type: ignore[arg-type]
+
+
+class _PlannedNorm:
+    """An implementation of rms_norm with a plan: ``fn`` and the runner compute the float64 reference, counting
+    their calls."""
+
+    def __init__(self) -> None:
+        self.fn_calls = self.runner_calls = 0
+        self.plans: list[frozenset[str]] = []
+
+    @staticmethod
+    def _result(args: Mapping[str, Any]) -> np.ndarray:
+        out, _ = hal_core.ops.OPS["rms_norm"].reference(args)
+        return out.astype(args["x"].dtype)
+
+    def fn(self, call: OpCall) -> np.ndarray:
+        self.fn_calls += 1
+        return self._result(call.args)
+
+    def plan(self, call: OpCall) -> Any:
+        self.plans.append(call.fixed)
+
+        def run(args: Mapping[str, Any]) -> np.ndarray:
+            self.runner_calls += 1
+            return self._result(args)
+
+        return run
+
+    def register(self, backend: hal_core.Backend) -> None:
+        backend.ops.registry.register(OpImpl(op="rms_norm", fn=self.fn, name="planned-norm", priority=10**9,
+                                             plan=self.plan))
+
+
+def test_the_front_door_runs_a_plan_for_host_arrays(cpu: hal_core.Backend, hal_rng: np.random.Generator,
+                                                    hal_seed: int) -> None:
+    """Numpy arrays and plain values at the front door take the bound path: the first call of a signature is
+    checked in full and plans, the next ones run the runner with fresh values; a new shape plans again; the
+    value checks still run on a kept signature (a residual overlapping ``x``); a value that is not an array gets
+    the full path's error."""
+    print(f"seed={hal_seed}")
+    impl = _PlannedNorm()
+    impl.register(cpu)
+    weight = hal_rng.standard_normal(32).astype(np.float32)
+    for _ in range(3):
+        x = hal_rng.standard_normal((2, 32)).astype(np.float32)
+        expected = hal_core.ops.OPS["rms_norm"].reference({"x": x, "weight": weight, "epsilon": 1e-5})[0]
+        np.testing.assert_allclose(cpu.ops.rms_norm(x, weight, epsilon=1e-5), expected, rtol=1e-6)
+    assert (impl.fn_calls, impl.runner_calls, impl.plans) == (1, 2, [frozenset()])
+    cpu.ops.rms_norm(hal_rng.standard_normal((3, 32)).astype(np.float32), weight, epsilon=1e-5)
+    assert (impl.fn_calls, len(impl.plans)) == (2, 2)
+    both = hal_rng.standard_normal((2, 64)).astype(np.float32)
+    cpu.ops.rms_norm(both[:, :32], weight, residual=both[:, 32:], epsilon=1e-5)  # plans this signature
+    with pytest.raises(hal_core.ArgumentError, match="'residual'"):
+        cpu.ops.rms_norm(both[:, :32], weight, residual=both[:, 1:33], epsilon=1e-5)
+    with pytest.raises(hal_core.ArgumentTypeError, match="'x'"):  # not an array: the full path's error
+        cpu.ops.call("rms_norm", {"x": x.tolist(), "weight": weight, "epsilon": 1e-5})
+    calls = impl.runner_calls
+    np.testing.assert_allclose(cpu.ops.call("rms_norm", {"x": x, "weight": weight, "epsilon": 1e-5}),
+                               cpu.ops.rms_norm(x, weight, epsilon=1e-5))
+    assert impl.runner_calls == calls + 2
+
+
+def test_a_knob_override_block_neither_uses_nor_keeps_a_signature(cpu: hal_core.Backend,
+                                                                   hal_rng: np.random.Generator) -> None:
+    """Inside ``hal_core.tuning.override`` (the tuner's forced knobs) a bound op runs ``fn`` on a signature it
+    planned before, and keeps nothing it learns there; after the block its runner serves again."""
+    impl, w, bound, x = _planned_call(cpu, hal_rng)
+    with hal_core.tuning.override({"kernel": "tiles"}):
+        np.testing.assert_array_equal(bound(x=x), _reference(x, w))
+        other = hal_rng.standard_normal((3, 64)).astype(np.float32)
+        np.testing.assert_array_equal(bound(x=other), _reference(other, w))
+    assert (impl.fn_calls, impl.runner_calls, len(impl.plans)) == (3, 0, 1)
+    bound(x=x)
+    bound(x=other)  # planned now, outside the block
+    assert (impl.fn_calls, impl.runner_calls, len(impl.plans)) == (4, 1, 2)

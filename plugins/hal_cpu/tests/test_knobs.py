@@ -105,7 +105,8 @@ def test_the_knob_rule_sizes_partitions_for_the_threads_the_kernel_runs_on(cpu: 
     forget()
     hal_cpu.set_threads(2)
     try:
-        registered = cpu.ops.paged_attention(**args)
+        impl = next(i for i in cpu.ops.registry.implementations("paged_attention") if i.name == "cpu.paged_attention")
+        registered = impl.fn(cpu.ops.prepare("paged_attention", **args))  # the wrapper (a runner fills its own)
         direct = paged_attention.attend(q, kc, vc, table, lens, 0.25, query_start_loc=starts, max_query_len=512)
     finally:
         hal_cpu.set_threads(None)

@@ -1,7 +1,8 @@
 """The CPU implementations' runners (OpImpl.plan): a bound op called as an engine's decoder step calls it (weights
 and caches bound; activations, lengths and tables new each call, often views of a fused projection) gives the
-front door's bits on every call, through the runner (the op's Python wrapper is not run again), and falls back
-to the wrapper where the plan no longer holds (another thread count)."""
+wrapper's bits on every call (the op's Python wrapper run on the front door's validated call), through the runner
+(the wrapper is not run again), and falls back to the wrapper where the plan no longer holds (another thread
+count). The front door's own calls with numpy arrays take the same bound path (tests/test_core_bound_plans.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import hal_cpu
 import numpy as np
 import pytest
 from hal_cpu.ops import gated_activation, paged_attention, quantized_gemm, rms_norm, rotary_embedding, write_kv_cache
+from hal_cpu.ops import sample as sample_op
 
 import hal_core
 from hal_core.arrays import BFLOAT16, numpy_dtype
@@ -40,6 +42,13 @@ def wrapper_calls(monkeypatch: pytest.MonkeyPatch) -> Callable[[Any, str], list[
         monkeypatch.setattr(module, name, counted)
         return calls
     return count
+
+
+def _door(cpu: hal_core.Backend, op: str, **args: Any) -> Any:
+    """The op's wrapper on the front door's validated call (hal-cpu's registered ``fn``, never a runner): the bits
+    every runner must give."""
+    impl = next(i for i in cpu.ops.registry.implementations(op) if i.name == f"cpu.{op}")
+    return impl.fn(cpu.ops.prepare(op, **args))
 
 
 def _same(got: Any, want: Any) -> None:
@@ -69,14 +78,14 @@ def test_rms_norm(cpu: hal_core.Backend, hal_rng: np.random.Generator, hal_seed:
         x = _rows(hal_rng, (3, hidden), dtype, wider=8)
         res = _rows(hal_rng, (3, hidden), dtype, wider=8) if residual else None
         door_res = None if res is None else res.copy()
-        want = cpu.ops.rms_norm(x=x, weight=weight, epsilon=1e-5, residual=door_res)
+        want = _door(cpu, "rms_norm", x=x, weight=weight, epsilon=1e-5, residual=door_res)
         got = bound(x=x, residual=res) if residual else bound(x=x)
         _same(got, want)
         if residual:
             _same(res, door_res)
     weight[:] = weight * 2  # a bound array's new values are read
     x = _rows(hal_rng, (3, hidden), dtype, wider=8)
-    _same(bound(x=x), cpu.ops.rms_norm(x=x, weight=weight, epsilon=1e-5))
+    _same(bound(x=x), _door(cpu, "rms_norm", x=x, weight=weight, epsilon=1e-5))
     assert len(calls) == 5 + (2 if residual else 1)  # the door's, each signature's first (the last has no residual)
 
 
@@ -87,7 +96,7 @@ def test_gated_activation_on_a_fused_projections_halves(cpu: hal_core.Backend, h
     for _ in range(4):
         gate_up = hal_rng.uniform(-6, 6, (2, 2 * 300)).astype(BFLOAT16)
         gate, up = gate_up[:, :300], gate_up[:, 300:]
-        _same(bound(gate=gate, up=up), cpu.ops.gated_activation(gate=gate, up=up, activation="silu"))
+        _same(bound(gate=gate, up=up), _door(cpu, "gated_activation", gate=gate, up=up, activation="silu"))
     assert len(calls) == 4 + 1
 
 
@@ -110,7 +119,7 @@ def test_rotary_embedding_on_views_of_a_qkv_row(cpu: hal_core.Backend, hal_rng: 
                     rows[:, heads * head_size:(heads + kv_heads) * head_size].reshape(2, kv_heads, head_size))
 
         q, k = views(door)
-        cpu.ops.rotary_embedding(positions=positions, query=q, key=k, cos_sin_cache=table, style=style)
+        _door(cpu, "rotary_embedding", positions=positions, query=q, key=k, cos_sin_cache=table, style=style)
         q, k = views(qkv)
         assert bound(positions=positions, query=q, key=k) is None
         _same(qkv, door)
@@ -128,7 +137,7 @@ def test_write_kv_cache_with_new_slots_each_step(cpu: hal_core.Backend, hal_rng:
     for step in range(4):
         kv = hal_rng.standard_normal((3, 2, 2, 64)).astype(BFLOAT16)  # [tokens, k|v, heads, head_size]
         slots = np.array([step, 40 + step, -1], np.int64)
-        cpu.ops.write_kv_cache(key=kv[:, 0], value=kv[:, 1], key_cache=door_k, value_cache=door_v,
+        _door(cpu, "write_kv_cache", key=kv[:, 0], value=kv[:, 1], key_cache=door_k, value_cache=door_v,
                                slot_mapping=slots)
         assert bound(key=kv[:, 0], value=kv[:, 1], slot_mapping=slots) is None
         _same(key_cache, door_k)
@@ -156,12 +165,12 @@ def test_paged_attention_as_a_decode_loop(cpu: hal_core.Backend, hal_rng: np.ran
             query = hal_rng.standard_normal((1, 4, 64)).astype(BFLOAT16)
             call = {"query": query, "block_tables": table, "seq_lens": np.array([length], np.int32),
                     "query_start_loc": np.array([0, 1], np.int32), **hints}
-            want = cpu.ops.paged_attention(**call, **caches, **options)
+            want = _door(cpu, "paged_attention", **call, **caches, **options)
             _same(bound(**call), want)
     prompt = hal_rng.standard_normal((6, 4, 64)).astype(BFLOAT16)
     call = {"query": prompt, "block_tables": table, "seq_lens": np.array([70], np.int32),
             "query_start_loc": np.array([0, 6], np.int32), "max_query_len": 6}
-    _same(bound(**call), cpu.ops.paged_attention(**call, **caches, **options))
+    _same(bound(**call), _door(cpu, "paged_attention", **call, **caches, **options))
     assert len(calls) == 11 + 3  # the door's; the first of each signature: decode with hints, without, the prompt
 
 
@@ -181,11 +190,36 @@ def test_quantized_gemm_with_a_bound_weight(cpu: hal_core.Backend, hal_rng: np.r
         x = _rows(hal_rng, (1, 256), dtype)
         if step == 2:
             x[0, 5] = np.nan
-        _same(bound(x=x), cpu.ops.quantized_gemm(x=x, qweight=w, **options))
+        _same(bound(x=x), _door(cpu, "quantized_gemm", x=x, qweight=w, **options))
     np.asarray(w.scales)[...] *= 2
     x = _rows(hal_rng, (1, 256), dtype)
-    _same(bound(x=x), cpu.ops.quantized_gemm(x=x, qweight=w, **options))
+    _same(bound(x=x), _door(cpu, "quantized_gemm", x=x, qweight=w, **options))
     assert len(calls) == 5 + 1
+
+
+@pytest.mark.parametrize("filters", [False, True], ids=["temperature", "top-k-p-min-p"])
+def test_sample_with_new_logits_and_seeds_each_step(cpu: hal_core.Backend, hal_rng: np.random.Generator,
+                                                    hal_seed: int, filters: bool,
+                                                    wrapper_calls: Callable[[Any, str], list[int]]) -> None:
+    """``sample`` as a decode loop calls it (fresh logits and seeds, greedy and sampled rows): the wrapper's tokens
+    through the runner; rows of strided logits and a row of NaN (-1) included."""
+    print(f"seed={hal_seed}")
+    bound = cpu.ops.bind("sample")
+    calls = wrapper_calls(sample_op, "draw_tokens")
+    per_row = {"temperature": np.array([0.0, 0.7, 1.3], np.float32)}
+    if filters:
+        per_row |= {"top_k": np.array([0, 5, 40], np.int32), "top_p": np.array([1.0, 0.9, 0.5], np.float32),
+                    "min_p": np.array([0.0, 0.05, 0.1], np.float32)}
+    for step in range(4):
+        logits = _rows(hal_rng, (3, 1000), "bf16", wider=24)
+        if step == 2:
+            logits[1, 7] = np.nan
+        seeds = hal_rng.integers(0, 2**62, 3, dtype=np.int64)
+        got = bound(logits=logits, seeds=seeds, **per_row)
+        _same(got, _door(cpu, "sample", logits=logits, seeds=seeds, **per_row))
+        if step == 2:
+            assert got[1] == -1
+    assert len(calls) == 4 + 1  # the door's, and the signature's first
 
 
 def test_another_thread_count_runs_the_wrapper(cpu: hal_core.Backend, hal_rng: np.random.Generator,
@@ -244,6 +278,9 @@ def _planned_cases(rng: np.random.Generator) -> dict[str, Case]:
                            {"key_cache": kv["key_cache"], "value_cache": kv["value_cache"]},
                            lambda: {"key": _rows(rng, (3, 2, 64), "bf16"), "value": _rows(rng, (3, 2, 64), "bf16"),
                                     "slot_mapping": np.array([1, 20, -1], np.int64)}),
+        "sample": ("sample", (sample_op, "draw_tokens"), {},
+                   lambda: {"logits": _rows(rng, (2, 500), "fp32"), "temperature": np.array([0.0, 0.8], np.float32),
+                            "seeds": np.array([5, 6], np.int64)}),
         "paged_attention": ("paged_attention", (paged_attention, "attend"),
                             {"key_cache": attention["key_cache"], "value_cache": attention["value_cache"],
                              "scale": 0.125},
@@ -255,7 +292,7 @@ def _planned_cases(rng: np.random.Generator) -> dict[str, Case]:
 
 
 @pytest.mark.parametrize("case", ["w4a16-decode", "w4a8-prompt", "w8a8-prompt", "rms_norm", "gated_activation",
-                                  "rotary_embedding", "write_kv_cache", "paged_attention"])
+                                  "rotary_embedding", "write_kv_cache", "sample", "paged_attention"])
 def test_a_runner_keeps_none_of_its_first_calls_arrays(cpu: hal_core.Backend, hal_rng: np.random.Generator,
                                                        hal_seed: int, case: str,
                                                        wrapper_calls: Callable[[Any, str], list[int]]) -> None:
@@ -273,7 +310,7 @@ def test_a_runner_keeps_none_of_its_first_calls_arrays(cpu: hal_core.Backend, ha
     gc.collect()
     assert [ref() is None for ref in freed] == [True] * len(freed)
     later = own()
-    want = getattr(cpu.ops, op)(**fixed, **{k: v.copy() for k, v in later.items()})
+    want = _door(cpu, op, **fixed, **{k: v.copy() for k, v in later.items()})
     got = bound(**later)
     assert len(calls) == 2  # the first call and the door's: the later call ran the runner
     _same(got, want)

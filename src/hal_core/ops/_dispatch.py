@@ -13,6 +13,13 @@ never falls back: bad arguments, ``MemoryError`` and a
 :class:`~hal_core.ConfigurationError` (a ``HAL_*`` value an implementation
 or its ``supports()`` refused) are raised.
 
+A call of numpy arrays and plain values (no options group, no weight)
+enters that flow through the op bound with nothing fixed
+(:class:`~hal_core.ops.BoundOp`): the first call of each signature is
+checked as above, the next ones skip what the signature fixes and may run
+the implementation's planned runner, with the same value checks, choice,
+result check, fallbacks and counts.
+
 An :class:`Ops` is built when its backend is bound, with what it needs
 injected: the fallback backend (a host backend, chosen by the runtime)
 and the extra implementations other plugins may add. This module imports
@@ -85,6 +92,8 @@ class Ops:
         self._lock = threading.Lock()
         self._logged: set[tuple[str, str]] = set()
         self._watchers: list[list[DispatchEvent]] = []
+        #: per op, the op bound with nothing fixed: the front door's path for host arrays (see :meth:`_call`)
+        self._unbound: dict[str, BoundOp] = {}
 
     @classmethod
     def attach(cls, backend: Backend, *, fallback: Backend | None = None,
@@ -195,6 +204,14 @@ class Ops:
 
     def _call(self, op: str, args: dict[str, Any], options: Any = None) -> Any:
         spec = OPS[op]
+        if options is None and not spec.weight_names:  # numpy arrays and plain values: the bound path (it keeps
+            # what a signature fixes); a weight is a value no signature holds, so a weight op takes the full path
+            bound = self._unbound.get(op)
+            if bound is None or bound._spec is not spec:
+                bound = self._unbound[op] = BoundOp(self, spec, {})
+            key = bound.signature(args)
+            if key is not None:
+                return bound._run(key, args)
         if options is not None:  # the op's group (spec.options) given as one value: its fields become arguments
             args = spec.merge_options(args, options)
         args, restore = interop.import_arrays(spec, args, self._backend)

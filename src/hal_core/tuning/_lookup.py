@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ..ops import OpCall, OpImpl
     from ._knobs import Knob
 
-__all__ = ["clear", "forget", "knob_value", "ordered", "override", "setting_value", "table_for"]
+__all__ = ["clear", "forget", "knob_value", "ordered", "overridden", "override", "setting_value", "table_for"]
 
 _MISSING = object()
 #: id(backend) -> (a reference to the backend, {device index: table}); by id, since a backend need not be hashable.
@@ -134,6 +134,11 @@ def setting_value(backend: Any, device_index: int, op: str, name: str, bucket: s
     if table is None:
         return None
     return table.knobs.get(op, {}).get(name, {}).get(bucket)
+
+
+def overridden() -> bool:
+    """Whether an :func:`override` block is active in this context (a plan made outside one does not hold in it)."""
+    return _overrides.get() is not None
 
 
 @contextlib.contextmanager

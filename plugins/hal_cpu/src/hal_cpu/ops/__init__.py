@@ -42,7 +42,7 @@ def register_ops(registry: OpRegistry) -> None:
     registry.register("quantized_gemm", quantized_gemm.quantized_gemm, name="cpu.quantized_gemm",
                       knobs=(_knobs.GEMM_KERNEL,), plan=quantized_gemm.plan_quantized_gemm)
     registry.declare("quantized_gemm", OpCoverage(schemes=("w4a16", "w4a8", "w8a8")))
-    registry.register("sample", sample.sample, name="cpu.sample")
+    registry.register("sample", sample.sample, name="cpu.sample", plan=sample.plan_sample)
     registry.register("rms_norm", rms_norm.rms_norm, name="cpu.rms_norm", plan=rms_norm.plan_rms_norm)
     registry.register("gated_activation", gated_activation.gated_activation, name="cpu.gated_activation",
                       plan=gated_activation.plan_gated_activation)

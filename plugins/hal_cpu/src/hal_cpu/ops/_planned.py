@@ -30,14 +30,15 @@ __all__ = ["struct_runner"]
 
 def struct_runner(call: OpCall, fn: Callable[[OpCall], Any], kernel: Callable[[Any], Any],
                   struct: type[ctypes.Structure], fields: Mapping[str, Any], arrays: Mapping[str, str],
-                  out: tuple[str, tuple[int, ...], np.dtype] | None = None) -> Runner:
+                  out: tuple[str, tuple[int, ...], np.dtype] | None = None, enomem: str | None = None) -> Runner:
     """A runner of ``kernel`` for the calls of ``call``'s signature.
 
     ``fields`` fill ``struct`` for ``call`` (:func:`~hal_cpu.ops._native_args.fill_struct`'s values, arrays
     as arrays); ``arrays`` maps each pointer field that addresses one of the call's arguments to that
     argument's name (read per call unless it is bound); ``out`` names the output's pointer field, shape and
     dtype (None: the kernel writes its arguments in place and the runner returns None). ``fn`` serves a call
-    the plan does not cover (another thread count).
+    the plan does not cover (another thread count). ``enomem``: the message of the ``MemoryError`` raised when
+    the kernel returns non-zero (it could not allocate its workspace); None for a kernel that allocates nothing.
     """
     varying = tuple((field, name) for field, name in arrays.items() if name not in call.fixed)
     blank = {field: None for field, _ in varying}
@@ -64,7 +65,8 @@ def struct_runner(call: OpCall, fn: Callable[[OpCall], Any], kernel: Callable[[A
             return None
         result = np.empty(shape, dtype)
         setattr(filled, out_field, pointer(result))
-        kernel(byref(filled))
+        if kernel(byref(filled)) and enomem is not None:
+            raise MemoryError(enomem)
         return result
 
     return run

@@ -11,13 +11,18 @@ import ctypes
 
 import numpy as np
 
-from hal_core.ops import OPS, OpCall
+from hal_core.ops import OPS, OpCall, Runner
 
 from .. import _abi, _native
 from . import _rules
 from ._native_args import dtype_code, fill_struct, last_contiguous
+from ._planned import struct_runner
 
-__all__ = ["draw_tokens", "sample"]
+__all__ = ["draw_tokens", "plan_sample", "sample"]
+
+#: The per-row arguments, as the kernel's struct names them (the optional ones NULL when not given).
+_ROW_ARGS = ("temperature", "top_k", "top_p", "min_p", "seeds")
+_ENOMEM = "sample: the CPU kernel could not allocate its workspace (one row of float32 per thread)"
 
 
 def sample(call: OpCall) -> np.ndarray:
@@ -50,5 +55,24 @@ def draw_tokens(logits: np.ndarray, temperature: np.ndarray, seeds: np.ndarray, 
         min_p=_native.pointer(min_p), seeds=_native.pointer(seeds), out=_native.pointer(out), num_seqs=num_seqs,
         vocab_size=vocab, dtype=dtype_code(logits), threads=int(threads)))
     if native.lib.hal_cpu_sample(ctypes.byref(args)):
-        raise MemoryError("sample: the CPU kernel could not allocate its workspace (one row of float32 per thread)")
+        raise MemoryError(_ENOMEM)
     return out
+
+
+def plan_sample(call: OpCall) -> Runner | None:
+    """The runner of ``call``'s signature (:mod:`._planned`), or None where the kernel cannot take its arrays as
+    they are (rows not last-contiguous, a per-row argument strided) or there are no rows."""
+    native = _native.try_load()
+    logits = call["logits"]
+    rows = {name: call.args.get(name) for name in _ROW_ARGS}
+    if native is None or logits.shape[0] == 0 or last_contiguous(logits) is not logits \
+            or any(a is not None and not a.flags.c_contiguous for a in rows.values()):
+        return None
+    num_seqs, vocab = logits.shape
+    threads = _rules.threads_for(logits.itemsize * num_seqs * vocab, native.threads)
+    fields = dict(logits=logits, logits_stride=logits.strides[0] // logits.itemsize if num_seqs > 1 else vocab,
+                  **rows, out=None, num_seqs=num_seqs, vocab_size=vocab, dtype=dtype_code(logits),
+                  threads=int(threads))
+    return struct_runner(call, sample, native.lib.hal_cpu_sample, _abi.SampleArgs, fields,
+                         {"logits": "logits", **{name: name for name in _ROW_ARGS}},
+                         out=("out", (num_seqs,), np.dtype(np.int64)), enomem=_ENOMEM)
