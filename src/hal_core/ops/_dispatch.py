@@ -66,6 +66,8 @@ __all__ = ["BoundOp", "DispatchEvent", "OpStats", "Ops"]
 
 #: A call's declared result, where known beforehand: (shape, dtype), ``(None, None)`` for an in-place op.
 _Expected = tuple[tuple[int, ...] | None, Any] | None
+#: What a kept signature's runner gave when a bound op ran it itself: (its result, None) or (None, what it raised).
+_Tried = tuple[Any, Exception | None] | None
 
 log = logging.getLogger("hal")
 
@@ -288,20 +290,19 @@ class Ops:
         return None, reasons
 
     def _execute(self, call: OpCall, out: Any = None, chosen: OpImpl | None = None, runner: Runner | None = None,
-                 expected: _Expected = None) -> Any:
+                 expected: _Expected = None, tried: _Tried = None) -> Any:
         """Run ``call`` on the implementation :meth:`choose` picks (``chosen``: picked already for its signature,
-        by a :class:`BoundOp`, with ``runner``, its plan for the signature, and ``expected``, the result's shape
-        and dtype), else on the fallback path; count it."""
+        by a :class:`BoundOp`, with ``runner``, its plan for the signature, ``expected``, the result's shape
+        and dtype, and ``tried``, what the runner gave when the bound op ran it already), else on the fallback
+        path; count it."""
         stats = self._op_stats(call.op)
         if _env.force_cpu() and self._fallback is not None:  # read on every backend: a misspelt value fails closed
             return self._fall_back(call, out, "HAL_FORCE_CPU is set", stats, log_it=False)
         impl, reasons = (chosen, {}) if chosen is not None else self.choose(call)
         if impl is not None:
-            result, fault = self._run(impl, call, runner, expected)
+            result, fault = self._run(impl, call, runner, expected, tried)
             if fault is None:
-                with self._lock:
-                    stats.calls += 1
-                    stats.implementations[impl.name] = stats.implementations.get(impl.name, 0) + 1
+                self._count(call.op, impl, stats)
                 return self._deliver(out, result)
             self._fault(call, impl, fault)
             reasons[impl.name] = fault
@@ -310,6 +311,13 @@ class Ops:
             raise FallbackError(f"{call.op} on backend {self._backend.name!r} would fall back ({reason}); "
                                 "unset HAL_STRICT to allow fallbacks")
         return self._fall_back(call, out, reason, stats)
+
+    def _count(self, op: str, impl: OpImpl, stats: OpStats | None = None) -> None:
+        """Count a call of ``op`` that ``impl`` served."""
+        stats = self._op_stats(op) if stats is None else stats
+        with self._lock:
+            stats.calls += 1
+            stats.implementations[impl.name] = stats.implementations.get(impl.name, 0) + 1
 
     def _plan(self, impl: OpImpl, call: OpCall) -> Runner | None:
         """``impl``'s runner for ``call``'s signature (see :class:`OpImpl`), or None (none, or its plan raised:
@@ -324,12 +332,18 @@ class Ops:
             log.debug("hal: %s's plan() raised; its fn serves the call's signature", impl.name, exc_info=exc)
             return None
 
-    def _run(self, impl: OpImpl, call: OpCall, runner: Runner | None = None,
-             expected: _Expected = None) -> tuple[Any, str | None]:
+    def _run(self, impl: OpImpl, call: OpCall, runner: Runner | None = None, expected: _Expected = None,
+             tried: _Tried = None) -> tuple[Any, str | None]:
         """Run ``impl`` (``runner``: its plan for the call's signature; it never sees the caller's ``out``);
-        return (result, fault or None)."""
+        return (result, fault or None). ``tried``: what the runner already gave for this call (its result, or the
+        exception it raised), judged as if it had run here."""
         try:
-            result = impl.fn(call) if runner is None else runner(call.args)
+            if tried is None:
+                result = impl.fn(call) if runner is None else runner(call.args)
+            elif tried[1] is not None:
+                raise tried[1]
+            else:
+                result = tried[0]
         except KernelCompileError as exc:
             log.debug("hal: %s failed to compile", impl.name, exc_info=exc)
             return None, f"kernel {exc.name!r} failed to compile (see the debug log for the compiler output)"
