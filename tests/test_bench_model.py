@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,7 @@ from torch_helpers import torch
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (make test installs it)")
 
 from hal_core.bench import BenchArgumentError  # noqa: E402
+from hal_core.bench._machine import allocator  # noqa: E402
 from hal_core.bench._model_spec import BUILTIN_MODELS, resolve_contenders, resolve_model  # noqa: E402
 from hal_core.bench._model_worker import _gptq_tensors  # noqa: E402
 from hal_core.bench._worker_common import prompt_array  # noqa: E402
@@ -126,6 +130,8 @@ def test_tiny_model_end_to_end(tmp_path: Path, rng: np.random.Generator, capsys:
     for name in CONTENDERS:
         assert name in printed
     assert "decode limit" in printed and "targets" in printed
+    assert report["machine"]["allocator"]["name"] in ("libc", "jemalloc", "tcmalloc", "mimalloc")
+    assert f"C allocator {report['machine']['allocator']['name']}" in printed
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -270,3 +276,22 @@ def test_the_compiled_contender_compiles_before_the_timed_rounds(tmp_path: Path,
                                             / eager["decode"]["1"]["tokens_per_s"])
     line = f"hal-int4-c  aot_eager: {compiled['compile_s']:.1f} s, {compiled['compiled_graphs']} graph(s); 0 compiled"
     assert line in printed
+
+
+def test_the_record_names_the_c_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The peak memory depends on the C allocator (docs/cpu.md): the record names it and the variables that change
+    it; a preloaded jemalloc is recognised in a child process."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    monkeypatch.setenv("MALLOC_UNRELATED", "1")
+    found = allocator()
+    assert found["env"]["MALLOC_MMAP_THRESHOLD_"] == "131072" and "MALLOC_UNRELATED" not in found["env"]
+    assert found["name"] in ("libc", "jemalloc", "tcmalloc", "mimalloc")
+    library = next((p for p in ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", "/usr/lib/aarch64-linux-gnu/"
+                                "libjemalloc.so.2") if Path(p).exists()), None)
+    if library is None:
+        pytest.skip("no libjemalloc.so.2 on this machine to preload (Debian: libjemalloc2)")
+    out = subprocess.run([sys.executable, "-c", "import json; from hal_core.bench._machine import allocator; "
+                          "print(json.dumps(allocator()))"], env={**os.environ, "LD_PRELOAD": library},
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    child = json.loads(out)
+    assert child["name"] == "jemalloc" and child["env"]["LD_PRELOAD"] == library

@@ -11,7 +11,12 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["git_commit", "machine_info", "versions"]
+__all__ = ["allocator", "git_commit", "machine_info", "versions"]
+
+#: Allocator libraries recognised in the process's mappings (a preloaded one replaces the C library's malloc).
+_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
+#: Environment variables that change the C library's allocator (glibc's ``MALLOC_*_`` and its tunables).
+_MALLOC_ENV = re.compile(r"^(MALLOC_[A-Z_]+_|GLIBC_TUNABLES|LD_PRELOAD)$")
 
 #: Distributions recorded by name; every installed ``hal-*`` distribution and what each requires are added.
 _DISTRIBUTIONS = ("numpy", "ml_dtypes", "pydantic", "torch", "matplotlib")
@@ -34,8 +39,24 @@ def _memory_bytes() -> int | None:
         return None
 
 
+def allocator() -> dict[str, Any]:
+    """The C allocator of this process (a benchmark's peak memory depends on it: docs/cpu.md, "The C heap after a
+    prompt"): ``{"name": "jemalloc" | "tcmalloc" | "mimalloc" | "libc", "env": {...}}``, ``env`` the variables that
+    change it (``LD_PRELOAD``, glibc's ``MALLOC_*_`` and ``GLIBC_TUNABLES``); child processes inherit both."""
+    name = "libc"
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        maps = ""
+    for candidate in _ALLOCATORS:
+        if f"lib{candidate}" in maps:
+            name = candidate
+            break
+    return {"name": name, "env": {key: value for key, value in sorted(os.environ.items()) if _MALLOC_ENV.match(key)}}
+
+
 def machine_info() -> dict[str, Any]:
-    """CPU model, logical cores, memory, OS and Python."""
+    """CPU model, logical cores, memory, OS, Python and the C allocator."""
     return {
         "cpu_model": _cpu_model(),
         "cores": os.cpu_count(),
@@ -43,6 +64,7 @@ def machine_info() -> dict[str, Any]:
         "machine": platform.machine(),
         "platform": platform.platform(),
         "python": platform.python_version(),
+        "allocator": allocator(),
     }
 
 

@@ -248,6 +248,13 @@ def _num(value: float | None, digits: int = 2) -> str:
     return f"{value:.0f}" if abs(value) >= 100 else f"{value:.{digits}f}"
 
 
+def _allocator_text(machine: dict[str, Any]) -> str:
+    """The C allocator the contenders ran with (the peak memory depends on it), as the record holds it."""
+    found = machine.get("allocator") or {}
+    env = " ".join(f"{key}={value}" for key, value in (found.get("env") or {}).items())
+    return f"{found.get('name', 'unknown')}{f' ({env})' if env else ''}"
+
+
 def format_model_table(report: dict[str, Any]) -> str:
     """The human table: one row per contender, the decode limits, then the target ratios."""
     model, s = report["model"], report["settings"]
@@ -257,7 +264,8 @@ def format_model_table(report: dict[str, Any]) -> str:
              f"{model['head_size']}; {report['date']}",
              f"prompt {s['prompt_len']} tokens, {s['new_tokens']} new tokens, batches "
              f"{', '.join(map(str, s['batches']))}; {s['threads']} torch threads; {s['repeat']} round(s)",
-             f"copy bandwidth {copy['gbps']:.1f} GB/s ({copy['method']}; the better of before and after)", ""]
+             f"copy bandwidth {copy['gbps']:.1f} GB/s ({copy['method']}; the better of before and after); "
+             f"C allocator {_allocator_text(report['machine'])}", ""]
     batches = [str(b) for b in s["batches"]]
     head = f"{'contender':<11} {'prefill tok/s':>13} {'TTFT s':>7} " + " ".join(
         f"{'decode b' + b + ' tok/s':>17} {'xlimit':>6}" for b in batches) + f" {'peak MB':>8} {'anon MB':>8}"

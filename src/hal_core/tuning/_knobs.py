@@ -6,7 +6,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from ._lookup import knob_value
+from ._lookup import knob_choice, knob_value
 
 __all__ = ["Knob"]
 
@@ -43,3 +43,8 @@ class Knob:
     def value(self, call: Any) -> Hashable:
         """The value for ``call``: an override (while tuning), the persisted winner, else ``rule(call)``."""
         return knob_value(call, self)
+
+    def chosen(self, call: Any) -> Hashable | None:
+        """The value ``hal tune`` chose for ``call`` (an override while tuning, else the persisted winner); None
+        where the rule decides (an implementation that applies its rule per part of a call reads this)."""
+        return knob_choice(call, self)

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from ..ops import OpCall, OpImpl
     from ._knobs import Knob
 
-__all__ = ["clear", "forget", "knob_value", "ordered", "overridden", "override", "setting_value", "table_for"]
+__all__ = ["clear", "forget", "knob_choice", "knob_value", "ordered", "overridden", "override", "setting_value",
+           "table_for"]
 
 _MISSING = object()
 #: id(backend) -> (a reference to the backend, {device index: table}); by id, since a backend need not be hashable.
@@ -111,6 +112,13 @@ def ordered(call: OpCall, impls: Sequence[OpImpl]) -> Sequence[OpImpl]:
 
 def knob_value(call: OpCall, knob: Knob) -> Hashable:
     """An override set by :func:`override`, else the persisted winner for the call's bucket, else the rule."""
+    value = knob_choice(call, knob)
+    return knob.rule(call) if value is None else value
+
+
+def knob_choice(call: OpCall, knob: Knob) -> Hashable | None:
+    """An override set by :func:`override`, else the persisted winner for the call's bucket; None where the rule
+    decides."""
     forced = _overrides.get()
     if forced is not None and knob.name in forced:
         return forced[knob.name]
@@ -121,7 +129,7 @@ def knob_value(call: OpCall, knob: Knob) -> Hashable:
             value = per_knob.get(call.spec.bucket(call.args), _MISSING)
             if value is not _MISSING and value in knob.candidates:
                 return value
-    return knob.rule(call)
+    return None
 
 
 def setting_value(backend: Any, device_index: int, op: str, name: str, bucket: str) -> Any:

@@ -39,18 +39,28 @@ def finish(call: OpCall, result: np.ndarray) -> np.ndarray:
     return narrow(result, call.spec.output_dtype(call.args))
 
 
-def narrow(result: np.ndarray, dtype: Any) -> np.ndarray:
+def narrow(result: np.ndarray, dtype: Any, out: np.ndarray | None = None) -> np.ndarray:
     """``result`` in ``dtype``: a large contiguous float32 result rounded to fp16/bf16 by the compiled kernel
     (the bits numpy's ``astype`` gives: round to nearest even; a bf16 NaN is the quiet NaN of its sign), anything
-    else by ``astype`` (no copy when the dtype is already right)."""
+    else by ``astype`` (no copy when the dtype is already right and no ``out`` is given).
+
+    ``out``: a C-contiguous array of ``result``'s shape and ``dtype`` to write into (returned) instead of a new one.
+    """
     dtype = np.dtype(dtype)
     if result.dtype != np.float32 or dtype not in _HALF_CODES or result.size < NARROW_NATIVE_MIN[dtype] \
             or not result.flags.c_contiguous:
-        return result.astype(dtype, copy=False)
+        if out is None:
+            return result.astype(dtype, copy=False)
+        np.copyto(out, result, casting="unsafe")
+        return out
     native = _native.try_load()
     if native is None:
-        return result.astype(dtype, copy=False)
-    out = np.empty(result.shape, dtype)
+        if out is None:
+            return result.astype(dtype, copy=False)
+        np.copyto(out, result, casting="unsafe")
+        return out
+    if out is None:
+        out = np.empty(result.shape, dtype)
     args = fill_struct(_abi.FromFloat32Args, dict(x=_native.pointer(result), out=_native.pointer(out), n=result.size,
                                 chunk=NARROW_CHUNK, dtype=_HALF_CODES[dtype], threads=native.threads))
     native.lib.hal_cpu_from_float32(ctypes.byref(args))

@@ -31,12 +31,17 @@
   W8A8 quantisation with int4 codes summed exactly in int32 per group
   (``vpdpbusd`` on AVX512_VNNI), the same bits on every variant.
 
+A call of many rows runs as row blocks (:func:`gemm_in_blocks`, :func:`hal_cpu.ops._rules.gemm_row_block`:
+256 rows, 64 for W4A16 on bf16 dot products), each block's float32 result rounded into the output before the next
+block runs: the per-call allocations below are then per block, M its rows.
+
 What each kernel allocates per call (all freed when it returns; never a float
 copy of the weight):
 
 - every kernel: the float32 result ``[M, N]``, then for fp16/bf16 ``x`` the
   result in its dtype (:func:`hal_cpu.ops._common.narrow`: the compiled
-  ``hal_cpu_from_float32`` rounds a large one in parallel, numpy's bits);
+  ``hal_cpu_from_float32`` rounds a large one in parallel, numpy's bits); in
+  row blocks the output in its dtype and one block's float32 result;
 - ``'registers'`` W4A16: ``x`` in float32 and its group sums (``M * K + M * K/G``
   floats), then ``M * K`` pre-scaled floats (float32 loop) or ``M * K/2``
   (bf16 activations) / ``M * K`` (fp16: high and low parts) pair words
@@ -77,11 +82,11 @@ from hal_core.quant import QuantizedWeight
 
 from .. import _abi, _native, _threads
 from . import _fallback_gemm, _knobs, _launches, _rules, _tiles, _w4a8
-from ._common import finish, narrow
+from ._common import narrow
 from ._native_args import dtype_code
 
-__all__ = ["W8A8_ACC_WORDS", "W8A8_SMALL_M_MAX", "gemm", "half_dot", "launch_for", "plan_quantized_gemm",
-           "quantized_gemm", "w8a8_column_tile"]
+__all__ = ["W8A8_ACC_WORDS", "W8A8_SMALL_M_MAX", "gemm", "gemm_in_blocks", "half_dot", "launch_for",
+           "plan_quantized_gemm", "quantized_gemm", "row_block", "w8a8_column_tile"]
 
 #: The int32 accumulators of one small-M W8A8 task (csrc/w8a8_vnni.inl, ``kVnniAccWords``): M x columns at most.
 W8A8_ACC_WORDS = 8192
@@ -90,53 +95,110 @@ W8A8_SMALL_M_MAX = 4
 
 
 def quantized_gemm(call: OpCall) -> np.ndarray:
-    """The registered implementation for int4 (W4A16, W4A8) and int8 (W8A8) weights; W4A16's kernel is a knob."""
-    qweight = call["qweight"]
+    """The registered implementation for int4 (W4A16, W4A8) and int8 (W8A8) weights; W4A16's kernel is a knob.
+
+    A call of many rows runs in row blocks (:func:`gemm_in_blocks`); a kernel chosen by ``hal tune`` or forced
+    while tuning runs every block, otherwise each block gets the rules' kernel for its rows.
+    """
+    qweight, x = call["qweight"], np.asarray(call["x"])
+    dtype = call.spec.output_dtype(call.args)
     if int8_activations(call.args):
-        return finish(call, gemm(np.asarray(call["x"]), qweight, activations="int8"))
-    kernel = str(_knobs.GEMM_KERNEL.value(call))
+        return gemm_in_blocks(x, qweight, dtype, activations="int8")
+    chosen = _knobs.GEMM_KERNEL.chosen(call)  # None: the rules' choice, made for each block's rows
+    kernel = None if chosen is None else str(chosen)
     if kernel == "registers" and qweight.bits == 4 and (qweight.g_idx is not None or qweight.group_size % 8):
         kernel = "blocked"  # a stored choice the in-register kernel cannot serve for this weight
-    return finish(call, gemm(np.asarray(call["x"]), qweight, kernel=kernel))
+    return gemm_in_blocks(x, qweight, dtype, kernel=kernel)
+
+
+def row_block(native: _native.Native | None, x: np.ndarray, qweight: QuantizedWeight, activations: str = "float",
+              kernel: str | None = None) -> int:
+    """Rows per block of a large call of ``x`` and ``qweight`` (:func:`hal_cpu.ops._rules.gemm_row_block`; 0 for
+    none)."""
+    int8 = qweight.bits == 8 or activations == "int8"
+    half_registers = (native is not None and kernel in (None, "registers") and half_dot(native, x.dtype)
+                      and qweight.g_idx is None and qweight.group_size % 8 == 0)
+    return _rules.gemm_row_block(int8, half_registers, x.dtype == np.float32)
+
+
+def gemm_in_blocks(x: np.ndarray, qweight: QuantizedWeight, dtype: Any, *, kernel: str | None = None,
+                   activations: str = "float") -> np.ndarray:
+    """:func:`gemm`'s result in ``dtype`` (the op's output dtype); a call of at least twice
+    :func:`row_block` rows runs as row blocks (:func:`hal_cpu.ops._rules.row_spans`), each block's float32
+    result rounded into the output before the next block runs, so the float32 result held is one block's."""
+    native = _native.try_load()
+    spans = _rules.row_spans(x.shape[0], row_block(native, x, qweight, activations, kernel))
+    if len(spans) == 1:
+        return narrow(gemm(x, qweight, kernel=kernel, activations=activations), dtype)
+    out = np.empty((x.shape[0], qweight.shape[1]), dtype)
+    for start, stop in spans:
+        narrow(gemm(x[start:stop], qweight, kernel=kernel, activations=activations), dtype, out=out[start:stop])
+    return out
 
 
 def plan_quantized_gemm(call: OpCall) -> Runner | None:
-    """The runner of ``call``'s signature (:mod:`._planned`): the weight's kept launch run on each call's
-    activations. None where a call runs something else: an unbound weight, a launch derived from the weight's
-    values, the tiles or blocked kernels, a tuned kernel other than the rule's, activations the kernel cannot
-    address in place."""
+    """The runner of ``call``'s signature (:mod:`._planned`): the weight's kept launches run on each call's
+    activations (one per row block size, :func:`gemm_in_blocks`). None where a call runs something else: an
+    unbound weight, a launch derived from the weight's values, the tiles or blocked kernels, a tuned kernel other
+    than the rule's, activations the kernel cannot address in place."""
     native = _native.try_load()
     x, qweight = call["x"], call["qweight"]
     if native is None or "qweight" not in call.fixed or 0 in x.shape or 0 in qweight.shape \
             or x.strides[-1] != x.itemsize or x.strides[0] % x.itemsize:
         return None
     w4a8 = int8_activations(call.args)
-    launch = launch_for(native, x, qweight, "int8" if w4a8 else "float")
-    if launch is None or launch.derived:
-        return None
-    check_finite = False
-    if not w4a8 or qweight.bits == 8:
-        rule = _rules.gemm_kernel(x.shape[0], qweight.bits, qweight.group_size, qweight.g_idx is not None,
+    acts = "int8" if w4a8 else "float"
+    chosen = None if w4a8 else _knobs.GEMM_KERNEL.chosen(call)
+    blocks: list[tuple[int, int, _launches.Launch, bool]] = []
+    for start, stop in _rules.row_spans(x.shape[0], row_block(native, x, qweight, acts,
+                                                              None if chosen is None else str(chosen))):
+        rows = x[start:stop]
+        rule = _rules.gemm_kernel(stop - start, qweight.bits, qweight.group_size, qweight.g_idx is not None,
                                   native.isa, half_dot(native, x.dtype))
-        if not w4a8 and str(_knobs.GEMM_KERNEL.value(call)) != rule:
+        launch = launch_for(native, rows, qweight, acts)
+        if launch is None or launch.derived or chosen not in (None, rule):
             return None
-        check_finite = rule == "registers" and qweight.bits == 4
+        check_finite = not w4a8 and qweight.bits == 4 and rule == "registers"
+        blocks.append((start, stop, launch, check_finite))
     threads, current = native.threads, _threads.current
     shape, dtype = (x.shape[0], qweight.shape[1]), call.spec.output_dtype(call.args)
     kept = call.signature_only()
+    if len(blocks) == 1:
+        launch, check_finite = blocks[0][2], blocks[0][3]
 
-    def run(args: Mapping[str, Any]) -> np.ndarray:
+        def run(args: Mapping[str, Any]) -> np.ndarray:
+            if current() != threads:
+                return quantized_gemm(kept.with_args(args))
+            x = args["x"]
+            y = np.empty(shape, dtype=np.float32)
+            if launch.run(x, y):
+                raise MemoryError("quantized_gemm: the CPU kernel could not allocate its workspace")
+            if check_finite and not np.isfinite(y).all():
+                _redo_non_finite_rows(native, x, qweight, y)
+            return narrow(y, dtype)
+
+        return run
+    widest = max(stop - start for start, stop, _, _ in blocks)
+    in_place = np.dtype(dtype) == np.float32
+
+    def run_blocks(args: Mapping[str, Any]) -> np.ndarray:
         if current() != threads:
             return quantized_gemm(kept.with_args(args))
         x = args["x"]
-        y = np.empty(shape, dtype=np.float32)
-        if launch.run(x, y):
-            raise MemoryError("quantized_gemm: the CPU kernel could not allocate its workspace")
-        if check_finite and not np.isfinite(y).all():
-            _redo_non_finite_rows(native, x, qweight, y)
-        return narrow(y, dtype)
+        out = np.empty(shape, dtype)
+        scratch = None if in_place else np.empty((widest, shape[1]), dtype=np.float32)
+        for start, stop, launch, check_finite in blocks:
+            rows = x[start:stop]
+            y = out[start:stop] if scratch is None else scratch[:stop - start]
+            if launch.run(rows, y):
+                raise MemoryError("quantized_gemm: the CPU kernel could not allocate its workspace")
+            if check_finite and not np.isfinite(y).all():
+                _redo_non_finite_rows(native, rows, qweight, y)
+            if scratch is not None:
+                narrow(y, dtype, out=out[start:stop])
+        return out
 
-    return run
+    return run_blocks
 
 
 def gemm(
