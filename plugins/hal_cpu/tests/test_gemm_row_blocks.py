@@ -167,3 +167,26 @@ def test_float32_result_held_is_one_block(planned: bool) -> None:
     block_f32 = 2 * _rules.GEMM_ROW_BLOCK * n * 4
     assert peak <= y.nbytes + block_f32 + (1 << 16), (peak, y.nbytes, block_f32)
     assert m * n * 4 > y.nbytes + block_f32  # the whole float32 result would not fit this bound
+
+
+@needs_native
+def test_the_kernel_knob_reports_the_kernel_its_blocks_run() -> None:
+    """``hal info --explain`` reads the knob's rule: for a call in blocks, the kernel of a block's rows."""
+    from hal_cpu.ops import _knobs
+
+    native = _native.try_load()
+    assert native is not None
+    rng = np.random.default_rng(11)
+    w = _weight(rng, 64, 48, 4)
+    be = hal_core.get_backend("cpu")
+    for m, dtype in [(1, "bf16"), (4096, "bf16"), (4096, "fp32")]:
+        x = np.zeros((m, 64), numpy_dtype(dtype))
+        call = be.ops.prepare("quantized_gemm", x=x, qweight=w, activations="float")
+        spans = _rules.row_spans(m, qg.row_block(native, x, w))
+        expected = _rules.gemm_kernel(spans[0][1] - spans[0][0], 4, w.group_size, False, native.isa,
+                                      qg.half_dot(native, x.dtype))
+        assert _knobs.GEMM_KERNEL.rule(call) == expected
+    if qg.half_dot(native, np.dtype(numpy_dtype("bf16"))):
+        x = np.zeros((4096, 64), numpy_dtype("bf16"))
+        call = be.ops.prepare("quantized_gemm", x=x, qweight=w, activations="float")
+        assert _knobs.GEMM_KERNEL.rule(call) == "registers"  # 64-row blocks on bf16 dot products

@@ -122,11 +122,16 @@ def host_isa() -> str:
 
 
 def _gemm_kernel_rule(call: OpCall) -> str:
+    """The rules' kernel for the rows each block of ``call`` has (:func:`hal_cpu.ops._rules.row_spans`): what
+    runs, and what ``hal info --explain`` reports, where a call of many rows runs in blocks."""
     qweight, x = call["qweight"], call["x"]
     native = _native.try_load()
     half = native is not None and x.dtype.itemsize == 2 and bool(native.lib.hal_cpu_w4a16_half_dot())
-    return _rules.gemm_kernel(x.shape[0], qweight.bits, qweight.group_size, qweight.g_idx is not None, host_isa(),
-                              half)
+    act_order = qweight.g_idx is not None
+    block = _rules.gemm_row_block(qweight.bits == 8, half and not act_order and qweight.group_size % 8 == 0,
+                                  x.dtype.itemsize == 4)
+    start, stop = _rules.row_spans(x.shape[0], block)[0]
+    return _rules.gemm_kernel(stop - start, qweight.bits, qweight.group_size, act_order, host_isa(), half)
 
 
 #: paged_attention: tokens per split-KV partition (0: no split).
