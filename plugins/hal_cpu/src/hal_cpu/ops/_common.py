@@ -47,13 +47,10 @@ def narrow(result: np.ndarray, dtype: Any, out: np.ndarray | None = None) -> np.
     ``out``: a C-contiguous array of ``result``'s shape and ``dtype`` to write into (returned) instead of a new one.
     """
     dtype = np.dtype(dtype)
-    if result.dtype != np.float32 or dtype not in _HALF_CODES or result.size < NARROW_NATIVE_MIN[dtype] \
-            or not result.flags.c_contiguous:
-        if out is None:
-            return result.astype(dtype, copy=False)
-        np.copyto(out, result, casting="unsafe")
-        return out
-    native = _native.try_load()
+    native = None
+    if result.dtype == np.float32 and dtype in _HALF_CODES and result.size >= NARROW_NATIVE_MIN[dtype] \
+            and result.flags.c_contiguous:
+        native = _native.try_load()
     if native is None:
         if out is None:
             return result.astype(dtype, copy=False)
